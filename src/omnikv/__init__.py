@@ -1,0 +1,1 @@
+"""omnikv: KV cache transfer between the stages of multi-stage inference pipelines."""

@@ -1,0 +1,12 @@
+"""Transports. ``import omnikv.connectors`` never imports optional backends (Mooncake)."""
+
+from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
+from omnikv.connectors.factory import ConnectorSpec, OmniConnectorFactory, OmniTransferConfig
+
+__all__ = [
+    "ConnectorSpec",
+    "ManagedBuffer",
+    "OmniConnectorBase",
+    "OmniConnectorFactory",
+    "OmniTransferConfig",
+]

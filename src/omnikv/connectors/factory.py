@@ -1,0 +1,173 @@
+"""Connector registry: a name maps to a dotted path, imported on first use.
+
+Built-ins are listed in ``_BUILTINS``; third-party connectors register through the
+``omnikv.connectors`` entry-point group (``name = "package.module:Class"``) or by calling
+:meth:`OmniConnectorFactory.register_connector`. Registering the same target twice is a no-op;
+a different target under a taken name is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+from omnikv.connectors.base import OmniConnectorBase
+
+__all__ = [
+    "TRANSFER_ENGINE_CONNECTOR_NAMES",
+    "ConnectorSpec",
+    "OmniConnectorFactory",
+    "OmniTransferConfig",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "omnikv.connectors"
+
+#: name -> (dotted target, extra that provides its dependencies or None)
+_BUILTINS: dict[str, tuple[str, str | None]] = {
+    "LocalConnector": ("omnikv.connectors.local:LocalConnector", None),
+    "SharedMemoryConnector": ("omnikv.connectors.shm:SharedMemoryConnector", None),
+    "MooncakeStoreConnector": ("omnikv.connectors.mooncake_store:MooncakeStoreConnector", "mooncake"),
+    "MooncakeConnector": ("omnikv.connectors.mooncake_store:MooncakeStoreConnector", "mooncake"),
+    "MooncakeTransferEngineConnector": (
+        "omnikv.connectors.mooncake_te:MooncakeTransferEngineConnector",
+        "mooncake",
+    ),
+}
+
+#: Pull-model connectors whose ports and roles the manager derives (reference §2.3).
+TRANSFER_ENGINE_CONNECTOR_NAMES: frozenset[str] = frozenset(
+    {
+        "MooncakeTransferEngineConnector",
+        "MoriTransferEngineConnector",
+        "YuanrongTransferEngineConnector",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """What to build: a registered connector ``name`` and its keyword ``extra`` config."""
+
+    name: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OmniTransferConfig:
+    """Per-edge connector specs with a default: ``connectors[(from_stage, to_stage)]``."""
+
+    connectors: dict[tuple[str, str], ConnectorSpec] = field(default_factory=dict)
+    default_connector: ConnectorSpec | None = None
+
+    def get_connector_for_edge(self, from_stage: str, to_stage: str) -> ConnectorSpec | None:
+        return self.connectors.get((str(from_stage), str(to_stage)), self.default_connector)
+
+
+class OmniConnectorFactory:
+    """Creates connectors by name. Class-level registry shared by the process."""
+
+    _targets: dict[str, tuple[str, str | None]] = dict(_BUILTINS)
+    _classes: dict[str, type[OmniConnectorBase]] = {}
+    _entry_points_loaded = False
+    _lock = threading.Lock()
+
+    @classmethod
+    def register_connector(
+        cls, name: str, target: str | type[OmniConnectorBase], extra: str | None = None
+    ) -> None:
+        """Register ``target`` (a class or ``"module:Class"``) under ``name``.
+
+        Registering the same target again is a no-op; another target under a taken name raises
+        ``ValueError``.
+        """
+        with cls._lock:
+            if isinstance(target, str):
+                existing = cls._targets.get(name)
+                if existing is not None:
+                    if existing[0] == target:
+                        return
+                    raise ValueError(f"connector {name!r} is already registered as {existing[0]}")
+                if name in cls._classes:
+                    raise ValueError(f"connector {name!r} is already registered")
+                cls._targets[name] = (target, extra)
+                return
+            known = cls._classes.get(name)
+            if known is target:
+                return
+            path = f"{target.__module__}:{target.__qualname__}"
+            existing = cls._targets.get(name)
+            if known is not None or (existing is not None and existing[0] != path):
+                raise ValueError(f"connector {name!r} is already registered")
+            cls._classes[name] = target
+            cls._targets.setdefault(name, (path, extra))
+
+    @classmethod
+    def list_connectors(cls) -> list[str]:
+        """Names that can be created now (built-ins, registered, entry points)."""
+        cls._load_entry_points()
+        return sorted(set(cls._targets) | set(cls._classes))
+
+    @classmethod
+    def get_connector_class(cls, name: str) -> type[OmniConnectorBase]:
+        """Resolve ``name`` to its class, importing it on first use.
+
+        Raises ``ValueError`` listing the known names for an unknown one, and ``ImportError``
+        naming the extra to install when an optional dependency is missing.
+        """
+        cached = cls._classes.get(name)
+        if cached is not None:
+            return cached
+        cls._load_entry_points()
+        entry = cls._targets.get(name)
+        if entry is None:
+            known = ", ".join(cls.list_connectors())
+            raise ValueError(f"Unknown connector {name!r}; known connectors: {known}")
+        target, extra = entry
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            hint = f" (pip install 'omnikv[{extra}]')" if extra else ""
+            raise ImportError(f"connector {name!r} needs a missing dependency{hint}: {exc}") from exc
+        klass = getattr(module, attr)
+        if not (isinstance(klass, type) and issubclass(klass, OmniConnectorBase)):
+            raise TypeError(f"{target} is not an OmniConnectorBase subclass")
+        with cls._lock:
+            cls._classes[name] = klass
+        return klass
+
+    @classmethod
+    def create_connector(cls, spec: ConnectorSpec) -> OmniConnectorBase:
+        """Build the connector ``spec`` names with ``spec.extra`` as its config.
+
+        Unknown names raise ``ValueError``; a missing dependency ``ImportError``; a constructor
+        failure ``ValueError("Failed to create connector ...")`` from the original error.
+        """
+        klass = cls.get_connector_class(spec.name)
+        try:
+            return klass(dict(spec.extra))  # type: ignore[call-arg]
+        except Exception as exc:
+            raise ValueError(f"Failed to create connector {spec.name!r}: {exc}") from exc
+
+    @classmethod
+    def _load_entry_points(cls) -> None:
+        if cls._entry_points_loaded:
+            return
+        cls._entry_points_loaded = True
+        try:
+            eps = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        except Exception:  # pragma: no cover - broken metadata
+            logger.exception("could not read the %s entry points", ENTRY_POINT_GROUP)
+            return
+        for ep in eps:
+            try:
+                cls.register_connector(ep.name, ep.value)
+            except ValueError:
+                logger.warning("entry point %s=%s clashes with a registered connector", ep.name, ep.value)

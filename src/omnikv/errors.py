@@ -1,0 +1,87 @@
+"""The omnikv error tree.
+
+Every layer above the connectors catches only these types. Each backend translates its own
+exceptions into a :class:`ConnectorError` subclass at its boundary (``raise ... from exc``).
+
+``KVPrefetchConsumeError`` keeps the seed's base class (``RuntimeError``); the payload errors are
+``ValueError`` subclasses so code written against the reference (which raises ``ValueError`` for
+malformed payloads) keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ConnectorClosedError",
+    "ConnectorError",
+    "ConnectorUnavailableError",
+    "DecodeError",
+    "EncodeError",
+    "KVPrefetchConsumeError",
+    "OmniKVError",
+    "PayloadError",
+    "PeerGoneError",
+    "PoolExhaustedError",
+    "ReceiveTimeout",
+]
+
+
+class OmniKVError(Exception):
+    """Base class of every error omnikv raises on purpose."""
+
+
+class ConfigError(OmniKVError, ValueError):
+    """A configuration value is invalid (raised at configuration time, never mid-transfer)."""
+
+
+class PayloadError(OmniKVError, ValueError):
+    """A KV payload could not be encoded or decoded."""
+
+
+class DecodeError(PayloadError):
+    """A packed KV payload is malformed; the message says what was expected, found, and where."""
+
+
+class EncodeError(PayloadError):
+    """A KV payload cannot be represented in the wire format (e.g. non-JSON metadata)."""
+
+
+class ConnectorError(OmniKVError):
+    """A transport failed. Subclasses say how; ``__cause__`` holds the backend's own error."""
+
+
+class ConnectorUnavailableError(ConnectorError):
+    """The transport cannot be reached or is not set up (engine down, master unreachable)."""
+
+
+class ConnectorClosedError(ConnectorError):
+    """The connector was closed; no further put or get is possible."""
+
+
+class PeerGoneError(ConnectorError):
+    """The remote side of a transfer died or went away mid-transfer."""
+
+
+class PoolExhaustedError(ConnectorError):
+    """No space in the connector's buffer pool before the deadline."""
+
+
+class ReceiveTimeout(OmniKVError, TimeoutError):
+    """A receive did not complete before its deadline.
+
+    Attributes:
+        request_id: the request whose KV was awaited.
+        waited_s: seconds waited before giving up.
+    """
+
+    def __init__(self, request_id: str, waited_s: float, detail: str = "") -> None:
+        self.request_id = request_id
+        self.waited_s = waited_s
+        msg = f"KV for request {request_id!r} did not arrive within {waited_s:.3f}s"
+        if detail:
+            msg = f"{msg} ({detail})"
+        super().__init__(msg)
+
+
+class KVPrefetchConsumeError(RuntimeError):
+    """Payload consumed from connector but post-get processing failed — sync retry impossible."""
