@@ -12,7 +12,8 @@ Who calls what:
   be notified override it; the default polls ``get`` finely and boundedly, never blindly.
 * ``cleanup``: the receiver or an orchestrator, to drop what a request left unconsumed.
 * ``health``: anyone, any time; cheap, never raises.
-* ``close``: the owner, once or more (idempotent); afterwards put/get raise ``ConnectorClosedError``.
+* ``close``: the owner, once or more (idempotent); afterwards put/get raise
+  ``ConnectorClosedError``.
 
 A ``get`` / ``wait`` result is ``(obj, size)`` where ``obj`` is ``bytes``-like, a 1-D ``uint8``
 tensor, a :class:`ManagedBuffer` (the caller must ``release()`` it), or an already decoded
@@ -23,6 +24,7 @@ subclasses from ``wait`` and ``put_packed``; the reference-shaped ``put`` / ``ge
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -108,7 +110,9 @@ class ManagedBuffer:
         t = self._tensor
         return torch.device("cpu") if t is None else t.device
 
-    def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+    def as_tensor(
+        self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0
+    ) -> torch.Tensor:
         """A typed view at ``offset``; checks the byte size and the offset's alignment."""
         t = self.tensor
         item = torch.empty((), dtype=dtype).element_size()
@@ -167,10 +171,8 @@ class ManagedBuffer:
         self.release()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.release()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"{self.size} bytes on {self.device}"

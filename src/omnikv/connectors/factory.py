@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import Any
+from typing import Any, ClassVar
 
 from omnikv.connectors.base import OmniConnectorBase
 
@@ -33,7 +33,10 @@ ENTRY_POINT_GROUP = "omnikv.connectors"
 _BUILTINS: dict[str, tuple[str, str | None]] = {
     "LocalConnector": ("omnikv.connectors.local:LocalConnector", None),
     "SharedMemoryConnector": ("omnikv.connectors.shm:SharedMemoryConnector", None),
-    "MooncakeStoreConnector": ("omnikv.connectors.mooncake_store:MooncakeStoreConnector", "mooncake"),
+    "MooncakeStoreConnector": (
+        "omnikv.connectors.mooncake_store:MooncakeStoreConnector",
+        "mooncake",
+    ),
     "MooncakeConnector": ("omnikv.connectors.mooncake_store:MooncakeStoreConnector", "mooncake"),
     "MooncakeTransferEngineConnector": (
         "omnikv.connectors.mooncake_te:MooncakeTransferEngineConnector",
@@ -73,10 +76,10 @@ class OmniTransferConfig:
 class OmniConnectorFactory:
     """Creates connectors by name. Class-level registry shared by the process."""
 
-    _targets: dict[str, tuple[str, str | None]] = dict(_BUILTINS)
-    _classes: dict[str, type[OmniConnectorBase]] = {}
-    _entry_points_loaded = False
-    _lock = threading.Lock()
+    _targets: ClassVar[dict[str, tuple[str, str | None]]] = dict(_BUILTINS)
+    _classes: ClassVar[dict[str, type[OmniConnectorBase]]] = {}
+    _entry_points_loaded: ClassVar[bool] = False
+    _lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def register_connector(
@@ -135,7 +138,9 @@ class OmniConnectorFactory:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             hint = f" (pip install 'omnikv[{extra}]')" if extra else ""
-            raise ImportError(f"connector {name!r} needs a missing dependency{hint}: {exc}") from exc
+            raise ImportError(
+                f"connector {name!r} needs a missing dependency{hint}: {exc}"
+            ) from exc
         klass = getattr(module, attr)
         if not (isinstance(klass, type) and issubclass(klass, OmniConnectorBase)):
             raise TypeError(f"{target} is not an OmniConnectorBase subclass")
@@ -170,4 +175,6 @@ class OmniConnectorFactory:
             try:
                 cls.register_connector(ep.name, ep.value)
             except ValueError:
-                logger.warning("entry point %s=%s clashes with a registered connector", ep.name, ep.value)
+                logger.warning(
+                    "entry point %s=%s clashes with a registered connector", ep.name, ep.value
+                )

@@ -1,0 +1,212 @@
+"""Paged KV-cache layouts and the gather of a request's blocks.
+
+Supported per-layer layouts (``block_size`` tokens per block):
+
+* ``"kv_first"``  ``[2, num_blocks, block_size, heads, dim]`` (FlashAttention style);
+* ``"blocks_first"`` ``[num_blocks, 2, block_size, heads, dim]`` (FlashInfer style);
+* a ``(K, V)`` tuple of ``[num_blocks, block_size, heads, dim]`` tensors.
+
+A 5-D tensor whose first two dims are both 2 fits both stacked layouts; then the declared layout
+(``kv_cache_layout`` in the stage's ``omni_kv_config``) decides and, without one, the request fails
+with a clear reason instead of a silent guess.
+
+The sender calls :func:`plan_request_kv`, which validates block ids and ``seq_len`` and returns
+:class:`BlockGather` writers; the payload encoder calls ``write_into`` with a view of the send
+buffer, so blocks are gathered straight into the memory that travels (one copy).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from omnikv.errors import OmniKVError
+
+__all__ = [
+    "LAYOUTS",
+    "BlockGather",
+    "ExtractionError",
+    "KVLayout",
+    "normalize_layer_kv",
+    "plan_request_kv",
+    "split_layer_kv",
+]
+
+logger = logging.getLogger(__name__)
+
+KVLayout = Literal["kv_first", "blocks_first", "auto"]
+LAYOUTS: tuple[str, ...] = ("kv_first", "blocks_first", "auto")
+_ALIASES = {"flash_attn": "kv_first", "flashinfer": "blocks_first", "nhd": "kv_first"}
+
+
+class ExtractionError(OmniKVError, ValueError):
+    """A request's KV cannot be extracted (bad block ids, missing seq_len, unknown layout)."""
+
+
+def _canonical_layout(layout: str | None) -> str:
+    if layout is None:
+        return "auto"
+    name = _ALIASES.get(layout, layout)
+    if name not in LAYOUTS:
+        raise ExtractionError(f"unknown kv_cache_layout {layout!r}; expected one of {LAYOUTS}")
+    return name
+
+
+def split_layer_kv(
+    layer_kv: Any, *, layout: str | None = None, where: str = "layer"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split one layer's cache into ``(K, V)`` block tensors ``[num_blocks, bs, heads, dim]``.
+
+    Raises :class:`ExtractionError` naming ``where`` for anything it cannot read unambiguously.
+    """
+    kind = _canonical_layout(layout)
+    if isinstance(layer_kv, tuple | list):
+        if len(layer_kv) != 2 or not all(isinstance(t, torch.Tensor) for t in layer_kv):
+            raise ExtractionError(f"{where}: a (K, V) pair of tensors is expected")
+        k, v = layer_kv
+    elif isinstance(layer_kv, torch.Tensor):
+        shape = tuple(layer_kv.shape)
+        if layer_kv.dim() < 3:
+            raise ExtractionError(f"{where}: stacked cache needs >= 3 dims, got shape {shape}")
+        first, second = shape[0] == 2, shape[1] == 2
+        if kind == "auto":
+            if first and second:
+                raise ExtractionError(
+                    f"{where}: shape {shape} fits both [2, blocks, ...] and [blocks, 2, ...]; "
+                    "declare kv_cache_layout ('kv_first' or 'blocks_first')"
+                )
+            kind = "kv_first" if first else "blocks_first" if second else ""
+        if kind == "kv_first" and first:
+            k, v = layer_kv[0], layer_kv[1]
+        elif kind == "blocks_first" and second:
+            k, v = layer_kv[:, 0], layer_kv[:, 1]
+        else:
+            raise ExtractionError(
+                f"{where}: shape {shape} does not match layout {layout or 'auto'!r} "
+                "(expected [2, blocks, block_size, heads, dim] or [blocks, 2, ...])"
+            )
+    else:
+        raise ExtractionError(f"{where}: unsupported cache type {type(layer_kv).__name__}")
+    if k.dim() < 2 or v.dim() < 2:
+        raise ExtractionError(f"{where}: K and V need >= 2 dims, got {tuple(k.shape)}")
+    return k, v
+
+
+def normalize_layer_kv(
+    layer_kv: Any, *, req_id: str = "", layer_idx: int = -1, layout: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Reference-compatible form of :func:`split_layer_kv`: ``None`` (and a warning) if invalid."""
+    try:
+        return split_layer_kv(layer_kv, layout=layout, where=f"layer {layer_idx}")
+    except ExtractionError as exc:
+        logger.warning("Invalid KV cache for request %s: %s", req_id, exc)
+        return None
+
+
+@dataclass(frozen=True)
+class BlockGather:
+    """Writes tokens ``[0, seq_len)`` of a request's blocks into a ``[seq_len, ...]`` view.
+
+    ``blocks`` is ``[num_blocks, block_size, *tail]`` (any strides); ``block_ids`` lists the
+    request's blocks in token order. Full blocks go in with one ``index_select`` into the
+    destination, the partial last block with one slice copy.
+    """
+
+    blocks: torch.Tensor
+    block_ids: tuple[int, ...]
+    seq_len: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.seq_len, *self.blocks.shape[2:])
+
+    def write_into(self, dst: torch.Tensor) -> None:
+        bs = int(self.blocks.shape[1])
+        full, rest = divmod(self.seq_len, bs)
+        src = self.blocks
+        if full:
+            ids = torch.tensor(self.block_ids[:full], dtype=torch.long, device=src.device)
+            out = dst[: full * bs].view(full, bs, *src.shape[2:])
+            if out.device == src.device:
+                torch.index_select(src, 0, ids, out=out)
+            else:
+                out.copy_(torch.index_select(src, 0, ids))
+        if rest:
+            dst[full * bs :].copy_(src[self.block_ids[full], :rest])
+
+    def materialize(self) -> torch.Tensor:
+        """A fresh contiguous tensor with the gathered tokens (tests, non-packed transports)."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.blocks.device)
+        self.write_into(out)
+        return out
+
+
+def plan_request_kv(
+    kv_caches: Sequence[Any],
+    block_ids: Sequence[int],
+    seq_len: Any,
+    block_size: int,
+    *,
+    layout: str | None = None,
+    request_id: str = "",
+) -> tuple[list[BlockGather | None], list[BlockGather | None]]:
+    """Validate a finished request's blocks and return per-layer gathers for K and V.
+
+    ``None`` entries of ``kv_caches`` stay ``None`` layers. Raises :class:`ExtractionError` (the
+    request fails, nothing is sent) for a missing or invalid ``seq_len``, an empty block list, a
+    block id outside the cache, too few blocks for ``seq_len``, a block size that disagrees with the
+    cache, or a layer the layouts cannot read.
+    """
+    rid = request_id or "?"
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise ExtractionError(f"request {rid}: seq_len must be an int, got {seq_len!r}")
+    if seq_len < 0:
+        raise ExtractionError(f"request {rid}: seq_len must be >= 0, got {seq_len}")
+    ids = tuple(int(b) for b in block_ids)
+    if not ids:
+        raise ExtractionError(f"request {rid}: no block_ids")
+    if block_size <= 0:
+        raise ExtractionError(f"request {rid}: block_size must be > 0, got {block_size}")
+    if seq_len > len(ids) * block_size:
+        raise ExtractionError(
+            f"request {rid}: seq_len {seq_len} exceeds {len(ids)} blocks x {block_size} tokens"
+        )
+    needed = ids[: -(-seq_len // block_size)] if seq_len else ()
+    keys: list[BlockGather | None] = []
+    values: list[BlockGather | None] = []
+    for idx, layer_kv in enumerate(kv_caches):
+        if layer_kv is None:
+            keys.append(None)
+            values.append(None)
+            continue
+        k, v = split_layer_kv(layer_kv, layout=layout, where=f"request {rid} layer {idx}")
+        for name, t in (("K", k), ("V", v)):
+            if t.dim() < 3:
+                raise ExtractionError(
+                    f"request {rid} layer {idx}: {name} blocks need [blocks, block_size, ...], "
+                    f"got {tuple(t.shape)}"
+                )
+            if int(t.shape[1]) != block_size:
+                raise ExtractionError(
+                    f"request {rid} layer {idx}: cache block size {int(t.shape[1])} "
+                    f"!= block_size {block_size}"
+                )
+            bad = [b for b in needed if b < 0 or b >= int(t.shape[0])]
+            if bad:
+                raise ExtractionError(
+                    f"request {rid} layer {idx}: block ids {bad[:8]} outside {name} cache of "
+                    f"{int(t.shape[0])} blocks"
+                )
+        keys.append(BlockGather(k, needed, seq_len))
+        values.append(BlockGather(v, needed, seq_len))
+    if not any(g is not None for g in keys):
+        raise ExtractionError(f"request {rid}: no layer has a KV cache")
+    return keys, values
