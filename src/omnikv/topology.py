@@ -17,6 +17,9 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from omnikv.errors import ConfigError
 
@@ -30,6 +33,12 @@ __all__ = [
     "build_recv_keys",
     "build_send_keys",
     "get_omni_replica_id",
+    "head_range",
+    "merge_received_rank_shards",
+    "rank_port",
+    "slice_kv_tensor_heads",
+    "slice_layer_blocks",
+    "slice_received_rank_shard",
     "kv_zmq_port",
     "legacy_kv_key",
     "rank_aware_kv_key",
@@ -211,3 +220,140 @@ def kv_zmq_port(
 def rank_port(base_port: int, rank: int | None) -> int:
     """The port of sender rank ``rank`` given rank 0's port (``base + rank * 16``)."""
     return int(base_port) + (rank or 0) * KV_RANK_PORT_STRIDE
+
+
+# --------------------------------------------------------------------------------------------
+# Head slicing and merging for heterogeneous TP (tensors are [seq_len, heads, head_dim])
+# --------------------------------------------------------------------------------------------
+def head_range(num_heads: int, offset: int, num_slices: int) -> tuple[int, int]:
+    """Heads ``[start, stop)`` that slice ``offset`` of ``num_slices`` gets out of ``num_heads``.
+
+    Divisible heads split evenly. When there are fewer KV heads than slices (GQA with a large
+    TP), each head is replicated over ``num_slices // num_heads`` consecutive slices, the way
+    tensor-parallel attention replicates KV heads, so slice ``offset`` gets one head.
+    """
+    if num_slices <= 0 or not 0 <= offset < num_slices:
+        raise ValueError(f"slice offset {offset} outside [0, {num_slices})")
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be > 0, got {num_heads}")
+    if num_heads % num_slices == 0:
+        per = num_heads // num_slices
+        return offset * per, (offset + 1) * per
+    if num_slices % num_heads == 0:
+        head = offset * num_heads // num_slices
+        return head, head + 1
+    raise ValueError(
+        f"{num_heads} KV heads cannot be split over {num_slices} slices (neither divides the other)"
+    )
+
+
+def slice_kv_tensor_heads(tensor: Any, offset: int, num_slices: int) -> Any:
+    """Slice ``offset`` of ``num_slices`` along the head dim (dim 1); non-tensors pass through."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    if tensor.dim() < 2:
+        raise ValueError(f"head slicing needs >= 2 dims, got shape {tuple(tensor.shape)}")
+    start, stop = head_range(int(tensor.shape[1]), offset, num_slices)
+    return tensor[:, start:stop].contiguous()
+
+
+def slice_layer_blocks(
+    layer_blocks: dict[str, Any], offset: int, num_slices: int
+) -> dict[str, Any]:
+    """Apply :func:`slice_kv_tensor_heads` to every layer of both caches."""
+    return {
+        name: [slice_kv_tensor_heads(t, offset, num_slices) for t in (layers or [])]
+        if name in ("key_cache", "value_cache")
+        else layers
+        for name, layers in layer_blocks.items()
+    }
+
+
+PayloadMerger = Callable[[list[dict[str, Any]]], "dict[str, Any] | None"]
+PayloadSlicer = Callable[[dict[str, Any], KVTPTopology], dict[str, Any]]
+
+
+def merge_received_rank_shards(payloads: Sequence[Any], merger: PayloadMerger | None = None) -> Any:
+    """Merge shards from several sender ranks (S > T) along the head dim, in source-rank order.
+
+    Request id, block ids and metadata come from the first payload. Shards that carry the same
+    heads (KV heads replicated across sender ranks) are merged once.
+    """
+    if merger is not None:
+        return merger(list(payloads))
+    if not payloads:
+        return None
+    if len(payloads) == 1:
+        return payloads[0]
+    first = payloads[0]
+    if not isinstance(first, dict) or "layer_blocks" not in first:
+        return first
+    merged: dict[str, list[Any]] = {}
+    for cache in ("key_cache", "value_cache"):
+        per_shard = [list((p.get("layer_blocks") or {}).get(cache) or []) for p in payloads]
+        n = max(len(x) for x in per_shard)
+        layers: list[Any] = []
+        for i in range(n):
+            parts = [x[i] for x in per_shard if i < len(x) and isinstance(x[i], torch.Tensor)]
+            if not parts:
+                layers.append(None)
+            elif len(parts) == 1:
+                layers.append(parts[0])
+            else:
+                layers.append(torch.cat(_dedupe_replicated(parts), dim=1))
+        merged[cache] = layers
+    return {
+        "request_id": first.get("request_id"),
+        "layer_blocks": merged,
+        "block_ids": first.get("block_ids"),
+        "metadata": first.get("metadata"),
+    }
+
+
+def _dedupe_replicated(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Drop consecutive shards identical to the previous one (replicated single KV heads)."""
+    out = [parts[0]]
+    for p in parts[1:]:
+        prev = out[-1]
+        if p.shape == prev.shape and p.shape[1] == 1 and torch.equal(p, prev):
+            continue
+        out.append(p)
+    return out
+
+
+def slice_received_rank_shard(
+    payload: Any, topo: KVTPTopology, slicer: PayloadSlicer | None = None
+) -> Any:
+    """Receiver-side slice (S < T) when the sender did not slice; tags ``side: "receiver"``."""
+    if slicer is not None:
+        return slicer(payload, topo)
+    if topo.target_tp_size <= topo.source_tp_size:
+        return payload
+    if not isinstance(payload, dict) or "layer_blocks" not in payload:
+        return payload
+    meta = payload.get("metadata") or {}
+    tag = meta.get("tp_head_slice") if isinstance(meta, dict) else None
+    if isinstance(tag, dict) and tag.get("applied"):
+        if tag.get("target_rank") != topo.local_rank:
+            logger.warning(
+                "pre-sliced KV for target rank %s arrived at rank %d",
+                tag.get("target_rank"),
+                topo.local_rank,
+            )
+        return payload
+    k = topo.ratio
+    offset = topo.local_rank % k
+    new_meta = dict(meta) if isinstance(meta, dict) else {}
+    new_meta["tp_head_slice"] = {
+        "applied": True,
+        "side": "receiver",
+        "target_rank": topo.local_rank,
+        "from_tp": topo.source_tp_size,
+        "to_tp": topo.target_tp_size,
+        "offset_in_shard": offset,
+        "num_slices": k,
+    }
+    out = dict(payload)
+    out["layer_blocks"] = slice_layer_blocks(payload["layer_blocks"], offset, k)
+    out["metadata"] = new_meta
+    return out

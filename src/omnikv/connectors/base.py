@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
 GetResult = tuple[Any, int]
-Writer = Callable[[torch.Tensor], None]
+Writer = Callable[[torch.Tensor], object]
 """Fills a 1-D contiguous ``uint8`` tensor of exactly the requested size (see ``put_packed``)."""
 
 # Bounded polling for transports that cannot notify: start fine, back off to a small cap.

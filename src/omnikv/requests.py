@@ -1,0 +1,137 @@
+"""Applying KV to, and collecting it from, duck-typed request objects.
+
+A request has ``request_id``, optionally ``sampling_params`` and ``kv_sender_info``. After apply,
+the pipeline finds the KV at ``req.past_key_values`` and ``req.sampling_params.past_key_values``
+(a ``SimpleNamespace(key_cache=[...], value_cache=[...])``), metadata at ``req.kv_metadata`` and
+``sampling_params.kv_metadata``, and CFG companions at ``sampling_params.cfg_*`` attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CFG_EXTRA_FIELDS",
+    "apply_kv_cache_to_request",
+    "apply_request_kv_payload",
+    "collect_request_kv_payload",
+    "kv_namespace",
+    "move_to_device",
+    "request_id_of",
+]
+
+logger = logging.getLogger(__name__)
+
+CFG_EXTRA_FIELDS = (
+    "cfg_kv_request_ids",
+    "cfg_active_branch",
+    "cfg_branch_roles",
+    "cfg_branch_past_key_values",
+    "cfg_branch_kv_metadata",
+)
+
+
+def request_id_of(req: Any) -> str | None:
+    """``req.request_id`` as a string, or ``None`` when absent."""
+    rid = getattr(req, "request_id", None)
+    return None if rid is None else str(rid)
+
+
+def kv_namespace(data: Mapping[str, Any]) -> SimpleNamespace:
+    """The ``SimpleNamespace(key_cache, value_cache)`` pipelines read from a decoded payload."""
+    blocks = data.get("layer_blocks") or {}
+    return SimpleNamespace(
+        key_cache=list(blocks.get("key_cache") or []),
+        value_cache=list(blocks.get("value_cache") or []),
+    )
+
+
+def apply_kv_cache_to_request(req: Any, data: Any) -> None:
+    """Set ``past_key_values`` / ``kv_metadata`` on ``req`` and its ``sampling_params``.
+
+    Does nothing for data without ``layer_blocks``; moves nothing between devices.
+    """
+    if not isinstance(data, Mapping) or not isinstance(data.get("layer_blocks"), Mapping):
+        return
+    kv = kv_namespace(data)
+    sp = getattr(req, "sampling_params", None)
+    req.past_key_values = kv
+    if sp is not None:
+        sp.past_key_values = kv
+    if "metadata" in data:
+        req.kv_metadata = data["metadata"]
+        if sp is not None:
+            sp.kv_metadata = data["metadata"]
+
+
+def _is_cfg_field(name: str) -> bool:
+    if name in CFG_EXTRA_FIELDS:
+        return True
+    return name.startswith("cfg_") and (
+        name.endswith("_past_key_values") or name.endswith("_kv_metadata")
+    )
+
+
+def collect_request_kv_payload(req: Any) -> dict[str, Any]:
+    """Everything KV-related on ``req``: ``past_key_values``, ``kv_metadata`` and ``sp.<field>``.
+
+    ``sp.*`` entries come from ``sampling_params``: ``past_key_values``, ``kv_metadata`` and the
+    CFG fields (``cfg_*_past_key_values``, ``cfg_*_kv_metadata``, :data:`CFG_EXTRA_FIELDS`).
+    Only non-None values are collected.
+    """
+    out: dict[str, Any] = {}
+    for name in ("past_key_values", "kv_metadata"):
+        value = getattr(req, name, None)
+        if value is not None:
+            out[name] = value
+    sp = getattr(req, "sampling_params", None)
+    if sp is None:
+        return out
+    names = vars(sp).keys() if hasattr(sp, "__dict__") else ()
+    for name in sorted(names):
+        if name in ("past_key_values", "kv_metadata") or _is_cfg_field(name):
+            value = getattr(sp, name, None)
+            if value is not None:
+                out["sp." + name] = value
+    return out
+
+
+def apply_request_kv_payload(
+    req: Any, payload: Mapping[str, Any], target_device: torch.device | str | None = None
+) -> None:
+    """Set every collected field back on ``req`` (moving tensors to ``target_device``)."""
+    sp = getattr(req, "sampling_params", None)
+    for name, value in payload.items():
+        moved = move_to_device(value, target_device) if target_device is not None else value
+        if name.startswith("sp."):
+            if sp is not None:
+                setattr(sp, name[3:], moved)
+        elif name in ("past_key_values", "kv_metadata"):
+            setattr(req, name, moved)
+
+
+def move_to_device(obj: Any, device: torch.device | str | None) -> Any:
+    """A copy of ``obj`` with every tensor on ``device``; containers are rebuilt, not mutated.
+
+    Tensors already there are returned as they are. ``SimpleNamespace``, dicts, lists and
+    tuples are rebuilt; other objects are returned unchanged.
+    """
+    if device is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        dev = torch.device(device)
+        return obj if obj.device == dev else obj.to(dev).contiguous()
+    if isinstance(obj, SimpleNamespace):
+        return SimpleNamespace(**{k: move_to_device(v, device) for k, v in vars(obj).items()})
+    if isinstance(obj, dict):
+        return {k: move_to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [move_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(move_to_device(v, device) for v in obj)
+    return obj
