@@ -1,0 +1,1 @@
+"""Benchmarks behind ``omnikv bench``: each module has ``main(argv) -> int``."""
