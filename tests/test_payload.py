@@ -1,0 +1,359 @@
+"""Wire format: round trips, alignment, reference compatibility, and every malformed input."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
+from omnikv.errors import DecodeError, EncodeError
+from omnikv.payload import (
+    DTYPE_ALLOWLIST,
+    MAX_HEADER_BYTES,
+    MAX_LAYERS,
+    KVCacheTransferData,
+    PackedPayload,
+    decode,
+    decode_device,
+)
+
+
+def _sample(
+    layers: int = 3, tokens: int = 5, dtype: torch.dtype = torch.float16
+) -> KVCacheTransferData:
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(tokens, 2, 8, generator=g).to(dtype) for _ in range(layers)]
+    v = [torch.randn(tokens, 2, 8, generator=g).to(dtype) for _ in range(layers)]
+    return KVCacheTransferData(
+        "req-1", {"key_cache": k, "value_cache": v}, [4, 7], {"seq_len": tokens}
+    )
+
+
+def _assert_same(data: KVCacheTransferData, out: dict) -> None:
+    assert out["request_id"] == data.request_id
+    assert out["block_ids"] == list(data.block_ids)
+    for cache in ("key_cache", "value_cache"):
+        got, want = out["layer_blocks"][cache], data.layer_blocks[cache]
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            if b is None:
+                assert a is None
+            else:
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _raw_int_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPE_ALLOWLIST))
+def test_round_trip_every_allowlisted_dtype(name: str) -> None:
+    dtype = DTYPE_ALLOWLIST[name]
+    raw = torch.arange(5 * 2 * 8 * 16, dtype=torch.int64).remainder(251).to(torch.uint8)
+    if dtype == torch.bool:
+        raw = raw.remainder(2)  # only 0 and 1 are valid bool bytes
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    t = raw[: 5 * 2 * 8 * itemsize].view(dtype).view(5, 2, 8)
+    data = KVCacheTransferData("r", {"key_cache": [t], "value_cache": [t.clone()]}, [], {})
+    out = decode(data.to_bytes())
+    assert out["layer_blocks"]["key_cache"][0].dtype == dtype
+    assert torch.equal(_raw_int_view(out["layer_blocks"]["key_cache"][0]), _raw_int_view(t))
+    # and the reference decoder reads what we write
+    ref = ref_from_bytes(data.to_bytes())
+    assert torch.equal(_raw_int_view(ref["layer_blocks"]["value_cache"][0]), _raw_int_view(t))
+
+
+def test_round_trip_none_layers_zero_element_and_metadata() -> None:
+    k = [torch.ones(3, 2, 4), None, torch.empty(0, 2, 4)]
+    v = [torch.zeros(3, 2, 4), None, torch.empty(0, 2, 4)]
+    meta = {"seq_len": 3, "rope": (1, 2), "nested": {"a": [1.5, None, "x"]}}
+    data = KVCacheTransferData("rid", {"key_cache": k, "value_cache": v}, [1, 2, 3], meta)
+    for raw in (data.to_bytes(), bytearray(data.to_bytes()), memoryview(data.to_bytes())):
+        out = decode(raw)
+        assert out["metadata"] == {"seq_len": 3, "rope": [1, 2], "nested": {"a": [1.5, None, "x"]}}
+        assert out["layer_blocks"]["key_cache"][1] is None
+        assert out["layer_blocks"]["key_cache"][2].shape == (0, 2, 4)
+        _assert_same(
+            KVCacheTransferData("rid", {"key_cache": k, "value_cache": v}, [1, 2, 3], {}), out
+        )
+    ref = ref_from_bytes(data.to_bytes())
+    assert ref["layer_blocks"]["key_cache"][1] is None
+    assert ref["layer_blocks"]["value_cache"][2].shape == (0, 2, 4)
+
+
+def test_we_decode_what_the_reference_writes() -> None:
+    data = _sample()
+    ref_raw = ref_to_bytes(
+        data.request_id,
+        data.layer_blocks["key_cache"],
+        data.layer_blocks["value_cache"],
+        data.block_ids,
+        data.metadata,
+    )
+    _assert_same(data, decode(ref_raw))
+    assert decode(ref_raw)["metadata"] == {"seq_len": 5}
+
+
+def test_reference_writes_odd_offsets_we_still_decode() -> None:
+    # an odd-length request id shifts the data section to an odd address
+    t = torch.arange(12, dtype=torch.float32).view(3, 2, 2)
+    raw = ref_to_bytes("abc", [t], [t + 1], [], {})
+    out = decode(raw)
+    assert torch.equal(out["layer_blocks"]["key_cache"][0], t)
+    assert torch.equal(out["layer_blocks"]["value_cache"][0], t + 1)
+
+
+def test_reference_decodes_what_we_write() -> None:
+    data = _sample(layers=4)
+    _assert_same(data, ref_from_bytes(data.to_bytes()))
+    _assert_same(data, ref_from_bytes(data.to_bytes(checksum=True)))
+
+
+def test_alignment_of_data_regions() -> None:
+    big = torch.zeros(1024, 4, 128, dtype=torch.float16)  # 1 MiB: page aligned
+    small = torch.zeros(3, 1, 7, dtype=torch.float16)
+    data = KVCacheTransferData("r" * 7, {"key_cache": [small, big], "value_cache": [big, small]})
+    raw = data.to_bytes()
+    hlen = struct.unpack(">I", raw[:4])[0]
+    header = json.loads(raw[4 : 4 + hlen])
+    start = 4 + hlen
+    assert start % 4096 == 0
+    assert header["v"] == 1 and header["al"] == 64 and header["dl"] == len(raw) - start
+    for d in header["td"]:
+        align = 4096 if d["b"] >= 256 * 1024 else 64
+        assert (start + d["o"]) % align == 0
+
+
+def test_pack_into_buffer_and_offset() -> None:
+    data = _sample()
+    size = data.packed_size()
+    buf = torch.full((size + 128,), 0xAB, dtype=torch.uint8)
+    assert data.pack_into(buf, offset=64) == size
+    assert buf[:64].eq(0xAB).all() and buf[64 + size :].eq(0xAB).all()
+    _assert_same(data, decode(buf[64 : 64 + size]))
+    ba = bytearray(size)
+    data.pack_into(ba)
+    assert bytes(ba) == data.to_bytes()
+    with pytest.raises(ValueError, match="cannot hold"):
+        data.pack_into(bytearray(size - 1))
+    with pytest.raises(ValueError, match="read-only"):
+        data.pack_into(bytes(size))
+
+
+def test_decode_returns_views_not_copies() -> None:
+    data = _sample()
+    buf = torch.empty(data.packed_size(), dtype=torch.uint8)
+    data.pack_into(buf)
+    out = decode(buf)
+    k0 = out["layer_blocks"]["key_cache"][0]
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert lo <= k0.data_ptr() < hi
+
+
+def test_non_contiguous_source_tensors() -> None:
+    base = torch.randn(4, 6, 8)
+    k = base.transpose(0, 1)[:, :3]  # non-contiguous
+    data = KVCacheTransferData("r", {"key_cache": [k], "value_cache": [k * 2]})
+    out = decode(data.to_bytes())
+    assert torch.equal(out["layer_blocks"]["key_cache"][0], k)
+
+
+def test_checksum_detects_corruption_and_is_optional() -> None:
+    data = _sample()
+    raw = bytearray(data.to_bytes(checksum=True))
+    decode(raw)
+    raw[-3] ^= 0x40
+    with pytest.raises(DecodeError, match="checksum mismatch"):
+        decode(raw)
+    decode(raw, verify=False)  # explicitly skipped
+    plain = bytearray(data.to_bytes())
+    plain[-3] ^= 0x40
+    decode(plain)  # no checksum requested: corruption of data bytes is not detectable
+
+
+def test_metadata_not_json_serialisable_is_encode_error() -> None:
+    data = _sample()
+    data.metadata["bad"] = object()
+    with pytest.raises(EncodeError, match="not JSON-serialisable"):
+        data.to_bytes()
+    data.metadata["bad"] = torch.tensor([1, 2])  # small tensors become lists
+    assert decode(data.to_bytes())["metadata"]["bad"] == [1, 2]
+
+
+def test_device_decoder_on_host_tensor_and_aliases() -> None:
+    data = _sample()
+    t = torch.frombuffer(bytearray(data.to_bytes()), dtype=torch.uint8)
+    out = KVCacheTransferData.from_bytes_device(t)
+    _assert_same(data, out)
+    k0 = out["layer_blocks"]["key_cache"][0]
+    assert not (t.data_ptr() <= k0.data_ptr() < t.data_ptr() + t.numel())  # copies
+    _assert_same(data, KVCacheTransferData.from_bytes_gpu(t))
+    views = decode_device(t, copy=False)
+    assert t.data_ptr() <= views["layer_blocks"]["key_cache"][0].data_ptr()
+
+
+def test_to_gpu_tensor_without_device_tensors() -> None:
+    with pytest.raises(RuntimeError, match="No device tensors"):
+        _sample().to_gpu_tensor()
+
+
+def test_to_dict_keeps_tensors() -> None:
+    data = _sample()
+    d = data.to_dict()
+    assert d["layer_blocks"]["key_cache"][0] is data.layer_blocks["key_cache"][0]
+    assert d["request_id"] == "req-1" and d["metadata"] == {"seq_len": 5}
+
+
+# ---------------------------------------------------------------------------------------
+# Malformed inputs: each raises DecodeError (a ValueError) naming the problem
+# ---------------------------------------------------------------------------------------
+def _header_payload(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack(">I", len(raw)) + raw + data
+
+
+def _good_header() -> dict:
+    return {
+        "rid": "r",
+        "bids": [],
+        "meta": {},
+        "td": [{"n": "key_cache_0", "i": 0, "d": "float32", "s": [2], "o": 0, "b": 8}],
+        "nl": 1,
+    }
+
+
+CASES = [
+    ("short buffer", b"\x00\x00", "missing 4-byte header length"),
+    ("empty", b"", "missing 4-byte header length"),
+    ("header too long", struct.pack(">I", 100) + b"{}", "header_len=100"),
+    ("bad json", struct.pack(">I", 3) + b"{x}", "not valid UTF-8 JSON"),
+    ("bad utf8", struct.pack(">I", 2) + b"\xff\xfe", "not valid UTF-8 JSON"),
+    ("not an object", _header_payload([1, 2]), "must be a JSON object"),  # type: ignore[arg-type]
+    (
+        "deep nesting",
+        struct.pack(">I", 200000) + b"[" * 100000 + b"]" * 100000,
+        "nested too deeply|JSON",
+    ),
+]
+
+
+@pytest.mark.parametrize(("label", "raw", "match"), CASES, ids=[c[0] for c in CASES])
+def test_malformed_framing(label: str, raw: bytes, match: str) -> None:
+    with pytest.raises(DecodeError, match=match):
+        decode(raw)
+
+
+def _mutated(**changes: object) -> bytes:
+    header = _good_header()
+    for key, value in changes.items():
+        if key.startswith("td_"):
+            header["td"][0][key[3:]] = value
+        elif value is None:
+            del header[key]
+        else:
+            header[key] = value
+    return _header_payload(header, b"\x00" * 8)
+
+
+FIELD_CASES = [
+    ("missing rid", {"rid": None}, "missing key 'rid'"),
+    ("missing td", {"td": None}, "missing key 'td'"),
+    ("missing nl", {"nl": None}, "missing key 'nl'"),
+    ("missing meta", {"meta": None}, "missing key 'meta'"),
+    ("nl is str", {"nl": "1"}, "'nl' has type str"),
+    ("nl is bool", {"nl": True}, "'nl' has type bool"),
+    ("huge nl", {"nl": 10**9}, f"outside \\[0, {MAX_LAYERS}\\]"),
+    ("negative nl", {"nl": -1}, "outside"),
+    ("unknown dtype", {"td_d": "cuda"}, "Unsupported dtype"),
+    ("object dtype", {"td_d": "object"}, "Unsupported dtype"),
+    ("span past end", {"td_o": 4}, "tensor span"),
+    ("negative offset", {"td_o": -1}, "tensor span"),
+    ("float offset", {"td_o": 0.5}, "tensor span"),
+    ("shape mismatch", {"td_s": [3]}, "needs 12 bytes"),
+    ("negative dim", {"td_s": [-2]}, "non-negative"),
+    ("too many dims", {"td_s": [1] * 9}, "at most 8 dims"),
+    ("bad layer index", {"td_i": 5}, "Invalid layer index"),
+    ("str layer index", {"td_i": "0"}, "Invalid layer index"),
+    (
+        "bad name",
+        {"td_n": "key_cache_zz", "td_i": None},
+        "Invalid KV tensor name|Invalid layer index",
+    ),
+    ("name not str", {"td_n": 3}, "must be a string"),
+    ("future version", {"v": 99}, "unsupported format version"),
+    (
+        "other byte order",
+        {"bo": "big" if __import__("sys").byteorder == "little" else "little"},
+        "byte order",
+    ),
+    ("bad checksum field", {"ck": "md5:zz"}, "malformed checksum"),
+]
+
+
+@pytest.mark.parametrize(
+    ("label", "changes", "match"), FIELD_CASES, ids=[c[0] for c in FIELD_CASES]
+)
+def test_malformed_header_fields(label: str, changes: dict, match: str) -> None:
+    raw = _mutated(**changes)
+    if label == "bad name":
+        header = _good_header()
+        header["td"][0]["n"] = "key_cache_zz"
+        del header["td"][0]["i"]
+        raw = _header_payload(header, b"\x00" * 8)
+    with pytest.raises(DecodeError, match=match):
+        decode(raw)
+
+
+def test_td_entry_must_be_object_and_count_bounded() -> None:
+    header = _good_header()
+    header["td"] = ["oops"]
+    with pytest.raises(DecodeError, match="must be an object"):
+        decode(_header_payload(header))
+    header["td"] = [{"n": "x", "x": True}] * (2 * MAX_LAYERS + 1)
+    with pytest.raises(DecodeError, match="more than"):
+        decode(_header_payload(header))
+
+
+def test_duplicate_tensor_rejected() -> None:
+    header = _good_header()
+    header["td"].append(dict(header["td"][0]))
+    with pytest.raises(DecodeError, match="duplicate"):
+        decode(_header_payload(header, b"\x00" * 8))
+
+
+def test_oversized_header_rejected_without_reading_it() -> None:
+    raw = struct.pack(">I", MAX_HEADER_BYTES + 1) + b" " * (MAX_HEADER_BYTES + 1)
+    with pytest.raises(DecodeError, match="exceeds the limit"):
+        decode(raw)
+
+
+def test_explicit_index_wins_over_unparseable_name() -> None:
+    header = _good_header()
+    header["td"][0]["n"] = "key_cache_weird"
+    out = decode(_header_payload(header, struct.pack("<2f", 1.0, 2.0)))
+    assert out["layer_blocks"]["key_cache"][0].tolist() == [1.0, 2.0]
+
+
+def test_unknown_tensor_names_are_ignored() -> None:
+    header = _good_header()
+    header["td"][0]["n"] = "extra_blob"
+    out = decode(_header_payload(header, b"\x00" * 8))
+    assert out["layer_blocks"]["key_cache"] == [None]
+
+
+def test_wrong_buffer_types() -> None:
+    with pytest.raises(DecodeError):
+        decode(12345)
+    with pytest.raises(DecodeError):
+        decode(torch.zeros(4, dtype=torch.float32))
+    with pytest.raises(DecodeError, match="1-D uint8"):
+        decode_device(torch.zeros(4, dtype=torch.float32))
+
+
+def test_plan_rejects_unknown_dtype() -> None:
+    with pytest.raises(EncodeError, match="unsupported dtype"):
+        PackedPayload("r", [torch.zeros(2, dtype=torch.uint16)], [None])
