@@ -8,6 +8,7 @@ and :mod:`omnikv.prefetch`. Richer outcomes are kept per request and reachable t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -449,12 +450,13 @@ class OmniKVTransferManager:
         return self._record_recv(result)
 
     def _record_recv(self, result: ReceiveResult) -> ReceiveResult:
+        # The record keeps the outcome, not the tensors: holding them would pin pool memory.
         with self._results_lock:
-            self._recv_results.record(result.request_id, result)
+            self._recv_results.record(result.request_id, dataclasses.replace(result, data=None))
         return result
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:
-        """The outcome of the latest receive of ``request_id`` (status, reason, timings)."""
+        """The outcome of the latest receive of ``request_id`` (status, reason, timings; no data)."""
         with self._results_lock:
             return self._recv_results.get(str(request_id))
 

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import msgpack
 import torch
 
 from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
@@ -27,18 +26,19 @@ logger = logging.getLogger(__name__)
 
 class _Store:
     def __init__(self) -> None:
-        self.items: dict[str, tuple[Any, int, bool]] = {}
+        self.items: dict[str, tuple[Any, int]] = {}
         self.cond = threading.Condition()
 
 
-def _payload_size(data: Any) -> tuple[Any, int, bool]:
-    """(stored object, size, stored as msgpack); objects are msgpack-encoded like a transport."""
+def _payload_size(data: Any) -> tuple[Any, int]:
+    """(stored object, size). In-process, objects (e.g. the dict form) are kept as they are."""
     if isinstance(data, torch.Tensor):
-        return data, int(data.numel() * data.element_size()), False
+        return data, int(data.numel() * data.element_size())
     if isinstance(data, bytes | bytearray | memoryview):
-        return data, memoryview(data).nbytes, False
-    packed = msgpack.packb(data, use_bin_type=True)
-    return packed, len(packed), True
+        return data, memoryview(data).nbytes
+    if data is None:
+        raise ValueError("cannot put None")
+    return data, 0
 
 
 class LocalConnector(OmniConnectorBase):
@@ -67,13 +67,13 @@ class LocalConnector(OmniConnectorBase):
             logger.warning("put on a closed LocalConnector (key %s)", put_key)
             return False, 0, None
         try:
-            stored, size, packed = _payload_size(data)
+            stored, size = _payload_size(data)
         except (TypeError, ValueError) as exc:
             logger.error("LocalConnector cannot store %s: %s", put_key, exc)
             return False, 0, None
         key = self._make_key(put_key, from_stage, to_stage)
         with self._store.cond:
-            self._store.items[key] = (stored, size, packed)
+            self._store.items[key] = (stored, size)
             self._store.cond.notify_all()
         self._counters["puts"] += 1
         self._counters["bytes_put"] += size
@@ -84,9 +84,7 @@ class LocalConnector(OmniConnectorBase):
         item = self._store.items.pop(key, None)
         if item is None:
             return None
-        obj, size, packed = item
-        if packed:
-            obj = msgpack.unpackb(obj, raw=False)
+        obj, size = item
         self._counters["gets"] += 1
         self._counters["bytes_got"] += size
         return obj, size

@@ -1,0 +1,105 @@
+"""Paged layouts: every supported form, declared layouts, strict failures, gathers into views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnikv.layouts import ExtractionError, normalize_layer_kv, plan_request_kv, split_layer_kv
+
+
+def _cache(num_blocks: int = 8, bs: int = 4, heads: int = 2, dim: int = 3) -> torch.Tensor:
+    n = 2 * num_blocks * bs * heads * dim
+    return torch.arange(n, dtype=torch.float32).view(2, num_blocks, bs, heads, dim)
+
+
+def _expected(k_blocks: torch.Tensor, ids: list[int], seq_len: int) -> torch.Tensor:
+    return torch.cat([k_blocks[i] for i in ids])[:seq_len]
+
+
+def test_kv_first_blocks_first_and_tuple_agree() -> None:
+    kv = _cache()
+    blocks_first = kv.transpose(0, 1).contiguous()
+    ids, seq = [5, 1, 6], 10
+    for layer, layout in ((kv, None), (blocks_first, None), ((kv[0], kv[1]), None)):
+        keys, values = plan_request_kv([layer], ids, seq, 4, layout=layout)
+        assert keys[0] is not None and values[0] is not None
+        assert torch.equal(keys[0].materialize(), _expected(kv[0], ids, seq))
+        assert torch.equal(values[0].materialize(), _expected(kv[1], ids, seq))
+
+
+def test_gather_writes_into_given_view() -> None:
+    kv = _cache()
+    keys, _ = plan_request_kv([kv], [3, 0], 7, 4)
+    g = keys[0]
+    assert g is not None and g.shape == (7, 2, 3)
+    out = torch.full((7, 2, 3), -1.0)
+    g.write_into(out)
+    assert torch.equal(out, _expected(kv[0], [3, 0], 7))
+
+
+def test_ambiguous_shape_needs_declared_layout() -> None:
+    kv = torch.arange(2 * 2 * 4 * 1 * 2, dtype=torch.float32).view(2, 2, 4, 1, 2)
+    with pytest.raises(ExtractionError, match="declare kv_cache_layout"):
+        plan_request_kv([kv], [0, 1], 8, 4)
+    keys, _ = plan_request_kv([kv], [1], 4, 4, layout="kv_first")
+    assert keys[0] is not None and torch.equal(keys[0].materialize(), kv[0][1])
+    keys, _ = plan_request_kv([kv], [1], 4, 4, layout="blocks_first")
+    assert keys[0] is not None and torch.equal(keys[0].materialize(), kv[1][0])
+
+
+def test_declared_layout_mismatch_and_unknown_layout() -> None:
+    with pytest.raises(ExtractionError, match="does not match layout"):
+        split_layer_kv(torch.zeros(3, 5, 4, 2, 2), layout="kv_first")
+    with pytest.raises(ExtractionError, match="unknown kv_cache_layout"):
+        split_layer_kv(torch.zeros(2, 5, 4, 2, 2), layout="weird")
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "seq_len", "match"),
+    [
+        ([0, 99], 8, "outside K cache"),
+        ([0, -1], 8, "outside"),
+        ([0, 1], None, "seq_len must be an int"),
+        ([0, 1], "8", "seq_len must be an int"),
+        ([0, 1], -1, "seq_len must be >= 0"),
+        ([0, 1], 9, "exceeds 2 blocks x 4 tokens"),
+        ([], 0, "no block_ids"),
+    ],
+)
+def test_bad_requests_fail_with_reason(block_ids: list[int], seq_len: object, match: str) -> None:
+    with pytest.raises(ExtractionError, match=match):
+        plan_request_kv([_cache()], block_ids, seq_len, 4)
+
+
+def test_mismatched_kv_block_counts_fail_instead_of_dropping() -> None:
+    k = torch.zeros(3, 8, 4, 16)
+    v = torch.zeros(2, 8, 4, 16)
+    with pytest.raises(ExtractionError, match="outside V cache of 2 blocks"):
+        plan_request_kv([(k, v)], [0, 1, 2], 24, 8)
+    keys, _ = plan_request_kv([(k, v)], [0, 1, 2], 16, 8)  # only blocks 0, 1 needed
+    assert keys[0] is not None and keys[0].shape == (16, 4, 16)
+
+
+def test_block_size_must_match_cache_and_none_layers_pass() -> None:
+    with pytest.raises(ExtractionError, match="block size"):
+        plan_request_kv([_cache()], [0], 2, 8)
+    keys, values = plan_request_kv([None, _cache()], [0], 2, 4)
+    assert keys[0] is None and values[0] is None and keys[1] is not None
+    with pytest.raises(ExtractionError, match="no layer"):
+        plan_request_kv([None], [0], 2, 4)
+
+
+def test_normalize_layer_kv_reference_cases() -> None:
+    kv = _cache()
+    k, _v = normalize_layer_kv(kv) or (None, None)
+    assert k is not None and torch.equal(k, kv[0])
+    assert normalize_layer_kv(torch.zeros(3, 3, 4, 2, 2)) is None
+    assert normalize_layer_kv((kv[0], kv[1], kv[0])) is None
+    assert normalize_layer_kv((kv[0], "x")) is None
+    assert normalize_layer_kv("nope") is None
+
+
+def test_zero_seq_len_gives_empty_tensors() -> None:
+    keys, _ = plan_request_kv([_cache()], [2], 0, 4)
+    assert keys[0] is not None and keys[0].materialize().shape == (0, 2, 3)
