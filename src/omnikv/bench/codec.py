@@ -1,0 +1,110 @@
+"""``omnikv bench codec``: encode/decode of a realistic payload against this machine's ceiling.
+
+Same run, same bytes (Qwen2.5-7B, 4096 tokens, fp16 = 224 MiB by default):
+
+* memcpy of the packed size into a pre-faulted buffer (the ceiling);
+* ``pack_into`` a pre-faulted buffer (target >= 0.7 x memcpy);
+* ``to_bytes`` vs the reference's shape (per-tensor ``tobytes`` + ``b"".join``; target >= 2 x);
+* decode of the 56 tensors (target < 1 ms), and the cost of the optional crc32 check.
+
+Every result is verified against the source tensors before timings are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from omnikv.bench.common import measure, print_table, realistic_payload, write_json
+from omnikv.bench.reference import ref_to_bytes
+from omnikv.payload import decode
+
+__all__ = ["main"]
+
+
+def _verify(data: object, source: dict[str, list[torch.Tensor]]) -> None:
+    assert isinstance(data, dict)
+    for cache in ("key_cache", "value_cache"):
+        for got, want in zip(data["layer_blocks"][cache], source[cache], strict=True):
+            if not torch.equal(got, want):
+                raise SystemExit(f"verification failed for {cache}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the codec benchmark; returns 0 when all targets are met, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="omnikv bench codec", description=__doc__)
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
+    parser.add_argument("--json", help="write results to this file")
+    args = parser.parse_args(list(argv or []))
+    repeat = 3 if args.quick else args.repeat
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    payload = realistic_payload(args.model, args.tokens)
+    plan = payload.plan()
+    n = plan.nbytes
+    print(f"payload: {args.model}, {args.tokens} tokens, {n / 2**20:.1f} MiB, "
+          f"{2 * len(payload.layer_blocks['key_cache'])} tensors; torch threads "
+          f"{torch.get_num_threads()}")  # fmt: skip
+
+    dst = torch.empty(n, dtype=torch.uint8)
+    dst.fill_(1)  # pre-fault
+    src = torch.empty(n, dtype=torch.uint8)
+    plan.pack_into(src)
+    _verify(decode(src), payload.layer_blocks)
+
+    memcpy = measure("memcpy (pre-faulted dst)", lambda: dst.copy_(src), repeat=repeat, nbytes=n)
+    pack = measure("pack_into (pre-faulted)", lambda: plan.pack_into(dst), repeat=repeat, nbytes=n)
+    _verify(decode(dst), payload.layer_blocks)
+    keys = payload.layer_blocks["key_cache"]
+    values = payload.layer_blocks["value_cache"]
+
+    def ref_shape() -> bytes:
+        return ref_to_bytes(payload.request_id, keys, values, payload.block_ids, payload.metadata)
+
+    to_bytes = measure("to_bytes", payload.to_bytes, repeat=repeat, nbytes=n)
+    ref = measure("reference to_bytes shape", ref_shape, repeat=repeat, nbytes=n)
+    _verify(decode(payload.to_bytes()), payload.layer_blocks)
+    _verify(decode(ref_shape()), payload.layer_blocks)
+    dec = measure("decode (zero-copy views)", lambda: decode(dst), repeat=max(repeat, 50))
+
+    ck_plan = payload.plan(checksum=True)
+    ck_buf = torch.empty(ck_plan.nbytes, dtype=torch.uint8)
+    ck_buf.fill_(1)
+    enc_ck = measure(
+        "pack_into + crc32", lambda: ck_plan.pack_into(ck_buf), repeat=repeat, nbytes=n
+    )
+    dec_ck = measure("decode + crc32 verify", lambda: decode(ck_buf), repeat=repeat, nbytes=n)
+    _verify(decode(ck_buf), payload.layer_blocks)
+
+    print_table([memcpy, pack, to_bytes, ref], baseline=memcpy, title="Encode (ratio = x memcpy)")
+    print_table([dec, dec_ck], title="Decode")
+    print_table([pack, enc_ck], title="Integrity check cost (encode)")
+
+    pack_ratio = memcpy.median / pack.median
+    bytes_ratio = ref.median / to_bytes.median
+    ck_cost = (enc_ck.median + dec_ck.median) / (pack.median + dec.median) - 1
+    targets = [
+        ("pack_into >= 0.7 x memcpy", pack_ratio, pack_ratio >= 0.7),
+        ("to_bytes >= 2 x reference shape", bytes_ratio, bytes_ratio >= 2.0),
+        ("decode of all tensors < 1 ms (median, ms)", dec.median * 1e3, dec.median < 1e-3),
+    ]
+    print("\nTargets")
+    for label, value, ok in targets:
+        print(f"  {'PASS' if ok else 'MISS'}  {label}: {value:.3f}")
+    print(f"  info  crc32 adds {ck_cost * 100:.0f}% to encode+decode (off by default: > 10%)")
+    write_json(
+        args.json,
+        {
+            "bench": "codec",
+            "nbytes": n,
+            "results": [s.as_dict() for s in (memcpy, pack, to_bytes, ref, dec, enc_ck, dec_ck)],
+            "ratios": {"pack_vs_memcpy": pack_ratio, "to_bytes_vs_reference": bytes_ratio},
+            "checksum_overhead": ck_cost,
+        },
+    )
+    return 0 if all(ok for _, _, ok in targets) else 1

@@ -1,0 +1,146 @@
+"""Shared helpers for the benchmarks: realistic payloads, timing statistics, table output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnikv.payload import KVCacheTransferData
+
+__all__ = [
+    "MODELS",
+    "Stats",
+    "measure",
+    "print_table",
+    "qwen_payload",
+    "realistic_payload",
+    "write_json",
+]
+
+#: name -> (layers, kv_heads, head_dim); fp16, bytes/token = 2 * layers * heads * dim * 2
+MODELS: dict[str, tuple[int, int, int]] = {
+    "qwen2.5-7b": (28, 4, 128),
+    "llama-3.1-8b": (32, 8, 128),
+    "qwen3-8b": (36, 8, 128),
+}
+
+
+def realistic_payload(
+    model: str = "qwen2.5-7b", tokens: int = 4096, dtype: torch.dtype = torch.float16, seed: int = 0
+) -> KVCacheTransferData:
+    """A KV payload shaped like ``model``'s cache for ``tokens`` tokens (random values)."""
+    layers, heads, dim = MODELS[model]
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    keys = [base + i for i in range(layers)]
+    values = [base - i for i in range(layers)]
+    return KVCacheTransferData(
+        "bench-req",
+        {"key_cache": keys, "value_cache": values},
+        list(range(tokens // 16)),
+        {"seq_len": tokens, "model": model},
+    )
+
+
+def qwen_payload(tokens: int = 4096) -> KVCacheTransferData:
+    """Qwen2.5-7B, fp16: 56 KiB per token, 224 MiB for 4096 tokens."""
+    return realistic_payload("qwen2.5-7b", tokens)
+
+
+@dataclass
+class Stats:
+    """Seconds per run after warm-up; GB/s derived for ``nbytes``."""
+
+    name: str
+    samples: list[float]
+    nbytes: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def p99(self) -> float:
+        s = sorted(self.samples)
+        return s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.samples), max(self.samples)
+
+    def gbps(self, seconds: float | None = None) -> float:
+        sec = self.median if seconds is None else seconds
+        return self.nbytes / sec / 1e9 if sec > 0 and self.nbytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "median_s": self.median,
+            "p99_s": self.p99,
+            "min_s": self.spread[0],
+            "max_s": self.spread[1],
+            "gbps_median": self.gbps(),
+            "nbytes": self.nbytes,
+            "runs": len(self.samples),
+        }
+
+
+def measure(
+    name: str,
+    fn: Callable[[], object],
+    *,
+    repeat: int,
+    warmup: int = 2,
+    nbytes: int = 0,
+    setup: Callable[[], object] | None = None,
+) -> Stats:
+    """Run ``fn`` ``warmup`` times (discarded) then ``repeat`` times, timing each run."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    samples: list[float] = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return Stats(name, samples, nbytes)
+
+
+def _fmt_time(sec: float) -> str:
+    return f"{sec * 1e3:9.3f} ms" if sec >= 1e-3 else f"{sec * 1e6:9.1f} us"
+
+
+def print_table(rows: Sequence[Stats], *, baseline: Stats | None = None, title: str = "") -> None:
+    """Median, p99, spread, GB/s and (with ``baseline``) the ratio to it, one row per Stats."""
+    if title:
+        print(f"\n{title}")
+    head = f"{'case':38} {'median':>12} {'p99':>12} {'min..max':>25} {'GB/s':>7}"
+    if baseline is not None:
+        head += f" {'x ' + baseline.name[:14]:>18}"
+    print(head)
+    print("-" * len(head))
+    for st in rows:
+        lo, hi = st.spread
+        line = (
+            f"{st.name:38} {_fmt_time(st.median):>12} {_fmt_time(st.p99):>12} "
+            f"{_fmt_time(lo).strip() + '..' + _fmt_time(hi).strip():>25} {st.gbps():7.2f}"
+        )
+        if baseline is not None:
+            line += f" {baseline.median / st.median:18.2f}"
+        print(line)
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    """Write benchmark results as JSON when a path is given."""
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=2)
