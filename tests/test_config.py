@@ -1,0 +1,146 @@
+"""Config parsing, the from_od/vllm fallback chain, retry policy and options."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from omnikv import ConfigError, OmniKVCacheConfig, OmniKVTransferManager, RetryPolicy
+from omnikv.config import config_from_dict, options_from_dict
+from omnikv.deadline import deadline_after, remaining, validate_timeout
+
+
+def test_config_has_the_seed_fields_and_defaults() -> None:
+    cfg = OmniKVCacheConfig()
+    assert list(vars(cfg)) == [
+        "connector_config",
+        "from_stage",
+        "to_stage",
+        "stage_id",
+        "engine_input_source",
+        "need_recv_cache",
+        "need_send_cache",
+        "recv_timeout",
+        "from_tp",
+        "to_tp",
+        "enable_kv_async_prefetch",
+        "kv_prefetch_min_free_mem_ratio",
+    ]
+    assert cfg.recv_timeout == 30.0 and cfg.from_tp == cfg.to_tp == 1
+
+
+def test_config_from_dict_maps_keys_and_references_connector_config() -> None:
+    conn = {"type": "LocalConnector"}
+    cfg = config_from_dict(
+        {
+            "connector_config": conn,
+            "omni_from_stage": "0",
+            "omni_to_stage": "1",
+            "stage_id": 1,
+            "engine_input_source": [0],
+            "need_recv_cache": True,
+            "recv_timeout": "2.5",
+            "rank_mapping": {"from_tp": 2, "to_tp": "4"},
+            "kv_prefetch_min_free_mem_ratio": 0.2,
+        },
+        async_prefetch=True,
+    )
+    assert cfg.connector_config is conn
+    assert (cfg.from_stage, cfg.to_stage, cfg.stage_id) == ("0", "1", 1)
+    assert cfg.recv_timeout == 2.5 and (cfg.from_tp, cfg.to_tp) == (2, 4)
+    assert cfg.enable_kv_async_prefetch and cfg.need_recv_cache and not cfg.need_send_cache
+    assert config_from_dict({"rank_mapping": "bad"}).from_tp == 1
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"recv_timeout": -1}, "recv_timeout"),
+        ({"recv_timeout": "soon"}, "recv_timeout"),
+        ({"rank_mapping": {"from_tp": "x"}}, "from_tp"),
+        ({"connector_config": "SharedMemoryConnector"}, "connector_config"),
+    ],
+)
+def test_bad_config_values_are_config_errors(cfg: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(cfg)
+
+
+def test_non_divisible_tp_fails_at_configuration() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        OmniKVTransferManager(OmniKVCacheConfig(from_tp=3, to_tp=2))
+
+
+def test_from_od_config_prefetch_rules() -> None:
+    on = {"enable_kv_async_prefetch": True, "need_recv_cache": True}
+    assert OmniKVTransferManager.from_od_config(
+        SimpleNamespace(omni_kv_config=on)
+    ).config.enable_kv_async_prefetch
+    off = OmniKVTransferManager.from_od_config(
+        SimpleNamespace(omni_kv_config=on, cfg_kv_collect_func=print)
+    )
+    assert not off.config.enable_kv_async_prefetch
+    dev = dict(on, connector_config={"type": "LocalConnector", "memory_pool_device": "cuda"})
+    assert not OmniKVTransferManager.from_od_config(
+        SimpleNamespace(omni_kv_config=dev)
+    ).config.enable_kv_async_prefetch
+    assert not OmniKVTransferManager.from_od_config(
+        SimpleNamespace(omni_kv_config=None)
+    ).config.enable_kv_async_prefetch
+    assert (
+        OmniKVTransferManager.from_model_config(SimpleNamespace(omni_kv_config={})).config
+        == OmniKVCacheConfig()
+    )
+
+
+def test_from_vllm_config_fallback_chain() -> None:
+    model = SimpleNamespace(
+        omni_kv_config={"need_send_cache": True, "enable_kv_async_prefetch": True}
+    )
+    m = OmniKVTransferManager.from_vllm_config(SimpleNamespace(), model)
+    assert m.config.need_send_cache and not m.config.enable_kv_async_prefetch
+    conn = {"type": "LocalConnector", "namespace": "x"}
+    ktc = SimpleNamespace(omni_connector_config=conn)
+    m = OmniKVTransferManager.from_vllm_config(
+        SimpleNamespace(kv_transfer_config=ktc), SimpleNamespace()
+    )
+    assert m.config.connector_config is conn
+    ktc2 = SimpleNamespace(kv_connector_extra_config={"omni_connector_config": conn})
+    m = OmniKVTransferManager.from_vllm_config(
+        SimpleNamespace(kv_transfer_config=ktc2), SimpleNamespace()
+    )
+    assert m.config.connector_config is conn
+    m = OmniKVTransferManager.from_vllm_config(SimpleNamespace(), SimpleNamespace())
+    assert m.config == OmniKVCacheConfig()
+
+
+def test_retry_policy_schedule_and_validation() -> None:
+    assert RetryPolicy().schedule() == pytest.approx([0.1, 0.2])
+    assert RetryPolicy(attempts=5, backoff_max=0.3).schedule() == pytest.approx(
+        [0.1, 0.2, 0.3, 0.3]
+    )
+    with pytest.raises(ConfigError):
+        RetryPolicy(attempts=0)
+    with pytest.raises(ConfigError):
+        RetryPolicy(backoff_base=float("nan"))
+
+
+def test_options() -> None:
+    opts = options_from_dict(
+        {"kv_cache_layout": "blocks_first", "connector_config": {"payload_checksum": True}}
+    )
+    assert opts.kv_cache_layout == "blocks_first" and opts.payload_checksum
+    with pytest.raises(ConfigError, match="kv_cache_layout"):
+        options_from_dict({"kv_cache_layout": "diagonal"})
+    with pytest.raises(ConfigError, match="receive_copy"):
+        options_from_dict({"receive_copy": "maybe"})
+
+
+def test_deadlines() -> None:
+    assert deadline_after(None) == math.inf and remaining(math.inf) == math.inf
+    assert 0 < remaining(deadline_after(1.0)) <= 1.0
+    for bad in (-1, float("nan"), "x"):
+        with pytest.raises(ValueError, match="recv_timeout"):
+            validate_timeout(bad, "recv_timeout")  # type: ignore[arg-type]
