@@ -418,3 +418,21 @@ def test_failed_connector_creation_is_reported_and_retried() -> None:
     assert "engine not up yet" in (mgr.connector_error or "")
     assert mgr.connector is not None and mgr.get_connector is mgr.connector
     assert mgr.connector_error is None
+
+
+def test_metrics_count_outcomes_and_export(namespace: str) -> None:
+    sender, receiver = _pair(namespace, timeout=0.05)
+    sender.handle_finished_requests_kv_transfer(
+        {"m1": {"block_ids": [0], "seq_len": 3}, "m2": {"block_ids": [99], "seq_len": 3}},
+        _caches(),
+        8,
+        "f",
+    )
+    receiver.receive_kv_cache_for_request("m1")
+    receiver.receive_kv_cache_for_request("m2")
+    snap = sender.metrics.snapshot()
+    assert snap["outcomes"] == {"send.failed": 1, "send.sent": 1}
+    assert receiver.metrics.snapshot()["outcomes"] == {"recv.ok": 1, "recv.timeout": 1}
+    text = receiver.metrics.prometheus()
+    assert 'omnikv_requests_total{direction="recv",status="ok"} 1' in text
+    assert 'omnikv_phase_ms_count{direction="recv",phase="wait"} 1' in text

@@ -35,6 +35,7 @@ from omnikv.connectors.factory import (
     OmniConnectorFactory,
 )
 from omnikv.deadline import deadline_after
+from omnikv.metrics import TransferMetrics
 from omnikv.receiver import KVReceiver, ReceiveResult, ReceiveStatus, SenderEndpoint
 from omnikv.requests import apply_kv_cache_to_request, request_id_of
 from omnikv.sender import KVSender, SendResult, SendStatus
@@ -171,6 +172,8 @@ class OmniKVTransferManager:
         self._results_lock = threading.Lock()
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
+        #: Outcome counters and phase histograms (``metrics.prometheus()`` for export).
+        self.metrics = TransferMetrics()
         self._companions = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._async_prefetch = bool(async_prefetch)
@@ -343,6 +346,8 @@ class OmniKVTransferManager:
         with self._results_lock:
             for r in results:
                 self._send_results.record(r.request_id, r)
+        for r in results:
+            self.metrics.record("send", r.status.value, r.nbytes, r.timings_ms)
         self.last_send_results = results
 
     def get_send_result(self, request_id: str) -> SendResult | None:
@@ -453,10 +458,11 @@ class OmniKVTransferManager:
         # The record keeps the outcome, not the tensors: holding them would pin pool memory.
         with self._results_lock:
             self._recv_results.record(result.request_id, dataclasses.replace(result, data=None))
+        self.metrics.record("recv", result.status.value, result.nbytes, result.timings_ms)
         return result
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:
-        """The outcome of the latest receive of ``request_id`` (status, reason, timings; no data)."""
+        """The latest receive outcome of ``request_id`` (status, reason, timings; no data)."""
         with self._results_lock:
             return self._recv_results.get(str(request_id))
 
