@@ -1,0 +1,169 @@
+"""Control plane of :mod:`omnikv.connectors.shm`: names, keys, framing, discovery.
+
+Everything here lives in the Linux *abstract* Unix-socket namespace, which has no files: a name
+disappears with the last socket bound to it, so a SIGKILLed process leaves nothing behind and
+there is no runtime folder to sweep. Names are ``omnikv-shm/<uid>/<namespace hash>/<instance>``;
+peers find each other by listing ``/proc/net/unix`` and accept only peers of their own uid
+(``SO_PEERCRED``), since abstract sockets carry no file permissions.
+
+Frames are ``<u32 little-endian length><msgpack array>``; the first element is the message type.
+No pickle. Frames are bounded (:data:`MAX_FRAME`) and validated by the reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import struct
+import time
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "MAX_FRAME",
+    "MAX_KEY_CHARS",
+    "FrameReader",
+    "NamespaceLock",
+    "discover",
+    "encode_frame",
+    "escape_key",
+    "namespace_prefix",
+    "peer_uid",
+]
+
+MAX_FRAME = 64 * 1024
+MAX_KEY_CHARS = 1024
+_LEN = struct.Struct("<I")
+_SAFE = re.compile(r"[A-Za-z0-9_.:=+-]")
+
+
+def escape_key(part: str) -> str:
+    """Escape one key component: characters outside ``[A-Za-z0-9_.:=+-]`` become ``%XX``.
+
+    Injective (``%`` is escaped too) so distinct keys never collide, and free of ``@`` (the edge
+    separator) so a request id can be recovered from a transport key. Raises ``ValueError`` for a
+    non-string.
+    """
+    if not isinstance(part, str):
+        raise ValueError(f"key components must be str, got {type(part).__name__}")
+    out: list[str] = []
+    for ch in part:
+        if _SAFE.fullmatch(ch):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    return "".join(out)
+
+
+def transport_key(key: str, from_stage: Any, to_stage: Any) -> str:
+    """``"<key>@<from>_<to>"`` with every part escaped; ``ValueError`` if empty or too long."""
+    if not key:
+        raise ValueError("empty key")
+    out = f"{escape_key(key)}@{escape_key(str(from_stage))}_{escape_key(str(to_stage))}"
+    if len(out) > MAX_KEY_CHARS:
+        raise ValueError(
+            f"key too long: {len(out)} characters after escaping (max {MAX_KEY_CHARS})"
+        )
+    return out
+
+
+def namespace_prefix(namespace: str) -> str:
+    """The abstract-socket name prefix of a namespace for this uid (fixed length, no NUL)."""
+    digest = hashlib.sha256(namespace.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return f"omnikv-shm/{os.getuid()}/{digest}/"
+
+
+def encode_frame(msg: list[Any]) -> bytes:
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"control message of {len(body)} bytes exceeds {MAX_FRAME}")
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into decoded messages. ``feed`` raises ``ValueError`` on garbage."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[list[Any]]:
+        self._buf += data
+        out: list[list[Any]] = []
+        while len(self._buf) >= 4:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n > MAX_FRAME:
+                raise ValueError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+            if len(self._buf) < 4 + n:
+                break
+            body = bytes(self._buf[4 : 4 + n])
+            del self._buf[: 4 + n]
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+            if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
+                raise ValueError("control frame is not a typed msgpack array")
+            out.append(msg)
+        return out
+
+
+def peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def discover(prefix: str) -> set[str]:
+    """Listening abstract names starting with ``prefix`` (read from ``/proc/net/unix``)."""
+    found: set[str] = set()
+    want = "@" + prefix
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                # Num RefCount Protocol Flags Type St Inode Path; listeners have St 01, Flags 10000
+                if len(parts) >= 8 and parts[7].startswith(want) and parts[3] == "00010000":
+                    found.add(parts[7][1:])
+    except OSError:
+        return found
+    return found
+
+
+def abstract(name: str) -> bytes:
+    return b"\0" + name.encode()
+
+
+class NamespaceLock:
+    """A node-wide mutex per namespace: holding it means having bound its abstract name.
+
+    Used only around a connector's join (bind listener, list peers, connect), so that two
+    connectors starting at once never miss or double-connect each other. The kernel releases it
+    when its holder dies. Acquiring retries every millisecond until ``timeout``.
+    """
+
+    def __init__(self, prefix: str, timeout: float = 10.0) -> None:
+        self._name = abstract(prefix + "lock")
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+
+    def __enter__(self) -> NamespaceLock:
+        end = time.monotonic() + self._timeout
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.bind(self._name)
+            except OSError as exc:
+                s.close()
+                if time.monotonic() >= end:
+                    raise TimeoutError(f"namespace lock busy for {self._timeout}s") from exc
+                time.sleep(0.001)
+                continue
+            self._sock = s
+            return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
