@@ -1,0 +1,236 @@
+"""Helpers for the Mooncake engine tests: isolated scenarios, a real master, peer processes.
+
+A networked test calls :func:`run_scenario` with a ``scenario_*`` function of its module. The
+function runs in a fresh child interpreter, inside ``unshare -n`` (a network namespace where only
+loopback exists) when this process may create one, with ``MC_TCP_BIND_ADDRESS=127.0.0.1``. The
+child's process group is killed by PID when the scenario ends or overruns its time limit. The
+scenario returns a JSON-able dict, which :func:`run_scenario` returns to the test.
+
+Inside a scenario, :class:`Master` starts the wheel's ``mooncake_master`` on free loopback ports
+and :func:`spawn` starts peers (``multiprocessing`` spawn); both are stopped by PID.
+
+Run directly as ``python tests/mooncake_helpers.py <module file> <function> <json params>``
+(that is what :func:`run_scenario` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "OMNIKV-RESULT "
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+
+
+def mooncake_skip_reason() -> str | None:
+    """Why the Mooncake tests cannot run here, or ``None`` when they can."""
+    try:
+        import mooncake.engine  # noqa: F401
+        import mooncake.store  # noqa: F401
+        import zmq  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError for a missing libibverbs
+        return f"mooncake not importable ({exc}); pip install 'omnikv[mooncake]' + libibverbs1"
+    return None
+
+
+def master_binary() -> str:
+    import mooncake
+
+    return str(Path(mooncake.__file__).resolve().parent / "mooncake_master")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound and released together)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-n", "sh", "-c", "ip link set lo up"],
+        capture_output=True,
+        timeout=10,
+        check=False,
+    )
+    return probe.returncode == 0
+
+
+_UNSHARE: bool | None = None
+
+
+def run_scenario(
+    module_file: str, func: str, params: dict[str, Any] | None = None, timeout: float = 60.0
+) -> dict[str, Any]:
+    """Run ``func(**params)`` of ``module_file`` in an isolated child; return its dict.
+
+    Raises ``AssertionError`` with the child's output when it fails or overruns ``timeout``.
+    """
+    global _UNSHARE
+    if _UNSHARE is None:
+        _UNSHARE = _can_unshare() and os.environ.get("OMNIKV_NO_UNSHARE") != "1"
+    env = dict(os.environ)
+    env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")])
+    env.setdefault("GLOG_minloglevel", "2")
+    cmd = [sys.executable, str(Path(__file__).resolve()), module_file, func, json.dumps(params or {})]
+    if _UNSHARE:
+        cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError(f"scenario {func} overran {timeout}s:\n{out[-6000:]}") from None
+    finally:
+        _kill_group(proc.pid)
+    lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"scenario {func} failed (rc {proc.returncode}):\n{out[-6000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    result["_isolated"] = bool(_UNSHARE)
+    return result
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+# -- inside a scenario ---------------------------------------------------------------------------
+class Master:
+    """A real ``mooncake_master`` on free loopback ports, stopped by PID."""
+
+    def __init__(self) -> None:
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def start(self, timeout: float = 15.0) -> Master:
+        args = [
+            master_binary(),
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--default_kv_lease_ttl=100",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + timeout
+        for port in (self.rpc_port, self.http_port):
+            while not _accepts(port):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
+                if time.monotonic() > end:
+                    self.stop()
+                    raise RuntimeError("mooncake_master did not start listening")
+                # bounded wait on the condition "port accepts", re-checked every 20 ms
+                time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def __enter__(self) -> Master:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+_CTX = mp.get_context("spawn")
+
+
+def spawn(target: Callable[..., None], *args: Any) -> BaseProcess:
+    """Start ``target(*args)`` in a spawned peer process (stop it with :func:`stop`)."""
+    proc = _CTX.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def queue() -> Any:
+    return _CTX.Queue()
+
+
+def stop(*procs: BaseProcess, timeout: float = 10.0) -> None:
+    """Join peers that finished; kill by PID those still running after ``timeout``."""
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=5)
+
+
+@contextlib.contextmanager
+def peers(*procs: BaseProcess, timeout: float = 10.0) -> Iterator[tuple[BaseProcess, ...]]:
+    try:
+        yield procs
+    finally:
+        stop(*procs, timeout=timeout)
+
+
+def _main(argv: list[str]) -> int:
+    module_file, func, params = argv[0], argv[1], json.loads(argv[2])
+    spec = importlib.util.spec_from_file_location(Path(module_file).stem, module_file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    result = getattr(module, func)(**params)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
