@@ -109,7 +109,7 @@ class _Link:
         self.pid = pid
         self.peer = f"pid {pid}"
         self.alive = True
-        self.send_lock = threading.Lock()
+        self.send_lock = threading.RLock()
         self.reader = FrameReader()
         self.fds: deque[int] = deque()
         self.pool: PeerPool | None = None  # the peer's pool, mapped here
@@ -285,7 +285,6 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._links: set[_Link] = set()
         self._tokens = itertools.count(1)
         self._wids = itertools.count(1)
-        self._release_q: deque[tuple[_Link, int]] = deque()
         self._counters: dict[str, int] = dict.fromkeys(
             (
                 "puts",
@@ -310,7 +309,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self.instance = f"{os.getpid()}-{secrets.token_hex(6)}"
         self._name = self._prefix + self.instance
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        # The wake pipe outlives close(): a late release callback must never write to a reused fd.
+        # The wake pipe outlives close(), so a late wake-up never writes to a reused descriptor.
         weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._sel = selectors.DefaultSelector()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -416,10 +415,15 @@ class SharedMemoryConnector(OmniConnectorBase):
                     link.sock.shutdown(socket.SHUT_RDWR)
                 return False
 
-    def _queue_release(self, link: _Link, token: int) -> None:
-        """Release callback of a handed-out view: lock-free, safe from a GC finalizer."""
-        self._release_q.append((link, token))
-        _wake(self._wake_w)
+    def _release_cb(self, link: _Link, token: int) -> None:
+        """Release callback of a handed-out view (any thread, also a GC finalizer).
+
+        Sends ``release`` at once, so a later message of the same thread (a get, a want) reaches
+        the sender after it. The send lock is reentrant and no other lock is taken here, so a
+        finalizer that runs while this thread is inside ``_send`` only puts whole frames first.
+        """
+        if not self._closed:
+            self._send(link, [["release", token]])
 
     # -- sender side --------------------------------------------------------------------------
     def _ensure_pool(self) -> tuple[SenderPool, Allocator]:
@@ -632,7 +636,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _materialize(self, offer: _Offer) -> GetResult:
         """Turn an accepted offer into the caller's result; the slot is released later."""
-        release = functools.partial(self._queue_release, offer.link, offer.token)
+        release = functools.partial(self._release_cb, offer.link, offer.token)
         try:
             view = offer.pool.view(offer.offset, offer.nbytes)
         except (RuntimeError, ValueError) as exc:
@@ -716,7 +720,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # -- I/O thread ---------------------------------------------------------------------------
     def _io_loop(self) -> None:
-        """Serve accepts, peer messages and queued releases until close."""
+        """Serve accepts and peer messages until close."""
         while not self._stop:
             try:
                 events = self._sel.select()
@@ -733,15 +737,6 @@ class SharedMemoryConnector(OmniConnectorBase):
                     self._accept()
                 else:
                     self._read(key.data)
-            self._flush_releases()
-
-    def _flush_releases(self) -> None:
-        batches: dict[_Link, list[list[Any]]] = {}
-        while self._release_q:
-            link, token = self._release_q.popleft()
-            batches.setdefault(link, []).append(["release", token])
-        for link, msgs in batches.items():
-            self._send(link, msgs)
 
     def _read(self, link: _Link) -> None:
         try:
