@@ -19,6 +19,7 @@ from omnikv.errors import (
 )
 from omnikv.manager import OmniKVTransferManager
 from omnikv.payload import KVCacheTransferData
+from omnikv.prefetch import KVPrefetchJob
 from omnikv.receiver import ReceiveResult, ReceiveStatus
 from omnikv.sender import SendResult, SendStatus
 
@@ -31,6 +32,7 @@ __all__ = [
     "DecodeError",
     "KVCacheTransferData",
     "KVPrefetchConsumeError",
+    "KVPrefetchJob",
     "ManagedBuffer",
     "OmniConnectorBase",
     "OmniConnectorFactory",

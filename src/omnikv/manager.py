@@ -35,9 +35,11 @@ from omnikv.connectors.factory import (
     OmniConnectorFactory,
 )
 from omnikv.deadline import deadline_after
+from omnikv.errors import KVPrefetchConsumeError
 from omnikv.metrics import TransferMetrics
+from omnikv.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume, iter_prefetch_jobs
 from omnikv.receiver import KVReceiver, ReceiveResult, ReceiveStatus, SenderEndpoint
-from omnikv.requests import apply_kv_cache_to_request, request_id_of
+from omnikv.requests import apply_kv_cache_to_request, apply_request_kv_payload, request_id_of
 from omnikv.sender import KVSender, SendResult, SendStatus
 from omnikv.topology import (
     KVTPTopology,
@@ -177,6 +179,8 @@ class OmniKVTransferManager:
         self._companions = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._async_prefetch = bool(async_prefetch)
+        self._prefetcher: KVPrefetcher | None = None
+        self._prefetch_lock = threading.Lock()
         self._sender = KVSender(
             stages=self.send_stages,
             topology=self.tp_topo,
@@ -404,8 +408,13 @@ class OmniKVTransferManager:
         *,
         sender_info: dict[str, Any] | None = None,
         deadline: float | None = None,
+        abort: threading.Event | None = None,
     ) -> ReceiveResult:
-        """The typed form of :meth:`receive_kv_cache_for_request` (never ``(None, 0)``)."""
+        """The typed form of :meth:`receive_kv_cache_for_request` (never ``(None, 0)``).
+
+        ``abort`` (used by the prefetch worker): once set, the receive stops between two short
+        connector wait slices and returns ``CANCELLED``.
+        """
         rid = str(request_id)
         cached = getattr(self._companions, "results", None)
         if cached is not None and rid in cached:
@@ -451,6 +460,7 @@ class OmniKVTransferManager:
             sender=endpoint,
             per_call=per_call,
             target_device=target_device,
+            abort=abort,
         )
         return self._record_recv(result)
 
@@ -562,9 +572,169 @@ class OmniKVTransferManager:
                 self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="omnikv-recv")
             return self._pool
 
+    # -- prefetch (prefetch.py) ---
+    @property
+    def prefetch_enabled(self) -> bool:
+        """Async prefetch is on (resolved flag) and this stage receives KV."""
+        return self._async_prefetch and bool(self.config.need_recv_cache)
+
+    @property
+    def prefetcher(self) -> KVPrefetcher | None:
+        """The background prefetcher, once ``start_prefetch`` made it (tests, diagnostics)."""
+        return self._prefetcher
+
+    def _is_follower(self) -> bool:
+        topo = getattr(self, "topo_config", None)
+        return bool(getattr(topo, "is_follower", False))
+
+    def _get_prefetcher(self) -> KVPrefetcher | None:
+        with self._prefetch_lock:
+            if self._prefetcher is None:
+                self._prefetcher = KVPrefetcher(
+                    self._prefetch_receive,
+                    recv_timeout=self.config.recv_timeout,
+                    min_free_mem_ratio=self.config.kv_prefetch_min_free_mem_ratio,
+                )
+            return None if self._prefetcher.closed else self._prefetcher
+
+    def _prefetch_receive(
+        self,
+        request_id: str,
+        target_device: torch.device | None,
+        sender_info: dict[str, Any] | None,
+        deadline: float,
+        abort: threading.Event,
+    ) -> ReceiveResult:
+        if abort.is_set():
+            return ReceiveResult(request_id, ReceiveStatus.CANCELLED, reason="prefetch shut down")
+        return self.receive_kv_cache_result(
+            request_id, target_device, sender_info=sender_info, deadline=deadline, abort=abort
+        )
+
+    def start_prefetch(
+        self,
+        kv_prefetch_jobs: dict[str, Any] | KVPrefetchJob | list[Any] | None,
+        target_device: torch.device | None = None,
+    ) -> None:
+        """Kick off a background KV load (non-blocking). No-op unless prefetch enabled.
+
+        Called by the runner after the current request's KV was consumed, so the next
+        request's receive (and device copy) overlaps this forward. Accepts the reference's
+        ``{"request_id", "kv_sender_info"}`` dict, a :class:`KVPrefetchJob`, or a list of them.
+        No-op on FOLLOWER ranks, for jobs without ``request_id`` or ``kv_sender_info``, below the
+        free-memory ratio, and after ``shutdown_prefetch``.
+        """
+        if not self.prefetch_enabled or not kv_prefetch_jobs or self._is_follower():
+            return
+        jobs = iter_prefetch_jobs(kv_prefetch_jobs)
+        prefetcher = self._get_prefetcher() if jobs else None
+        if prefetcher is None:
+            return
+        for job in jobs:
+            prefetcher.start(job.request_id, job.kv_sender_info, target_device)
+
+    def _consume_prefetched(
+        self, req: Any, target_device: torch.device | None = None
+    ) -> PrefetchConsume:
+        rid = str(req) if isinstance(req, str) else request_id_of(req)
+        prefetcher = self._prefetcher
+        if rid is None or prefetcher is None:
+            return PrefetchConsume(None)
+        return prefetcher.consume(rid, target_device=target_device)
+
+    def consume_prefetched_kv(self, req: Any) -> tuple[dict[str, Any] | None, int]:
+        """Consume a prefetched KV payload; (None, 0) on miss/recoverable failure.
+
+        Raises KVPrefetchConsumeError when consumed but post-get failed (no fallback).
+        ``req`` is the request (or its id). Consume-once; waits at most the prefetch's receive
+        deadline; other requests' finished prefetches are kept for their own consume.
+        """
+        out = self._consume_prefetched(req)
+        if out.result is not None and out.result.ok and out.result.data is not None:
+            return out.result.data, out.result.nbytes
+        return None, 0
+
+    consume_loaded_kv = consume_prefetched_kv
+
+    def consume_and_distribute_kv_cache(
+        self, req: Any, target_device: torch.device | None = None
+    ) -> bool:
+        """Consume prefetched KV → apply → distribute; sync-receive on miss.
+
+        No retry on consume-error.
+        Called by the runner on every rank. Distribution is always entered, also after a consume
+        error or a failed receive, so followers never block; a leader without KV distributes
+        ``None`` and its followers return False. Returns whether this rank ended up with KV.
+        """
+        follower = self._is_follower()
+        received = False
+        failure: BaseException | None = None
+        try:
+            if not follower:
+                received = self._consume_or_receive(req, target_device)
+        except Exception as exc:  # distribute first, then re-raise (below)
+            failure = exc
+        payload = None
+        distribute = getattr(self, "distribute_kv_cache", None)
+        if distribute is not None:
+            payload = distribute(req, target_device, received=received)
+        if payload is not None:
+            apply_request_kv_payload(req, payload, target_device)
+        if failure is not None:
+            raise failure
+        return received or payload is not None
+
+    def _consume_or_receive(self, req: Any, target_device: torch.device | None) -> bool:
+        rid = request_id_of(req)
+        out = PrefetchConsume(None)
+        if self.prefetch_enabled:
+            try:
+                out = self._consume_prefetched(req, target_device)
+            except KVPrefetchConsumeError as exc:
+                logger.error("Prefetched KV of %s unusable; request cannot recover: %s", rid, exc)
+                return False
+            res = out.result
+            if res is not None and res.ok and res.data is not None:
+                self.apply_kv_cache_to_request(req, res.data)
+                return True
+            if not out.sync_retry:
+                return False
+        if rid is None:
+            logger.warning("Request without request_id; cannot receive KV")
+            return False
+        logger.debug("No prefetched KV for %s; receiving synchronously", rid)
+        sender_info = getattr(req, "kv_sender_info", None)
+        if sender_info:
+            self.update_sender_info(sender_info, sender_stage_id=self.recv_stages[0])
+        try:
+            result = self.receive_kv_cache_result(rid, target_device, deadline=out.retry_deadline)
+        except KVPrefetchConsumeError as exc:
+            logger.error("KV of %s consumed but unusable; request cannot recover: %s", rid, exc)
+            return False
+        if result.ok and result.data:
+            self.apply_kv_cache_to_request(req, result.data)
+            return True
+        return False
+
+    def shutdown_prefetch(self) -> None:
+        """Cancel pending prefetches and stop the executor (call on teardown).
+
+        Returns within the prefetcher's join bound (2 s) even when a background receive is stuck
+        on a dead sender; afterwards no prefetch thread calls the connector. Idempotent.
+        """
+        with self._prefetch_lock:
+            prefetcher = self._prefetcher
+            if prefetcher is None:
+                # Closed for good: a later start_prefetch makes no new worker.
+                self._prefetcher = prefetcher = KVPrefetcher(
+                    self._prefetch_receive, recv_timeout=self.config.recv_timeout
+                )
+        prefetcher.shutdown()
+
     # -- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
         """Stop helper threads and close the connector. Idempotent."""
+        self.shutdown_prefetch()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -10,6 +10,7 @@ was consumed but could not be made usable (e.g. the device copy failed), so retr
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class ReceiveStatus(str, Enum):
     UNAVAILABLE = "unavailable"
     PEER_GONE = "peer_gone"
     SKIPPED = "skipped"
+    #: The caller aborted the wait (prefetch shutdown); nothing was consumed for the missing key.
+    CANCELLED = "cancelled"
 
 
 @dataclass
@@ -84,6 +87,39 @@ def _map_tensors(data: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor
         layers = blocks.get(cache)
         if isinstance(layers, list):
             blocks[cache] = [fn(t) if isinstance(t, torch.Tensor) else t for t in layers]
+
+
+#: Longest single connector wait when the caller passed an ``abort`` event (seconds).
+ABORT_SLICE_S = 0.05
+
+
+class _Aborted(Exception):
+    """The ``abort`` event was set between two wait slices."""
+
+
+def _wait_sliced(
+    connector: OmniConnectorBase,
+    from_stage: str,
+    to_stage: str,
+    key: str,
+    deadline: float,
+    metadata: dict[str, Any] | None,
+    abort: threading.Event | None,
+) -> Any:
+    """``connector.wait`` until ``deadline``, cut into abortable slices when ``abort`` is given.
+
+    A wait that returns ``None`` at its (slice) deadline consumes nothing (connector contract),
+    so slicing never loses a payload. Raises :class:`_Aborted` once ``abort`` is set.
+    """
+    if abort is None:
+        return connector.wait(from_stage, to_stage, key, deadline=deadline, metadata=metadata)
+    while True:
+        if abort.is_set():
+            raise _Aborted
+        step = min(deadline, time.monotonic() + ABORT_SLICE_S)
+        got = connector.wait(from_stage, to_stage, key, deadline=step, metadata=metadata)
+        if got is not None or step >= deadline:
+            return got
 
 
 class KVReceiver:
@@ -120,12 +156,17 @@ class KVReceiver:
         sender: SenderEndpoint | None = None,
         per_call: bool = False,
         target_device: torch.device | str | None = None,
+        abort: threading.Event | None = None,
     ) -> ReceiveResult:
         """Wait for every shard of ``request_id`` until ``deadline`` (absolute monotonic).
 
         ``sender`` is the sender stage's base endpoint; with ``per_call`` it was given for this
         call only and per-rank metadata is always sent. Shards already taken when a later shard
         times out are dropped (they were consumed; the result says so).
+
+        ``abort`` (the prefetcher's stop event): when given, each connector wait is cut into
+        slices of at most :data:`ABORT_SLICE_S` and the event is checked before every slice; once
+        it is set the receive returns ``CANCELLED`` without calling the connector again.
         """
         t0 = time.monotonic()
         from_stage, to_stage = self.stages
@@ -149,9 +190,14 @@ class KVReceiver:
                         "source_port": rank_port(sender[1], from_rank),
                     }
                 try:
-                    got = connector.wait(
-                        from_stage, to_stage, key, deadline=deadline, metadata=metadata
+                    got = _wait_sliced(
+                        connector, from_stage, to_stage, key, deadline, metadata, abort
                     )
+                except _Aborted:
+                    detail = "receive aborted"
+                    if raws:
+                        detail += f"; {len(raws)} shard(s) already taken were dropped"
+                    return self._miss(request_id, ReceiveStatus.CANCELLED, detail, keys, t0)
                 except PeerGoneError as exc:
                     return self._miss(request_id, ReceiveStatus.PEER_GONE, str(exc), keys, t0)
                 except ConnectorUnavailableError as exc:

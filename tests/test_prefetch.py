@@ -1,0 +1,529 @@
+"""Async prefetch through the manager: the reference's tests 1-14 and 22-24, adapted, plus the
+guarantees omnikv adds (no lost payloads, bounded waits, prompt shutdown, consume errors).
+
+Reference §9 tests 15-21 (the role table) belong to ``parallel.py``'s tests. Where the reference
+dropped a superseded prefetch (tests 11, 12), omnikv keeps its result: those tests now assert it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from omnikv import (
+    KVPrefetchConsumeError,
+    KVPrefetchJob,
+    OmniKVCacheConfig,
+    OmniKVTransferManager,
+    ReceiveStatus,
+)
+from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
+from omnikv.connectors.local import LocalConnector
+from omnikv.prefetch import KVPrefetcher
+
+SENDER = {"host": "127.0.0.1", "zmq_port": 50151}
+KEY = "omni_stage1_to_stage2_kv_cache_{}"
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _sender(namespace: str) -> OmniKVTransferManager:
+    return OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config={"type": "LocalConnector", "namespace": namespace},
+            from_stage="stage1",
+            to_stage="stage2",
+            need_send_cache=True,
+        )
+    )
+
+
+def _receiver(
+    namespace: str | None = None,
+    *,
+    timeout: float = 5.0,
+    prefetch: bool = True,
+    connector: OmniConnectorBase | None = None,
+) -> OmniKVTransferManager:
+    conn = None if namespace is None else {"type": "LocalConnector", "namespace": namespace}
+    return OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config=conn,
+            from_stage="stage1",
+            stage_id="stage2",
+            need_recv_cache=True,
+            recv_timeout=timeout,
+            enable_kv_async_prefetch=prefetch,
+        ),
+        async_prefetch=prefetch,
+        connector=connector,
+    )
+
+
+def _send(sender: OmniKVTransferManager, rid: str, seq_len: int = 10, fill: float = 0.0) -> None:
+    caches = [torch.full((2, 4, 8, 2, 4), fill + i) for i in range(2)]
+    sender.handle_finished_requests_kv_transfer(
+        {rid: {"block_ids": [0, 1], "seq_len": seq_len}}, caches, 8, "torch.float32"
+    )
+    res = sender.get_send_result(rid)
+    assert res is not None and res.ok
+
+
+def _job(rid: str) -> dict[str, Any]:
+    return {"request_id": rid, "kv_sender_info": dict(SENDER)}
+
+
+def _req(rid: str) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace())
+
+
+def _wait_state(pf: KVPrefetcher, rid: str, state: str, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while pf.tracked().get(rid) != state:
+        assert time.monotonic() < end, f"{rid} never reached {state}: {pf.tracked()}"
+        time.sleep(0.002)
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kv-prefetch"]
+
+
+# -- enablement (reference tests 1-6) ---------------------------------------------------------
+def test_default_manager_has_prefetch_disabled() -> None:
+    assert not OmniKVTransferManager(OmniKVCacheConfig()).prefetch_enabled
+
+
+@pytest.mark.parametrize(
+    ("omni_kv", "expected"),
+    [
+        ({"need_recv_cache": True, "enable_kv_async_prefetch": True}, True),
+        (None, False),
+        ({"need_recv_cache": True, "enable_kv_async_prefetch": False}, False),
+        (
+            {
+                "need_recv_cache": True,
+                "enable_kv_async_prefetch": True,
+                "connector_config": {"type": "LocalConnector", "memory_pool_device": "cpu"},
+            },
+            True,
+        ),
+        (
+            {
+                "need_recv_cache": True,
+                "enable_kv_async_prefetch": True,
+                "connector_config": {"type": "LocalConnector", "memory_pool_device": "cuda"},
+            },
+            False,
+        ),
+    ],
+)
+def test_from_od_config_flag(omni_kv: dict[str, Any] | None, expected: bool) -> None:
+    mgr = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv))
+    assert mgr.prefetch_enabled is expected
+
+
+def test_cfg_companion_collector_forces_prefetch_off() -> None:
+    cfg = SimpleNamespace(
+        omni_kv_config={"need_recv_cache": True, "enable_kv_async_prefetch": True},
+        cfg_kv_collect_func=lambda *a: {},
+    )
+    assert not OmniKVTransferManager.from_od_config(cfg).prefetch_enabled
+
+
+def test_from_vllm_config_never_enables_prefetch() -> None:
+    model = SimpleNamespace(
+        omni_kv_config={"need_recv_cache": True, "enable_kv_async_prefetch": True}
+    )
+    assert not OmniKVTransferManager.from_vllm_config(SimpleNamespace(), model).prefetch_enabled
+
+
+def test_start_prefetch_noop_when_disabled(namespace: str) -> None:
+    mgr = _receiver(namespace, prefetch=False)
+    mgr.start_prefetch(_job("r1"))
+    assert mgr.prefetcher is None
+
+
+def test_start_prefetch_noop_without_recv_cache(namespace: str) -> None:
+    mgr = OmniKVTransferManager(
+        OmniKVCacheConfig(enable_kv_async_prefetch=True), async_prefetch=True
+    )
+    mgr.start_prefetch(_job("r1"))
+    assert mgr.prefetcher is None
+
+
+# -- round trip and table (reference tests 7-13) ----------------------------------------------
+def test_round_trip_and_consume_once(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    _send(sender, "r1")
+    mgr.start_prefetch(_job("r1"))
+    assert mgr.prefetcher is not None and "r1" in mgr.prefetcher.tracked()
+    data, size = mgr.consume_prefetched_kv(_req("r1"))
+    assert data is not None and size > 0
+    assert len(data["layer_blocks"]["key_cache"]) == 2
+    assert data["metadata"]["seq_len"] == 10
+    assert mgr.prefetcher.tracked() == {}
+    assert mgr.consume_loaded_kv("r1") == (None, 0)  # consume-once; alias
+    mgr.close()
+
+
+def test_consume_without_prefetch_is_a_miss(namespace: str) -> None:
+    mgr = _receiver(namespace)
+    assert mgr.consume_prefetched_kv(_req("nothing")) == (None, 0)
+
+
+def test_start_same_request_twice_keeps_one_entry(namespace: str) -> None:
+    mgr = _receiver(namespace)
+    mgr.start_prefetch(_job("r1"))
+    pf = mgr.prefetcher
+    assert pf is not None
+    entry = pf._entries["r1"]
+    mgr.start_prefetch(KVPrefetchJob("r1", dict(SENDER)))
+    assert pf._entries["r1"] is entry and len(pf.tracked()) == 1
+    mgr.close()
+
+
+@pytest.mark.parametrize("job", [{"request_id": "r1"}, {"kv_sender_info": SENDER}, {}, None])
+def test_job_without_sender_info_or_id_submits_nothing(namespace: str, job: Any) -> None:
+    mgr = _receiver(namespace)
+    mgr.start_prefetch(job)
+    assert mgr.prefetcher is None or mgr.prefetcher.tracked() == {}
+    assert _prefetch_threads() == [] or mgr.prefetcher is not None
+
+
+def test_consuming_another_request_keeps_finished_prefetch(namespace: str) -> None:
+    """Reference test 11 swept (and lost) A here; omnikv keeps A's result for A's consume."""
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    _send(sender, "A", seq_len=10)
+    mgr.start_prefetch(_job("A"))
+    assert mgr.prefetcher is not None
+    _wait_state(mgr.prefetcher, "A", "done")
+    assert mgr.consume_prefetched_kv(_req("other")) == (None, 0)
+    data, _ = mgr.consume_prefetched_kv(_req("A"))
+    assert data is not None and data["metadata"]["seq_len"] == 10
+    mgr.close()
+
+
+def test_superseded_finished_prefetch_keeps_its_kv(namespace: str) -> None:
+    """Prefetch A, then B: consuming A later still gets A's KV (reference test 12 lost it)."""
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    _send(sender, "A", seq_len=10, fill=1.0)
+    _send(sender, "B", seq_len=12, fill=2.0)
+    mgr.start_prefetch(_job("A"))
+    assert mgr.prefetcher is not None
+    _wait_state(mgr.prefetcher, "A", "done")
+    mgr.start_prefetch(_job("B"))
+    _wait_state(mgr.prefetcher, "B", "done")
+    req_a = _req("A")
+    assert mgr.consume_and_distribute_kv_cache(req_a)
+    assert req_a.kv_metadata["seq_len"] == 10
+    assert float(req_a.past_key_values.key_cache[0].flatten()[0]) == 1.0
+    data, _ = mgr.consume_prefetched_kv(_req("B"))
+    assert data is not None and data["metadata"]["seq_len"] == 12
+    mgr.close()
+
+
+def test_superseded_running_prefetch_finishes_into_the_table(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    mgr.start_prefetch(_job("A"))  # A's KV is not there yet: the worker waits for it
+    pf = mgr.prefetcher
+    assert pf is not None
+    _wait_state(pf, "A", "running")
+    mgr.start_prefetch(_job("B"))
+    _send(sender, "A", seq_len=7)
+    _send(sender, "B", seq_len=9)
+    _wait_state(pf, "B", "done")
+    assert pf.tracked()["A"] == "done"
+    data, _ = mgr.consume_prefetched_kv(_req("A"))
+    assert data is not None and data["metadata"]["seq_len"] == 7
+    mgr.close()
+
+
+def test_superseded_queued_prefetch_leaves_payload_at_source(namespace: str) -> None:
+    """A queued prefetch that is superseded consumes nothing; the request, scheduled later,
+    still gets its KV from the source."""
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    probe = LocalConnector({"namespace": namespace})
+    mgr.start_prefetch(_job("A"))  # blocks the single worker (A not sent yet)
+    pf = mgr.prefetcher
+    assert pf is not None
+    _wait_state(pf, "A", "running")
+    _send(sender, "B", seq_len=5)
+    mgr.start_prefetch(_job("B"))
+    assert pf.tracked()["B"] == "queued"
+    mgr.start_prefetch(_job("C"))  # supersedes the queued B
+    assert "B" not in pf.tracked()
+    assert any(k.startswith(KEY.format("B")) for k in probe.pending_keys())
+    req_b = _req("B")
+    assert mgr.consume_and_distribute_kv_cache(req_b)  # scheduled later: sync receive finds it
+    assert req_b.kv_metadata["seq_len"] == 5
+    mgr.close()
+
+
+def test_consume_of_queued_prefetch_receives_synchronously(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    mgr.start_prefetch(_job("A"))
+    pf = mgr.prefetcher
+    assert pf is not None
+    _wait_state(pf, "A", "running")
+    _send(sender, "B", seq_len=6)
+    mgr.start_prefetch(_job("B"))
+    req_b = _req("B")
+    assert mgr.consume_and_distribute_kv_cache(req_b)
+    assert req_b.kv_metadata["seq_len"] == 6
+    mgr.close()
+
+
+def test_shutdown_empties_table_and_stops_worker(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    _send(sender, "A")
+    mgr.start_prefetch(_job("A"))
+    mgr.start_prefetch(_job("B"))
+    pf = mgr.prefetcher
+    assert pf is not None and pf.thread is not None
+    mgr.shutdown_prefetch()
+    assert pf.tracked() == {} and not pf.thread.is_alive()
+    mgr.start_prefetch(_job("C"))
+    assert pf.tracked() == {}
+    mgr.shutdown_prefetch()  # idempotent
+    mgr.close()
+
+
+def test_per_call_sender_info_keeps_base_endpoint(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    mgr.update_sender_info({"host": "10.0.0.1", "zmq_port": 6000})
+    _send(sender, "A")
+    mgr.start_prefetch({"request_id": "A", "kv_sender_info": {"host": "10.9.9.9", "zmq_port": 1}})
+    assert mgr.consume_prefetched_kv("A")[0] is not None
+    assert (mgr._sender_base_host, mgr._sender_base_zmq_port) == ("10.0.0.1", 6000)
+    mgr.close()
+
+
+# -- roles (reference tests 22-24) ------------------------------------------------------------
+def _with_role(monkeypatch: pytest.MonkeyPatch, follower: bool) -> None:
+    topo = SimpleNamespace(is_follower=follower, is_leader=not follower, is_local=False)
+    monkeypatch.setattr(OmniKVTransferManager, "topo_config", property(lambda self: topo), False)
+
+
+def test_follower_does_not_prefetch(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_role(monkeypatch, follower=True)
+    mgr = _receiver(namespace)
+    mgr.start_prefetch(_job("A"))
+    assert mgr.prefetcher is None
+
+
+def test_leader_prefetches(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_role(monkeypatch, follower=False)
+    mgr = _receiver(namespace)
+    mgr.start_prefetch(_job("A"))
+    assert mgr.prefetcher is not None and "A" in mgr.prefetcher.tracked()
+    mgr.close()
+
+
+def test_consume_and_distribute_applies_kv(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    _send(sender, "A")
+    mgr.start_prefetch(_job("A"))
+    req = _req("A")
+    assert mgr.consume_and_distribute_kv_cache(req)
+    assert len(req.past_key_values.key_cache) == 2
+    assert req.sampling_params.past_key_values is req.past_key_values
+    assert req.kv_metadata["seq_len"] == 10
+    mgr.close()
+
+
+def test_consume_and_distribute_sync_on_miss(namespace: str) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace)
+    _send(sender, "A")
+    req = _req("A")
+    assert mgr.consume_and_distribute_kv_cache(req)
+    assert req.kv_metadata["seq_len"] == 10
+
+
+# -- bounded waits ----------------------------------------------------------------------------
+def test_prefetch_timeout_is_not_followed_by_a_second_full_wait(namespace: str) -> None:
+    mgr = _receiver(namespace, timeout=0.3)
+    mgr.start_prefetch(_job("never"))
+    t0 = time.monotonic()
+    assert not mgr.consume_and_distribute_kv_cache(_req("never"))
+    waited = time.monotonic() - t0
+    assert waited < 0.3 + 0.5  # one deadline (+ slice and grace), not two
+    res = mgr.get_receive_result("never")
+    assert res is not None and res.status is ReceiveStatus.TIMEOUT
+    mgr.close()
+
+
+class StuckConnector(OmniConnectorBase):
+    """A dead sender's transport: ``wait`` blocks, ignoring its deadline, until ``unblock``."""
+
+    supports_raw_data = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unblock = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def _log(self, name: str) -> None:
+        with self._lock:
+            self.calls.append((name, threading.current_thread().name))
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+        self._log("put")
+        return False, 0, None
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> GetResult | None:
+        self._log("get")
+        return None
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        self._log("wait")
+        self.entered.set()
+        self.unblock.wait(20)
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def test_consume_waits_at_most_the_deadline_with_a_stuck_connector() -> None:
+    conn = StuckConnector()
+    mgr = _receiver(timeout=0.3, connector=conn)
+    mgr.start_prefetch(_job("A"))
+    assert conn.entered.wait(5)
+    t0 = time.monotonic()
+    assert not mgr.consume_and_distribute_kv_cache(_req("A"))
+    waited = time.monotonic() - t0
+    assert waited < 0.3 + 0.5 + 0.3
+    # no synchronous receive raced the still-running background one
+    assert [c for c in conn.calls if c[1] != "kv-prefetch"] == []
+    conn.unblock.set()
+    mgr.close()
+
+
+def test_shutdown_is_prompt_while_waiting_on_a_sender_that_never_puts(namespace: str) -> None:
+    mgr = _receiver(namespace, timeout=60.0)
+    mgr.start_prefetch(_job("never"))
+    pf = mgr.prefetcher
+    assert pf is not None
+    _wait_state(pf, "never", "running")
+    t0 = time.monotonic()
+    mgr.shutdown_prefetch()
+    assert time.monotonic() - t0 < 0.5
+    assert _prefetch_threads() == []
+    mgr.close()
+
+
+def test_shutdown_with_uninterruptible_connector_is_bounded_and_worker_stops_touching_it() -> None:
+    conn = StuckConnector()
+    mgr = _receiver(timeout=60.0, connector=conn)
+    mgr.start_prefetch(_job("A"))
+    assert conn.entered.wait(5)
+    pf = mgr.prefetcher
+    assert pf is not None and pf.thread is not None
+    pf.join_timeout_s = 0.2
+    t0 = time.monotonic()
+    mgr.shutdown_prefetch()
+    assert time.monotonic() - t0 < 0.6
+    assert pf.thread.is_alive()  # still inside the uninterruptible call
+    conn.unblock.set()
+    pf.thread.join(5)
+    assert not pf.thread.is_alive() and _prefetch_threads() == []
+    assert conn.calls == [("wait", "kv-prefetch")]
+    mgr.close()
+
+
+def test_close_calls_shutdown_prefetch(namespace: str) -> None:
+    mgr = _receiver(namespace, timeout=60.0)
+    mgr.start_prefetch(_job("never"))
+    pf = mgr.prefetcher
+    assert pf is not None
+    _wait_state(pf, "never", "running")
+    t0 = time.monotonic()
+    mgr.close()
+    assert time.monotonic() - t0 < 1.0
+    assert pf.closed and _prefetch_threads() == []
+
+
+# -- consume errors ---------------------------------------------------------------------------
+def _fail_finish(*args: Any, **kwargs: Any) -> Any:
+    raise KVPrefetchConsumeError("device copy failed; payload already consumed")
+
+
+def test_consume_error_raised_and_no_sync_retry(
+    namespace: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    sender, mgr = _sender(namespace), _receiver(namespace, timeout=5.0)
+    _send(sender, "A")
+    _send(sender, "B")
+    monkeypatch.setattr(mgr._receiver, "_finish", _fail_finish)
+    mgr.start_prefetch(_job("A"))
+    with pytest.raises(KVPrefetchConsumeError):
+        mgr.consume_prefetched_kv("A")
+    mgr.start_prefetch(_job("B"))
+    calls: list[bool] = []
+
+    def distribute(req: Any, target_device: Any = None, *, received: bool = False) -> None:
+        calls.append(received)
+
+    monkeypatch.setattr(mgr, "distribute_kv_cache", distribute, raising=False)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR):
+        assert not mgr.consume_and_distribute_kv_cache(_req("B"))
+    assert time.monotonic() - t0 < 2.0  # no sync receive waiting out recv_timeout
+    assert calls == [False]  # distribution entered (followers are told "nothing")
+    assert "cannot recover" in caplog.text
+    mgr.close()
+
+
+def test_unexpected_error_still_distributes_then_raises(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = _receiver(namespace)
+    calls: list[bool] = []
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug")
+
+    def distribute(req: Any, target_device: Any = None, *, received: bool = False) -> None:
+        calls.append(received)
+
+    monkeypatch.setattr(mgr, "receive_kv_cache_result", boom)
+    monkeypatch.setattr(mgr, "distribute_kv_cache", distribute, raising=False)
+    with pytest.raises(RuntimeError, match="bug"):
+        mgr.consume_and_distribute_kv_cache(_req("A"))
+    assert calls == [False]
+
+
+def test_follower_skips_receive_and_takes_distributed_payload(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _with_role(monkeypatch, follower=True)
+    mgr = _receiver(namespace)
+    kv = SimpleNamespace(key_cache=[torch.ones(2)], value_cache=[torch.ones(2)])
+
+    def distribute(req: Any, target_device: Any = None, *, received: bool = False) -> Any:
+        assert received is False
+        return {"past_key_values": kv, "kv_metadata": {"seq_len": 3}}
+
+    monkeypatch.setattr(mgr, "distribute_kv_cache", distribute, raising=False)
+    req = _req("A")
+    assert mgr.consume_and_distribute_kv_cache(req)
+    assert req.past_key_values is kv and req.kv_metadata == {"seq_len": 3}
+    assert mgr.get_receive_result("A") is None  # never touched the connector
