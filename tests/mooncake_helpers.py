@@ -39,7 +39,7 @@ SRC = HERE.parent / "src"
 def mooncake_skip_reason() -> str | None:
     """Why the Mooncake tests cannot run here, or ``None`` when they can."""
     try:
-        import mooncake.engine  # noqa: F401
+        import mooncake.engine
         import mooncake.store  # noqa: F401
         import zmq  # noqa: F401
     except Exception as exc:  # ImportError, or OSError for a missing libibverbs
@@ -96,7 +96,13 @@ def run_scenario(
     env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")])
     env.setdefault("GLOG_minloglevel", "2")
-    cmd = [sys.executable, str(Path(__file__).resolve()), module_file, func, json.dumps(params or {})]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        module_file,
+        func,
+        json.dumps(params or {}),
+    ]
     if _UNSHARE:
         cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     proc = subprocess.Popen(

@@ -72,7 +72,7 @@ def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any, hold_q: Any) -> None
                 def write(dst: Any, data: np.ndarray = data) -> None:
                     dst.numpy()[:] = data
 
-                ok, size, meta = conn.put_packed(
+                ok, size, _meta = conn.put_packed(
                     "0", "1", key, nbytes, write, deadline=time.monotonic() + deadline_s
                 )
                 out_q.put(("put", ok, size, crc(data)))

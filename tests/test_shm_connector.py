@@ -225,8 +225,10 @@ def test_kv_payload_packed_in_place_and_adopted(
     assert owned is not None
     out = decode(owned)
     del owned
-    assert all(torch.equal(x, y) for x, y in zip(out["layer_blocks"]["key_cache"], k, strict=True))
-    assert all(torch.equal(x, y) for x, y in zip(out["layer_blocks"]["value_cache"], v, strict=True))
+    blocks = out["layer_blocks"]
+    assert all(torch.equal(x, y) for x, y in zip(blocks["key_cache"], k, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(blocks["value_cache"], v, strict=True))
+    del blocks
     assert a.health()["held_by_readers"] == 1  # the decoded views pin the slot
     del out
     gc.collect()

@@ -7,7 +7,7 @@ peers find each other by listing ``/proc/net/unix`` and accept only peers of the
 (``SO_PEERCRED``), since abstract sockets carry no file permissions.
 
 Frames are ``<u32 little-endian length><msgpack array>``; the first element is the message type.
-No pickle. Frames are bounded (:data:`MAX_FRAME`) and validated by the reader.
+Never pickled. Frames are bounded (:data:`MAX_FRAME`) and validated by the reader.
 """
 
 from __future__ import annotations
