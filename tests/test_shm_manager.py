@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omnikv import OmniKVCacheConfig, OmniKVTransferManager, ReceiveStatus
+from omnikv.manager import LayerKV
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["omnikv.connectors.shm", "omnikv.manager"])
@@ -51,8 +52,9 @@ def sender_stage(conn: Connection, namespace: str) -> None:
     )
     conn.send(("ready", os.getpid()))
     assert conn.recv() == ("go",)
+    caches: list[LayerKV] = list(_caches())
     mgr.handle_finished_requests_kv_transfer(
-        {"req-a": {"block_ids": IDS, "seq_len": SEQ}}, _caches(), BLOCK, "torch.float16"
+        {"req-a": {"block_ids": IDS, "seq_len": SEQ}}, caches, BLOCK, "torch.float16"
     )
     res = mgr.get_send_result("req-a")
     conn.send(("sent", bool(res and res.ok), res.nbytes if res else 0))
