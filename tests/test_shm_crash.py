@@ -8,6 +8,7 @@ maps no pool after it closes, and a restarted process on the same namespace work
 from __future__ import annotations
 
 import gc
+import random
 import time
 from collections.abc import Iterator
 
@@ -15,7 +16,15 @@ import pytest
 
 from omnikv.connectors.shm import SharedMemoryConnector
 from omnikv.errors import PeerGoneError
-from test_shm_peer import Peer, abstract_names, own_memfd_maps, peer_pool, shm_listing, start_peer
+from test_shm_peer import (
+    Peer,
+    abstract_names,
+    filler,
+    own_memfd_maps,
+    peer_pool,
+    shm_listing,
+    start_peer,
+)
 
 KIB = 1024
 pytestmark = pytest.mark.slow
@@ -160,4 +169,90 @@ def test_both_killed_then_a_fresh_pair_works(peers: list[Peer], namespace: str) 
     assert reader.recv()[:3] == ("got", 64 * KIB, True)
     sender.stop()
     reader.stop()
+    _assert_nothing_left(before, namespace)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_reader_killed_at_a_random_moment_of_a_busy_stream(
+    peers: list[Peer], namespace: str, seed: int
+) -> None:
+    """The reader is killed somewhere in a loop of wait / hold / release; the sender gets every
+    byte back (a put of the whole pool fits) and a restarted reader works."""
+    n = 20
+    before = shm_listing()
+    tx = SharedMemoryConnector(
+        {"namespace": namespace, "pool_size_bytes": 2 << 20, "put_timeout_s": 10}
+    )
+    try:
+        reader = start_peer(peers, namespace)
+        reader.send("churn", n, 10.0)
+        for i in range(n):
+            assert tx.put_packed("0", "1", f"c{i}", 64 * KIB, filler(i))[0]
+        kill_after = random.Random(seed).randrange(1, n - 2)
+        while True:
+            msg = reader.recv()
+            assert msg[0] == "progress", msg
+            if msg[1] >= kill_after:
+                break
+        reader.kill()  # it was running on: mid-wait, mid-offer or holding a view
+        for i in range(n):
+            tx.cleanup(f"c{i}")
+        whole = tx.health()["pool_size_bytes"]
+        ok, _, _ = tx.put_packed(
+            "0", "1", "all", whole, lambda t: t.fill_(9), deadline=time.monotonic() + 10
+        )
+        assert ok
+        h = tx.health()
+        assert h["held_by_readers"] == 0 and h["published"] == 1
+        reader2 = start_peer(peers, namespace)
+        assert reader2.call("wait", "all", 10.0, 9) == ("waiting",)
+        assert reader2.recv()[:3] == ("got", whole, True)
+        reader2.stop()
+    finally:
+        tx.close()
+    _assert_nothing_left(before, namespace)
+
+
+@pytest.mark.timeout(60)
+def test_sender_killed_at_a_random_moment_of_a_busy_stream(
+    peers: list[Peer], namespace: str
+) -> None:
+    """The sender dies somewhere in a loop of puts; every view the receiver took stays valid,
+    later waits end (miss or PeerGoneError), nothing is left and a restarted sender works."""
+    n = 40
+    before = shm_listing()
+    rx = SharedMemoryConnector({"namespace": namespace})
+    views = []
+    try:
+        sender = start_peer(peers, namespace, pool_size_bytes=4 << 20)
+        sender.send("churn_put", n)
+        kill_after = random.Random(3).randrange(2, n // 2)
+        i = 0
+        while True:
+            got = rx.wait("0", "1", f"c{i}", deadline=time.monotonic() + 10)
+            assert got is not None
+            views.append((i, got[0]))
+            i += 1
+            msg = sender.recv()
+            if msg[1] >= kill_after:
+                break
+        sender.kill()
+        for j, buf in views:
+            assert bool((buf.tensor == j % 251).all())
+            buf.release()
+        try:
+            rest = rx.wait("0", "1", f"c{n + 1}", deadline=time.monotonic() + 0.3)
+        except PeerGoneError:
+            rest = None
+        assert rest is None
+        sender2 = start_peer(peers, namespace, pool_size_bytes=1 << 20)
+        assert sender2.call("put", "again", 64 * KIB, 5, 5.0)[:2] == ("put", True)
+        got = rx.wait("0", "1", "again", deadline=time.monotonic() + 5)
+        assert got is not None and bool((got[0].tensor == 5).all())
+        got[0].release()
+        sender2.stop()
+    finally:
+        rx.close()
+    del views, got
     _assert_nothing_left(before, namespace)

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,6 +22,15 @@ import pytest
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["omnikv.connectors.shm", "omnikv.payload"])
+
+
+def filler(value: int) -> Callable[[Any], object]:
+    """A ``put_packed`` writer that fills the slot with one byte value."""
+
+    def write(t: Any) -> object:
+        return t.fill_(value)
+
+    return write
 
 
 def peer_main(conn: Connection, config: dict[str, Any]) -> None:
@@ -48,7 +57,7 @@ def peer_main(conn: Connection, config: dict[str, Any]) -> None:
                     "1",
                     key,
                     nbytes,
-                    lambda t, f=fill: t.fill_(f),
+                    filler(fill),
                     deadline=time.monotonic() + timeout,
                 )
                 conn.send(("put", ok, size, t0))
@@ -76,6 +85,25 @@ def peer_main(conn: Connection, config: dict[str, Any]) -> None:
                 else:
                     buf.release()
                 conn.send(("got", size, ok, t1))
+            elif op == "churn":  # take c0.. in a loop, holding every other view a while
+                _, n, timeout = cmd
+                for i in range(n):
+                    got = c.wait("0", "1", f"c{i}", deadline=time.monotonic() + timeout)
+                    if got is None:
+                        conn.send(("miss", i))
+                        break
+                    if held:
+                        held.pop().release()
+                    if i % 2:
+                        held.append(got[0])
+                    else:
+                        got[0].release()
+                    conn.send(("progress", i))
+            elif op == "churn_put":  # put c0.. of 64 KiB each, filled with i % 251
+                _, n = cmd
+                for i in range(n):
+                    c.put_packed("0", "1", f"c{i}", 64 * 1024, filler(i % 251))
+                    conn.send(("progress", i))
             elif op == "release":
                 for b in held:
                     b.release()
