@@ -167,3 +167,17 @@ def test_cuda_target_without_cuda_takes_the_plain_path() -> None:
 def test_pinned_stager_rejects_a_bad_chunk_size() -> None:
     with pytest.raises(ValueError):
         PinnedStager(chunk_bytes=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only skip path")
+def test_cuda_check_script_skips_cleanly_without_cuda() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cuda_check.py"
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("SKIP cuda_check"), out.stdout

@@ -22,6 +22,10 @@ Guarantees
   - *running*: it finishes into the table;
   - *finished*: its result stays in the table until that request is consumed.
 
+  So the answer to "kept or left at the source?" is: kept once the receive has started, left at
+  the source before. ``tests/test_prefetch_shm.py`` checks all three states across processes
+  over a real ``SharedMemoryConnector``: each request, scheduled later, gets its own KV.
+
   The table is bounded (``capacity`` entries, default 4). A finished *successful* result is
   never evicted to make room: when the table is full of them, ``start`` declines the new
   prefetch (a warning), so that request's payload stays at its source and the synchronous
