@@ -67,7 +67,7 @@ def _receiver(
 
 
 def _send(sender: OmniKVTransferManager, rid: str, seq_len: int = 10, fill: float = 0.0) -> None:
-    caches = [torch.full((2, 4, 8, 2, 4), fill + i) for i in range(2)]
+    caches: list[Any] = [torch.full((2, 4, 8, 2, 4), fill + i) for i in range(2)]
     sender.handle_finished_requests_kv_transfer(
         {rid: {"block_ids": [0, 1], "seq_len": seq_len}}, caches, 8, "torch.float32"
     )
