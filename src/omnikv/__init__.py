@@ -18,10 +18,12 @@ from omnikv.errors import (
     ReceiveTimeout,
 )
 from omnikv.manager import OmniKVTransferManager
+from omnikv.parallel import DistributionError, ParallelContext, ReceiveRole, TopoConfig
 from omnikv.payload import KVCacheTransferData
 from omnikv.prefetch import KVPrefetchJob
 from omnikv.receiver import ReceiveResult, ReceiveStatus
 from omnikv.sender import SendResult, SendStatus
+from omnikv.topology import KVTPTopology
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,8 @@ __all__ = [
     "ConnectorError",
     "ConnectorSpec",
     "DecodeError",
+    "DistributionError",
+    "KVTPTopology",
     "KVCacheTransferData",
     "KVPrefetchConsumeError",
     "KVPrefetchJob",
@@ -40,13 +44,16 @@ __all__ = [
     "OmniKVError",
     "OmniKVTransferManager",
     "OmniTransferConfig",
+    "ParallelContext",
     "PayloadError",
     "ReceiveResult",
+    "ReceiveRole",
     "ReceiveStatus",
     "ReceiveTimeout",
     "RetryPolicy",
     "SendResult",
     "SendStatus",
+    "TopoConfig",
     "TransferOptions",
     "__version__",
 ]

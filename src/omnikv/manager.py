@@ -35,8 +35,10 @@ from omnikv.connectors.factory import (
     OmniConnectorFactory,
 )
 from omnikv.deadline import deadline_after
+from omnikv.distribution import distribute, tp_agree
 from omnikv.errors import KVPrefetchConsumeError
 from omnikv.metrics import TransferMetrics
+from omnikv.parallel import ParallelContext, TopoConfig, build_topo_config
 from omnikv.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume, iter_prefetch_jobs
 from omnikv.receiver import KVReceiver, ReceiveResult, ReceiveStatus, SenderEndpoint
 from omnikv.requests import apply_kv_cache_to_request, apply_request_kv_payload, request_id_of
@@ -571,6 +573,80 @@ class OmniKVTransferManager:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="omnikv-recv")
             return self._pool
+
+    # -- distribution (parallel.py) ---
+    @property
+    def topo_config(self) -> TopoConfig:
+        """This rank's receive role and groups, built on first use (:meth:`rebuild_topo_config`
+        after the parallel state changed)."""
+        topo: TopoConfig | None = getattr(self, "_topo_config", None)
+        if topo is None:
+            topo = self.rebuild_topo_config()
+        return topo
+
+    def rebuild_topo_config(self) -> TopoConfig:
+        """Re-snapshot the parallel context (called by the runner once its groups exist)."""
+        ctx = self.parallel_context
+        if not isinstance(ctx, ParallelContext):
+            ctx = ParallelContext.default(self.local_rank, self.tp_topo.source_tp_size)
+        active = self.tp_topo.source_tp_size > 1 or self.tp_topo.target_tp_size > 1
+        topo = build_topo_config(ctx, tp_active=active)
+        self._topo_config = topo
+        return topo
+
+    def _distribution_deadline(self) -> float:
+        ctx = self.topo_config.context
+        grace = ctx.grace_s if ctx is not None else 2.0
+        return deadline_after(self.config.recv_timeout + grace, "recv_timeout")
+
+    def distribute_kv_cache(
+        self, req: Any, target_device: torch.device | None = None, *, received: bool = False
+    ) -> dict[str, Any] | None:
+        """Distribute the leader's KV to its followers; the payload this rank should apply.
+
+        Called on every rank of the stage after the leader's receive (``received``: it got the
+        KV). LOCAL → ``None``. Returns by the receive timeout plus a grace; a leader without KV
+        makes every rank get ``None``. See :mod:`omnikv.distribution`.
+        """
+        return distribute(
+            self.topo_config,
+            req,
+            received=received,
+            deadline=self._distribution_deadline(),
+            target_device=target_device,
+        )
+
+    def receive_multi_kv_cache_distributed(
+        self,
+        req: Any,
+        cfg_kv_collect_func: Callable[..., Any] | None = None,
+        target_device: torch.device | None = None,
+    ) -> bool:
+        """Fetch → distribute → apply; FOLLOWER skips fetch. True if this rank has the KV.
+
+        Called on every rank. A receive that raises on the leader still enters distribution
+        (then re-raises), so followers never block. Pure-TP ranks agree: all True or all False.
+        """
+        topo = self.topo_config
+        deadline = self._distribution_deadline()
+        received = False
+        failure: BaseException | None = None
+        if not topo.is_follower:
+            try:
+                received = self.receive_multi_kv_cache(req, cfg_kv_collect_func, target_device)
+            except Exception as exc:
+                failure = exc
+        if topo.is_local:
+            ok = tp_agree(topo, req, received, deadline) if topo.tp_active else received
+            if failure is not None:
+                raise failure
+            return ok
+        payload = self.distribute_kv_cache(req, target_device, received=received)
+        if payload is not None:
+            apply_request_kv_payload(req, payload, target_device)
+        if failure is not None:
+            raise failure
+        return payload is not None
 
     # -- prefetch (prefetch.py) ---
     @property
