@@ -77,7 +77,7 @@ def rank_main(rank: int, init_file: str, namespace: str, conn: Connection) -> No
     capture = _Capture()
     logging.getLogger("omnikv").addHandler(capture)
     job = {"request_id": "A", "kv_sender_info": {"host": "127.0.0.1", "zmq_port": 50151}}
-    role = getattr(mgr, "topo_config").role.value  # noqa: B009 - lands with distribution
+    role = mgr.topo_config.role.value
     raised = False
     if rank == 0:
         sender = OmniKVTransferManager(
