@@ -66,7 +66,7 @@ def test_update_sender_info_offsets_the_port_per_rank() -> None:
         ),
         parallel_context=ParallelContext(local_rank=1),
     )
-    mgr.update_sender_info({0: {"host": "127.0.0.1", "zmq_port": 6000}})
+    mgr.update_sender_info({"0": {"host": "127.0.0.1", "zmq_port": 6000}})
     assert conn["sender_zmq_port"] == 6016 and conn["sender_host"] == "127.0.0.1"
 
 
