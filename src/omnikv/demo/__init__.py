@@ -1,0 +1,1 @@
+"""The two-stage demo behind ``omnikv demo`` (``make demo``): a tiny paged model, a pipeline."""
