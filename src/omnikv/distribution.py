@@ -124,8 +124,8 @@ def _encode(payload: Mapping[str, Any] | None) -> tuple[Frame | None, int]:
     return frame, frame.nbytes
 
 
-def _packed(frame: Frame) -> torch.Tensor:
-    buf = torch.empty(frame.nbytes, dtype=torch.uint8)
+def _packed(frame: Frame, ctx: ParallelContext) -> torch.Tensor:
+    buf = ctx.message_buffer(frame.nbytes)
     frame.pack_into(buf)
     return buf
 
@@ -159,7 +159,7 @@ def _broadcast(
     if is_src and ok:
         try:
             frame, _ = _encode(payload)
-            buf = _packed(frame) if frame is not None else None
+            buf = _packed(frame, link.ctx) if frame is not None else None
         except Exception:
             logger.exception("Packing KV for the %s broadcast failed", link.name)
             ok, buf = False, None
@@ -171,7 +171,7 @@ def _broadcast(
     if not agreed.ok or size <= 0 or size > link.ctx.max_message_bytes:
         return None
     if buf is None:
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = link.ctx.message_buffer(size)
     link.broadcast(buf, 0, deadline)
     if is_src:
         return payload
@@ -199,7 +199,7 @@ def _cfg_scatter(
                 payloads = build_cfg_rank_payloads(req, link.size)
                 for p in payloads:
                     frame, _ = _encode(p)
-                    bufs.append(_packed(frame) if frame is not None else None)
+                    bufs.append(_packed(frame, link.ctx) if frame is not None else None)
             except Exception:
                 logger.exception("Packing CFG payloads of %s failed", request_id_of(req))
                 ok, bufs = False, []
@@ -222,7 +222,7 @@ def _cfg_scatter(
         return None
     if size > link.ctx.max_message_bytes:
         return None
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = link.ctx.message_buffer(size)
     link.recv(buf, 0, deadline)
     return _decode(buf, device)
 

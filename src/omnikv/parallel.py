@@ -75,6 +75,8 @@ class ParallelContext:
     ``local_rank`` / ``tp_size`` satisfy the manager's ``RankInfo`` protocol. ``grace_s`` is the
     small constant a follower waits beyond the receive timeout (its leader first spends up to the
     receive timeout pulling). ``max_message_bytes`` bounds what a follower allocates.
+    ``buffer_cache``: how many message buffers (already faulted in) this rank keeps for reuse;
+    a buffer is reused only once nothing references it any more (0: always allocate).
     """
 
     world_group: ProcessGroup | None = None
@@ -85,6 +87,8 @@ class ParallelContext:
     tp_size: int = 1
     grace_s: float = 2.0
     max_message_bytes: int = 1 << 36
+    buffer_cache: int = 2
+    _buffers: list[tuple[torch.Tensor, int]] = field(default_factory=list, repr=False)
     _broken: dict[int, str] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -95,6 +99,25 @@ class ParallelContext:
         if dist.is_available() and dist.is_initialized():
             world = dist.group.WORLD
         return cls(world_group=world, local_rank=local_rank, tp_size=tp_size)
+
+    def message_buffer(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 host tensor of ``nbytes``: a cached buffer nobody else holds, or a new one.
+
+        Called by :mod:`omnikv.distribution` for every message it packs or receives. Decoded
+        payloads are views into the buffer, so a buffer whose memory is still referenced (its
+        storage's use count is above the one it had when cached) is never handed out again.
+        """
+        with self._lock:
+            for i, (buf, base) in enumerate(self._buffers):
+                if buf.numel() >= nbytes and _use_count(buf) == base:
+                    self._buffers.append(self._buffers.pop(i))
+                    return buf[:nbytes]
+            fresh = torch.empty(nbytes, dtype=torch.uint8)
+            if self.buffer_cache > 0 and _use_count(fresh) >= 0:
+                self._buffers.append((fresh, _use_count(fresh)))
+                while len(self._buffers) > self.buffer_cache:
+                    self._buffers.pop(0)
+            return fresh[:nbytes]  # a view: holding it raises the storage's use count
 
     def broken_reason(self, group: ProcessGroup) -> str | None:
         with self._lock:
@@ -108,6 +131,17 @@ class ParallelContext:
         """Forget broken groups (call after the job rebuilt or re-synchronised them)."""
         with self._lock:
             self._broken.clear()
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (-1 where torch does not expose it: no caching then)."""
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    if fn is None:
+        return -1
+    try:
+        return int(fn(t.untyped_storage()._cdata))
+    except Exception:
+        return -1
 
 
 def _rank_size(group: ProcessGroup | None) -> tuple[int, int]:
