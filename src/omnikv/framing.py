@@ -19,7 +19,7 @@ validates everything and raises :class:`DecodeError`. Decoded tensors are views 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +27,7 @@ import msgpack
 import torch
 
 from omnikv.errors import DecodeError, EncodeError
-from omnikv.payload import PackedPayload, decode
+from omnikv.payload import PackedPayload, _write_tensor, decode
 
 __all__ = ["Frame", "decode_frame", "encode_frame"]
 
@@ -120,6 +120,39 @@ class Frame:
         buf[: len(raw)].copy_(torch.frombuffer(raw, dtype=torch.uint8))
         self._packed.pack_into(buf, self.region_offset)
         return self.nbytes
+
+    def pack_steps(self, buf: torch.Tensor) -> Iterator[int]:
+        """Write the message like :meth:`pack_into`, yielding how many leading bytes are final.
+
+        Used by the leader to broadcast the first chunks while later tensors are still being
+        copied. Yields after the headers and after every tensor; the last value is ``nbytes``.
+        """
+        packed = self._packed
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < self.nbytes:
+            raise ValueError(f"need a 1-D uint8 tensor of >= {self.nbytes} bytes")
+        if packed._checksum:  # never set here; checksums need the whole region
+            self.pack_into(buf)
+            yield self.nbytes
+            return
+        head = _FIXED.pack(MAGIC, len(self._structure), self.region_offset) + self._structure
+        raw = bytearray(head) + bytes(self.region_offset - len(head)) + packed.header_bytes
+        buf[: len(raw)].copy_(torch.frombuffer(raw, dtype=torch.uint8))
+        start = self.region_offset + packed.data_start
+        if len(raw) < start:
+            buf[len(raw) : start].zero_()
+        data = buf[start : self.region_offset + packed.nbytes]
+        prev = 0
+        yield start
+        for slot in packed._slots:
+            if slot.source is None:
+                continue
+            if slot.offset > prev:
+                data[prev : slot.offset].zero_()
+            if slot.nbytes:
+                _write_tensor(slot, data[slot.offset : slot.offset + slot.nbytes])
+            prev = slot.offset + slot.nbytes
+            yield start + prev
+        yield self.nbytes
 
 
 def encode_frame(payload: Mapping[str, Any]) -> Frame:
