@@ -198,7 +198,12 @@ def decode_frame(buf: torch.Tensor) -> dict[str, Any]:
             return tuple(items)
         raise DecodeError(f"corrupt distribution message: unknown extension type {code}")
 
-    out = _unpack(structure, ext_hook)
+    try:
+        out = _unpack(structure, ext_hook)
+    finally:
+        # ext_hook refers to itself (a cycle only the GC frees); drop the views it holds so the
+        # buffer is free for reuse as soon as the caller drops the payload.
+        tensors.clear()
     if not isinstance(out, dict):
         raise DecodeError("corrupt distribution message: top level is not a map")
     return out
