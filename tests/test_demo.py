@@ -41,7 +41,8 @@ def test_demo_tokens_match_reference(connector: str) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens match the single-process reference: yes" in out.stdout
-    assert out.stdout.count("bit-identical") == 2
+    assert "result: PASS" in out.stdout
+    assert out.stdout.count("kv bit-identical") == 2
     assert _shm_files() <= before
 
 
@@ -50,4 +51,5 @@ def test_demo_fails_on_a_perturbed_kv() -> None:
     out = _demo("--requests", "1", "--prompt-len", "40", "--new-tokens", "4", "--inject-fault")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "DIFFERS" in out.stdout
-    assert "tokens match the single-process reference: NO" in out.stdout
+    assert "received KV bit-identical to stage 0's: NO" in out.stdout
+    assert "result: FAIL" in out.stdout

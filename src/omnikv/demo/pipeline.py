@@ -216,15 +216,16 @@ def _report(
     times: dict[str, float],
     connector: str,
 ) -> int:
-    ok = True
+    ok = kv_ok = tok_ok = True
     for rid, want in ref.items():
         got = stage1["requests"].get(rid, {"error": "missing"})
         if "error" in got:
             print(f"  {rid}: NO KV ({got['error']})")
-            ok = False
+            ok = kv_ok = tok_ok = False
             continue
         same_kv = got["kv"] == digests[rid]
         same = got["tokens"] == want
+        kv_ok, tok_ok = kv_ok and same_kv, tok_ok and same
         ok = ok and same and same_kv
         print(
             f"  {rid}: prompt {len(plan.prompts(512)[rid]):4d} tok, kv "
@@ -239,7 +240,9 @@ def _report(
         f"{stage1['decode_s'] * 1e3:.1f} ms; {nbytes / 2**20:.2f} MiB moved, "
         f"{nbytes / recv / 1e9:.2f} GB/s receive"
     )
-    print("tokens match the single-process reference: " + ("yes" if ok else "NO"))
+    print("received KV bit-identical to stage 0's: " + ("yes" if kv_ok else "NO"))
+    print("tokens match the single-process reference: " + ("yes" if tok_ok else "NO"))
+    print("result: " + ("PASS" if ok else "FAIL"))
     return 0 if ok else 1
 
 
