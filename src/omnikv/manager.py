@@ -750,10 +750,14 @@ class OmniKVTransferManager:
                 received = self._consume_or_receive(req, target_device)
         except Exception as exc:  # distribute first, then re-raise (below)
             failure = exc
-        payload = None
-        distribute = getattr(self, "distribute_kv_cache", None)
-        if distribute is not None:
-            payload = distribute(req, target_device, received=received)
+        topo = self.topo_config
+        if topo.is_local and topo.tp_active:
+            # Pure TP: each rank pulled its own shard; all of them succeed or fail together.
+            ok = tp_agree(topo, req, received, self._distribution_deadline())
+            if failure is not None:
+                raise failure
+            return ok
+        payload = self.distribute_kv_cache(req, target_device, received=received)
         if payload is not None:
             apply_request_kv_payload(req, payload, target_device)
         if failure is not None:
