@@ -174,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ref-iters", type=int, default=5, help="reference-style samples")
     parser.add_argument("--small-iters", type=int, default=2000, help="64 KiB samples")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", help="write results to this file")
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
@@ -186,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     layers, heads, dim = MODELS[args.model]
     per_token = 2 * layers * heads * dim * 2
     tokens = args.tokens or max(1, args.size_mib * MIB // per_token)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if args.role == "receiver":
         return _receiver(args.fd, args.namespace, args.model, tokens)
     return _run_sender(args, tokens)
@@ -207,7 +210,7 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
     cmd = [
         sys.executable, "-m", "omnikv.cli", "bench", "shm", "--role", "receiver",
         "--fd", str(child.fileno()), "--namespace", namespace, "--model", args.model,
-        "--tokens", str(tokens),
+        "--tokens", str(tokens), "--threads", str(args.threads),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
     child.close()
