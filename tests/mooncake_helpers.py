@@ -160,7 +160,7 @@ class Master:
             f"--http_metadata_server_port={self.http_port}",
             "--metrics_host=127.0.0.1",
             f"--metrics_port={self.metrics_port}",
-            "--default_kv_lease_ttl=100",
+            "--default_kv_lease_ttl=5000",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         end = time.monotonic() + timeout

@@ -1,0 +1,338 @@
+"""MooncakeStoreConnector (alias ``MooncakeConnector``): KV hand-off through a Mooncake Store.
+
+The sender encodes into a slot of its registered, pre-faulted host pool and ``put_from``s it
+under ``"{key}@{from}_{to}"``; the store copies the bytes into a segment, so the slot is free
+again as soon as ``put_from`` returns. The receiver asks for the object's size, reserves a slot
+of that size in its own registered pool and ``get_into``s it (zero-copy into memory the engine
+can write). After a successful get the object is removed from the store (``remove_after_get``,
+default true) so the store does not fill up. ``wait`` polls with a bounded back-off until its
+deadline. ``close`` unregisters the pool, closes the store client and unmaps the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from omnikv.connectors._mooncake_common import (
+    as_host_bytes,
+    decode_if_object,
+    encode_object,
+    import_mooncake_store,
+    matches_request,
+    parse_size,
+    resolve_host,
+    set_tcp_bind_address,
+)
+from omnikv.connectors._pool import HostPool
+from omnikv.connectors.base import GetResult, ManagedBuffer, OmniConnectorBase, PutResult, Writer
+from omnikv.errors import (
+    ConfigError,
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorUnavailableError,
+)
+
+__all__ = ["MooncakeConnector", "MooncakeStoreConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeStoreConnector(OmniConnectorBase):
+    """KV hand-off through a Mooncake Store (master + clients), zero-copy on registered pools.
+
+    Built by the factory as ``MooncakeStoreConnector(config)``. Config keys: ``host``
+    (``127.0.0.1``), ``metadata_server`` (``"P2PHANDSHAKE"`` or the master's HTTP metadata URL),
+    ``master_server_address`` (``"127.0.0.1:50051"``), ``global_segment_size`` (512 MiB: what
+    this client contributes to the store; size it for the live working set),
+    ``local_buffer_size`` (64 MiB), ``protocol`` (``"tcp"``), ``device_name`` (``""``),
+    ``memory_pool_size`` (512 MiB: the registered pool for put_from / get_into),
+    ``remove_after_get`` (true), ``replica_num`` (1).
+    """
+
+    supports_raw_data: ClassVar[bool] = True
+    supports_zero_copy_put: ClassVar[bool] = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self._closed = True  # until fully built
+        cfg = dict(config or {})
+        self.host = resolve_host(cfg.get("host", "127.0.0.1"))
+        self.metadata_server = str(cfg.get("metadata_server", "P2PHANDSHAKE"))
+        self.master = str(cfg.get("master_server_address", "127.0.0.1:50051"))
+        self.protocol = str(cfg.get("protocol", "tcp"))
+        self.device_name = str(cfg.get("device_name", "") or "")
+        segment = parse_size(cfg.get("global_segment_size", 512 << 20), "global_segment_size")
+        local_buf = parse_size(cfg.get("local_buffer_size", 64 << 20), "local_buffer_size")
+        pool_size = parse_size(cfg.get("memory_pool_size", 512 << 20), "memory_pool_size")
+        self.remove_after_get = bool(cfg.get("remove_after_get", True))
+        replicas = int(cfg.get("replica_num", 1))
+        if replicas < 1:
+            raise ConfigError(f"replica_num must be >= 1, got {replicas}")
+        store_cls, replicate_cls = import_mooncake_store()
+        set_tcp_bind_address(self.host)
+        self._lock = threading.Lock()
+        self._put_keys: set[str] = set()
+        self._counters = dict.fromkeys(
+            ("puts", "put_bytes", "put_failures", "gets", "get_bytes", "misses", "removed"), 0
+        )
+        self._rcfg = replicate_cls()
+        self._rcfg.replica_num = replicas
+        self._store: Any = None
+        self._pool: HostPool | None = None
+        self._registered = False
+        try:
+            store = store_cls()
+            rc = store.setup(
+                self.host, self.metadata_server, segment, local_buf, self.protocol,
+                self.device_name, self.master,
+            )  # fmt: skip
+            self._store = store
+            if rc != 0:
+                raise ConnectorUnavailableError(
+                    f"Mooncake Store setup (master {self.master}) returned {rc}"
+                )
+            self._pool = HostPool(pool_size)
+            rc = store.register_buffer(self._pool.address, self._pool.size)
+            if rc != 0:
+                raise ConnectorUnavailableError(f"register_buffer of the pool returned {rc}")
+            self._registered = True
+        except BaseException:
+            self._teardown()
+            raise
+        self._closed = False
+        logger.info(
+            "MooncakeStoreConnector on %s (master %s, %s, pool %d bytes)",
+            self.host,
+            self.master,
+            self.protocol,
+            self._pool.size,
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _live(self) -> tuple[Any, HostPool]:
+        if self._closed or self._store is None or self._pool is None:
+            raise ConnectorClosedError("MooncakeStoreConnector is closed")
+        return self._store, self._pool
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    # -- sender ------------------------------------------------------------------------------
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float = math.inf,
+    ) -> PutResult:
+        """Sender hot path: ``write`` fills a registered slot, ``put_from`` stores it.
+
+        Waits for pool space until ``deadline`` (``PoolExhaustedError`` then); a failed
+        ``put_from`` raises ``ConnectorUnavailableError``. The slot is freed before returning.
+        """
+        store, pool = self._live()
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        wait_until = 0.0 if deadline <= 0 or not math.isfinite(deadline) else deadline
+        offset, _ = pool.allocator.alloc(nbytes, deadline=wait_until)
+        key = self._make_key(put_key, from_stage, to_stage)
+        try:
+            write(pool.slot(offset, nbytes))
+            rc = store.put_from(key, pool.address + offset, nbytes, self._rcfg)
+        finally:
+            pool.allocator.free(offset)
+        if rc != 0:
+            self._count("put_failures")
+            raise ConnectorUnavailableError(f"put_from of {key} returned {rc}")
+        with self._lock:
+            self._put_keys.add(key)
+        self._count("puts")
+        self._count("put_bytes", nbytes)
+        logger.debug("stored %s (%d bytes)", key, nbytes)
+        return True, nbytes, {"data_size": nbytes, "key": key}
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+        """Reference-shaped put (one copy into the pool); ``(False, 0, None)`` on error."""
+        try:
+            view = as_host_bytes(data)
+            if view is None:
+                view = memoryview(encode_object(data))
+            if view.nbytes == 0:
+                raise ValueError("empty payload")
+            _, pool = self._live()
+            src = view
+
+            def copy(dst: torch.Tensor) -> None:
+                pool.copy_in(int(dst.data_ptr()) - pool.address, src)
+
+            return self.put_packed(from_stage, to_stage, put_key, view.nbytes, copy, deadline=0.0)
+        except (ConnectorError, ValueError, TypeError) as exc:
+            self._count("put_failures")
+            logger.error("put of %s failed: %s", put_key, exc)
+            return False, 0, None
+
+    # -- receiver ----------------------------------------------------------------------------
+    def _take(self, key: str, deadline: float) -> GetResult | None:
+        store, pool = self._live()
+        size = int(store.get_size(key))
+        if size <= 0:
+            return None
+        alloc_deadline = deadline if math.isfinite(deadline) else 0.0
+        offset, _ = pool.allocator.alloc(size, deadline=alloc_deadline)
+        try:
+            got = int(store.get_into(key, pool.address + offset, size))
+        except BaseException:
+            pool.allocator.free(offset)
+            raise
+        if got != size:
+            pool.allocator.free(offset)
+            if got < 0:
+                return None  # removed or expired between get_size and get_into
+            raise ConnectorUnavailableError(f"get_into of {key} returned {got} of {size} bytes")
+        if self.remove_after_get:
+            rc = int(store.remove(key, True))  # force: our own read lease is held
+            if rc == 0:
+                self._count("removed")
+            else:
+                logger.debug("remove of %s returned %d", key, rc)
+        with self._lock:
+            self._put_keys.discard(key)
+        self._count("gets")
+        self._count("get_bytes", size)
+        buf = ManagedBuffer(pool.slot(offset, size), _Release(pool, offset))
+        decoded = decode_if_object(buf, size)
+        return decoded if decoded is not None else (buf, size)
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Take the object if it is in the store: ``(ManagedBuffer, size)`` or ``(obj, size)``.
+
+        ``None`` when absent or on error (logged). Consumes it (removal: ``remove_after_get``).
+        """
+        key = self._make_key(get_key, from_stage, to_stage)
+        if self._closed:
+            raise ConnectorClosedError("MooncakeStoreConnector is closed")
+        try:
+            result = self._take(key, 0.0)
+        except (ConnectorError, RuntimeError) as exc:
+            logger.error("get of %s failed: %s", key, exc)
+            return None
+        if result is None:
+            self._count("misses")
+        return result
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
+
+        Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline.
+        """
+        key = self._make_key(get_key, from_stage, to_stage)
+        step = 0.0005
+        while True:
+            if self._closed:
+                raise ConnectorClosedError("MooncakeStoreConnector is closed")
+            result = self._take(key, deadline)
+            if result is not None:
+                return result
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._count("misses")
+                return None
+            time.sleep(min(step, left))
+            step = min(step * 2, 0.01)
+
+    # -- common ------------------------------------------------------------------------------
+    def cleanup(self, request_id: str) -> None:
+        """Remove objects this client stored for ``request_id`` and nobody consumed."""
+        with self._lock:
+            keys = [k for k in self._put_keys if matches_request(k, request_id)]
+            self._put_keys.difference_update(keys)
+        if self._store is None or self._closed:
+            return
+        for k in keys:
+            rc = int(self._store.remove(k, True))
+            if rc == 0:
+                self._count("removed")
+
+    def health(self) -> dict[str, Any]:
+        """Status, endpoints, pool use and counters. Cheap; never raises."""
+        pool = self._pool
+        with self._lock:
+            counters = dict(self._counters)
+            pending = len(self._put_keys)
+        return {
+            "status": "closed" if self._closed else "healthy",
+            "type": type(self).__name__,
+            "host": self.host,
+            "master": self.master,
+            "protocol": self.protocol,
+            "pool_size": pool.size if pool is not None else 0,
+            "pool_used": pool.allocator.used_bytes if pool is not None and not pool.closed else 0,
+            "registered": self._registered,
+            "stored_unconsumed": pending,
+            **counters,
+        }
+
+    def close(self) -> None:
+        """Unregister the pool, close the store client, unmap the pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        store, self._store = self._store, None
+        if store is not None and self._registered and self._pool is not None:
+            rc = store.unregister_buffer(self._pool.address)
+            if rc != 0:
+                logger.warning("unregister_buffer returned %d", rc)
+        self._registered = False
+        if store is not None:
+            try:
+                store.close()
+            except Exception:
+                logger.warning("closing the Mooncake Store client failed", exc_info=True)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+MooncakeConnector = MooncakeStoreConnector
+
+
+class _Release:
+    """Release callback of a receive slot (no closure over the connector)."""
+
+    __slots__ = ("_offset", "_pool")
+
+    def __init__(self, pool: HostPool, offset: int) -> None:
+        self._pool = pool
+        self._offset = offset
+
+    def __call__(self) -> None:
+        if not self._pool.closed:
+            self._pool.allocator.free(self._offset)

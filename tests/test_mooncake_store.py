@@ -1,0 +1,160 @@
+"""MooncakeStoreConnector against a real ``mooncake_master`` and clients in separate processes.
+
+Each case runs as a ``scenario_*`` function in an isolated child (``unshare -n`` where possible,
+see ``mooncake_helpers``); the master is started on free loopback ports and killed by PID.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_helpers import Master, mooncake_skip_reason, peers, queue, run_scenario, spawn
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason())),
+]
+
+MiB = 1 << 20
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic bytes: a seeded 1 MiB block tiled, each MiB stamped with its index."""
+    block = np.random.default_rng(seed).integers(0, 256, MiB, dtype=np.uint8)
+    reps = -(-nbytes // MiB)
+    out = np.tile(block, reps)[:nbytes].copy()
+    out[::MiB] = (np.arange(reps, dtype=np.int64) % 256).astype(np.uint8)
+    return out
+
+
+def crc(buf: Any) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B"))
+
+
+def store_cfg(master: Master, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "metadata_server": master.metadata_url,
+        "master_server_address": master.address,
+        "global_segment_size": 512 * MiB,
+        "local_buffer_size": 16 * MiB,
+        "memory_pool_size": 256 * MiB,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def peer_putter(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
+    """A sender client in its own process: puts what it is told, reports crc, then closes."""
+    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+
+    conn = MooncakeStoreConnector(cfg)
+    out_q.put(("ready",))
+    while True:
+        cmd = in_q.get()
+        if cmd[0] == "put":
+            _, key, nbytes, seed = cmd
+            data = pattern(nbytes, seed)
+
+            def write(dst: Any, data: np.ndarray = data) -> None:
+                dst.numpy()[:] = data
+
+            ok, size, _ = conn.put_packed("0", "1", key, nbytes, write)
+            out_q.put(("put", ok, size, crc(data)))
+        elif cmd[0] == "close":
+            conn.close()
+            out_q.put(("closed", conn.health()))
+            return
+
+
+def scenario_store() -> dict[str, Any]:
+    from omnikv.connectors.base import ManagedBuffer
+    from omnikv.connectors.factory import OmniConnectorFactory
+    from omnikv.connectors.mooncake_store import MooncakeConnector, MooncakeStoreConnector
+
+    res: dict[str, Any] = {"alias": MooncakeConnector is MooncakeStoreConnector}
+    res["factory"] = OmniConnectorFactory.get_connector_class("MooncakeConnector").__name__
+    with Master() as master:
+        out_q, in_q = queue(), queue()
+        proc = spawn(peer_putter, store_cfg(master), out_q, in_q)
+        with peers(proc):
+            assert out_q.get(timeout=30)[0] == "ready"
+            recv = MooncakeStoreConnector(store_cfg(master, global_segment_size=64 * MiB))
+            n = 224 * MiB
+            in_q.put(("put", "req-1", n, 7))
+            t0 = time.monotonic()
+            got = recv.wait("0", "1", "req-1", deadline=time.monotonic() + 60)
+            res["wait_s"] = time.monotonic() - t0
+            _, ok, size, sent_crc = out_q.get(timeout=60)
+            res["put"] = [ok, size]
+            assert got is not None
+            buf, gsize = got
+            res["managed"] = isinstance(buf, ManagedBuffer)
+            res["size"] = gsize
+            res["crc_ok"] = crc(buf.tensor.numpy()) == sent_crc
+            assert recv._store is not None
+            res["exists_after"] = int(recv._store.is_exist("req-1@0_1"))
+            # pool exhausted: a second 224 MiB object cannot fit while the first is held
+            in_q.put(("put", "req-3", n, 3))
+            res["second_put"] = list(out_q.get(timeout=60)[1:3])
+            t0 = time.monotonic()
+            try:
+                recv.wait("0", "1", "req-3", deadline=time.monotonic() + 1.0)
+                res["exhausted"] = "no error"
+            except Exception as exc:
+                res["exhausted"] = type(exc).__name__
+            res["exhausted_s"] = time.monotonic() - t0
+            res["used_before_release"] = recv.health()["pool_used"]
+            buf.release()
+            res["used_after_release"] = recv.health()["pool_used"]
+            # once the slot is back, the waiting object is delivered intact
+            got3 = recv.wait("0", "1", "req-3", deadline=time.monotonic() + 30)
+            assert got3 is not None
+            res["third_crc_ok"] = crc(got3[0].tensor.numpy()) == crc(pattern(n, 3))
+            got3[0].release()
+            # consume-once: a second get finds nothing
+            res["second_get"] = recv.get("0", "1", "req-1") is None
+            # a key never put: None within the deadline
+            t0 = time.monotonic()
+            res["never_put"] = recv.wait("0", "1", "nope", deadline=time.monotonic() + 0.5) is None
+            res["never_put_s"] = time.monotonic() - t0
+            in_q.put(("close",))
+            closed = out_q.get(timeout=30)
+            res["peer_closed"] = closed[1]["status"]
+            # master down mid-run: gets fail as misses, within the deadline
+            master.stop()
+            t0 = time.monotonic()
+            try:
+                res["after_master_down"] = repr(
+                    recv.wait("0", "1", "req-2", deadline=time.monotonic() + 2.0)
+                )
+            except Exception as exc:
+                res["after_master_down"] = type(exc).__name__
+            res["after_master_down_s"] = time.monotonic() - t0
+            recv.close()
+            recv.close()
+            h = recv.health()
+            res["closed"] = [h["status"], h["registered"], h["pool_size"]]
+    return res
+
+
+def test_store_roundtrip_consume_once_failures_and_close() -> None:
+    res = run_scenario(__file__, "scenario_store", timeout=150)
+    assert res["alias"] and res["factory"] == "MooncakeStoreConnector"
+    assert res["put"] == [True, 224 * MiB]
+    assert res["managed"] and res["size"] == 224 * MiB and res["crc_ok"]
+    assert res["exists_after"] != 1, "object must be removed after it is consumed"
+    assert res["second_put"] == [True, 224 * MiB]
+    assert res["exhausted"] == "PoolExhaustedError" and res["exhausted_s"] < 3.0
+    assert res["used_before_release"] >= 224 * MiB and res["used_after_release"] == 0
+    assert res["third_crc_ok"]
+    assert res["second_get"]
+    assert res["never_put"] and res["never_put_s"] < 2.0
+    assert res["peer_closed"] == "closed"
+    assert res["after_master_down"] == "None" and res["after_master_down_s"] < 8.0
+    assert res["closed"] == ["closed", False, 0]
