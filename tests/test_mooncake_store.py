@@ -158,3 +158,47 @@ def test_store_roundtrip_consume_once_failures_and_close() -> None:
     assert res["peer_closed"] == "closed"
     assert res["after_master_down"] == "None" and res["after_master_down_s"] < 8.0
     assert res["closed"] == ["closed", False, 0]
+
+
+def scenario_master_down_at_start() -> dict[str, Any]:
+    """No master listens: the constructor fails fast and typed, and the manager reports it."""
+    from mooncake_helpers import free_ports
+    from omnikv import OmniKVCacheConfig, OmniKVTransferManager
+    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+    from omnikv.errors import ConnectorUnavailableError
+
+    rpc, http = free_ports(2)
+    cfg = {
+        "master_server_address": f"127.0.0.1:{rpc}",
+        "metadata_server": f"http://127.0.0.1:{http}/metadata",
+        "master_probe_timeout_s": 1.0,
+    }
+    res: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        MooncakeStoreConnector(cfg)
+        res["error"] = None
+    except ConnectorUnavailableError as exc:
+        res["error"] = type(exc).__name__
+        res["message"] = str(exc)
+    res["seconds"] = time.monotonic() - t0
+    mgr = OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config={"type": "MooncakeStoreConnector", **cfg},
+            from_stage="0",
+            to_stage="1",
+            need_send_cache=True,
+        )
+    )
+    res["manager_connector"] = mgr.connector is None
+    res["manager_error"] = mgr.connector_error or ""
+    mgr.close()
+    return res
+
+
+def test_store_master_down_at_start_fails_fast() -> None:
+    res = run_scenario(__file__, "scenario_master_down_at_start", timeout=60)
+    assert res["error"] == "ConnectorUnavailableError", res
+    assert "unreachable" in res["message"]
+    assert res["seconds"] < 3.0
+    assert res["manager_connector"] and "unreachable" in res["manager_error"]

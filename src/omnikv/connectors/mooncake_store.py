@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -44,6 +45,21 @@ __all__ = ["MooncakeConnector", "MooncakeStoreConnector"]
 logger = logging.getLogger(__name__)
 
 
+def _probe_master(address: str, timeout_s: float) -> None:
+    """Fail fast when the master does not accept connections (the engine's own set-up keeps
+    retrying for about 90 s). Called by the constructor; raises ``ConnectorUnavailableError``
+    within ``timeout_s``, or returns once a TCP connection to ``address`` was opened and closed.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"master_server_address must be host:port, got {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectorUnavailableError(f"Mooncake master {address} is unreachable: {exc}") from exc
+
+
 class MooncakeStoreConnector(OmniConnectorBase):
     """KV hand-off through a Mooncake Store (master + clients), zero-copy on registered pools.
 
@@ -53,7 +69,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
     this client contributes to the store; size it for the live working set),
     ``local_buffer_size`` (64 MiB), ``protocol`` (``"tcp"``), ``device_name`` (``""``),
     ``memory_pool_size`` (512 MiB: the registered pool for put_from / get_into),
-    ``remove_after_get`` (true), ``replica_num`` (1).
+    ``remove_after_get`` (true), ``replica_num`` (1), ``master_probe_timeout_s`` (3: a master
+    that does not accept a TCP connection within it fails the constructor with
+    ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries).
     """
 
     supports_raw_data: ClassVar[bool] = True
@@ -75,7 +93,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         replicas = int(cfg.get("replica_num", 1))
         if replicas < 1:
             raise ConfigError(f"replica_num must be >= 1, got {replicas}")
+        probe_s = float(cfg.get("master_probe_timeout_s", 3.0))
         store_cls, replicate_cls = import_mooncake_store()
+        _probe_master(self.master, probe_s)
         set_tcp_bind_address(self.host)
         self._lock = threading.Lock()
         self._put_keys: set[str] = set()
