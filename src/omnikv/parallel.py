@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -311,14 +312,26 @@ class GroupLink:
         except Exception as exc:
             raise self._fail("all_reduce", exc) from exc
 
-    def broadcast(self, t: torch.Tensor, src: int, deadline: float) -> None:
-        self.check()
+    def _broadcast_options(self, src: int, deadline: float) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         timeout = self._timeout(deadline)
         if timeout is not None:
             opts.timeout = timeout
+        return opts
+
+    def _wait(self, work: Any, deadline: float) -> None:
+        """Wait for ``work`` at most until ``deadline`` (no bound when there is none)."""
+        timeout = self._timeout(deadline)
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+
+    def broadcast(self, t: torch.Tensor, src: int, deadline: float) -> None:
+        self.check()
+        opts = self._broadcast_options(src, deadline)
         try:
             self.group.broadcast([t], opts).wait()
         except Exception as exc:
@@ -347,43 +360,24 @@ class GroupLink:
                 end = min(total, start + chunk)
                 while progress is not None and done < end:
                     done = next(progress, total)
-                opts = dist.BroadcastOptions()
-                opts.rootRank = src
-                opts.rootTensor = 0
-                timeout = self._timeout(deadline)
-                if timeout is not None:
-                    opts.timeout = timeout
+                opts = self._broadcast_options(src, deadline)
                 works.append(self.group.broadcast([buf[start:end]], opts))
             for work in works:
-                timeout = self._timeout(deadline)
-                if timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timeout)
+                self._wait(work, deadline)
         except Exception as exc:
             raise self._fail("broadcast", exc) from exc
 
     def send(self, t: torch.Tensor, dst: int, deadline: float, tag: int = 0) -> None:
         self.check()
         try:
-            work = self.group.send([t], dst, tag)
-            timeout = self._timeout(deadline)
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
+            self._wait(self.group.send([t], dst, tag), deadline)
         except Exception as exc:
             raise self._fail(f"send to rank {dst}", exc) from exc
 
     def recv(self, t: torch.Tensor, src: int, deadline: float, tag: int = 0) -> None:
         self.check()
         try:
-            work = self.group.recv([t], src, tag)
-            timeout = self._timeout(deadline)
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
+            self._wait(self.group.recv([t], src, tag), deadline)
         except Exception as exc:
             raise self._fail(f"recv from rank {src}", exc) from exc
 
