@@ -636,17 +636,43 @@ class OmniKVTransferManager:
                 received = self.receive_multi_kv_cache(req, cfg_kv_collect_func, target_device)
             except Exception as exc:
                 failure = exc
-        if topo.is_local:
-            ok = tp_agree(topo, req, received, deadline) if topo.tp_active else received
-            if failure is not None:
-                raise failure
-            return ok
-        payload = self.distribute_kv_cache(req, target_device, received=received)
-        if payload is not None:
-            apply_request_kv_payload(req, payload, target_device)
+        return self._share_outcome(
+            req, received, failure, target_device, deadline, received_counts=False
+        )
+
+    def _share_outcome(
+        self,
+        req: Any,
+        received: bool,
+        failure: BaseException | None,
+        target_device: torch.device | None,
+        deadline: float | None,
+        *,
+        received_counts: bool,
+    ) -> bool:
+        """Tell the stage's other ranks how this rank's receive went; whether it has the KV.
+
+        Called by :meth:`receive_multi_kv_cache_distributed` and
+        :meth:`consume_and_distribute_kv_cache` on every rank after the (leader's) receive.
+        Pure-TP ranks agree (all True or all False); other ranks enter distribution (LOCAL:
+        ``None`` at once) and apply what they get. ``received_counts``: a leader that received
+        reports True even when its followers got nothing. ``deadline`` bounds the TP agreement
+        (``None``: the distribution deadline from now). Re-raises ``failure`` afterwards, so an
+        error on the leader never strands its followers.
+        """
+        topo = self.topo_config
+        if topo.is_local and topo.tp_active:
+            if deadline is None:
+                deadline = self._distribution_deadline()
+            ok = tp_agree(topo, req, received, deadline)
+        else:
+            payload = self.distribute_kv_cache(req, target_device, received=received)
+            if payload is not None:
+                apply_request_kv_payload(req, payload, target_device)
+            ok = payload is not None or (received and (received_counts or topo.is_local))
         if failure is not None:
             raise failure
-        return payload is not None
+        return ok
 
     # -- prefetch (prefetch.py) ---
     @property
@@ -750,19 +776,9 @@ class OmniKVTransferManager:
                 received = self._consume_or_receive(req, target_device)
         except Exception as exc:  # distribute first, then re-raise (below)
             failure = exc
-        topo = self.topo_config
-        if topo.is_local and topo.tp_active:
-            # Pure TP: each rank pulled its own shard; all of them succeed or fail together.
-            ok = tp_agree(topo, req, received, self._distribution_deadline())
-            if failure is not None:
-                raise failure
-            return ok
-        payload = self.distribute_kv_cache(req, target_device, received=received)
-        if payload is not None:
-            apply_request_kv_payload(req, payload, target_device)
-        if failure is not None:
-            raise failure
-        return received or payload is not None
+        return self._share_outcome(
+            req, received, failure, target_device, None, received_counts=True
+        )
 
     def _consume_or_receive(self, req: Any, target_device: torch.device | None) -> bool:
         rid = request_id_of(req)
