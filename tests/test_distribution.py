@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -161,6 +160,8 @@ def _worker(scenario: str, rank: int, world: int, init: str, ns: str, out: Any) 
 
 
 def _run(scenario: str, world: int, tmp_path: Any, namespace: str) -> list[dict[str, Any]]:
+    from omnikv.bench.common import run_ranks
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"file://{tmp_path}/rdv"
@@ -168,23 +169,7 @@ def _run(scenario: str, world: int, tmp_path: Any, namespace: str) -> list[dict[
         ctx.Process(target=_worker, args=(scenario, r, world, init, namespace, out))
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
-    results: list[dict[str, Any]] = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(results) < world:
-            try:
-                results.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
-            except queue.Empty:
-                break
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, 9)
-                p.join(5)
+    results: list[dict[str, Any]] = run_ranks(procs, out, world, 60)
     assert len(results) == world, f"only {len(results)} of {world} ranks reported: {results}"
     for r in results:
         assert "error" not in r, r

@@ -144,3 +144,34 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(payload, fh, indent=2)
+
+
+def run_ranks(procs: Sequence[Any], out: Any, expected: int, timeout_s: float) -> list[Any]:
+    """Start ``procs``, collect up to ``expected`` reports from the queue ``out``, reap them.
+
+    Used by ``omnikv bench dist`` and the distribution tests for one process per rank. Returns
+    within about ``timeout_s`` (plus 5 s per killed process) with what arrived by then; every
+    process still alive at the end is SIGKILLed by PID and joined.
+    """
+    import os
+    import queue
+    import signal
+
+    for p in procs:
+        p.start()
+    results: list[Any] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < expected:
+            try:
+                results.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+    return results

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import tempfile
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from omnikv.bench.common import Stats, print_table, realistic_payload, write_json
+from omnikv.bench.common import Stats, print_table, realistic_payload, run_ranks, write_json
 
 __all__ = ["main"]
 
@@ -103,23 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ctx.Process(target=_rank, args=(r, world, init, args.tokens, args.repeat, out))
             for r in range(world)
         ]
-        for p in procs:
-            p.start()
-        results: list[dict[str, Any]] = []
-        try:
-            deadline = time.monotonic() + 300
-            while len(results) < world:
-                try:
-                    results.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-            for p in procs:
-                p.join(timeout=max(0.1, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive() and p.pid is not None:
-                    os.kill(p.pid, 9)
-                    p.join(5)
+        results: list[dict[str, Any]] = run_ranks(procs, out, world, 300)
     errors = [r for r in results if "error" in r]
     if len(results) < world or errors:
         print(f"benchmark failed: {errors or 'ranks did not report'}")
