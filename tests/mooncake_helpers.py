@@ -26,14 +26,31 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 RESULT_PREFIX = "OMNIKV-RESULT "
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
+MiB = 1 << 20
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic bytes: a seeded 1 MiB block tiled, each MiB stamped with its index."""
+    block = np.random.default_rng(seed).integers(0, 256, MiB, dtype=np.uint8)
+    reps = -(-nbytes // MiB)
+    out = np.tile(block, reps)[:nbytes].copy()
+    out[::MiB] = (np.arange(reps, dtype=np.int64) % 256).astype(np.uint8)
+    return out
+
+
+def crc(buf: Any) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B"))
 
 
 def mooncake_skip_reason() -> str | None:

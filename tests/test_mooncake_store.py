@@ -7,13 +7,21 @@ see ``mooncake_helpers``); the master is started on free loopback ports and kill
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import numpy as np
 import pytest
 
-from mooncake_helpers import Master, mooncake_skip_reason, peers, queue, run_scenario, spawn
+from mooncake_helpers import (
+    Master,
+    crc,
+    mooncake_skip_reason,
+    pattern,
+    peers,
+    queue,
+    run_scenario,
+    spawn,
+)
 
 pytestmark = [
     pytest.mark.engine,
@@ -21,19 +29,6 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
-
-
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """Deterministic bytes: a seeded 1 MiB block tiled, each MiB stamped with its index."""
-    block = np.random.default_rng(seed).integers(0, 256, MiB, dtype=np.uint8)
-    reps = -(-nbytes // MiB)
-    out = np.tile(block, reps)[:nbytes].copy()
-    out[::MiB] = (np.arange(reps, dtype=np.int64) % 256).astype(np.uint8)
-    return out
-
-
-def crc(buf: Any) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B"))
 
 
 def store_cfg(master: Master, **extra: Any) -> dict[str, Any]:

@@ -9,13 +9,21 @@ from __future__ import annotations
 import math
 import threading
 import time
-import zlib
 from typing import Any
 
 import numpy as np
 import pytest
 
-from mooncake_helpers import free_ports, mooncake_skip_reason, peers, queue, run_scenario, spawn
+from mooncake_helpers import (
+    crc,
+    free_ports,
+    mooncake_skip_reason,
+    pattern,
+    peers,
+    queue,
+    run_scenario,
+    spawn,
+)
 
 pytestmark = [
     pytest.mark.engine,
@@ -23,19 +31,6 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
-
-
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """Deterministic bytes: a seeded 1 MiB block tiled, each MiB stamped with its index."""
-    block = np.random.default_rng(seed).integers(0, 256, MiB, dtype=np.uint8)
-    reps = -(-nbytes // MiB)
-    out = np.tile(block, reps)[:nbytes].copy()
-    out[::MiB] = (np.arange(reps, dtype=np.int64) % 256).astype(np.uint8)
-    return out
-
-
-def crc(buf: Any) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B"))
 
 
 # -- the sender peer ----------------------------------------------------------------------------
