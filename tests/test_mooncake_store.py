@@ -197,3 +197,38 @@ def test_store_master_down_at_start_fails_fast() -> None:
     assert "unreachable" in res["message"]
     assert res["seconds"] < 3.0
     assert res["manager_connector"] and "unreachable" in res["manager_error"]
+
+
+def scenario_tracking_is_bounded() -> dict[str, Any]:
+    """A sender's record of its own puts stays bounded when other clients consume them."""
+    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+
+    res: dict[str, Any] = {}
+    with Master() as master:
+        conn = MooncakeStoreConnector(
+            store_cfg(
+                master, global_segment_size=32 * MiB, memory_pool_size=4 * MiB, max_tracked_keys=2
+            )
+        )
+        store = conn._store
+        assert store is not None
+        for k in ("a", "b"):
+            assert conn.put("0", "1", k, b"x" * 1000)[0]
+        store.remove("a@0_1", True)  # consumed by another client: the master no longer has it
+        conn.put("0", "1", "c", b"y" * 1000)  # over the bound: "a" is found gone and forgotten
+        res["after_consumed"] = sorted(conn._put_keys)
+        conn.put("0", "1", "d", b"z" * 1000)  # over again, all present: the oldest is forgotten
+        res["after_full"] = sorted(conn._put_keys)
+        res["tracked"] = conn.health()["tracked_keys"]
+        conn.cleanup("d")  # removes what it still tracks for "d" from the store
+        res["d_exists"] = int(store.is_exist("d@0_1"))
+        res["b_exists"] = int(store.is_exist("b@0_1"))  # forgotten, still stored (not removed)
+        conn.close()
+    return res
+
+
+def test_store_tracking_of_own_puts_is_bounded() -> None:
+    res = run_scenario(__file__, "scenario_tracking_is_bounded", timeout=60)
+    assert res["after_consumed"] == ["b@0_1", "c@0_1"]
+    assert res["after_full"] == ["c@0_1", "d@0_1"] and res["tracked"] == 2
+    assert res["d_exists"] == 0 and res["b_exists"] == 1

@@ -11,6 +11,7 @@ deadline. ``close`` unregisters the pool, closes the store client and unmaps the
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import socket
@@ -71,7 +72,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
     ``memory_pool_size`` (512 MiB: the registered pool for put_from / get_into),
     ``remove_after_get`` (true), ``replica_num`` (1), ``master_probe_timeout_s`` (3: a master
     that does not accept a TCP connection within it fails the constructor with
-    ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries).
+    ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries),
+    ``max_tracked_keys`` (4096: how many of its own puts a client remembers for ``cleanup``;
+    beyond it, keys another client consumed are forgotten first, then the oldest).
     """
 
     supports_raw_data: ClassVar[bool] = True
@@ -94,11 +97,15 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if replicas < 1:
             raise ConfigError(f"replica_num must be >= 1, got {replicas}")
         probe_s = float(cfg.get("master_probe_timeout_s", 3.0))
+        self.max_tracked_keys = int(cfg.get("max_tracked_keys", 4096))
+        if self.max_tracked_keys < 1:
+            raise ConfigError(f"max_tracked_keys must be >= 1, got {self.max_tracked_keys}")
         store_cls, replicate_cls = import_mooncake_store()
         _probe_master(self.master, probe_s)
         set_tcp_bind_address(self.host)
         self._lock = threading.Lock()
-        self._put_keys: set[str] = set()
+        # Keys this client put and has not seen consumed, oldest first (for cleanup()).
+        self._put_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._counters = dict.fromkeys(
             ("puts", "put_bytes", "put_failures", "gets", "get_bytes", "misses", "removed"), 0
         )
@@ -175,8 +182,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if rc != 0:
             self._count("put_failures")
             raise ConnectorUnavailableError(f"put_from of {key} returned {rc}")
-        with self._lock:
-            self._put_keys.add(key)
+        self._track(key)
         self._count("puts")
         self._count("put_bytes", nbytes)
         logger.debug("stored %s (%d bytes)", key, nbytes)
@@ -227,7 +233,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             else:
                 logger.debug("remove of %s returned %d", key, rc)
         with self._lock:
-            self._put_keys.discard(key)
+            self._put_keys.pop(key, None)
         self._count("gets")
         self._count("get_bytes", size)
         buf = ManagedBuffer(pool.slot(offset, size), _Release(pool, offset))
@@ -286,11 +292,45 @@ class MooncakeStoreConnector(OmniConnectorBase):
             step = min(step * 2, 0.01)
 
     # -- common ------------------------------------------------------------------------------
+    def _track(self, key: str) -> None:
+        """Remember a put for :meth:`cleanup`, keeping at most ``max_tracked_keys``.
+
+        Consumption happens in another client, so this one learns of it lazily: when the bound
+        is passed, one ``batch_is_exist`` forgets every key that is gone from the store; if all
+        are still there, the oldest are forgotten (they stay in the store until consumed or
+        evicted). Amortised, one store round trip per ``max_tracked_keys`` puts at most.
+        """
+        with self._lock:
+            self._put_keys[key] = None
+            self._put_keys.move_to_end(key)
+            if len(self._put_keys) <= self.max_tracked_keys:
+                return
+            keys = list(self._put_keys)
+        exists: list[int] | None = None
+        store = self._store
+        if store is not None:
+            try:
+                exists = [int(e) for e in store.batch_is_exist(keys)]
+            except Exception as exc:  # the store is down: fall back to forgetting the oldest
+                logger.debug("batch_is_exist over %d keys failed: %s", len(keys), exc)
+        with self._lock:
+            if exists is not None and len(exists) == len(keys):
+                for k, e in zip(keys, exists, strict=True):
+                    if e == 0:
+                        self._put_keys.pop(k, None)
+            dropped = 0
+            while len(self._put_keys) > self.max_tracked_keys:
+                self._put_keys.popitem(last=False)
+                dropped += 1
+        if dropped:
+            logger.debug("forgot %d unconsumed keys past max_tracked_keys", dropped)
+
     def cleanup(self, request_id: str) -> None:
         """Remove objects this client stored for ``request_id`` and nobody consumed."""
         with self._lock:
             keys = [k for k in self._put_keys if matches_request(k, request_id)]
-            self._put_keys.difference_update(keys)
+            for k in keys:
+                del self._put_keys[k]
         if self._store is None or self._closed:
             return
         for k in keys:
@@ -313,7 +353,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             "pool_size": pool.size if pool is not None else 0,
             "pool_used": pool.allocator.used_bytes if pool is not None and not pool.closed else 0,
             "registered": self._registered,
-            "stored_unconsumed": pending,
+            "tracked_keys": pending,
             **counters,
         }
 
