@@ -23,6 +23,7 @@ from mooncake_helpers import (
     queue,
     run_scenario,
     spawn,
+    tcp_sockets,
 )
 
 pytestmark = [
@@ -82,7 +83,7 @@ def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any, hold_q: Any) -> None
                 conn.close()
                 conn.close()
                 alive = [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
-                out_q.put(("closed", conn.health(), alive))
+                out_q.put(("closed", conn.health(), alive, tcp_sockets()))
                 return
         except Exception as exc:
             out_q.put(("error", type(exc).__name__, str(exc)))
@@ -174,8 +175,9 @@ def scenario_roundtrip() -> dict[str, Any]:
         except ConnectorClosedError:
             res["closed_raises"] = True
         res["recv_threads"] = [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
+        res["recv_tcp"] = tcp_sockets()
         in_q.put(("close",))
-        _, sh, alive = out_q.get(timeout=30)
+        _, sh, alive, res["sender_tcp"] = out_q.get(timeout=30)
         res["sender_closed"] = sh["status"]
         res["sender_threads"] = alive
         res["sender_pool"] = sh["pool_size"]
@@ -291,6 +293,8 @@ def test_te_roundtrip_long_poll_auth_and_close() -> None:
     h = r["recv_health"]
     assert h["gets"] == 3 and h["quarantined"] == 0
     assert r["closed_raises"] and r["recv_threads"] == []
+    # no control socket, engine RPC listener or data connection is left open after close()
+    assert r["recv_tcp"] == [] and r["sender_tcp"] == [], (r["recv_tcp"], r["sender_tcp"])
     assert r["sender_closed"] == "closed" and r["sender_threads"] == [] and r["sender_pool"] == 0
 
 
