@@ -232,3 +232,42 @@ def test_store_tracking_of_own_puts_is_bounded() -> None:
     assert res["after_consumed"] == ["b@0_1", "c@0_1"]
     assert res["after_full"] == ["c@0_1", "d@0_1"] and res["tracked"] == 2
     assert res["d_exists"] == 0 and res["b_exists"] == 1
+
+
+def scenario_holder_killed() -> dict[str, Any]:
+    """The sender dies after its put: the object is listed but unreadable -> PeerGoneError."""
+    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+    from omnikv.errors import PeerGoneError
+
+    res: dict[str, Any] = {}
+    with Master() as master:
+        out_q, in_q = queue(), queue()
+        # the receiver contributes too little to hold the object: it lands in the sender's segment
+        proc = spawn(peer_putter, store_cfg(master, global_segment_size=256 * MiB), out_q, in_q)
+        with peers(proc):
+            assert out_q.get(timeout=30)[0] == "ready"
+            recv = MooncakeStoreConnector(store_cfg(master, global_segment_size=16 * MiB))
+            in_q.put(("put", "k", 64 * MiB, 1))
+            res["put"] = list(out_q.get(timeout=30)[1:3])
+            proc.kill()
+            proc.join(10)
+            t0 = time.monotonic()
+            try:
+                recv.wait("0", "1", "k", deadline=time.monotonic() + 10)
+                res["outcome"] = "no error"
+            except PeerGoneError as exc:
+                res["outcome"] = type(exc).__name__
+                res["message"] = str(exc)
+            res["seconds"] = time.monotonic() - t0
+            res["get"] = recv.get("0", "1", "k") is None  # the seed-shaped get: None, logged
+            res["pool_used"] = recv.health()["pool_used"]
+            recv.close()
+    return res
+
+
+def test_store_sender_killed_after_put_is_peer_gone() -> None:
+    res = run_scenario(__file__, "scenario_holder_killed", timeout=90)
+    assert res["put"] == [True, 64 * MiB]
+    assert res["outcome"] == "PeerGoneError", res
+    assert "TRANSFER_FAIL" in res["message"] and res["seconds"] < 3.0
+    assert res["get"] and res["pool_used"] == 0

@@ -39,11 +39,16 @@ from omnikv.errors import (
     ConnectorClosedError,
     ConnectorError,
     ConnectorUnavailableError,
+    PeerGoneError,
 )
 
 __all__ = ["MooncakeConnector", "MooncakeStoreConnector"]
 
 logger = logging.getLogger(__name__)
+
+#: Mooncake's ``TRANSFER_FAIL``: the master lists the object, but the client whose segment holds
+#: it did not answer (a killed sender). Later reads of it block ~1 s each in the engine.
+_TRANSFER_FAIL = -800
 
 
 def _probe_master(address: str, timeout_s: float) -> None:
@@ -223,6 +228,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
             raise
         if got != size:
             pool.allocator.free(offset)
+            if got == _TRANSFER_FAIL:
+                raise PeerGoneError(
+                    f"{key} is listed by the master, but the client holding it did not answer "
+                    f"(get_into returned {got}, TRANSFER_FAIL): the sender is gone"
+                )
             if got < 0:
                 return None  # removed or expired between get_size and get_into
             raise ConnectorUnavailableError(f"get_into of {key} returned {got} of {size} bytes")
@@ -274,7 +284,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
     ) -> GetResult | None:
         """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
 
-        Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline.
+        Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline and
+        ``PeerGoneError`` at once when the object's holder does not answer (sender killed after
+        its put), instead of retrying reads that each block the engine for about a second.
         """
         key = self._make_key(get_key, from_stage, to_stage)
         step = 0.0005
