@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from omnikv.bench.mooncake_master import MooncakeMaster, free_ports
+
+__all__ = [
+    "Master",
+    "crc",
+    "free_ports",
+    "mooncake_skip_reason",
+    "omnikv_threads",
+    "pattern",
+    "peers",
+    "queue",
+    "run_scenario",
+    "spawn",
+    "stop",
+    "tcp_sockets",
+]
 
 RESULT_PREFIX = "OMNIKV-RESULT "
 HERE = Path(__file__).resolve().parent
@@ -62,26 +78,6 @@ def mooncake_skip_reason() -> str | None:
     except Exception as exc:  # ImportError, or OSError for a missing libibverbs
         return f"mooncake not importable ({exc}); pip install 'omnikv[mooncake]' + libibverbs1"
     return None
-
-
-def master_binary() -> str:
-    import mooncake
-
-    return str(Path(mooncake.__file__).resolve().parent / "mooncake_master")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (bound and released together)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _can_unshare() -> bool:
@@ -152,63 +148,8 @@ def _kill_group(pid: int) -> None:
 
 
 # -- inside a scenario ---------------------------------------------------------------------------
-class Master:
-    """A real ``mooncake_master`` on free loopback ports, stopped by PID."""
-
-    def __init__(self) -> None:
-        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
-
-    def start(self, timeout: float = 15.0) -> Master:
-        args = [
-            master_binary(),
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={self.rpc_port}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.http_port}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={self.metrics_port}",
-            "--default_kv_lease_ttl=5000",
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        end = time.monotonic() + timeout
-        for port in (self.rpc_port, self.http_port):
-            while not _accepts(port):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
-                if time.monotonic() > end:
-                    self.stop()
-                    raise RuntimeError("mooncake_master did not start listening")
-                # bounded wait on the condition "port accepts", re-checked every 20 ms
-                time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-    def __enter__(self) -> Master:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+# ``Master`` starts the wheel's ``mooncake_master`` on free loopback ports; stopped by PID.
+Master = MooncakeMaster
 
 
 _CTX = mp.get_context("spawn")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +18,10 @@ from omnikv.payload import KVCacheTransferData
 
 __all__ = [
     "MODELS",
+    "ChannelError",
+    "JsonChannel",
     "Stats",
+    "describe_payload",
     "measure",
     "print_table",
     "qwen_payload",
@@ -51,6 +57,61 @@ def realistic_payload(
 def qwen_payload(tokens: int = 4096) -> KVCacheTransferData:
     """Qwen2.5-7B, fp16: 56 KiB per token, 224 MiB for 4096 tokens."""
     return realistic_payload("qwen2.5-7b", tokens)
+
+
+def describe_payload(model: str, tokens: int, payload: KVCacheTransferData, nbytes: int) -> str:
+    """The one-line description the benchmarks print first (payload, threads, cores)."""
+    tensors = 2 * len(payload.layer_blocks["key_cache"])
+    return (
+        f"payload: {model}, {tokens} tokens, {nbytes / (1 << 20):.1f} MiB, {tensors} tensors; "
+        f"torch threads {torch.get_num_threads()}; cores {os.cpu_count()}"
+    )
+
+
+class ChannelError(RuntimeError):
+    """The benchmark peer did not answer as expected (closed, timed out, reported an error)."""
+
+
+class JsonChannel:
+    """JSON lines over one end of a socketpair: the benchmarks' control channel (never pickle).
+
+    Used by ``bench shm`` and ``bench mooncake`` between this process and the peer process they
+    start. ``recv`` raises ``EOFError`` when the peer closed and ``TimeoutError`` after
+    ``timeout_s`` (``None``: wait for ever; a child's wait ends with EOF when its parent dies).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._rf = sock.makefile("rb")
+
+    def send(self, *msg: Any) -> None:
+        self.sock.sendall(json.dumps(list(msg)).encode() + b"\n")
+
+    def recv(self, timeout_s: float | None = None) -> list[Any]:
+        self.sock.settimeout(timeout_s)
+        line = self._rf.readline()
+        if not line:
+            raise EOFError("peer closed the control channel")
+        out: list[Any] = json.loads(line)
+        return out
+
+    def expect(self, tag: str, timeout_s: float | None = 120.0) -> list[Any]:
+        """The next message, which must be ``[tag, ...]``; ``ChannelError`` otherwise (a peer's
+        ``["error", text]`` included)."""
+        try:
+            msg = self.recv(timeout_s)
+        except (EOFError, TimeoutError, OSError) as exc:
+            raise ChannelError(f"peer process: no {tag!r} reply ({exc})") from exc
+        if msg and msg[0] == "error":
+            raise ChannelError(f"peer process: {msg[1] if len(msg) > 1 else msg}")
+        if not msg or msg[0] != tag:
+            raise ChannelError(f"peer process: expected {tag!r}, got {msg!r}")
+        return msg
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._rf.close()
+        self.sock.close()
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import mmap
 import os
 import socket
@@ -37,7 +36,14 @@ from typing import Any
 
 import torch
 
-from omnikv.bench.common import Stats, print_table, realistic_payload, write_json
+from omnikv.bench.common import (
+    JsonChannel,
+    Stats,
+    describe_payload,
+    print_table,
+    realistic_payload,
+    write_json,
+)
 from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
 from omnikv.payload import decode
 
@@ -57,24 +63,6 @@ def _aligned(n: int) -> torch.Tensor:
     return out
 
 
-class _Chan:
-    """JSON lines over one end of a socketpair (bench control messages only)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._rf = sock.makefile("rb")
-
-    def send(self, *msg: Any) -> None:
-        self.sock.sendall(json.dumps(list(msg)).encode() + b"\n")
-
-    def recv(self) -> list[Any]:
-        line = self._rf.readline()
-        if not line:
-            raise EOFError("peer closed the control channel")
-        out: list[Any] = json.loads(line)
-        return out
-
-
 def _same(data: dict[str, Any], source: dict[str, list[torch.Tensor]]) -> bool:
     for cache in ("key_cache", "value_cache"):
         for got, want in zip(data["layer_blocks"][cache], source[cache], strict=True):
@@ -88,7 +76,7 @@ def _receiver(fd: int, namespace: str, model: str, tokens: int) -> int:
     """Child: serve ``[case, key, verify]`` commands until ``stop``; reply ``[t_got, ok]``."""
     from omnikv.connectors.shm import SharedMemoryConnector
 
-    chan = _Chan(socket.socket(fileno=fd))
+    chan = JsonChannel(socket.socket(fileno=fd))
     source = realistic_payload(model, tokens).layer_blocks
     conn = SharedMemoryConnector({"namespace": namespace})
     dst: torch.Tensor | None = None
@@ -146,7 +134,7 @@ def _receiver(fd: int, namespace: str, model: str, tokens: int) -> int:
 
 
 # -- sender (this process) ---------------------------------------------------------------------
-def _ref_put(chan: _Chan, payload: Any, name: str, verify: bool) -> tuple[float, float, bool]:
+def _ref_put(chan: JsonChannel, payload: Any, name: str, verify: bool) -> tuple[float, float, bool]:
     keys = payload.layer_blocks["key_cache"]
     values = payload.layer_blocks["value_cache"]
     chan.send("ref", name, verify)
@@ -200,11 +188,7 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
     payload = realistic_payload(args.model, tokens)
     plan = payload.plan()
     n = plan.nbytes
-    print(
-        f"payload: {args.model}, {tokens} tokens, {n / MIB:.1f} MiB, "
-        f"{2 * len(payload.layer_blocks['key_cache'])} tensors; torch threads "
-        f"{torch.get_num_threads()}; cores {os.cpu_count()}"
-    )
+    print(describe_payload(args.model, tokens, payload, n))
     namespace = f"bench-{uuid.uuid4().hex[:12]}"
     parent, child = socket.socketpair()
     cmd = [
@@ -214,7 +198,7 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
     child.close()
-    chan = _Chan(parent)
+    chan = JsonChannel(parent)
     tx = SharedMemoryConnector(
         {"namespace": namespace, "pool_size_bytes": 2 * n + 4 * MIB, "put_timeout_s": 60}
     )
@@ -245,7 +229,7 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
 
 def _cases(
     args: argparse.Namespace,
-    chan: _Chan,
+    chan: JsonChannel,
     tx: Any,
     plan: Any,
     payload: Any,
