@@ -1,0 +1,929 @@
+"""``omnikv bench mooncake``: each omnikv Mooncake connector against the raw engine, same run.
+
+One run, the same bytes for every case: a KV payload (Qwen2.5-7B, 4096 tokens, fp16: 224 MiB by
+default) encoded once with :mod:`omnikv.payload`. The *sender* is a child process (started here
+with a socketpair for JSON-lines control messages, no pickle; killed by PID at the end); the
+*receiver* is this process. Raw and omnikv samples alternate (raw first on even rounds, omnikv
+first on odd ones) so drift hits both; warm-up rounds are discarded. Target: omnikv >= 0.85 x the
+raw engine's throughput at 224 MiB (``ratio = raw median / omnikv median``).
+
+**Transfer Engine** (``--only te``; P2P handshake, tcp, loopback):
+
+* *raw TE write*: each process has its own ``TransferEngine`` and one registered, page-aligned,
+  pre-faulted buffer (:class:`~omnikv.connectors._pool.HostPool`); the sender's holds the encoded
+  bytes. Timed in the sender: one ``transfer_sync_write`` of the whole payload into the
+  receiver's buffer (a single 224 MiB transfer is accepted; when it returns 0 the bytes are at
+  the receiver).
+* *omnikv wait (transport)*:
+  :class:`~omnikv.connectors.mooncake_te.MooncakeTransferEngineConnector`. The sender
+  ``put_packed``s (its writer copies the pre-encoded bytes into the registered slot with one
+  single-threaded numpy copy, so no spinning OpenMP worker competes with the transfer) and acks
+  "published"; then the receiver times ``wait`` from the call to the returned
+  ``(ManagedBuffer, size)``: query, pull request, the sender's ``transfer_sync_write``, ``done``.
+  Both sides start with the bytes in registered memory: transport against transport. This is the
+  figure the verdict uses.
+* *omnikv put->in hand (e2e)*: the same samples from the start of ``put_packed`` in the sender
+  to the data in hand in the receiver (``CLOCK_MONOTONIC``, one clock for the node). It includes
+  the writer's memcpy (reported on its own line) and one control-channel hop of this benchmark
+  (the "published" ack, tens of microseconds).
+
+**Mooncake Store** (``--only store``; a real ``mooncake_master`` on free loopback ports, killed
+by PID at the end; HTTP metadata). Where the master places an object decides what put and get
+cost: into the putting client's own segment ``put_from`` is a local memcpy (~20 ms for 224 MiB
+here) and the get crosses TCP; into the getting client's segment the other way round; into any
+other client's segment (even one in the same process) both cross TCP. The master picks at
+random, which moves a single put+get between ~190 and ~500 ms whatever the connector. So by
+default (``--store-placement holder``) a *holder* client in this process contributes the only
+segment that can take the payload (two payloads and a margin) and the four benchmarked clients
+contribute Mooncake's minimum (16 MiB): every object, raw or omnikv, travels sender -> holder ->
+receiver, two TCP transfers. (A payload of 16 MiB or less cannot be pinned that way.)
+``--store-placement any`` gives every benchmarked client a full segment and no holder: the
+master's choice, as in a plain deployment. The placement of every sample is looked up
+(``get_replica_desc``, untimed) and printed.
+
+* *raw put+get* = ``put_from`` of the registered sender buffer (timed in the sender) +
+  ``get_into`` the registered receiver buffer (timed in the receiver); ``remove`` afterwards,
+  untimed.
+* *omnikv put+wait*: :class:`~omnikv.connectors.mooncake_store.MooncakeStoreConnector`:
+  (``put_packed`` minus its writer's memcpy, which is measured inside the writer and reported on
+  its own line) + ``wait`` with the object already stored (``get_size`` + ``get_into`` its
+  registered pool + ``remove``).
+
+**memcpy**: page-aligned, pre-faulted source and destination of the payload's size (the
+machine's ceiling, for scale).
+
+Verification, outside every timed region: the receiver checks the crc32 of every received
+sample (raw and omnikv) against the payload it encoded itself from the same seed, decodes the
+first and last omnikv sample of each connector and compares every tensor, then overwrites the
+receive buffer so a later sample cannot pass on stale bytes. Any mismatch prints ``FAIL`` and the
+exit code is 1; missing the speed target only prints ``MISS`` (exit code 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnikv.bench.common import (
+    MODELS,
+    ChannelError,
+    JsonChannel,
+    Stats,
+    describe_payload,
+    print_table,
+    realistic_payload,
+    write_json,
+)
+from omnikv.bench.mooncake_master import HOST, MooncakeMaster, free_ports
+from omnikv.connectors._pool import HostPool
+from omnikv.connectors.base import ManagedBuffer
+from omnikv.payload import decode
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+TARGET = 0.85
+TARGET_MIB = 224
+MIN_SEGMENT = 16 * MIB  # Mooncake Store's smallest global segment ("must be at least 16777216")
+SETUP_TIMEOUT_S = 300.0
+WAIT_BUDGET_S = 60.0
+_INSTALL_HINT = "pip install 'omnikv[mooncake]'"
+_STAGES = ("0", "1")
+
+
+class BenchError(RuntimeError):
+    """A benchmark step failed (set-up, a transfer, the control channel); reported, exit 1."""
+
+
+# -- helpers shared by both processes ------------------------------------------------------------
+def _crc(t: torch.Tensor) -> int:
+    """crc32 (zlib) of a contiguous 1-D uint8 host tensor, read through numpy (no torch threads)."""
+    return zlib.crc32(t.numpy().data)
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view (a copy only if ``t`` is not contiguous) of a host tensor."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _same(data: dict[str, Any], source: dict[str, list[torch.Tensor]]) -> bool:
+    """Every decoded tensor equals its source tensor (dtype, shape, bytes).
+
+    Compared with numpy, single-threaded: a parallel torch op would leave OpenMP workers
+    spinning into the next timed sample.
+    """
+    for cache in ("key_cache", "value_cache"):
+        for got, want in zip(data["layer_blocks"][cache], source[cache], strict=True):
+            if got is None or got.dtype != want.dtype or got.shape != want.shape:
+                return False
+            if not np.array_equal(_bytes_of(got), _bytes_of(want)):
+                return False
+    return True
+
+
+def _pool_size(n: int) -> int:
+    """Connector pool size for one ``n``-byte payload in flight (plus alignment headroom)."""
+    return n + 4 * MIB
+
+
+def _segment_size(n: int) -> int:
+    """A Store global segment that takes the payload: two payloads and a margin, >= 128 MiB."""
+    return max(128 * MIB, 2 * n + 64 * MIB)
+
+
+def _mooncake_env() -> None:
+    """Environment both processes need before a Mooncake engine starts (called by ``main``)."""
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    os.environ["MC_TCP_BIND_ADDRESS"] = HOST
+
+
+def _mooncake_missing() -> str | None:
+    """Why Mooncake cannot be used here, or ``None`` (imports the engine, store and pyzmq)."""
+    try:
+        import mooncake.engine
+        import mooncake.store  # noqa: F401
+        import zmq  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: a missing libibverbs
+        return f"mooncake is not importable ({exc}); install it with {_INSTALL_HINT}"
+    return None
+
+
+def _die_with_parent() -> None:
+    """Child only: ask Linux to SIGKILL this process when its parent dies (belt and braces
+    next to the control channel's EOF, for a child stuck inside an engine call)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+# -- sender (child process) ----------------------------------------------------------------------
+class _Sender:
+    """The child's state: the encoded payload and the engines / connectors of the live case.
+
+    Built by :func:`_sender_main`; every ``op_*`` method answers one control command with the
+    reply message (a list). :meth:`close_te` / :meth:`close_store` are idempotent and are also
+    called when the channel ends.
+    """
+
+    def __init__(self, model: str, tokens: int) -> None:
+        payload = realistic_payload(model, tokens)
+        plan = payload.plan()
+        self.n = plan.nbytes
+        self.src = HostPool(self.n)
+        plan.pack_into(self.src.tensor[: self.n])
+        self.src_view = self.src.tensor[: self.n]
+        self.te_engine: Any = None
+        self.te_pool: HostPool | None = None
+        self.te_registered = False
+        self.te_target: tuple[str, int] = ("", 0)
+        self.te_conn: Any = None
+        self.store: Any = None
+        self.st_pool: HostPool | None = None
+        self.st_registered = False
+        self.st_rcfg: Any = None
+        self.st_conn: Any = None
+
+    def _writer(self, took: list[float]) -> Callable[[torch.Tensor], None]:
+        """A ``put_packed`` writer that copies the pre-encoded bytes and records its own time.
+
+        A single-threaded numpy copy: a parallel torch ``copy_`` leaves OpenMP workers spinning
+        for a while afterwards, and on a 2-core machine they slow the transfer that follows
+        (measured: an 8 MiB ``transfer_sync_write`` 4.5-5 ms after a numpy copy, 6-8 ms after a
+        2-thread torch copy), which would charge the writer's side effect to the transport.
+        """
+        src = self.src_view.numpy()
+
+        def write(dst: torch.Tensor) -> None:
+            t0 = time.monotonic()
+            np.copyto(dst.numpy(), src)
+            took.append(time.monotonic() - t0)
+
+        return write
+
+    # Transfer Engine
+    def op_te_setup(self, rx_session: str, rx_addr: int, zmq_port: int) -> list[Any]:
+        """Raw engine + registered buffer holding the bytes, and the sender connector."""
+        from mooncake.engine import TransferEngine
+
+        from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+        engine = TransferEngine()
+        self.te_engine = engine
+        rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise BenchError(f"TransferEngine.initialize returned {rc}")
+        self.te_pool = HostPool(self.n)
+        self.te_pool.tensor[: self.n].copy_(self.src_view)
+        rc = engine.register_memory(self.te_pool.address, self.te_pool.size)
+        if rc != 0:
+            raise BenchError(f"register_memory returned {rc}")
+        self.te_registered = True
+        self.te_target = (rx_session, int(rx_addr))
+        self.te_conn = MooncakeTransferEngineConnector(
+            {
+                "role": "sender",
+                "host": HOST,
+                "zmq_port": zmq_port,
+                "protocol": "tcp",
+                "memory_pool_size": _pool_size(self.n),
+            }
+        )
+        return ["te_ready"]
+
+    def op_te_raw(self) -> list[Any]:
+        """One timed ``transfer_sync_write`` of the whole payload: ``["raw", rc, seconds]``."""
+        assert self.te_engine is not None and self.te_pool is not None
+        session, dst = self.te_target
+        t0 = time.monotonic()
+        rc = self.te_engine.transfer_sync_write(session, self.te_pool.address, dst, self.n)
+        return ["raw", int(rc), time.monotonic() - t0]
+
+    def _publish(self, conn: Any, key: str) -> list[Any]:
+        """``put_packed`` under ``key``: ``["published", t_start, t_end, writer_seconds]``."""
+        took: list[float] = []
+        t0 = time.monotonic()
+        ok, _, _ = conn.put_packed(
+            *_STAGES, key, self.n, self._writer(took), deadline=t0 + WAIT_BUDGET_S
+        )
+        t1 = time.monotonic()
+        if not ok:
+            raise BenchError(f"put_packed of {key} failed")
+        return ["published", t0, t1, took[0]]
+
+    def op_te_omni(self, key: str) -> list[Any]:
+        """Publish ``key`` through the Transfer Engine connector (see :meth:`_publish`)."""
+        return self._publish(self.te_conn, key)
+
+    def close_te(self) -> None:
+        """Close the connector, unregister and unmap the raw buffer, drop the engine."""
+        conn, self.te_conn = self.te_conn, None
+        if conn is not None:
+            conn.close()
+        if self.te_registered and self.te_engine is not None and self.te_pool is not None:
+            self.te_engine.unregister_memory(self.te_pool.address)
+        self.te_registered = False
+        self.te_engine = None
+        if self.te_pool is not None:
+            self.te_pool.close()
+            self.te_pool = None
+
+    # Mooncake Store
+    def op_st_setup(self, metadata_url: str, master: str, segment: int) -> list[Any]:
+        """Raw store client + registered buffer, and the Store connector; replies with the raw
+        client's endpoint (so the parent can name where objects were placed)."""
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+
+        store = MooncakeDistributedStore()
+        rc = store.setup(HOST, metadata_url, segment, 16 * MIB, "tcp", "", master)
+        self.store = store
+        if rc != 0:
+            raise BenchError(f"MooncakeDistributedStore.setup returned {rc}")
+        self.st_pool = HostPool(self.n)
+        self.st_pool.tensor[: self.n].copy_(self.src_view)
+        rc = store.register_buffer(self.st_pool.address, self.st_pool.size)
+        if rc != 0:
+            raise BenchError(f"register_buffer returned {rc}")
+        self.st_registered = True
+        self.st_rcfg = ReplicateConfig()
+        self.st_conn = MooncakeStoreConnector(
+            {
+                "host": HOST,
+                "metadata_server": metadata_url,
+                "master_server_address": master,
+                "global_segment_size": segment,
+                "local_buffer_size": 16 * MIB,
+                "memory_pool_size": _pool_size(self.n),
+            }
+        )
+        return ["st_ready", str(store.get_hostname())]
+
+    def op_st_raw(self, key: str) -> list[Any]:
+        """One timed ``put_from`` of the whole payload: ``["raw", rc, seconds]``."""
+        assert self.store is not None and self.st_pool is not None
+        t0 = time.monotonic()
+        rc = self.store.put_from(key, self.st_pool.address, self.n, self.st_rcfg)
+        return ["raw", int(rc), time.monotonic() - t0]
+
+    def op_st_omni(self, key: str) -> list[Any]:
+        """Publish ``key`` through the Store connector (see :meth:`_publish`)."""
+        return self._publish(self.st_conn, key)
+
+    def close_store(self) -> None:
+        """Close the connector, unregister the raw buffer, close the client (master still up)."""
+        conn, self.st_conn = self.st_conn, None
+        if conn is not None:
+            conn.close()
+        store, self.store = self.store, None
+        if store is not None:
+            if self.st_registered and self.st_pool is not None:
+                store.unregister_buffer(self.st_pool.address)
+            store.close()
+        self.st_registered = False
+        if self.st_pool is not None:
+            self.st_pool.close()
+            self.st_pool = None
+
+    def close(self) -> None:
+        """Everything, in order; called once when the control channel ends."""
+        self.close_te()
+        self.close_store()
+        self.src.close()
+
+
+def _sender_main(fd: int, model: str, tokens: int) -> int:
+    """Child entry point: answer the parent's commands until ``stop`` or EOF, then clean up.
+
+    Replies ``["error", text]`` to a command that failed (the parent aborts the run); exits when
+    the channel closes, so a dead parent never leaves it behind.
+    """
+    _die_with_parent()
+    chan = JsonChannel(socket.socket(fileno=fd))
+    missing = _mooncake_missing()
+    if missing is not None:
+        chan.send("error", missing)
+        return 1
+    try:
+        sender = _Sender(model, tokens)
+    except Exception as exc:
+        chan.send("error", f"{type(exc).__name__}: {exc}")
+        return 1
+    ops: dict[str, Callable[..., list[Any]]] = {
+        "te_setup": sender.op_te_setup,
+        "te_raw": sender.op_te_raw,
+        "te_omni": sender.op_te_omni,
+        "st_setup": sender.op_st_setup,
+        "st_raw": sender.op_st_raw,
+        "st_omni": sender.op_st_omni,
+    }
+    chan.send("ready", os.getpid(), _crc(sender.src_view), sender.n)
+    try:
+        while True:
+            try:
+                msg = chan.recv()
+            except (EOFError, OSError):
+                break
+            op = msg[0]
+            if op == "stop":
+                break
+            try:
+                if op == "te_close":
+                    sender.close_te()
+                    reply: list[Any] = ["closed"]
+                elif op == "st_close":
+                    sender.close_store()
+                    reply = ["closed"]
+                else:
+                    reply = ops[op](*msg[1:])
+            except Exception as exc:
+                logger.debug("command %s failed", op, exc_info=True)
+                reply = ["error", f"{op}: {type(exc).__name__}: {exc}"]
+            try:
+                chan.send(*reply)
+            except OSError:
+                break
+    finally:
+        sender.close()
+        chan.close()
+    return 0
+
+
+# -- receiver (this process) ---------------------------------------------------------------------
+@dataclass
+class _Check:
+    """The receiver's verification of received samples (called outside the timed regions).
+
+    ``check`` compares size and crc32 with the locally encoded payload, optionally decodes and
+    compares every tensor, records a failure, and then overwrites the buffer (``0xA5``) so that
+    a later sample landing in the same memory cannot pass on stale bytes.
+    """
+
+    n: int
+    crc: int
+    source: dict[str, list[torch.Tensor]]
+    failures: list[str] = field(default_factory=list)
+    checked: int = 0
+    decoded: int = 0
+
+    def check(self, label: str, t: torch.Tensor, size: int, *, full: bool) -> bool:
+        """Verify one received sample (first ``n`` bytes of ``t``); True when it matches."""
+        self.checked += 1
+        ok = size == self.n and t.numel() >= self.n
+        if ok:
+            view = t[: self.n]
+            ok = _crc(view) == self.crc
+            if ok and full:
+                self.decoded += 1
+                try:
+                    ok = _same(decode(view), self.source)
+                except ValueError:  # DecodeError
+                    ok = False
+            view.numpy().fill(0xA5)
+        if not ok:
+            self.failures.append(label)
+            print(f"FAIL  {label}: received data differ from the payload", flush=True)
+        return ok
+
+
+@dataclass
+class _Ctx:
+    """What every case of one run shares (built by :func:`_run`)."""
+
+    chan: JsonChannel
+    n: int
+    check: _Check
+    warmup: int
+    repeat: int
+    store_placement: str = "holder"
+    #: Store case: "raw" / "omnikv" -> segment owner label -> objects placed there
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def place(self, case: str, label: str) -> None:
+        """Count one timed Store sample of ``case`` placed on the segment owned by ``label``."""
+        counts = self.placement.setdefault(case, {})
+        counts[label] = counts.get(label, 0) + 1
+
+    @property
+    def rounds(self) -> int:
+        return self.warmup + self.repeat
+
+    def order(self, i: int) -> tuple[str, str]:
+        """Round ``i``'s order: raw first on even rounds, omnikv first on odd ones."""
+        return ("raw", "omni") if i % 2 == 0 else ("omni", "raw")
+
+    def full_check(self, i: int) -> bool:
+        """Whether round ``i`` also decodes and compares: the first and the last timed round."""
+        return i in (self.warmup, self.rounds - 1)
+
+
+def _omni_wait(conn: Any, key: str, check: _Check, label: str, full: bool) -> float:
+    """Receiver: ``wait`` for an already published key; returns the seconds ``wait`` took.
+
+    Verifies and releases the ManagedBuffer after the timing; raises BenchError when nothing
+    arrived by the deadline.
+    """
+    t0 = time.monotonic()
+    got = conn.wait(*_STAGES, key, deadline=t0 + WAIT_BUDGET_S)
+    t1 = time.monotonic()
+    if got is None:
+        raise BenchError(f"{label}: wait returned nothing within {WAIT_BUDGET_S:.0f} s")
+    buf, size = got
+    if not isinstance(buf, ManagedBuffer):
+        raise BenchError(f"{label}: wait returned {type(buf).__name__}, not a ManagedBuffer")
+    try:
+        check.check(label, buf.tensor, int(size), full=full)
+    finally:
+        buf.release()
+    return t1 - t0
+
+
+def _te_case(ctx: _Ctx) -> dict[str, Stats]:
+    """Transfer Engine: raw ``transfer_sync_write`` vs ``MooncakeTransferEngineConnector``."""
+    from mooncake.engine import TransferEngine
+
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    n, chan, check = ctx.n, ctx.chan, ctx.check
+    raw = Stats("raw TE write", [], n)
+    wait = Stats("omnikv wait (transport)", [], n)
+    e2e = Stats("omnikv put->in hand (e2e)", [], n)
+    writer = Stats("omnikv writer memcpy (in e2e)", [], n)
+    engine = TransferEngine()
+    pool = HostPool(n)
+    registered = False
+    rx: Any = None
+    child_setup = False
+    try:
+        rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise BenchError(f"TransferEngine.initialize returned {rc}")
+        rc = engine.register_memory(pool.address, pool.size)
+        if rc != 0:
+            raise BenchError(f"register_memory returned {rc}")
+        registered = True
+        session = f"{HOST}:{engine.get_rpc_port()}"
+        zmq_port = free_ports(1)[0]
+        child_setup = True
+        chan.send("te_setup", session, pool.address, zmq_port)
+        chan.expect("te_ready", SETUP_TIMEOUT_S)
+        rx = MooncakeTransferEngineConnector(
+            {
+                "role": "receiver",
+                "host": HOST,
+                "sender_host": HOST,
+                "sender_zmq_port": zmq_port,
+                "protocol": "tcp",
+                "memory_pool_size": _pool_size(n),
+            }
+        )
+        for i in range(ctx.rounds):
+            timed = i >= ctx.warmup
+            for which in ctx.order(i):
+                if which == "raw":
+                    chan.send("te_raw")
+                    _, rc, took = chan.expect("raw")
+                    if rc != 0:
+                        raise BenchError(f"raw transfer_sync_write returned {rc}")
+                    check.check(f"TE raw round {i}", pool.tensor, n, full=ctx.full_check(i))
+                    if timed:
+                        raw.samples.append(float(took))
+                    continue
+                key = f"te-{i}"
+                chan.send("te_omni", key)
+                _, t_put, _, t_writer = chan.expect("published")
+                t_call = time.monotonic()
+                took = _omni_wait(rx, key, check, f"TE omnikv round {i}", ctx.full_check(i))
+                if timed:
+                    wait.samples.append(took)
+                    e2e.samples.append(t_call + took - float(t_put))
+                    writer.samples.append(float(t_writer))
+    finally:
+        if rx is not None:
+            rx.close()
+        if child_setup:
+            with contextlib.suppress(BenchError, OSError):
+                chan.send("te_close")
+                chan.expect("closed", SETUP_TIMEOUT_S)
+        if registered:
+            engine.unregister_memory(pool.address)
+        del engine
+        pool.close()
+    return {"te_raw": raw, "te_wait": wait, "te_e2e": e2e, "te_writer": writer}
+
+
+def _where(store: Any, key: str, names: dict[str, str]) -> str:
+    """The owner of the segment that holds ``key`` (``names``: endpoint -> label); untimed."""
+    try:
+        replicas = store.get_replica_desc(key)
+        endpoint = str(replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint)
+    except Exception as exc:  # diagnostics only: never fail a sample over it
+        logger.debug("get_replica_desc(%s) failed: %s", key, exc)
+        return "unknown"
+    return names.get(endpoint, "an omnikv client")
+
+
+def _store_case(ctx: _Ctx) -> dict[str, Stats]:
+    """Mooncake Store: raw ``put_from`` + ``get_into`` vs ``MooncakeStoreConnector``.
+
+    Called by :func:`_run` with the sender child ready; starts and (in ``finally``) kills its own
+    ``mooncake_master``, after every client has left. Raises BenchError on a failed step.
+    """
+    from mooncake.store import MooncakeDistributedStore
+
+    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+
+    n, chan, check = ctx.n, ctx.chan, ctx.check
+    raw = Stats("raw put+get", [], n)
+    raw_put = Stats("  raw put_from", [], n)
+    raw_get = Stats("  raw get_into", [], n)
+    omni = Stats("omnikv put+wait", [], n)
+    omni_put = Stats("  omnikv put_packed - writer", [], n)
+    omni_wait = Stats("  omnikv wait (size+get_into+remove)", [], n)
+    writer = Stats("omnikv writer memcpy (excluded)", [], n)
+    pinned = ctx.store_placement == "holder"
+    segment = MIN_SEGMENT if pinned else _segment_size(n)
+    master = MooncakeMaster()
+    holder: Any = None
+    store: Any = None
+    pool = HostPool(n)
+    registered = False
+    rx: Any = None
+    child_setup = False
+
+    def client(seg: int) -> Any:
+        c = MooncakeDistributedStore()
+        rc = c.setup(HOST, master.metadata_url, seg, 16 * MIB, "tcp", "", master.address)
+        if rc != 0:
+            c.close()
+            raise BenchError(f"MooncakeDistributedStore.setup returned {rc}")
+        return c
+
+    try:
+        try:
+            master.start()
+        except RuntimeError as exc:
+            raise BenchError(str(exc)) from exc
+        names: dict[str, str] = {}
+        if pinned:
+            holder = client(_segment_size(n))
+            names[str(holder.get_hostname())] = "holder"
+        store = client(segment)
+        names[str(store.get_hostname())] = "raw receiver"
+        rc = store.register_buffer(pool.address, pool.size)
+        if rc != 0:
+            raise BenchError(f"register_buffer returned {rc}")
+        registered = True
+        child_setup = True
+        chan.send("st_setup", master.metadata_url, master.address, segment)
+        names[str(chan.expect("st_ready", SETUP_TIMEOUT_S)[1])] = "raw sender"
+        rx = MooncakeStoreConnector(
+            {
+                "host": HOST,
+                "metadata_server": master.metadata_url,
+                "master_server_address": master.address,
+                "global_segment_size": segment,
+                "local_buffer_size": 16 * MIB,
+                "memory_pool_size": _pool_size(n),
+            }
+        )
+        for i in range(ctx.rounds):
+            timed = i >= ctx.warmup
+            for which in ctx.order(i):
+                if which == "raw":
+                    key = f"raw-{i}"
+                    chan.send("st_raw", key)
+                    _, rc, t_put = chan.expect("raw")
+                    if rc != 0:
+                        raise BenchError(f"raw put_from returned {rc}")
+                    where = _where(store, key, names)
+                    t0 = time.monotonic()
+                    got = int(store.get_into(key, pool.address, n))
+                    t_get = time.monotonic() - t0
+                    check.check(f"Store raw round {i}", pool.tensor, got, full=ctx.full_check(i))
+                    rc = int(store.remove(key, True))
+                    if rc != 0:
+                        logger.warning("remove of %s returned %d", key, rc)
+                    if timed:
+                        ctx.place("raw", where)
+                        raw_put.samples.append(float(t_put))
+                        raw_get.samples.append(t_get)
+                        raw.samples.append(float(t_put) + t_get)
+                    continue
+                key = f"st-{i}"
+                chan.send("st_omni", key)
+                _, t0_put, t1_put, t_writer = chan.expect("published")
+                where = _where(store, f"{key}@{_STAGES[0]}_{_STAGES[1]}", names)
+                took = _omni_wait(rx, key, check, f"Store omnikv round {i}", ctx.full_check(i))
+                if timed:
+                    ctx.place("omnikv", where)
+                    put = float(t1_put) - float(t0_put) - float(t_writer)
+                    omni_put.samples.append(put)
+                    omni_wait.samples.append(took)
+                    omni.samples.append(put + took)
+                    writer.samples.append(float(t_writer))
+    finally:
+        if rx is not None:
+            rx.close()
+        if child_setup:  # the child's clients leave while the master still runs
+            with contextlib.suppress(ChannelError, OSError):
+                chan.send("st_close")
+                chan.expect("closed", SETUP_TIMEOUT_S)
+        if store is not None:
+            if registered:
+                store.unregister_buffer(pool.address)
+            store.close()
+        if holder is not None:
+            holder.close()
+        pool.close()
+        master.stop()
+    return {
+        "st_raw": raw,
+        "st_raw_put": raw_put,
+        "st_raw_get": raw_get,
+        "st_omni": omni,
+        "st_omni_put": omni_put,
+        "st_omni_wait": omni_wait,
+        "st_writer": writer,
+    }
+
+
+def _memcpy(n: int, rounds: int, warmup: int) -> Stats:
+    """The ceiling: ``copy_`` between two page-aligned, pre-faulted buffers of ``n`` bytes."""
+    src, dst = HostPool(n), HostPool(n)
+    try:
+        a, b = src.tensor[:n], dst.tensor[:n]
+        a.fill_(7)
+        out = Stats("memcpy (aligned, pre-faulted)", [], n)
+        for i in range(rounds):
+            t0 = time.monotonic()
+            b.copy_(a)
+            if i >= warmup:
+                out.samples.append(time.monotonic() - t0)
+        return out
+    finally:
+        del a, b
+        src.close()
+        dst.close()
+
+
+def _spawn_sender(
+    args: argparse.Namespace, tokens: int
+) -> tuple[subprocess.Popen[bytes], JsonChannel]:
+    """Start the sender child (``--role sender``) with one end of a socketpair passed by fd."""
+    parent, child = socket.socketpair()
+    env = dict(os.environ)
+    env.setdefault("GLOG_minloglevel", "2")
+    env["MC_TCP_BIND_ADDRESS"] = HOST
+    cmd = [
+        sys.executable, "-m", "omnikv.cli", "bench", "mooncake", "--role", "sender",
+        "--fd", str(child.fileno()), "--model", args.model, "--tokens", str(tokens),
+        "--threads", str(args.threads),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=[child.fileno()], env=env)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return proc, JsonChannel(parent)
+
+
+def _reap(proc: subprocess.Popen[bytes], chan: JsonChannel) -> None:
+    """Stop the sender child: ``stop``, a bounded wait, then SIGKILL by PID."""
+    with contextlib.suppress(OSError):
+        chan.send("stop")
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    chan.close()
+
+
+def _run(args: argparse.Namespace, tokens: int) -> int:
+    """The receiver's side of a run: encode, memcpy ceiling, the child, the cases, the report.
+
+    Called by :func:`main`; the sender child is reaped (``stop``, bounded wait, SIGKILL by PID)
+    whatever happens. Returns the exit code.
+    """
+    payload = realistic_payload(args.model, tokens)
+    plan = payload.plan()
+    n = plan.nbytes
+    print(
+        f"{describe_payload(args.model, tokens, payload, n)}; {args.repeat} timed rounds "
+        f"after {args.warmup} warm-up",
+        flush=True,
+    )
+    enc = HostPool(n)
+    try:
+        view = enc.tensor[:n]
+        plan.pack_into(view)
+        expected = _crc(view)
+        if not _same(decode(view), payload.layer_blocks):
+            print("FAIL  local encode/decode round trip")
+            return 1
+        del view
+    finally:
+        enc.close()
+    check = _Check(n, expected, payload.layer_blocks)
+    results: dict[str, Stats] = {"memcpy": _memcpy(n, args.warmup + args.repeat, args.warmup)}
+    proc, chan = _spawn_sender(args, tokens)
+    ctx = _Ctx(chan, n, check, int(args.warmup), int(args.repeat), args.store_placement)
+    error = ""
+    try:
+        ready = chan.expect("ready", SETUP_TIMEOUT_S)
+        if int(ready[2]) != expected or int(ready[3]) != n:
+            raise BenchError("the sender encoded different bytes from the same seed")
+        if args.only in (None, "te"):
+            results.update(_te_case(ctx))
+        if args.only in (None, "store"):
+            results.update(_store_case(ctx))
+    except (BenchError, ChannelError) as exc:
+        error = str(exc)
+    finally:
+        _reap(proc, chan)
+    if error:
+        print(f"FAIL  {error}")
+        return 1
+    return _report(args, ctx, results)
+
+
+def _report(args: argparse.Namespace, ctx: _Ctx, r: dict[str, Stats]) -> int:
+    """Tables, one verdict line per connector, the JSON file; exit code 1 only on bad data."""
+    n, check = ctx.n, ctx.check
+    memcpy = r["memcpy"]
+    ratios: dict[str, float] = {}
+    verdicts: list[tuple[str, float, str]] = []
+    size = f"{n / MIB:.0f} MiB"
+    if "te_raw" in r:
+        rows = [memcpy, r["te_raw"], r["te_wait"], r["te_e2e"], r["te_writer"]]
+        print_table(rows, baseline=r["te_raw"], title=f"Transfer Engine, {size} (ratio = x raw)")
+        ratios["te"] = r["te_raw"].median / r["te_wait"].median
+        ratios["te_e2e"] = r["te_raw"].median / r["te_e2e"].median
+        verdicts.append(
+            (
+                "TE: omnikv wait vs raw transfer_sync_write",
+                ratios["te"],
+                f"(e2e incl. writer memcpy: {ratios['te_e2e']:.2f} x)",
+            )
+        )
+    if "st_raw" in r:
+        keys = ("st_raw", "st_raw_put", "st_raw_get", "st_omni", "st_omni_put", "st_omni_wait")
+        rows = [memcpy, *(r[k] for k in keys), r["st_writer"]]
+        print_table(rows, baseline=r["st_raw"], title=f"Mooncake Store, {size} (ratio = x raw)")
+        for case, counts in sorted(ctx.placement.items(), key=lambda kv: kv[0] != "raw"):
+            spread = ", ".join(f"{c} on {label}" for label, c in sorted(counts.items()))
+            print(f"  {case} objects placed ({ctx.store_placement}): {spread}")
+        if ctx.store_placement == "holder" and n <= MIN_SEGMENT:
+            print(f"  note: a payload <= {MIN_SEGMENT // MIB} MiB cannot be pinned to the holder")
+        ratios["store"] = r["st_raw"].median / r["st_omni"].median
+        verdicts.append(
+            (
+                "Store: omnikv put+wait vs raw put_from+get_into",
+                ratios["store"],
+                f"(writer memcpy {r['st_writer'].median * 1e3:.1f} ms not counted)",
+            )
+        )
+    print(f"\nVerdict (target: omnikv >= {TARGET} x raw throughput at {TARGET_MIB} MiB)")
+    if round(n / MIB) != TARGET_MIB:
+        print(f"  note: {size} payload; the target is defined at {TARGET_MIB} MiB")
+    for label, ratio, extra in verdicts:
+        print(f"  {'PASS' if ratio >= TARGET else 'MISS'}  {label}: {ratio:.2f} x {extra}")
+    verified = not check.failures
+    if verified:
+        print(f"  data: OK ({check.checked} samples crc32-checked, {check.decoded} fully decoded)")
+    else:
+        print(f"  FAIL  data: {len(check.failures)} bad samples: {', '.join(check.failures[:5])}")
+    write_json(
+        args.json,
+        {
+            "bench": "mooncake",
+            "model": args.model,
+            "nbytes": n,
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+            "store_placement": ctx.store_placement,
+            "placement": ctx.placement,
+            "results": {k: {**s.as_dict(), "samples_s": s.samples} for k, s in r.items()},
+            "ratios": ratios,
+            "target": TARGET,
+            "targets_met": all(v >= TARGET for v in ratios.values()),
+            "verified": verified,
+            "samples_checked": check.checked,
+            "samples_decoded": check.decoded,
+            "failures": check.failures,
+        },
+    )
+    return 0 if verified else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (``omnikv bench mooncake``); returns the exit code.
+
+    Called by :mod:`omnikv.cli` and by tests (``main(["--repeat", "1", "--warmup", "0",
+    "--size-mib", "8"])``). 0 when every sample verified (speed targets only print PASS / MISS);
+    1 when data differed, a step failed, or Mooncake is not installed (with the install hint).
+    """
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench mooncake",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--size-mib", type=int, default=TARGET_MIB, help="KV payload size (MiB)")
+    parser.add_argument("--tokens", type=int, default=0, help="tokens (overrides --size-mib)")
+    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
+    parser.add_argument("--repeat", type=int, default=10, help="timed rounds per case")
+    parser.add_argument("--warmup", type=int, default=2, help="discarded rounds per case")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--only", choices=["te", "store"], help="run one connector only")
+    parser.add_argument(
+        "--store-placement",
+        choices=["holder", "any"],
+        default="holder",
+        help="Store: pin objects to one holder segment (default) or let the master choose",
+    )
+    parser.add_argument("--json", help="write results to this file")
+    parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
+    parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv or []))
+    if args.repeat < 1 or args.warmup < 0 or args.size_mib < 1 or args.tokens < 0:
+        parser.error("--repeat and --size-mib must be >= 1, --warmup and --tokens >= 0")
+    layers, heads, dim = MODELS[args.model]
+    per_token = 2 * layers * heads * dim * 2
+    tokens = args.tokens or max(1, args.size_mib * MIB // per_token)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    _mooncake_env()
+    if args.role == "sender":
+        return _sender_main(args.fd, args.model, tokens)
+    missing = _mooncake_missing()
+    if missing is not None:
+        print(f"omnikv bench mooncake: {missing}", file=sys.stderr)
+        return 1
+    return _run(args, tokens)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))
