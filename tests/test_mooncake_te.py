@@ -239,7 +239,13 @@ def scenario_failures() -> dict[str, Any]:
         res["late_first_none"] = recv.wait("0", "1", "late", deadline=t0 + 0.6) is None
         res["late_first_s"] = time.monotonic() - t0
         assert out_q.get(timeout=20)[0] == "writing"
+        t_writing = time.monotonic()
         res["quarantined_during"] = recv.health()["quarantined"]
+        # keep the write in flight past the 1 s TTL and its 0.5 s sweep: the reaper must skip it
+        # (this sleep lets the TTL elapse; it synchronises nothing)
+        time.sleep(max(0.0, t_writing + 2.0 - time.monotonic()))
+        in_q.put(("health",))
+        res["ttl_reaped_inflight"] = out_q.get(timeout=20)[1]["ttl_reaped"] - h["ttl_reaped"]
         hold_q.put("go")
         r = recv.wait("0", "1", "late", deadline=time.monotonic() + 10)
         res["late_ok"] = r is not None and crc(r[0].tensor.numpy()) == crc(pattern(2 * MiB, 5))
@@ -308,6 +314,7 @@ def test_te_failures_are_explicit_bounded_and_leak_nothing() -> None:
     assert r["ttl_reaped"] >= 1
     assert r["late_first_none"] and r["late_first_s"] < 1.2
     assert r["quarantined_during"] == 1
+    assert r["ttl_reaped_inflight"] == 0, "the TTL reaper freed a buffer that was being written"
     assert r["late_ok"]
     assert r["killed"] == "PeerGoneError" and r["killed_detect_s"] < 3.0
     assert r["quarantined_after_kill"] == 1 and r["quarantine_freed"] >= 1
