@@ -308,9 +308,10 @@ class MooncakeStoreConnector(OmniConnectorBase):
         """Remember a put for :meth:`cleanup`, keeping at most ``max_tracked_keys``.
 
         Consumption happens in another client, so this one learns of it lazily: when the bound
-        is passed, one ``batch_is_exist`` forgets every key that is gone from the store; if all
-        are still there, the oldest are forgotten (they stay in the store until consumed or
-        evicted). Amortised, one store round trip per ``max_tracked_keys`` puts at most.
+        is passed, one ``batch_is_exist`` forgets every key that is gone from the store; if more
+        than three quarters of the bound are still there, the oldest are forgotten down to that
+        mark (they stay in the store until consumed or evicted). So a check runs at most once
+        per ``max_tracked_keys // 4`` puts, however slowly the receivers consume.
         """
         with self._lock:
             self._put_keys[key] = None
@@ -331,7 +332,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
                     if e == 0:
                         self._put_keys.pop(k, None)
             dropped = 0
-            while len(self._put_keys) > self.max_tracked_keys:
+            low_water = self.max_tracked_keys - self.max_tracked_keys // 4
+            while len(self._put_keys) > low_water:
                 self._put_keys.popitem(last=False)
                 dropped += 1
         if dropped:
