@@ -561,7 +561,7 @@ def _te_case(ctx: _Ctx) -> dict[str, Stats]:
         if rx is not None:
             rx.close()
         if child_setup:
-            with contextlib.suppress(BenchError, OSError):
+            with contextlib.suppress(ChannelError, OSError):
                 chan.send("te_close")
                 chan.expect("closed", SETUP_TIMEOUT_S)
         if registered:
