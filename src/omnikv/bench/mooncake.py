@@ -175,6 +175,44 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
+def _raw_engine(pool: HostPool) -> Any:
+    """A raw ``TransferEngine`` (P2P handshake, tcp, loopback) with ``pool`` registered.
+
+    Both processes' raw TE set-up; the caller unregisters ``pool`` before closing it. Raises
+    BenchError (nothing left registered) when the engine refuses.
+    """
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise BenchError(f"TransferEngine.initialize returned {rc}")
+    rc = engine.register_memory(pool.address, pool.size)
+    if rc != 0:
+        raise BenchError(f"register_memory returned {rc}")
+    return engine
+
+
+def _raw_store(metadata_url: str, master: str, segment: int, pool: HostPool | None = None) -> Any:
+    """A raw ``MooncakeDistributedStore`` client contributing ``segment`` bytes, with ``pool``
+    registered when given. Both processes' raw Store set-up; the caller unregisters ``pool`` and
+    closes the client. Raises BenchError (client closed) when set-up fails.
+    """
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(HOST, metadata_url, segment, 16 * MIB, "tcp", "", master)
+    if rc != 0:
+        store.close()
+        raise BenchError(f"MooncakeDistributedStore.setup returned {rc}")
+    if pool is not None:
+        rc = store.register_buffer(pool.address, pool.size)
+        if rc != 0:
+            store.close()
+            raise BenchError(f"register_buffer returned {rc}")
+    return store
+
+
 # -- sender (child process) ----------------------------------------------------------------------
 class _Sender:
     """The child's state: the encoded payload and the engines / connectors of the live case.
@@ -191,14 +229,13 @@ class _Sender:
         self.src = HostPool(self.n)
         plan.pack_into(self.src.tensor[: self.n])
         self.src_view = self.src.tensor[: self.n]
+        # a raw engine / store client exists only with its pool registered (see _raw_*)
         self.te_engine: Any = None
         self.te_pool: HostPool | None = None
-        self.te_registered = False
         self.te_target: tuple[str, int] = ("", 0)
         self.te_conn: Any = None
         self.store: Any = None
         self.st_pool: HostPool | None = None
-        self.st_registered = False
         self.st_rcfg: Any = None
         self.st_conn: Any = None
 
@@ -222,21 +259,11 @@ class _Sender:
     # Transfer Engine
     def op_te_setup(self, rx_session: str, rx_addr: int, zmq_port: int) -> list[Any]:
         """Raw engine + registered buffer holding the bytes, and the sender connector."""
-        from mooncake.engine import TransferEngine
-
         from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
 
-        engine = TransferEngine()
-        self.te_engine = engine
-        rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
-        if rc != 0:
-            raise BenchError(f"TransferEngine.initialize returned {rc}")
         self.te_pool = HostPool(self.n)
         self.te_pool.tensor[: self.n].copy_(self.src_view)
-        rc = engine.register_memory(self.te_pool.address, self.te_pool.size)
-        if rc != 0:
-            raise BenchError(f"register_memory returned {rc}")
-        self.te_registered = True
+        self.te_engine = _raw_engine(self.te_pool)
         self.te_target = (rx_session, int(rx_addr))
         self.te_conn = MooncakeTransferEngineConnector(
             {
@@ -278,9 +305,8 @@ class _Sender:
         conn, self.te_conn = self.te_conn, None
         if conn is not None:
             conn.close()
-        if self.te_registered and self.te_engine is not None and self.te_pool is not None:
+        if self.te_engine is not None and self.te_pool is not None:
             self.te_engine.unregister_memory(self.te_pool.address)
-        self.te_registered = False
         self.te_engine = None
         if self.te_pool is not None:
             self.te_pool.close()
@@ -290,21 +316,13 @@ class _Sender:
     def op_st_setup(self, metadata_url: str, master: str, segment: int) -> list[Any]:
         """Raw store client + registered buffer, and the Store connector; replies with the raw
         client's endpoint (so the parent can name where objects were placed)."""
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import ReplicateConfig
 
         from omnikv.connectors.mooncake_store import MooncakeStoreConnector
 
-        store = MooncakeDistributedStore()
-        rc = store.setup(HOST, metadata_url, segment, 16 * MIB, "tcp", "", master)
-        self.store = store
-        if rc != 0:
-            raise BenchError(f"MooncakeDistributedStore.setup returned {rc}")
         self.st_pool = HostPool(self.n)
         self.st_pool.tensor[: self.n].copy_(self.src_view)
-        rc = store.register_buffer(self.st_pool.address, self.st_pool.size)
-        if rc != 0:
-            raise BenchError(f"register_buffer returned {rc}")
-        self.st_registered = True
+        store = self.store = _raw_store(metadata_url, master, segment, self.st_pool)
         self.st_rcfg = ReplicateConfig()
         self.st_conn = MooncakeStoreConnector(
             {
@@ -336,10 +354,9 @@ class _Sender:
             conn.close()
         store, self.store = self.store, None
         if store is not None:
-            if self.st_registered and self.st_pool is not None:
+            if self.st_pool is not None:
                 store.unregister_buffer(self.st_pool.address)
             store.close()
-        self.st_registered = False
         if self.st_pool is not None:
             self.st_pool.close()
             self.st_pool = None
@@ -499,8 +516,6 @@ def _omni_wait(conn: Any, key: str, check: _Check, label: str, full: bool) -> fl
 
 def _te_case(ctx: _Ctx) -> dict[str, Stats]:
     """Transfer Engine: raw ``transfer_sync_write`` vs ``MooncakeTransferEngineConnector``."""
-    from mooncake.engine import TransferEngine
-
     from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
 
     n, chan, check = ctx.n, ctx.chan, ctx.check
@@ -508,19 +523,12 @@ def _te_case(ctx: _Ctx) -> dict[str, Stats]:
     wait = Stats("omnikv wait (transport)", [], n)
     e2e = Stats("omnikv put->in hand (e2e)", [], n)
     writer = Stats("omnikv writer memcpy (in e2e)", [], n)
-    engine = TransferEngine()
     pool = HostPool(n)
-    registered = False
+    engine: Any = None
     rx: Any = None
     child_setup = False
     try:
-        rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
-        if rc != 0:
-            raise BenchError(f"TransferEngine.initialize returned {rc}")
-        rc = engine.register_memory(pool.address, pool.size)
-        if rc != 0:
-            raise BenchError(f"register_memory returned {rc}")
-        registered = True
+        engine = _raw_engine(pool)
         session = f"{HOST}:{engine.get_rpc_port()}"
         zmq_port = free_ports(1)[0]
         child_setup = True
@@ -564,7 +572,7 @@ def _te_case(ctx: _Ctx) -> dict[str, Stats]:
             with contextlib.suppress(ChannelError, OSError):
                 chan.send("te_close")
                 chan.expect("closed", SETUP_TIMEOUT_S)
-        if registered:
+        if engine is not None:
             engine.unregister_memory(pool.address)
         del engine
         pool.close()
@@ -588,8 +596,6 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
     Called by :func:`_run` with the sender child ready; starts and (in ``finally``) kills its own
     ``mooncake_master``, after every client has left. Raises BenchError on a failed step.
     """
-    from mooncake.store import MooncakeDistributedStore
-
     from omnikv.connectors.mooncake_store import MooncakeStoreConnector
 
     n, chan, check = ctx.n, ctx.chan, ctx.check
@@ -606,18 +612,8 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
     holder: Any = None
     store: Any = None
     pool = HostPool(n)
-    registered = False
     rx: Any = None
     child_setup = False
-
-    def client(seg: int) -> Any:
-        c = MooncakeDistributedStore()
-        rc = c.setup(HOST, master.metadata_url, seg, 16 * MIB, "tcp", "", master.address)
-        if rc != 0:
-            c.close()
-            raise BenchError(f"MooncakeDistributedStore.setup returned {rc}")
-        return c
-
     try:
         try:
             master.start()
@@ -625,14 +621,10 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
             raise BenchError(str(exc)) from exc
         names: dict[str, str] = {}
         if pinned:
-            holder = client(_segment_size(n))
+            holder = _raw_store(master.metadata_url, master.address, _segment_size(n))
             names[str(holder.get_hostname())] = "holder"
-        store = client(segment)
+        store = _raw_store(master.metadata_url, master.address, segment, pool)
         names[str(store.get_hostname())] = "raw receiver"
-        rc = store.register_buffer(pool.address, pool.size)
-        if rc != 0:
-            raise BenchError(f"register_buffer returned {rc}")
-        registered = True
         child_setup = True
         chan.send("st_setup", master.metadata_url, master.address, segment)
         names[str(chan.expect("st_ready", SETUP_TIMEOUT_S)[1])] = "raw sender"
@@ -689,8 +681,7 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
                 chan.send("st_close")
                 chan.expect("closed", SETUP_TIMEOUT_S)
         if store is not None:
-            if registered:
-                store.unregister_buffer(pool.address)
+            store.unregister_buffer(pool.address)
             store.close()
         if holder is not None:
             holder.close()
