@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from omnikv.bench.mooncake_master import MooncakeMaster, free_ports
+from omnikv.connectors._mooncake_common import unavailable_reason as mooncake_skip_reason
 
 __all__ = [
     "Master",
@@ -67,17 +68,6 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 def crc(buf: Any) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B"))
-
-
-def mooncake_skip_reason() -> str | None:
-    """Why the Mooncake tests cannot run here, or ``None`` when they can."""
-    try:
-        import mooncake.engine
-        import mooncake.store  # noqa: F401
-        import zmq  # noqa: F401
-    except Exception as exc:  # ImportError, or OSError for a missing libibverbs
-        return f"mooncake not importable ({exc}); pip install 'omnikv[mooncake]' + libibverbs1"
-    return None
 
 
 def _can_unshare() -> bool:

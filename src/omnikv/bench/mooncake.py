@@ -90,6 +90,7 @@ from omnikv.bench.common import (
     write_json,
 )
 from omnikv.bench.mooncake_master import HOST, MooncakeMaster, free_ports
+from omnikv.connectors._mooncake_common import unavailable_reason
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.payload import decode
@@ -104,7 +105,6 @@ TARGET_MIB = 224
 MIN_SEGMENT = 16 * MIB  # Mooncake Store's smallest global segment ("must be at least 16777216")
 SETUP_TIMEOUT_S = 300.0
 WAIT_BUDGET_S = 60.0
-_INSTALL_HINT = "pip install 'omnikv[mooncake]'"
 _STAGES = ("0", "1")
 
 
@@ -152,17 +152,6 @@ def _mooncake_env() -> None:
     """Environment both processes need before a Mooncake engine starts (called by ``main``)."""
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ["MC_TCP_BIND_ADDRESS"] = HOST
-
-
-def _mooncake_missing() -> str | None:
-    """Why Mooncake cannot be used here, or ``None`` (imports the engine, store and pyzmq)."""
-    try:
-        import mooncake.engine
-        import mooncake.store  # noqa: F401
-        import zmq  # noqa: F401
-    except (ImportError, OSError) as exc:  # OSError: a missing libibverbs
-        return f"mooncake is not importable ({exc}); install it with {_INSTALL_HINT}"
-    return None
 
 
 def _die_with_parent() -> None:
@@ -376,7 +365,7 @@ def _sender_main(fd: int, model: str, tokens: int) -> int:
     """
     _die_with_parent()
     chan = JsonChannel(socket.socket(fileno=fd))
-    missing = _mooncake_missing()
+    missing = unavailable_reason()
     if missing is not None:
         chan.send("error", missing)
         return 1
@@ -909,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _mooncake_env()
     if args.role == "sender":
         return _sender_main(args.fd, args.model, tokens)
-    missing = _mooncake_missing()
+    missing = unavailable_reason()
     if missing is not None:
         print(f"omnikv bench mooncake: {missing}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """Pieces shared by the two Mooncake connectors (no Mooncake import here).
 
 * :func:`import_mooncake_engine` / :func:`import_mooncake_store`: the lazy imports, translated
-  into an ``ImportError`` that names the extra to install.
+  into an ``ImportError`` that names the extra to install; :func:`unavailable_reason` says up
+  front whether they would succeed.
 * :func:`encode_object` / :func:`decode_if_object`: non-raw objects (dicts the reference would
   msgpack) travel as ``MAGIC + msgpack``. The magic's first four bytes read as a big-endian header
   length of about 4.28 GB, far above the payload format's header limit, so a packed KV payload is
@@ -36,6 +37,7 @@ __all__ = [
     "parse_size",
     "resolve_host",
     "set_tcp_bind_address",
+    "unavailable_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,21 @@ _MISSING_HINT = (
     "Mooncake is not importable; install it with pip install 'omnikv[mooncake]' "
     "(CPU-only hosts: mooncake-transfer-engine-non-cuda, plus Debian's libibverbs1)"
 )
+
+
+def unavailable_reason() -> str | None:
+    """Why the Mooncake connectors cannot run here (with the install hint), or ``None``.
+
+    Imports the engine, the store and pyzmq. Called by ``omnikv bench mooncake`` before it
+    starts peers, and by the engine tests to decide whether to skip.
+    """
+    try:
+        import mooncake.engine
+        import mooncake.store  # noqa: F401
+        import zmq  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: a missing libibverbs
+        return f"{_MISSING_HINT}: {exc}"
+    return None
 
 
 def import_mooncake_engine() -> Any:
