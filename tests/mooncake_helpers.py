@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -198,8 +199,6 @@ def tcp_sockets() -> list[list[int]]:
 
 def omnikv_threads() -> list[str]:
     """Names of live threads that omnikv started (they all begin with ``omnikv``)."""
-    import threading
-
     return [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
 
 

@@ -385,6 +385,11 @@ def _check_receiver(
     assert len(r["tcp"]) <= (1 if metadata_port else 0), r["tcp"]
 
 
+def _check_sent_224(sent: dict[str, Any]) -> None:
+    assert sent["done"] == ["req"] and sent["status"] == "sent", sent
+    assert sent["nbytes"] >= 224 * MiB
+
+
 def _check_closed_sender(c: dict[str, Any]) -> None:
     assert c["entries"] == 0 and c["pool_used"] == 0, c
     assert c["threads"] == [] and c["tcp"] == [], c
@@ -393,9 +398,7 @@ def _check_closed_sender(c: dict[str, Any]) -> None:
 @pytest.mark.timeout(200)
 def test_manager_224mib_over_transfer_engine() -> None:
     r = run_scenario(__file__, "scenario_te_224", timeout=180)
-    sent = r["sent"]
-    assert sent["done"] == ["req"] and sent["status"] == "sent", sent
-    assert sent["nbytes"] >= 224 * MiB
+    _check_sent_224(r["sent"])
     _check_receiver(r["recv"], QWEN, QWEN["heads"])
     _check_closed_sender(r["closed"])
 
@@ -403,9 +406,7 @@ def test_manager_224mib_over_transfer_engine() -> None:
 @pytest.mark.timeout(200)
 def test_manager_224mib_over_mooncake_store() -> None:
     r = run_scenario(__file__, "scenario_store_224", timeout=180)
-    sent = r["sent"]
-    assert sent["done"] == ["req"] and sent["status"] == "sent", sent
-    assert sent["nbytes"] >= 224 * MiB
+    _check_sent_224(r["sent"])
     _check_receiver(r["recv"], QWEN, QWEN["heads"], r["metadata_port"])
     closed = r["closed"]
     # the sender still remembers its put (it learns of consumption lazily, see _track)

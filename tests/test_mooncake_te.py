@@ -18,6 +18,7 @@ from mooncake_helpers import (
     crc,
     free_ports,
     mooncake_skip_reason,
+    omnikv_threads,
     pattern,
     peers,
     queue,
@@ -82,8 +83,7 @@ def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any, hold_q: Any) -> None
             elif op == "close":
                 conn.close()
                 conn.close()
-                alive = [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
-                out_q.put(("closed", conn.health(), alive, tcp_sockets()))
+                out_q.put(("closed", conn.health(), omnikv_threads(), tcp_sockets()))
                 return
         except Exception as exc:
             out_q.put(("error", type(exc).__name__, str(exc)))
@@ -174,7 +174,7 @@ def scenario_roundtrip() -> dict[str, Any]:
             recv.wait("0", "1", "k2", deadline=time.monotonic() + 1)
         except ConnectorClosedError:
             res["closed_raises"] = True
-        res["recv_threads"] = [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
+        res["recv_threads"] = omnikv_threads()
         res["recv_tcp"] = tcp_sockets()
         in_q.put(("close",))
         _, sh, alive, res["sender_tcp"] = out_q.get(timeout=30)
@@ -280,7 +280,7 @@ def scenario_failures() -> dict[str, Any]:
         res["quarantine_freed"] = h["quarantine_freed"]
         res["recv_pool_used"] = h["pool_used"]
         recv.close()
-        res["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
+        res["threads"] = omnikv_threads()
     return res
 
 
