@@ -232,11 +232,11 @@ CASES = [
     ("header too long", struct.pack(">I", 100) + b"{}", "header_len=100"),
     ("bad json", struct.pack(">I", 3) + b"{x}", "not valid UTF-8 JSON"),
     ("bad utf8", struct.pack(">I", 2) + b"\xff\xfe", "not valid UTF-8 JSON"),
-    ("not an object", _header_payload([1, 2]), "must be a JSON object"),  # type: ignore[arg-type]
+    ("not an object", _header_payload([1, 2]), "Expected `object`, got `array`"),  # type: ignore[arg-type]
     (
         "deep nesting",
         struct.pack(">I", 200000) + b"[" * 100000 + b"]" * 100000,
-        "nested too deeply|JSON",
+        "nested too deeply|JSON|Expected `object`",
     ),
 ]
 
@@ -260,30 +260,30 @@ def _mutated(**changes: object) -> bytes:
 
 
 FIELD_CASES = [
-    ("missing rid", {"rid": None}, "missing key 'rid'"),
-    ("missing td", {"td": None}, "missing key 'td'"),
-    ("missing nl", {"nl": None}, "missing key 'nl'"),
-    ("missing meta", {"meta": None}, "missing key 'meta'"),
-    ("nl is str", {"nl": "1"}, "'nl' has type str"),
-    ("nl is bool", {"nl": True}, "'nl' has type bool"),
+    ("missing rid", {"rid": None}, "missing required field `rid`"),
+    ("missing td", {"td": None}, "missing required field `td`"),
+    ("missing nl", {"nl": None}, "missing required field `nl`"),
+    ("missing meta", {"meta": None}, "missing required field `meta`"),
+    ("nl is str", {"nl": "1"}, "Expected `int`, got `str` - at `\\$.nl`"),
+    ("nl is bool", {"nl": True}, "Expected `int`, got `bool` - at `\\$.nl`"),
     ("huge nl", {"nl": 10**9}, f"outside \\[0, {MAX_LAYERS}\\]"),
     ("negative nl", {"nl": -1}, "outside"),
     ("unknown dtype", {"td_d": "cuda"}, "Unsupported dtype"),
     ("object dtype", {"td_d": "object"}, "Unsupported dtype"),
     ("span past end", {"td_o": 4}, "tensor span"),
     ("negative offset", {"td_o": -1}, "tensor span"),
-    ("float offset", {"td_o": 0.5}, "tensor span"),
+    ("float offset", {"td_o": 0.5}, "got `float` - at `\\$.td\\[0\\].o`"),
     ("shape mismatch", {"td_s": [3]}, "needs 12 bytes"),
     ("negative dim", {"td_s": [-2]}, "non-negative"),
     ("too many dims", {"td_s": [1] * 9}, "at most 8 dims"),
     ("bad layer index", {"td_i": 5}, "Invalid layer index"),
-    ("str layer index", {"td_i": "0"}, "Invalid layer index"),
+    ("str layer index", {"td_i": "0"}, "got `str` - at `\\$.td\\[0\\].i`"),
     (
         "bad name",
         {"td_n": "key_cache_zz", "td_i": None},
         "Invalid KV tensor name|Invalid layer index",
     ),
-    ("name not str", {"td_n": 3}, "must be a string"),
+    ("name not str", {"td_n": 3}, "Expected `str`, got `int`"),
     ("future version", {"v": 99}, "unsupported format version"),
     (
         "other byte order",
@@ -311,7 +311,7 @@ def test_malformed_header_fields(label: str, changes: dict, match: str) -> None:
 def test_td_entry_must_be_object_and_count_bounded() -> None:
     header = _good_header()
     header["td"] = ["oops"]
-    with pytest.raises(DecodeError, match="must be an object"):
+    with pytest.raises(DecodeError, match="Expected `object`, got `str`"):
         decode(_header_payload(header))
     header["td"] = [{"n": "x", "x": True}] * (2 * MAX_LAYERS + 1)
     with pytest.raises(DecodeError, match="more than"):

@@ -41,21 +41,25 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import msgspec
 import numpy as np
 import torch
 
 from omnikv.errors import DecodeError, EncodeError
 
 __all__ = [
+    "DEFAULT_MAX_HEADER_BYTES",
     "DTYPE_ALLOWLIST",
     "FORMAT_VERSION",
+    "DecodedKV",
     "KVCacheTransferData",
     "PackedPayload",
     "TensorWriter",
     "decode",
     "decode_device",
+    "decode_kv",
     "encode",
 ]
 
@@ -65,9 +69,14 @@ FORMAT_VERSION = 1
 ALIGN = 64
 PAGE = 4096
 LARGE_TENSOR_BYTES = 256 * 1024
-MAX_HEADER_BYTES = 16 * 1024 * 1024
-MAX_LAYERS = 4096
+#: Largest JSON header a decoder accepts unless told otherwise (and the most an encoder writes).
+DEFAULT_MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = DEFAULT_MAX_HEADER_BYTES
+#: Most layers a payload may claim (the largest open models have fewer than 200).
+MAX_LAYERS = 1024
 MAX_DIMS = 8
+#: Most elements one tensor may claim, counting zero dims as 1 (torch sizes are int64).
+MAX_ELEMENTS = 1 << 48
 _LEN = struct.Struct(">I")
 _CK_PREFIX = "crc32:"
 _CK_PLACEHOLDER = _CK_PREFIX + "00000000"
@@ -368,243 +377,427 @@ def _as_byte_tensor(buf: Any, *, writable: bool = False) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Decoding
 # --------------------------------------------------------------------------------------------
-def _fail(msg: str) -> DecodeError:
-    return DecodeError(f"corrupt KV payload: {msg}")
+class _TensorDesc(msgspec.Struct, frozen=True, gc=False):
+    """One ``td`` entry as written; fields are checked by :func:`_span_of`."""
+
+    n: str
+    x: bool = False
+    i: int | None = None
+    d: str | None = None
+    s: list[int] | None = None
+    o: int | None = None
+    b: int | None = None
 
 
-def _parse_header(head4: bytes, total: int, read: Callable[[int, int], bytes]) -> dict[str, Any]:
-    if total < 4 or len(head4) < 4:
-        raise _fail(f"missing 4-byte header length (buffer has {total} bytes)")
-    (hlen,) = _LEN.unpack(head4[:4])
-    if hlen > total - 4:
-        raise _fail(f"header_len={hlen} exceeds buffer size {total} - 4")
-    if hlen > MAX_HEADER_BYTES:
-        raise _fail(f"header_len={hlen} exceeds the limit of {MAX_HEADER_BYTES} bytes")
-    raw = read(4, hlen)
-    try:
-        header = json.loads(raw)
-    except RecursionError as exc:
-        raise _fail("header JSON is nested too deeply") from exc
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise _fail(f"header is not valid UTF-8 JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise _fail(f"header must be a JSON object, got {type(header).__name__}")
-    header["__hlen__"] = hlen
-    return header
+class _Header(msgspec.Struct, frozen=True, gc=False):
+    """The JSON header: the reference's keys plus omnikv's optional extensions."""
+
+    rid: str
+    bids: list[int]
+    meta: dict[str, Any]
+    td: list[_TensorDesc]
+    nl: int
+    v: int = FORMAT_VERSION
+    al: int | None = None
+    bo: str = "little"
+    dl: int | None = None
+    ck: str | None = None
 
 
-def _require(header: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    if key not in header:
-        raise _fail(f"header is missing key {key!r}")
-    value = header[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise _fail(f"header key {key!r} has type {type(value).__name__}")
-    return value
+_HEADER_DECODER = msgspec.json.Decoder(_Header)
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+class _Span(NamedTuple):
+    """A validated tensor descriptor: where its bytes are and what they are."""
 
-
-@dataclass(frozen=True)
-class _Desc:
+    pos: int
     cache: int
     layer: int
-    dtype: torch.dtype
     dtype_name: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
 
 
-def _layer_from_name(name: str) -> tuple[int, int | None]:
-    for ci, cache in enumerate(_CACHES):
-        prefix = cache + "_"
-        if name.startswith(prefix):
-            suffix = name[len(prefix) :]
-            if not suffix.isdigit() or len(suffix) > 9:
-                return ci, None
-            return ci, int(suffix)
-    return -1, None
+@dataclass(frozen=True)
+class DecodedKV:
+    """A decoded KV payload: per-layer key and value tensors (``None`` for absent layers).
 
+    The tensors are views of the decoded buffer unless the decode copied (``copy=True``, or a
+    legacy tensor whose bytes were not aligned for its dtype): they are valid as long as the
+    buffer is (for a connector buffer: until it is released).
+    """
 
-def _descriptors(header: Mapping[str, Any], data_len: int) -> tuple[int, list[_Desc | None]]:
-    nl = _require(header, "nl", int)
-    if nl < 0 or nl > MAX_LAYERS:
-        raise _fail(f"nl={nl} outside [0, {MAX_LAYERS}]")
-    td = _require(header, "td", list)
-    if len(td) > 2 * MAX_LAYERS:
-        raise _fail(f"td has {len(td)} entries, more than {2 * MAX_LAYERS}")
-    version = header.get("v", FORMAT_VERSION)
-    if not _is_int(version) or version < 0 or version > FORMAT_VERSION:
-        raise _fail(
-            f"unsupported format version {version!r} (this reader knows <= {FORMAT_VERSION})"
+    request_id: str
+    block_ids: list[int]
+    metadata: dict[str, Any]
+    key_cache: list[torch.Tensor | None]
+    value_cache: list[torch.Tensor | None]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.key_cache)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (key and value tensors together)."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (*self.key_cache, *self.value_cache)
+            if t is not None
         )
-    order = header.get("bo", "little")
-    if order not in ("little", "big"):
-        raise _fail(f"unknown byte order {order!r}")
-    if order != sys.byteorder:
-        raise _fail(f"payload byte order {order} differs from this machine's {sys.byteorder}")
-    out: list[_Desc | None] = []
-    for pos, entry in enumerate(td):
-        where = f"td[{pos}]"
-        if not isinstance(entry, dict):
-            raise _fail(f"{where} must be an object, got {type(entry).__name__}")
-        name = entry.get("n")
-        if not isinstance(name, str):
-            raise _fail(f"{where}.n must be a string, got {type(name).__name__}")
-        if entry.get("x"):
-            cache, idx = _layer_from_name(name)
-            if cache >= 0 and idx is not None and 0 <= idx < nl:
-                out.append(None)
-                continue
-            if cache < 0:
-                out.append(None)
-                continue
-            raise _fail(f"Invalid layer index in {where} ({name!r}, nl={nl})")
-        dname = entry.get("d")
-        if not isinstance(dname, str) or dname not in DTYPE_ALLOWLIST:
-            raise _fail(
-                f"Unsupported dtype in KV payload: got {dname!r} at {where}, "
-                f"expected one of {sorted(DTYPE_ALLOWLIST)}"
-            )
-        o, b = entry.get("o"), entry.get("b")
-        if not (_is_int(o) and _is_int(b)):
-            raise _fail(f"tensor span of {where} needs integer o and b, got o={o!r} b={b!r}")
-        if o < 0 or b < 0 or o + b > data_len:
-            raise _fail(
-                f"tensor span [{o}, {o}+{b}) of {where} outside data section of {data_len} bytes"
-            )
-        shape = entry.get("s")
-        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-            raise _fail(f"{where}.s must be a list of at most {MAX_DIMS} dims, got {shape!r:.80}")
-        if not all(_is_int(d) and d >= 0 for d in shape):
-            raise _fail(f"{where}.s must hold non-negative integers, got {shape!r:.80}")
-        expected = math.prod(shape) * _ITEMSIZE[dname]
-        if expected != b:
-            raise _fail(f"shape {shape} of dtype {dname} needs {expected} bytes, {where}.b={b}")
-        cache, idx = _layer_from_name(name)
-        if "i" in entry:
-            idx = entry["i"]
-            if not _is_int(idx):
-                raise _fail(f"Invalid layer index {idx!r} in {where}")
-        if cache < 0:
-            # Not a KV tensor: the reference ignores such names; so do we.
-            out.append(None)
+
+    def to_seed_dict(self) -> dict[str, Any]:
+        """The reference's decoded shape: ``request_id``, ``layer_blocks``, ``block_ids``, ..."""
+        return {
+            "request_id": self.request_id,
+            "layer_blocks": {"key_cache": self.key_cache, "value_cache": self.value_cache},
+            "block_ids": self.block_ids,
+            "metadata": self.metadata,
+        }
+
+
+def _fail(msg: str) -> DecodeError:
+    return DecodeError(f"corrupt KV payload: {msg}")
+
+
+def _read_header(
+    head4: bytes, total: int, read: Callable[[int, int], Any], max_header_bytes: int
+) -> tuple[_Header, int]:
+    if total < 4 or len(head4) < 4:
+        raise _fail(f"missing 4-byte header length (buffer has {total} bytes)")
+    (hlen,) = _LEN.unpack(head4[:4])
+    if hlen > max_header_bytes:
+        raise _fail(f"header_len={hlen} exceeds the limit of {max_header_bytes} bytes")
+    if hlen > total - 4:
+        raise _fail(f"header_len={hlen} exceeds buffer size {total} - 4")
+    try:
+        header = _HEADER_DECODER.decode(read(4, hlen))
+    except RecursionError as exc:
+        raise _fail("header JSON is nested too deeply") from exc
+    except msgspec.ValidationError as exc:
+        raise _fail(f"header: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise _fail(f"header is not valid UTF-8 JSON ({exc})") from exc
+    return header, hlen
+
+
+def _check_header(header: _Header, available: int) -> int:
+    """Header-level checks; returns the length of the data section."""
+    if not 0 <= header.nl <= MAX_LAYERS:
+        raise _fail(f"nl={header.nl} outside [0, {MAX_LAYERS}]")
+    if len(header.td) > 2 * MAX_LAYERS:
+        raise _fail(f"td has {len(header.td)} entries, more than {2 * MAX_LAYERS}")
+    if not 0 <= header.v <= FORMAT_VERSION:
+        raise _fail(
+            f"unsupported format version {header.v} (this reader knows <= {FORMAT_VERSION})"
+        )
+    if header.bo != sys.byteorder:
+        raise _fail(f"payload byte order {header.bo!r} differs from this machine's {sys.byteorder}")
+    if header.al is not None and not (0 < header.al <= PAGE and header.al & (header.al - 1) == 0):
+        raise _fail(f"al={header.al} is not a power of two in [1, {PAGE}]")
+    if header.dl is None:
+        return available
+    if not 0 <= header.dl <= available:
+        raise _fail(f"dl={header.dl} outside the {available} bytes after the header")
+    return header.dl
+
+
+def _numel(shape: list[int], pos: int) -> int:
+    if len(shape) > MAX_DIMS:
+        raise _fail_at(pos, f"s must have at most {MAX_DIMS} dims, got {len(shape)}")
+    numel = 1
+    extent = 1  # product of the non-zero dims: bounded even when numel is 0
+    for dim in shape:
+        if dim < 0:
+            raise _fail_at(pos, f"s must hold non-negative integers, got {shape!r:.80}")
+        numel *= dim
+        extent *= dim or 1
+    if extent > MAX_ELEMENTS:
+        raise _fail_at(pos, f"s={shape!r:.80} claims more than {MAX_ELEMENTS} elements")
+    return numel
+
+
+def _fail_at(pos: int, msg: str) -> DecodeError:
+    return _fail(f"td[{pos}]: {msg}")
+
+
+def _cache_of(name: str) -> tuple[int, str]:
+    """(0 for key_cache / 1 for value_cache / -1 for other names, the layer suffix)."""
+    if name.startswith("key_cache_"):
+        return 0, name[10:]
+    if name.startswith("value_cache_"):
+        return 1, name[12:]
+    return -1, ""
+
+
+def _layer_of(e: _TensorDesc, pos: int, suffix: str, nl: int) -> int:
+    idx = e.i
+    if idx is None:
+        if not (suffix.isascii() and suffix.isdigit() and len(suffix) <= 9):
+            raise _fail_at(pos, f"Invalid KV tensor name {e.n!r:.40}")
+        idx = int(suffix)
+    if not 0 <= idx < nl:
+        raise _fail_at(pos, f"Invalid layer index {idx} (nl={nl})")
+    return idx
+
+
+def _span_of(e: _TensorDesc, pos: int, nl: int, data_len: int, aligned: bool) -> _Span | None:
+    cache, suffix = _cache_of(e.n)
+    if e.x:
+        if cache >= 0:
+            _layer_of(_TensorDesc(e.n), pos, suffix, nl)
+        return None
+    itemsize = _ITEMSIZE.get(e.d) if e.d is not None else None
+    if itemsize is None:
+        raise _fail_at(
+            pos,
+            f"Unsupported dtype in KV payload: got {e.d!r:.40}, "
+            f"expected one of {sorted(DTYPE_ALLOWLIST)}",
+        )
+    o, b = e.o, e.b
+    if o is None or b is None or o < 0 or b < 0 or o + b > data_len:
+        raise _fail_at(pos, f"tensor span [{o}, {o}+{b}) outside data section of {data_len} bytes")
+    if e.s is None:
+        raise _fail_at(pos, "no shape")
+    need = _numel(e.s, pos) * itemsize
+    if need != b:
+        raise _fail_at(pos, f"shape {e.s!r:.80} of dtype {e.d} needs {need} bytes, b={b}")
+    if aligned and o % itemsize:
+        raise _fail_at(pos, f"offset {o} is misaligned for {e.d} ({itemsize}-byte elements)")
+    if cache < 0:
+        return None  # not a KV tensor: the reference ignores such names; so do we
+    assert e.d is not None
+    return _Span(pos, cache, _layer_of(e, pos, suffix, nl), e.d, tuple(e.s), o, b)
+
+
+def _spans(header: _Header, data_len: int) -> list[_Span]:
+    """Every KV tensor's span, validated: in the data section, no overlap, no duplicates."""
+    aligned, nl = header.al is not None, header.nl
+    spans = []
+    taken = [False] * (2 * nl)
+    for pos, entry in enumerate(header.td):
+        span = _span_of(entry, pos, nl, data_len, aligned)
+        if span is None:
             continue
-        if idx is None:
-            raise _fail(f"Invalid KV tensor name {name!r} at {where}")
-        if not 0 <= idx < nl:
-            raise _fail(f"Invalid layer index {idx} at {where} (nl={nl})")
-        out.append(_Desc(cache, idx, DTYPE_ALLOWLIST[dname], dname, tuple(shape), o, b))
-    return nl, out
+        slot = span.cache * nl + span.layer
+        if taken[slot]:
+            raise _fail_at(pos, f"duplicate tensor for {_CACHES[span.cache]}_{span.layer}")
+        taken[slot] = True
+        spans.append(span)
+    _check_disjoint(spans)
+    return spans
 
 
-def _verify_checksum(header: Mapping[str, Any], data: torch.Tensor) -> None:
-    ck = header.get("ck")
+def _check_disjoint(spans: list[_Span]) -> None:
+    """No two non-empty spans share a byte (one pass when offsets already increase)."""
+    end = 0
+    for span in spans:
+        if span.nbytes and span.offset < end:
+            break
+        end = max(end, span.offset + span.nbytes)
+    else:
+        return
+    end, prev = 0, -1
+    for span in sorted((s for s in spans if s.nbytes), key=lambda s: s.offset):
+        if span.offset < end:
+            raise _fail_at(
+                span.pos,
+                f"span [{span.offset}, {span.offset + span.nbytes}) overlaps td[{prev}] "
+                "(tensor spans must not share bytes)",
+            )
+        end, prev = span.offset + span.nbytes, span.pos
+
+
+def _verify_checksum(ck: str | None, data: torch.Tensor) -> None:
     if ck is None:
         return
-    if not isinstance(ck, str) or not ck.startswith(_CK_PREFIX) or len(ck) != len(_CK_PLACEHOLDER):
+    if not ck.startswith(_CK_PREFIX) or len(ck) != len(_CK_PLACEHOLDER):
         raise _fail(f"malformed checksum field {ck!r:.40}")
     try:
         want = int(ck[len(_CK_PREFIX) :], 16)
     except ValueError as exc:
         raise _fail(f"malformed checksum field {ck!r:.40}") from exc
-    dl = header.get("dl")
-    span = data[:dl] if _is_int(dl) and 0 <= dl <= data.numel() else data
-    got = _crc32(span)
+    got = _crc32(data)
     if got != want:
         raise _fail(f"data checksum mismatch: header says {want:08x}, data has {got:08x}")
 
 
-def _build(
-    header: Mapping[str, Any],
-    nl: int,
-    descs: list[_Desc | None],
-    make: Callable[[_Desc], torch.Tensor],
-) -> dict[str, Any]:
-    rid = _require(header, "rid", str)
-    bids = _require(header, "bids", list)
-    meta = _require(header, "meta", dict)
-    lists: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] = (
-        [None] * nl,
-        [None] * nl,
-    )
-    seen: set[tuple[int, int]] = set()
-    for desc in descs:
-        if desc is None:
-            continue
-        key = (desc.cache, desc.layer)
-        if key in seen:
-            raise _fail(f"duplicate tensor for {_CACHES[desc.cache]}_{desc.layer}")
-        seen.add(key)
-        lists[desc.cache][desc.layer] = make(desc)
-    return {
-        "request_id": rid,
-        "layer_blocks": {"key_cache": lists[0], "value_cache": lists[1]},
-        "block_ids": bids,
-        "metadata": meta,
-    }
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        out[k] = out[k + 1] * max(shape[k + 1], 1)
+    return tuple(out)
 
 
-def _view(data: torch.Tensor, desc: _Desc, *, copy: bool) -> torch.Tensor:
-    if desc.nbytes == 0:
-        return torch.empty(desc.shape, dtype=desc.dtype, device=data.device)
-    chunk = data[desc.offset : desc.offset + desc.nbytes]
-    itemsize = _ITEMSIZE[desc.dtype_name]
-    if chunk.data_ptr() % itemsize:
-        # A foreign writer left this tensor unaligned: copy it to aligned memory.
-        aligned = torch.empty(desc.nbytes, dtype=torch.uint8, device=data.device)
-        aligned.copy_(chunk)
-        chunk = aligned
-    elif copy:
-        chunk = chunk.clone()
-    return chunk.view(desc.dtype).view(desc.shape)
+def _run_length(spans: list[_Span], i: int) -> int:
+    """How many spans from ``i`` on share dtype and shape and follow each other at one step."""
+    first, j = spans[i], i + 1
+    if j == len(spans) or first.nbytes == 0:
+        return 1
+    step = spans[j].offset - first.offset
+    if step < first.nbytes or step % _ITEMSIZE[first.dtype_name]:
+        return 1
+    while (
+        j < len(spans)
+        and spans[j].dtype_name == first.dtype_name
+        and spans[j].shape == first.shape
+        and spans[j].offset - spans[j - 1].offset == step
+    ):
+        j += 1
+    return j - i
 
 
-def decode(buf: Any, *, verify: bool = True) -> dict[str, Any]:
-    """Decode a packed payload from host memory into zero-copy tensor views.
+class _Viewer:
+    """Makes tensor views of a byte tensor: one typed view per dtype, then ``as_strided``.
 
-    ``buf``: bytes, bytearray, memoryview, mmap, ndarray or a 1-D ``uint8`` host tensor. The
-    returned tensors alias ``buf`` (except tensors a foreign writer left unaligned, which are
-    copied). ``verify`` checks the data checksum when the payload carries one.
-    Raises :class:`DecodeError` for every malformed input.
+    Spans of one dtype and shape at a constant step (every layer of a model) become one strided
+    view that ``unbind`` splits, which is what makes decoding cheap. A span whose address is not
+    aligned for its dtype (legacy writers have no alignment) is copied to fresh memory; spans do
+    not overlap, so those copies never exceed the data section.
     """
-    try:
-        t = _as_byte_tensor(buf)
-    except ValueError as exc:
-        raise _fail(str(exc)) from exc
-    if t.device.type != "cpu":
-        return decode_device(t, copy=False, verify=verify)
-    total = t.numel()
-    mv = t.numpy().data if total else memoryview(b"")
-    header = _parse_header(bytes(mv[:4]), total, lambda s, n: bytes(mv[s : s + n]))
-    data = t[4 + header["__hlen__"] :]
-    nl, descs = _descriptors(header, data.numel())
-    if verify:
-        _verify_checksum(header, data)
-    return _build(header, nl, descs, lambda d: _view(data, d, copy=False))
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self._ptr = data.data_ptr()
+        self._typed: dict[str, tuple[torch.Tensor, int] | None] = {}
+
+    def _typed_view(self, name: str) -> tuple[torch.Tensor, int] | None:
+        if name not in self._typed:
+            itemsize = _ITEMSIZE[name]
+            lead = -self._ptr % itemsize
+            usable = (self.data.numel() - lead) // itemsize * itemsize
+            try:
+                typed = self.data[lead : lead + usable].view(DTYPE_ALLOWLIST[name])
+                self._typed[name] = (typed, int(typed.storage_offset()) - lead // itemsize)
+            except RuntimeError:  # storage itself misaligned: per-tensor copies instead
+                self._typed[name] = None
+        return self._typed[name]
+
+    def views(self, spans: list[_Span]) -> list[torch.Tensor]:
+        """One tensor per span, in order."""
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(spans):
+            count = _run_length(spans, i)
+            if count == 1:
+                out.append(self._one(spans[i]))
+            else:
+                out.extend(self._run(spans[i], count, spans[i + 1].offset - spans[i].offset))
+            i += count
+        return out
+
+    def _run(self, first: _Span, count: int, step: int) -> tuple[torch.Tensor, ...]:
+        itemsize = _ITEMSIZE[first.dtype_name]
+        typed = (
+            self._typed_view(first.dtype_name)
+            if (self._ptr + first.offset) % itemsize == 0
+            else None
+        )
+        if typed is None:
+            return tuple(
+                self._one(first._replace(offset=first.offset + k * step)) for k in range(count)
+            )
+        base, origin = typed
+        shape, strides = (count, *first.shape), (step // itemsize, *_strides(first.shape))
+        return base.as_strided(shape, strides, origin + first.offset // itemsize).unbind(0)
+
+    def _one(self, span: _Span) -> torch.Tensor:
+        dtype = DTYPE_ALLOWLIST[span.dtype_name]
+        if span.nbytes == 0:
+            return torch.empty(span.shape, dtype=dtype, device=self.data.device)
+        itemsize = _ITEMSIZE[span.dtype_name]
+        typed = (
+            self._typed_view(span.dtype_name) if (self._ptr + span.offset) % itemsize == 0 else None
+        )
+        if typed is None:
+            chunk = self.data[span.offset : span.offset + span.nbytes].clone()
+            return chunk.view(dtype).view(span.shape)
+        base, origin = typed
+        return base.as_strided(span.shape, _strides(span.shape), origin + span.offset // itemsize)
 
 
-def decode_device(t: torch.Tensor, *, copy: bool = True, verify: bool = True) -> dict[str, Any]:
-    """Decode a packed payload held in a 1-D ``uint8`` tensor on any device.
+def _compact_copy(data: torch.Tensor, spans: list[_Span]) -> tuple[torch.Tensor, list[_Span]]:
+    """Copy the tensors' bytes into one fresh buffer of exactly their total size.
 
-    The header is read with two small device-to-host copies. ``copy=True`` (the reference's
-    behaviour) gives every tensor its own memory; ``copy=False`` returns views into ``t``.
+    Larger elements first, so every tensor lands aligned for its dtype without padding; the
+    allocation is the sum of the (non-overlapping) spans, never more than the data section.
     """
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
-        raise _fail("device payload must be a 1-D uint8 tensor")
-    total = t.numel()
+    ordered = sorted(spans, key=lambda s: -_ITEMSIZE[s.dtype_name])
+    out = torch.empty(sum(s.nbytes for s in spans), dtype=torch.uint8, device=data.device)
+    moved, cursor = [], 0
+    for span in ordered:
+        end = cursor + span.nbytes
+        out[cursor:end].copy_(data[span.offset : span.offset + span.nbytes])
+        moved.append(span._replace(offset=cursor))
+        cursor = end
+    return out, moved
 
+
+def _host_reader(t: torch.Tensor) -> tuple[bytes, Callable[[int, int], Any]]:
+    mv = t.numpy().data if t.numel() else memoryview(b"")
+    return bytes(mv[:4]), lambda start, n: mv[start : start + n]
+
+
+def _device_reader(t: torch.Tensor) -> tuple[bytes, Callable[[int, int], Any]]:
     def read(start: int, n: int) -> bytes:
         return t[start : start + n].cpu().numpy().tobytes()
 
-    header = _parse_header(read(0, 4), total, read)
-    data = t[4 + header["__hlen__"] :]
-    nl, descs = _descriptors(header, data.numel())
+    return read(0, 4), read
+
+
+def decode_kv(
+    buffer: Any,
+    *,
+    copy: bool = False,
+    verify: bool = True,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> DecodedKV:
+    """Decode a packed payload into a :class:`DecodedKV`.
+
+    ``buffer``: bytes, bytearray, memoryview, mmap, ndarray, or a 1-D ``uint8`` tensor on any
+    device (the header is then read with two small device-to-host copies). With ``copy=False``
+    the tensors are views of ``buffer``; with ``copy=True`` they live in one fresh buffer of at
+    most the data section's size and ``buffer`` may be reused at once. ``verify`` checks the data
+    checksum when the payload carries one. Every malformed input raises :class:`DecodeError`
+    before anything proportional to a claimed size is allocated.
+    """
+    try:
+        t = _as_byte_tensor(buffer)
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    head4, read = _host_reader(t) if t.device.type == "cpu" else _device_reader(t)
+    header, hlen = _read_header(head4, t.numel(), read, max_header_bytes)
+    data_len = _check_header(header, t.numel() - 4 - hlen)
+    data = t[4 + hlen : 4 + hlen + data_len]
+    spans = _spans(header, data_len)
     if verify:
-        _verify_checksum(header, data)
-    return _build(header, nl, descs, lambda d: _view(data, d, copy=copy))
+        _verify_checksum(header.ck, data)
+    if copy and spans:
+        data, spans = _compact_copy(data, spans)
+    caches: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] = (
+        [None] * header.nl,
+        [None] * header.nl,
+    )
+    for span, tensor in zip(spans, _Viewer(data).views(spans), strict=True):
+        caches[span.cache][span.layer] = tensor
+    return DecodedKV(header.rid, header.bids, header.meta, caches[0], caches[1])
+
+
+def decode(buf: Any, *, verify: bool = True) -> dict[str, Any]:
+    """The seed's decoded dict of :func:`decode_kv` (zero-copy views of ``buf``)."""
+    return decode_kv(buf, verify=verify).to_seed_dict()
+
+
+def decode_device(t: torch.Tensor, *, copy: bool = True, verify: bool = True) -> dict[str, Any]:
+    """The seed's decoded dict of a payload in a 1-D ``uint8`` tensor on any device.
+
+    ``copy=True`` (the reference's behaviour) gives the tensors their own memory (one buffer of
+    at most the data section's size); ``copy=False`` returns views into ``t``.
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        raise _fail("device payload must be a 1-D uint8 tensor")
+    return decode_kv(t, copy=copy, verify=verify).to_seed_dict()
 
 
 def encode(data: KVCacheTransferData, *, checksum: bool = False) -> bytes:
@@ -684,7 +877,7 @@ class KVCacheTransferData:
     @staticmethod
     def from_bytes(raw: Any) -> dict[str, Any]:
         """Reconstruct KV cache data from the packed bytes format (zero-copy views)."""
-        return decode(raw)
+        return decode_kv(raw).to_seed_dict()
 
     @staticmethod
     def from_bytes_device(t: torch.Tensor) -> dict[str, Any]:

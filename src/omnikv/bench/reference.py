@@ -76,7 +76,10 @@ def ref_to_bytes(
 
 
 def ref_from_bytes(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Unpack like the reference's host decoder (views, its checks, its error messages)."""
+    """Unpack like the reference's host decoder (views, its checks, its error messages).
+
+    The tensors alias ``raw``; a read-only ``raw`` gives read-only views (torch warns once).
+    """
     mv = memoryview(raw)
     if len(mv) < 4:
         raise ValueError("missing 4-byte header length")
@@ -99,8 +102,8 @@ def ref_from_bytes(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
             raise ValueError("tensor span out of range")
         if b == 0:
             t = torch.empty(desc["s"], dtype=dtype)
-        else:
-            t = torch.frombuffer(bytearray(data[o : o + b]), dtype=dtype).reshape(desc["s"])
+        else:  # a view over the input buffer, as the reference's host decoder makes
+            t = torch.frombuffer(data[o : o + b], dtype=dtype).reshape(desc["s"])
         name = desc["n"]
         idx = desc.get("i")
         if idx is None:
