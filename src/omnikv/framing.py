@@ -27,7 +27,7 @@ import msgpack
 import torch
 
 from omnikv.errors import DecodeError, EncodeError
-from omnikv.payload import PackedPayload, _write_tensor, decode
+from omnikv.payload import PackedPayload, decode_kv
 
 __all__ = ["Frame", "decode_frame", "encode_frame"]
 
@@ -121,38 +121,11 @@ class Frame:
         self._packed.pack_into(buf, self.region_offset)
         return self.nbytes
 
+    # merge: delete once distribution.py calls pack_into (facade); the message was always
+    # packed whole before it left (one chunk), so this only keeps today's caller working.
     def pack_steps(self, buf: torch.Tensor) -> Iterator[int]:
-        """Write the message like :meth:`pack_into`, yielding how many leading bytes are final.
-
-        Used by the leader to broadcast the first chunks while later tensors are still being
-        copied. Yields after the headers and after every tensor; the last value is ``nbytes``.
-        """
-        packed = self._packed
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < self.nbytes:
-            raise ValueError(f"need a 1-D uint8 tensor of >= {self.nbytes} bytes")
-        if packed._checksum:  # never set here; checksums need the whole region
-            self.pack_into(buf)
-            yield self.nbytes
-            return
-        head = _FIXED.pack(MAGIC, len(self._structure), self.region_offset) + self._structure
-        raw = bytearray(head) + bytes(self.region_offset - len(head)) + packed.header_bytes
-        buf[: len(raw)].copy_(torch.frombuffer(raw, dtype=torch.uint8))
-        start = self.region_offset + packed.data_start
-        if len(raw) < start:
-            buf[len(raw) : start].zero_()
-        data = buf[start : self.region_offset + packed.nbytes]
-        prev = 0
-        yield start
-        for slot in packed._slots:
-            if slot.source is None:
-                continue
-            if slot.offset > prev:
-                data[prev : slot.offset].zero_()
-            if slot.nbytes:
-                _write_tensor(slot, data[slot.offset : slot.offset + slot.nbytes])
-            prev = slot.offset + slot.nbytes
-            yield start + prev
-        yield self.nbytes
+        """Deprecated: :meth:`pack_into`, then yields ``nbytes`` once."""
+        yield self.pack_into(buf)
 
 
 def encode_frame(payload: Mapping[str, Any]) -> Frame:
@@ -160,8 +133,58 @@ def encode_frame(payload: Mapping[str, Any]) -> Frame:
     return Frame(payload)
 
 
+class _Decoder:
+    """msgpack ``ext_hook`` with a depth bound: every extension unpacks its body with a nested
+    ``unpackb`` call (C recursion), so nesting is counted and refused past ``_MAX_DEPTH``."""
+
+    def __init__(self, tensors: list[torch.Tensor | None]) -> None:
+        self.tensors = tensors
+        self.depth = 0
+
+    def unpack(self, data: bytes) -> Any:
+        try:
+            return msgpack.unpackb(
+                data, raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True
+            )
+        except DecodeError:
+            raise
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise DecodeError(f"corrupt distribution message: {exc}") from exc
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if self.depth >= _MAX_DEPTH:
+            raise DecodeError(f"corrupt distribution message: nested deeper than {_MAX_DEPTH}")
+        self.depth += 1
+        try:
+            return self._ext(code, data)
+        finally:
+            self.depth -= 1
+
+    def _ext(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TENSOR:
+            idx = msgpack.unpackb(data)
+            tensors = self.tensors
+            if not isinstance(idx, int) or not 0 <= idx < len(tensors) or tensors[idx] is None:
+                raise DecodeError(f"corrupt distribution message: bad tensor reference {idx!r}")
+            return tensors[idx]
+        if code == _EXT_NAMESPACE:
+            attrs = self.unpack(data)
+            if not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
+                raise DecodeError("corrupt distribution message: namespace is not a str map")
+            return SimpleNamespace(**attrs)
+        if code == _EXT_TUPLE:
+            items = self.unpack(data)
+            if not isinstance(items, list):
+                raise DecodeError("corrupt distribution message: tuple is not a list")
+            return tuple(items)
+        raise DecodeError(f"corrupt distribution message: unknown extension type {code}")
+
+
 def decode_frame(buf: torch.Tensor) -> dict[str, Any]:
-    """Decode a message; the tensors are zero-copy views into ``buf`` (host, 1-D uint8)."""
+    """Decode a message; the tensors are zero-copy views into ``buf`` (host, 1-D uint8).
+
+    Extensions may nest at most ``_MAX_DEPTH`` deep; anything malformed is a DecodeError.
+    """
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
         raise DecodeError("corrupt distribution message: need a 1-D uint8 host tensor")
     total = buf.numel()
@@ -176,45 +199,8 @@ def decode_frame(buf: torch.Tensor) -> dict[str, Any]:
             f"corrupt distribution message: structure length {slen} / region offset {region} "
             f"do not fit {total} bytes"
         )
-    packed = decode(buf[region:])
-    tensors = list(packed["layer_blocks"]["key_cache"])
-    structure = buf[_FIXED.size : _FIXED.size + slen].numpy().tobytes()
-
-    def ext_hook(code: int, data: bytes) -> Any:
-        if code == _EXT_TENSOR:
-            idx = msgpack.unpackb(data)
-            if not isinstance(idx, int) or not 0 <= idx < len(tensors) or tensors[idx] is None:
-                raise DecodeError(f"corrupt distribution message: bad tensor reference {idx!r}")
-            return tensors[idx]
-        if code == _EXT_NAMESPACE:
-            attrs = _unpack(data, ext_hook)
-            if not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
-                raise DecodeError("corrupt distribution message: namespace is not a str map")
-            return SimpleNamespace(**attrs)
-        if code == _EXT_TUPLE:
-            items = _unpack(data, ext_hook)
-            if not isinstance(items, list):
-                raise DecodeError("corrupt distribution message: tuple is not a list")
-            return tuple(items)
-        raise DecodeError(f"corrupt distribution message: unknown extension type {code}")
-
-    try:
-        out = _unpack(structure, ext_hook)
-    finally:
-        # ext_hook refers to itself (a cycle only the GC frees); drop the views it holds so the
-        # buffer is free for reuse as soon as the caller drops the payload.
-        tensors.clear()
+    decoder = _Decoder(list(decode_kv(buf[region:]).key_cache))
+    out = decoder.unpack(buf[_FIXED.size : _FIXED.size + slen].numpy().tobytes())
     if not isinstance(out, dict):
         raise DecodeError("corrupt distribution message: top level is not a map")
     return out
-
-
-def _unpack(data: bytes, ext_hook: Any) -> Any:
-    try:
-        return msgpack.unpackb(
-            data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True
-        )
-    except DecodeError:
-        raise
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
-        raise DecodeError(f"corrupt distribution message: {exc}") from exc
