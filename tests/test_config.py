@@ -8,7 +8,19 @@ from types import SimpleNamespace
 import pytest
 
 from omnikv import ConfigError, OmniKVCacheConfig, OmniKVTransferManager, RetryPolicy
-from omnikv.config import config_from_dict, options_from_dict
+from omnikv.config import (
+    TransferOptions,
+    config_from_dict,
+    options_from_dict,
+    parse_bool,
+    parse_choice,
+    parse_int,
+    parse_number,
+    parse_port,
+    parse_positive,
+    parse_ratio,
+    parse_secret,
+)
 from omnikv.deadline import deadline_after, remaining, validate_timeout
 
 
@@ -59,8 +71,17 @@ def test_config_from_dict_maps_keys_and_references_connector_config() -> None:
     [
         ({"recv_timeout": -1}, "recv_timeout"),
         ({"recv_timeout": "soon"}, "recv_timeout"),
+        ({"recv_timeout": float("inf")}, "recv_timeout"),
         ({"rank_mapping": {"from_tp": "x"}}, "from_tp"),
+        ({"rank_mapping": {"from_tp": 0}}, "rank_mapping.from_tp must be >= 1"),
+        ({"rank_mapping": {"from_tp": -4}}, "rank_mapping.from_tp must be >= 1"),
+        ({"rank_mapping": {"to_tp": 2.0}}, "rank_mapping.to_tp must be an integer"),
         ({"connector_config": "SharedMemoryConnector"}, "connector_config"),
+        ({"need_send_cache": "falsey"}, "need_send_cache must be a boolean"),
+        ({"need_send_cache": 1}, "need_send_cache must be a boolean"),
+        ({"need_recv_cache": "no"}, "need_recv_cache must be a boolean"),
+        ({"kv_prefetch_min_free_mem_ratio": -0.1}, "kv_prefetch_min_free_mem_ratio"),
+        ({"kv_prefetch_min_free_mem_ratio": 1.5}, "kv_prefetch_min_free_mem_ratio"),
     ],
 )
 def test_bad_config_values_are_config_errors(cfg: dict, match: str) -> None:
@@ -127,15 +148,98 @@ def test_retry_policy_schedule_and_validation() -> None:
         RetryPolicy(backoff_base=float("nan"))
 
 
+def test_string_booleans_mean_what_they_say() -> None:
+    # bool("false") is True: the strings are parsed, never coerced
+    cfg = config_from_dict({"need_send_cache": "false", "need_recv_cache": "TRUE"})
+    assert cfg.need_send_cache is False and cfg.need_recv_cache is True
+    opts = options_from_dict({"connector_config": {"payload_checksum": "false"}})
+    assert opts.payload_checksum is False
+    assert options_from_dict({"payload_checksum": "True"}).payload_checksum is True
+
+
 def test_options() -> None:
     opts = options_from_dict(
         {"kv_cache_layout": "blocks_first", "connector_config": {"payload_checksum": True}}
     )
     assert opts.kv_cache_layout == "blocks_first" and opts.payload_checksum
-    with pytest.raises(ConfigError, match="kv_cache_layout"):
-        options_from_dict({"kv_cache_layout": "diagonal"})
-    with pytest.raises(ConfigError, match="receive_copy"):
-        options_from_dict({"receive_copy": "maybe"})
+    assert opts.send_timeout == 30.0 and opts.max_header_bytes == 1 << 20
+    opts = options_from_dict({"send_timeout": 2.5, "max_header_bytes": 4096})
+    assert (opts.send_timeout, opts.max_header_bytes) == (2.5, 4096)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"kv_cache_layout": "diagonal"}, "kv_cache_layout"),
+        ({"receive_copy": "maybe"}, "receive_copy"),
+        ({"payload_checksum": "false-ish"}, "payload_checksum must be a boolean"),
+        ({"send_timeout": 0}, "send_timeout must be > 0"),
+        ({"send_timeout": -1}, "send_timeout must be >= 0"),
+        ({"send_timeout": float("nan")}, "send_timeout must be a finite number"),
+        ({"max_header_bytes": 0}, "max_header_bytes must be >= 1"),
+        ({"max_header_bytes": 1 << 32}, "max_header_bytes must be < 2"),
+        ({"put_retry_attempts": 0}, "put_retry_attempts must be >= 1"),
+        ({"put_retry_backoff": -0.5}, "put_retry_backoff"),
+        ({"connector_retry_interval": "soon"}, "connector_retry_interval"),
+    ],
+)
+def test_bad_options_are_config_errors(options: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        options_from_dict(options)
+
+
+def test_options_constructed_directly_are_checked_too() -> None:
+    with pytest.raises(ConfigError, match="send_timeout"):
+        TransferOptions(send_timeout=0)
+    with pytest.raises(ConfigError, match="payload_checksum"):
+        TransferOptions(payload_checksum="false")  # type: ignore[arg-type]
+
+
+def test_parse_bool() -> None:
+    assert parse_bool("k", True) is True and parse_bool("k", "fAlSe") is False
+    assert parse_bool("k", None) is False and parse_bool("k", None, default=True) is True
+    for bad in ("yes", "0", 0, 1, 2.0, [], "false, really"):
+        with pytest.raises(ConfigError, match=r"^k must be a boolean"):
+            parse_bool("k", bad)
+
+
+def test_parse_numbers() -> None:
+    assert parse_int("n", "12", 1) == 12 and parse_int("n", None, 7) == 7
+    assert parse_int("n", 0, 1, minimum=0) == 0
+    for bad in (True, 1.5, "1.5", "x", [3]):
+        with pytest.raises(ConfigError, match=r"^n must be an integer"):
+            parse_int("n", bad, 1)
+    assert parse_number("t", "2.5", 1.0) == 2.5 and parse_number("t", None, 3) == 3.0
+    for bad in (float("nan"), float("inf"), "inf", True, [1]):
+        with pytest.raises(ConfigError, match=r"^t must be a finite number"):
+            parse_number("t", bad, 1.0)
+    assert parse_positive("buffer_ttl_seconds", 0.5, 300.0) == 0.5
+    for bad in (0, -1, -300):
+        with pytest.raises(ConfigError, match=r"^buffer_ttl_seconds must be"):
+            parse_positive("buffer_ttl_seconds", bad, 300.0)
+    assert parse_ratio("r", 1, 0.0) == 1.0
+    with pytest.raises(ConfigError, match=r"^r must be in \[0, 1\]"):
+        parse_ratio("r", 1.01, 0.0)
+
+
+def test_parse_port() -> None:
+    assert parse_port("zmq_port", 50051, 1) == 50051 and parse_port("zmq_port", "5555", 1) == 5555
+    assert parse_port("zmq_port", 0, 1, allow_zero=True) == 0
+    for bad in (70000, 65536, 0, -1, "http"):
+        with pytest.raises(ConfigError, match=r"^zmq_port"):
+            parse_port("zmq_port", bad, 1)
+
+
+def test_parse_secret_and_choice() -> None:
+    assert parse_secret("auth_secret", None) is None
+    assert parse_secret("auth_secret", "s3") == b"s3" and parse_secret("auth_secret", b"x") == b"x"
+    with pytest.raises(ConfigError, match="auth_secret is empty"):
+        parse_secret("auth_secret", "")
+    with pytest.raises(ConfigError, match="auth_secret must be a string"):
+        parse_secret("auth_secret", 1234)
+    assert parse_choice("c", None, "a", ("a", "b")) == "a"
+    with pytest.raises(ConfigError, match=r"^c must be one of"):
+        parse_choice("c", "z", "a", ("a", "b"))
 
 
 def test_deadlines() -> None:

@@ -9,6 +9,11 @@ Fallback chain (reference-behaviour.md §7.2):
 
 omnikv's own options (not part of the seed's 12 fields) are read from the same dict into
 :class:`TransferOptions`.
+
+Values are strict: booleans are ``true``/``false`` (or those strings, any case), counts and sizes
+are integers, timeouts are finite numbers, ports are in range; anything else is a
+:class:`~omnikv.errors.ConfigError` naming the key. The ``parse_*`` helpers below are the one place
+that rule is written: connectors parse their own keys with them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 from omnikv.errors import ConfigError
 from omnikv.layouts import LAYOUTS
+from omnikv.payload import DEFAULT_MAX_HEADER_BYTES
 
 __all__ = [
     "OmniKVCacheConfig",
@@ -27,6 +33,14 @@ __all__ = [
     "TransferOptions",
     "config_from_dict",
     "options_from_dict",
+    "parse_bool",
+    "parse_choice",
+    "parse_int",
+    "parse_number",
+    "parse_port",
+    "parse_positive",
+    "parse_ratio",
+    "parse_secret",
     "receiver_pool_on_device",
     "resolve_async_prefetch",
     "vllm_omni_kv_dict",
@@ -83,6 +97,114 @@ class RetryPolicy:
         return [self.delay(k) for k in range(self.attempts - 1)]
 
 
+# --------------------------------------------------------------------------------------------
+# Typed value parsing: every omnikv key and every connector key goes through these
+# --------------------------------------------------------------------------------------------
+_TRUE_FALSE = {"true": True, "false": False}
+
+
+def parse_bool(key: str, value: Any, default: bool = False) -> bool:
+    """A boolean: ``True``/``False``, or the strings ``"true"``/``"false"`` in any case.
+
+    ``None`` (key absent) gives ``default``. Anything else (``"no"``, ``0``, ``1``) is a
+    :class:`ConfigError` naming ``key``: ``bool("false")`` is ``True``, so nothing is coerced.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE_FALSE:
+        return _TRUE_FALSE[value.strip().lower()]
+    raise ConfigError(f"{key} must be a boolean (true or false), got {value!r:.60}")
+
+
+def parse_int(key: str, value: Any, default: int, *, minimum: int = 1) -> int:
+    """An integer ``>= minimum``: an ``int`` or a string of decimal digits (``None``: default)."""
+    if value is None:
+        return default
+    out: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = value
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdecimal():
+        out = int(value.strip())
+    if out is None:
+        raise ConfigError(f"{key} must be an integer, got {value!r:.60}")
+    if out < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {out}")
+    return out
+
+
+def parse_number(key: str, value: Any, default: float, *, minimum: float = 0.0) -> float:
+    """A finite number ``>= minimum`` (int, float or numeric string; ``None``: default)."""
+    if value is None:
+        return float(default)
+    out: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value)
+        except ValueError:
+            out = None
+    if out is None or not math.isfinite(out):
+        raise ConfigError(f"{key} must be a finite number, got {value!r:.60}")
+    if out < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {out}")
+    return out
+
+
+def parse_positive(key: str, value: Any, default: float) -> float:
+    """A finite number ``> 0`` (sizes, timeouts, intervals); ``None`` gives ``default``."""
+    out = parse_number(key, value, default, minimum=0.0)
+    if out <= 0:
+        raise ConfigError(f"{key} must be > 0, got {out}")
+    return out
+
+
+def parse_ratio(key: str, value: Any, default: float) -> float:
+    """A fraction in ``[0, 1]``."""
+    out = parse_number(key, value, default, minimum=0.0)
+    if out > 1:
+        raise ConfigError(f"{key} must be in [0, 1], got {out}")
+    return out
+
+
+def parse_port(key: str, value: Any, default: int, *, allow_zero: bool = False) -> int:
+    """A TCP port in ``[1, 65535]`` (``0``, "any free port", only with ``allow_zero``)."""
+    out = parse_int(key, value, default, minimum=0 if allow_zero else 1)
+    if out > 65535:
+        raise ConfigError(f"{key} must be a TCP port <= 65535, got {out}")
+    return out
+
+
+def parse_secret(key: str, value: Any) -> bytes | None:
+    """A shared secret: absent (``None``) or a non-empty ``str``/``bytes``.
+
+    An empty secret is refused: it would silently turn authentication off; omit the key instead.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, bytes):
+        raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ConfigError(f"{key} is empty: omit it to run without authentication")
+    return value
+
+
+def parse_choice(key: str, value: Any, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (exact string); ``None`` gives ``default``."""
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{key} must be one of {choices}, got {value!r:.60}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# omnikv's own options
+# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TransferOptions:
     """omnikv-specific options read from ``omni_kv_config`` (all optional).
@@ -93,6 +215,9 @@ class TransferOptions:
       buffer when the transport allows, else a copy), ``"copy"`` (always copy out and release).
     * ``retry``: a :class:`RetryPolicy` (``put_retry_attempts``, ``put_retry_backoff``).
     * ``connector_retry_interval``: seconds before a failed connector creation is retried.
+    * ``send_timeout``: seconds one send (all its puts, waits for pool space and retries) may
+      take (default 30).
+    * ``max_header_bytes``: the largest payload header a receiver decodes (default 1 MiB).
     """
 
     kv_cache_layout: str = "auto"
@@ -100,119 +225,113 @@ class TransferOptions:
     receive_copy: str = "auto"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     connector_retry_interval: float = 5.0
+    send_timeout: float = 30.0
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
     def __post_init__(self) -> None:
-        if self.kv_cache_layout not in LAYOUTS:
-            raise ConfigError(
-                f"kv_cache_layout must be one of {LAYOUTS}, got {self.kv_cache_layout!r}"
-            )
-        if self.receive_copy not in ("auto", "copy"):
-            raise ConfigError(f"receive_copy must be 'auto' or 'copy', got {self.receive_copy!r}")
-        if math.isnan(self.connector_retry_interval) or self.connector_retry_interval < 0:
-            raise ConfigError("connector_retry_interval must be >= 0")
-
-
-def _int(value: Any, name: str, default: int) -> int:
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from exc
-
-
-def _float(value: Any, name: str, default: float) -> float:
-    if value is None:
-        return default
-    try:
-        out = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} must be a number, got {value!r}") from exc
-    if math.isnan(out):
-        raise ConfigError(f"{name} must be a number, got NaN")
-    return out
+        parse_choice("kv_cache_layout", self.kv_cache_layout, "auto", LAYOUTS)
+        if not isinstance(self.payload_checksum, bool):
+            raise ConfigError(f"payload_checksum must be a bool, got {self.payload_checksum!r:.60}")
+        parse_choice("receive_copy", self.receive_copy, "auto", ("auto", "copy"))
+        parse_number("connector_retry_interval", self.connector_retry_interval, 5.0)
+        parse_positive("send_timeout", self.send_timeout, 30.0)
+        parse_int("max_header_bytes", self.max_header_bytes, DEFAULT_MAX_HEADER_BYTES)
+        if self.max_header_bytes >= 1 << 32:
+            raise ConfigError(f"max_header_bytes must be < 2**32, got {self.max_header_bytes}")
 
 
 def config_from_dict(
-    cfg: Mapping[str, Any] | None, *, async_prefetch: bool = False
+    omni_kv_config: Mapping[str, Any] | None, *, async_prefetch: bool = False
 ) -> OmniKVCacheConfig:
     """Map an ``omni_kv_config`` dict onto :class:`OmniKVCacheConfig`.
 
     A missing or empty dict gives the defaults (with ``enable_kv_async_prefetch`` =
     ``async_prefetch``). The connector-config dict is referenced, not copied (the reference
-    behaves so; ``update_sender_info`` writes the sender endpoint into it).
+    behaves so; ``update_sender_info`` writes the sender endpoint into it). Every value is
+    checked (:class:`ConfigError` naming the key); a non-dict ``rank_mapping`` counts as empty,
+    as in the reference.
     """
-    if not isinstance(cfg, Mapping) or not cfg:
+    kv = omni_kv_config
+    if not isinstance(kv, Mapping) or not kv:
         return OmniKVCacheConfig(enable_kv_async_prefetch=async_prefetch)
-    rank_mapping = cfg.get("rank_mapping")
+    rank_mapping = kv.get("rank_mapping")
     if not isinstance(rank_mapping, Mapping):
         rank_mapping = {}
-    connector_config = cfg.get("connector_config")
+    connector_config = kv.get("connector_config")
     if connector_config is not None and not isinstance(connector_config, dict):
         raise ConfigError(f"connector_config must be a dict, got {type(connector_config).__name__}")
-    timeout = _float(cfg.get("recv_timeout"), "recv_timeout", 30.0)
-    if timeout < 0:
-        raise ConfigError(f"recv_timeout must be >= 0, got {timeout}")
-    sources = cfg.get("engine_input_source")
+    sources = kv.get("engine_input_source")
     return OmniKVCacheConfig(
         connector_config=connector_config,
-        from_stage=cfg.get("omni_from_stage"),
-        to_stage=cfg.get("omni_to_stage"),
-        stage_id=cfg.get("stage_id"),
+        from_stage=kv.get("omni_from_stage"),
+        to_stage=kv.get("omni_to_stage"),
+        stage_id=kv.get("stage_id"),
         engine_input_source=list(sources) if isinstance(sources, list | tuple) else [],
-        need_recv_cache=bool(cfg.get("need_recv_cache", False)),
-        need_send_cache=bool(cfg.get("need_send_cache", False)),
-        recv_timeout=timeout,
-        from_tp=_int(rank_mapping.get("from_tp"), "rank_mapping.from_tp", 1),
-        to_tp=_int(rank_mapping.get("to_tp"), "rank_mapping.to_tp", 1),
+        need_recv_cache=parse_bool("need_recv_cache", kv.get("need_recv_cache")),
+        need_send_cache=parse_bool("need_send_cache", kv.get("need_send_cache")),
+        recv_timeout=parse_number("recv_timeout", kv.get("recv_timeout"), 30.0),
+        from_tp=parse_int("rank_mapping.from_tp", rank_mapping.get("from_tp"), 1),
+        to_tp=parse_int("rank_mapping.to_tp", rank_mapping.get("to_tp"), 1),
         enable_kv_async_prefetch=async_prefetch,
-        kv_prefetch_min_free_mem_ratio=_float(
-            cfg.get("kv_prefetch_min_free_mem_ratio"), "kv_prefetch_min_free_mem_ratio", 0.0
+        kv_prefetch_min_free_mem_ratio=parse_ratio(
+            "kv_prefetch_min_free_mem_ratio", kv.get("kv_prefetch_min_free_mem_ratio"), 0.0
         ),
     )
 
 
-def options_from_dict(cfg: Mapping[str, Any] | None) -> TransferOptions:
-    """Read omnikv's own options from an ``omni_kv_config`` dict (see :class:`TransferOptions`)."""
-    if not isinstance(cfg, Mapping):
+def options_from_dict(omni_kv_config: Mapping[str, Any] | None) -> TransferOptions:
+    """Read omnikv's own options from an ``omni_kv_config`` dict (see :class:`TransferOptions`).
+
+    Each key is looked up at the top level first, then in ``connector_config``.
+    """
+    if not isinstance(omni_kv_config, Mapping):
         return TransferOptions()
-    conn = cfg.get("connector_config")
+    top = omni_kv_config
+    conn = top.get("connector_config")
     conn = conn if isinstance(conn, Mapping) else {}
 
-    def pick(name: str, default: Any) -> Any:
-        return cfg.get(name, conn.get(name, default))
+    def pick(name: str) -> Any:
+        return top.get(name, conn.get(name))
 
     retry = RetryPolicy(
-        attempts=_int(pick("put_retry_attempts", None), "put_retry_attempts", 3),
-        backoff_base=_float(pick("put_retry_backoff", None), "put_retry_backoff", 0.1),
+        attempts=parse_int("put_retry_attempts", pick("put_retry_attempts"), 3),
+        backoff_base=parse_number("put_retry_backoff", pick("put_retry_backoff"), 0.1),
     )
     return TransferOptions(
-        kv_cache_layout=str(pick("kv_cache_layout", "auto")),
-        payload_checksum=bool(pick("payload_checksum", False)),
-        receive_copy=str(pick("receive_copy", "auto")),
+        kv_cache_layout=parse_choice("kv_cache_layout", pick("kv_cache_layout"), "auto", LAYOUTS),
+        payload_checksum=parse_bool("payload_checksum", pick("payload_checksum")),
+        receive_copy=parse_choice("receive_copy", pick("receive_copy"), "auto", ("auto", "copy")),
         retry=retry,
-        connector_retry_interval=_float(
-            pick("connector_retry_interval", None), "connector_retry_interval", 5.0
+        connector_retry_interval=parse_number(
+            "connector_retry_interval", pick("connector_retry_interval"), 5.0
+        ),
+        send_timeout=parse_positive("send_timeout", pick("send_timeout"), 30.0),
+        max_header_bytes=parse_int(
+            "max_header_bytes", pick("max_header_bytes"), DEFAULT_MAX_HEADER_BYTES
         ),
     )
 
 
-def receiver_pool_on_device(cfg: Mapping[str, Any] | None) -> bool:
+def receiver_pool_on_device(omni_kv_config: Mapping[str, Any] | None) -> bool:
     """True when the connector's ``memory_pool_device`` is not ``"cpu"``."""
-    if not isinstance(cfg, Mapping):
+    if not isinstance(omni_kv_config, Mapping):
         return False
-    conn = cfg.get("connector_config")
+    conn = omni_kv_config.get("connector_config")
     if not isinstance(conn, Mapping):
         return False
     return str(conn.get("memory_pool_device", "cpu")).lower() != "cpu"
 
 
-def resolve_async_prefetch(cfg: Mapping[str, Any] | None, *, has_companion: bool) -> bool:
+def resolve_async_prefetch(
+    omni_kv_config: Mapping[str, Any] | None, *, has_companion: bool
+) -> bool:
     """Prefetch is on iff requested, no CFG companion collector, and the pool is on the host."""
-    if not isinstance(cfg, Mapping):
+    if not isinstance(omni_kv_config, Mapping):
         return False
-    requested = bool(cfg.get("enable_kv_async_prefetch", False))
-    return requested and not has_companion and not receiver_pool_on_device(cfg)
+    requested = parse_bool(
+        "enable_kv_async_prefetch", omni_kv_config.get("enable_kv_async_prefetch")
+    )
+    return requested and not has_companion and not receiver_pool_on_device(omni_kv_config)
 
 
 def vllm_omni_kv_dict(vllm_config: Any) -> dict[str, Any] | None:
