@@ -1,18 +1,31 @@
-"""Counters and phase histograms for sends and receives, exportable as Prometheus text.
+"""Counters and phase histograms for sends and receives; Prometheus export on demand.
 
-The manager records one observation per request (outcome + phase timings + bytes); reading is
-cheap and thread-safe. No dependency on a Prometheus client: :meth:`TransferMetrics.prometheus`
-renders the text exposition format, which any scraper or sidecar can serve.
+Each manager records one observation per request (outcome, bytes, phase timings) into its own
+:class:`TransferMetrics` (``manager.metrics.snapshot()``) and into the process-wide totals.
+An application that serves ``/metrics`` with ``prometheus_client`` calls :func:`register` once
+(``pip install omnikv[metrics]``); its scrapes then include, summed over every manager of the
+process:
+
+* ``omnikv_requests_total{direction, status}`` (counter),
+* ``omnikv_bytes_total{direction}`` (counter),
+* ``omnikv_phase_seconds{direction, phase}`` (histogram; buckets :data:`BUCKETS_MS` / 1000).
+
+Recording is cheap and thread-safe and never raises; ``prometheus_client`` is imported only by
+:func:`register`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from collections.abc import Mapping
-from typing import Any
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BUCKETS_MS", "TransferMetrics"]
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+__all__ = ["BUCKETS_MS", "TransferMetrics", "register", "unregister"]
 
 #: Histogram bucket upper bounds in milliseconds.
 BUCKETS_MS: tuple[float, ...] = (0.1, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000)
@@ -22,7 +35,7 @@ class _Histogram:
     __slots__ = ("buckets", "count", "total")
 
     def __init__(self) -> None:
-        self.buckets = [0] * (len(BUCKETS_MS) + 1)
+        self.buckets = [0] * (len(BUCKETS_MS) + 1)  # per bucket, the last one is +Inf
         self.count = 0
         self.total = 0.0
 
@@ -35,29 +48,39 @@ class _Histogram:
                 return
         self.buckets[-1] += 1
 
+    def copy(self) -> _Histogram:
+        out = _Histogram()
+        out.buckets, out.count, out.total = list(self.buckets), self.count, self.total
+        return out
+
 
 class TransferMetrics:
     """Outcome counters (``direction``, ``status``), bytes, and per-phase latency histograms."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, process_wide: bool = True) -> None:
         self._lock = threading.Lock()
-        self._outcomes: dict[tuple[str, str], int] = defaultdict(int)
-        self._bytes: dict[str, int] = defaultdict(int)
+        self._outcomes: dict[tuple[str, str], int] = {}
+        self._bytes: dict[str, int] = {}
         self._phases: dict[tuple[str, str], _Histogram] = {}
+        # Every manager's metrics also count towards the process totals that register() exports.
+        self._parent = _PROCESS if process_wide else None
 
     def record(
         self, direction: str, status: str, nbytes: int, timings_ms: Mapping[str, float]
     ) -> None:
         """Called by the manager once per request; never raises."""
         with self._lock:
-            self._outcomes[(direction, status)] += 1
-            self._bytes[direction] += int(nbytes)
+            key = (direction, status)
+            self._outcomes[key] = self._outcomes.get(key, 0) + 1
+            self._bytes[direction] = self._bytes.get(direction, 0) + int(nbytes)
             for phase, ms in timings_ms.items():
-                key = (direction, phase.removesuffix("_ms"))
-                hist = self._phases.get(key)
+                pkey = (direction, phase.removesuffix("_ms"))
+                hist = self._phases.get(pkey)
                 if hist is None:
-                    hist = self._phases[key] = _Histogram()
+                    hist = self._phases[pkey] = _Histogram()
                 hist.observe(float(ms))
+        if self._parent is not None:
+            self._parent.record(direction, status, nbytes, timings_ms)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-data copy: outcomes, bytes, and per-phase count / mean (ms)."""
@@ -71,22 +94,88 @@ class TransferMetrics:
                 },
             }
 
-    def prometheus(self, prefix: str = "omnikv") -> str:
-        """The metrics in Prometheus text exposition format."""
-        lines = [f"# TYPE {prefix}_requests_total counter"]
+    def _state(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[str, int], dict[tuple[str, str], _Histogram]]:
         with self._lock:
-            for (d, s), n in sorted(self._outcomes.items()):
-                lines.append(f'{prefix}_requests_total{{direction="{d}",status="{s}"}} {n}')
-            lines.append(f"# TYPE {prefix}_bytes_total counter")
-            for d, n in sorted(self._bytes.items()):
-                lines.append(f'{prefix}_bytes_total{{direction="{d}"}} {n}')
-            lines.append(f"# TYPE {prefix}_phase_ms histogram")
-            for (d, p), h in sorted(self._phases.items()):
-                labels = f'direction="{d}",phase="{p}"'
-                acc = 0
-                for bound, n in zip((*BUCKETS_MS, "+Inf"), h.buckets, strict=True):
-                    acc += n
-                    lines.append(f'{prefix}_phase_ms_bucket{{{labels},le="{bound}"}} {acc}')
-                lines.append(f"{prefix}_phase_ms_sum{{{labels}}} {h.total}")
-                lines.append(f"{prefix}_phase_ms_count{{{labels}}} {h.count}")
-        return "\n".join(lines) + "\n"
+            phases = {k: h.copy() for k, h in self._phases.items()}
+            return dict(self._outcomes), dict(self._bytes), phases
+
+
+#: Totals of every manager in this process (what :func:`register` exports).
+_PROCESS = TransferMetrics(process_wide=False)
+
+
+class _Collector:
+    """A ``prometheus_client`` collector over :data:`_PROCESS` (built at scrape time)."""
+
+    def __init__(self, source: TransferMetrics, prefix: str) -> None:
+        self.source = source
+        self.prefix = prefix
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: names are fixed, nothing to pre-declare
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        outcomes, nbytes, phases = self.source._state()
+        p = self.prefix
+        requests = CounterMetricFamily(
+            f"{p}_requests", "KV transfers by direction and outcome", labels=["direction", "status"]
+        )
+        for (direction, status), n in sorted(outcomes.items()):
+            requests.add_metric([direction, status], n)
+        yield requests
+        moved = CounterMetricFamily(f"{p}_bytes", "KV payload bytes moved", labels=["direction"])
+        for direction, n in sorted(nbytes.items()):
+            moved.add_metric([direction], n)
+        yield moved
+        hist = HistogramMetricFamily(
+            f"{p}_phase_seconds", "Per-request phase latency", labels=["direction", "phase"]
+        )
+        for (direction, phase), h in sorted(phases.items()):
+            cumulative, acc = [], 0
+            for bound, n in zip((*BUCKETS_MS, float("inf")), h.buckets, strict=True):
+                acc += n
+                le = "+Inf" if bound == float("inf") else repr(bound / 1000)
+                cumulative.append((le, float(acc)))
+            hist.add_metric([direction, phase], cumulative, h.total / 1000)
+        yield hist
+
+
+_registered: weakref.WeakKeyDictionary[Any, _Collector] = weakref.WeakKeyDictionary()
+_registered_lock = threading.Lock()
+
+
+def register(registry: CollectorRegistry | None = None, *, prefix: str = "omnikv") -> Any:
+    """Register omnikv's collector with ``registry`` (default: ``prometheus_client.REGISTRY``).
+
+    Idempotent per registry; returns the collector. Raises ``ImportError`` naming the extra
+    when ``prometheus_client`` is not installed.
+    """
+    try:
+        import prometheus_client
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "omnikv.metrics.register needs prometheus_client: pip install 'omnikv[metrics]'"
+        ) from exc
+    target = prometheus_client.REGISTRY if registry is None else registry
+    with _registered_lock:
+        collector = _registered.get(target)
+        if collector is None:
+            collector = _Collector(_PROCESS, prefix)
+            target.register(collector)  # type: ignore[arg-type]
+            _registered[target] = collector
+        return collector
+
+
+def unregister(registry: CollectorRegistry | None = None) -> None:
+    """Remove omnikv's collector from ``registry`` (default registry when None); no-op if absent."""
+    import prometheus_client
+
+    target = prometheus_client.REGISTRY if registry is None else registry
+    with _registered_lock:
+        collector = _registered.pop(target, None)
+        if collector is not None:
+            target.unregister(collector)  # type: ignore[arg-type]

@@ -1,0 +1,81 @@
+"""Metrics: per-manager snapshots, process totals, and export through a real prometheus_client."""
+
+from __future__ import annotations
+
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from omnikv import metrics  # noqa: E402
+from omnikv.metrics import TransferMetrics  # noqa: E402
+
+
+def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_snapshot_counts_outcomes_bytes_and_phases() -> None:
+    m = TransferMetrics(process_wide=False)
+    m.record("send", "sent", 100, {"encode_ms": 2.0, "put_ms": 4.0})
+    m.record("send", "failed", 0, {"encode_ms": 4.0})
+    snap = m.snapshot()
+    assert snap["outcomes"] == {"send.failed": 1, "send.sent": 1}
+    assert snap["bytes"] == {"send": 100}
+    assert snap["phases_ms"]["send.encode"] == {"count": 2, "mean": 3.0}
+    assert snap["phases_ms"]["send.put"] == {"count": 1, "mean": 4.0}
+
+
+def test_register_exports_counters_and_histograms_to_a_real_registry() -> None:
+    registry = CollectorRegistry()
+    collector = metrics.register(registry)
+    try:
+        assert metrics.register(registry) is collector  # idempotent per registry
+        labels = {"direction": "recv", "status": "ok"}
+        before = _sample(registry, "omnikv_requests_total", **labels)
+        before_bytes = _sample(registry, "omnikv_bytes_total", direction="recv")
+        phase = {"direction": "recv", "phase": "wait"}
+        before_count = _sample(registry, "omnikv_phase_seconds_count", **phase)
+        before_fast = _sample(registry, "omnikv_phase_seconds_bucket", le="0.001", **phase)
+        a, b = TransferMetrics(), TransferMetrics()  # two managers: totals are summed
+        a.record("recv", "ok", 10, {"wait_ms": 0.3})
+        b.record("recv", "ok", 5, {"wait_ms": 40.0})
+        assert _sample(registry, "omnikv_requests_total", **labels) == before + 2
+        assert _sample(registry, "omnikv_bytes_total", direction="recv") == before_bytes + 15
+        assert _sample(registry, "omnikv_phase_seconds_count", **phase) == before_count + 2
+        assert _sample(registry, "omnikv_phase_seconds_bucket", le="0.001", **phase) == (
+            before_fast + 1
+        )
+        assert a.snapshot()["outcomes"] == {"recv.ok": 1}  # each manager keeps its own view
+    finally:
+        metrics.unregister(registry)
+    assert registry.get_sample_value("omnikv_requests_total", labels) is None
+
+
+def test_exposition_parses_as_prometheus_text() -> None:
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    try:
+        TransferMetrics().record("send", "sent", 1, {"put_ms": 1.0})
+        text = generate_latest(registry).decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["omnikv_requests"].type == "counter"
+        assert families["omnikv_phase_seconds"].type == "histogram"
+        buckets = [
+            s for s in families["omnikv_phase_seconds"].samples if s.name.endswith("_bucket")
+        ]
+        assert buckets[-1].labels["le"] == "+Inf"
+    finally:
+        metrics.unregister(registry)
+
+
+def test_default_registry_and_unregister() -> None:
+    collector = metrics.register()
+    try:
+        assert collector is metrics.register(prometheus_client.REGISTRY)
+    finally:
+        metrics.unregister()
+    metrics.unregister()  # absent: no-op
