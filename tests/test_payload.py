@@ -14,10 +14,12 @@ from omnikv.payload import (
     DTYPE_ALLOWLIST,
     MAX_HEADER_BYTES,
     MAX_LAYERS,
+    DecodedKV,
     KVCacheTransferData,
     PackedPayload,
     decode,
     decode_device,
+    decode_kv,
 )
 
 
@@ -357,3 +359,75 @@ def test_wrong_buffer_types() -> None:
 def test_plan_rejects_unknown_dtype() -> None:
     with pytest.raises(EncodeError, match="unsupported dtype"):
         PackedPayload("r", [torch.zeros(2, dtype=torch.uint16)], [None])
+
+
+# ---------------------------------------------------------------------------------------
+# decode_kv: the typed result
+# ---------------------------------------------------------------------------------------
+def test_decode_kv_is_typed_and_builds_the_seed_dict() -> None:
+    data = _sample(layers=3)
+    data.layer_blocks["value_cache"][1] = None
+    raw = data.to_bytes()
+    out = decode_kv(raw)
+    assert isinstance(out, DecodedKV)
+    assert (out.request_id, out.block_ids, out.metadata) == ("req-1", [4, 7], {"seq_len": 5})
+    assert out.num_layers == 3 and out.value_cache[1] is None
+    assert out.nbytes == 5 * 5 * 2 * 8 * 2
+    seed = out.to_seed_dict()
+    assert seed["layer_blocks"]["key_cache"] is out.key_cache
+    _assert_same(data, seed)
+    _assert_same(data, KVCacheTransferData.from_bytes(raw))
+    with pytest.raises(AttributeError):
+        out.request_id = "other"  # type: ignore[misc]
+
+
+def test_decode_kv_views_and_copies() -> None:
+    data = _sample(layers=4)
+    buf = torch.empty(data.packed_size(), dtype=torch.uint8)
+    data.pack_into(buf)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    views = decode_kv(buf)
+    assert all(lo <= t.data_ptr() < hi for t in views.key_cache if t is not None)
+    copied = decode_kv(buf, copy=True)
+    assert all(not lo <= t.data_ptr() < hi for t in copied.key_cache if t is not None)
+    buf.zero_()  # the copies are the caller's now; the views see the change
+    _assert_same(data, copied.to_seed_dict())
+    assert views.key_cache[0] is not None and not views.key_cache[0].any()
+
+
+def test_mixed_shapes_dtypes_and_gaps_round_trip() -> None:
+    # runs of equal layers are decoded as one strided view; breaks in the run must not confuse it
+    g = torch.Generator().manual_seed(1)
+    k = [
+        torch.randn(4, 2, 8, generator=g).half(),
+        torch.randn(4, 2, 8, generator=g).half(),
+        None,
+        torch.randn(4, 2, 8, generator=g).half(),
+        torch.randn(5, 2, 8, generator=g).half(),
+        torch.randn(4, 2, 8, generator=g).float(),
+        torch.empty(0, 2, 8, dtype=torch.float16),
+        torch.randn(4, 2, 8, generator=g).half(),
+    ]
+    v = [t.clone() if t is not None else None for t in reversed(k)]
+    data = KVCacheTransferData("mixed", {"key_cache": k, "value_cache": v})
+    for raw in (data.to_bytes(), ref_to_bytes("mixed", k, v)):
+        _assert_same(data, decode(raw))
+        _assert_same(data, decode_kv(raw, copy=True).to_seed_dict())
+
+
+def test_misaligned_buffer_address_is_copied_not_misread() -> None:
+    data = _sample(layers=2, dtype=torch.float32)
+    raw = bytearray(1) + data.to_bytes()
+    view = memoryview(raw)[1:]  # every tensor now sits at an odd address
+    out = decode_kv(view)
+    assert all(t.data_ptr() % 4 == 0 for t in out.key_cache if t is not None)
+    _assert_same(data, out.to_seed_dict())
+
+
+def test_reference_payload_decodes_equal_to_the_reference_decoder() -> None:
+    data = _sample(layers=3, tokens=7)
+    raw = ref_to_bytes("abc", data.layer_blocks["key_cache"], data.layer_blocks["value_cache"])
+    ours, theirs = decode_kv(raw), ref_from_bytes(raw)
+    for cache in ("key_cache", "value_cache"):
+        for a, b in zip(getattr(ours, cache), theirs["layer_blocks"][cache], strict=True):
+            assert torch.equal(a, b)
