@@ -504,15 +504,14 @@ def _check_header(header: _Header, available: int) -> int:
 
 
 def _numel(shape: list[int], pos: int) -> int:
+    """Element count of ``shape``; refuses negative dims and more than ``MAX_ELEMENTS``, also
+    when a zero dim hides huge others (``[2**62, 2**62, 0]``: torch cannot build it)."""
     if len(shape) > MAX_DIMS:
         raise _fail_at(pos, f"s must have at most {MAX_DIMS} dims, got {len(shape)}")
-    numel = 1
-    extent = 1  # product of the non-zero dims: bounded even when numel is 0
-    for dim in shape:
-        if dim < 0:
-            raise _fail_at(pos, f"s must hold non-negative integers, got {shape!r:.80}")
-        numel *= dim
-        extent *= dim or 1
+    if shape and min(shape) < 0:
+        raise _fail_at(pos, f"s must hold non-negative integers, got {shape!r:.80}")
+    numel = math.prod(shape)
+    extent = numel if numel else math.prod(d for d in shape if d)
     if extent > MAX_ELEMENTS:
         raise _fail_at(pos, f"s={shape!r:.80} claims more than {MAX_ELEMENTS} elements")
     return numel
@@ -522,37 +521,36 @@ def _fail_at(pos: int, msg: str) -> DecodeError:
     return _fail(f"td[{pos}]: {msg}")
 
 
-def _cache_of(name: str) -> tuple[int, str]:
-    """(0 for key_cache / 1 for value_cache / -1 for other names, the layer suffix)."""
+def _layer_of(name: str, index: int | None, pos: int, nl: int) -> tuple[int, int]:
+    """(0 for ``key_cache_*`` / 1 for ``value_cache_*`` / -1 for other names, the layer).
+
+    The layer is ``i`` when given, else the name's suffix; it must be in ``[0, nl)``.
+    """
     if name.startswith("key_cache_"):
-        return 0, name[10:]
-    if name.startswith("value_cache_"):
-        return 1, name[12:]
-    return -1, ""
-
-
-def _layer_of(e: _TensorDesc, pos: int, suffix: str, nl: int) -> int:
-    idx = e.i
-    if idx is None:
+        cache, suffix = 0, name[10:]
+    elif name.startswith("value_cache_"):
+        cache, suffix = 1, name[12:]
+    else:
+        return -1, -1
+    if index is None:
         if not (suffix.isascii() and suffix.isdigit() and len(suffix) <= 9):
-            raise _fail_at(pos, f"Invalid KV tensor name {e.n!r:.40}")
-        idx = int(suffix)
-    if not 0 <= idx < nl:
-        raise _fail_at(pos, f"Invalid layer index {idx} (nl={nl})")
-    return idx
+            raise _fail_at(pos, f"Invalid KV tensor name {name!r:.40}")
+        index = int(suffix)
+    if not 0 <= index < nl:
+        raise _fail_at(pos, f"Invalid layer index {index} (nl={nl})")
+    return cache, index
 
 
 def _span_of(e: _TensorDesc, pos: int, nl: int, data_len: int, aligned: bool) -> _Span | None:
-    cache, suffix = _cache_of(e.n)
     if e.x:
-        if cache >= 0:
-            _layer_of(_TensorDesc(e.n), pos, suffix, nl)
+        _layer_of(e.n, None, pos, nl)
         return None
-    itemsize = _ITEMSIZE.get(e.d) if e.d is not None else None
-    if itemsize is None:
+    dname = e.d
+    itemsize = _ITEMSIZE.get(dname) if dname is not None else None
+    if dname is None or itemsize is None:
         raise _fail_at(
             pos,
-            f"Unsupported dtype in KV payload: got {e.d!r:.40}, "
+            f"Unsupported dtype in KV payload: got {dname!r:.40}, "
             f"expected one of {sorted(DTYPE_ALLOWLIST)}",
         )
     o, b = e.o, e.b
@@ -565,10 +563,10 @@ def _span_of(e: _TensorDesc, pos: int, nl: int, data_len: int, aligned: bool) ->
         raise _fail_at(pos, f"shape {e.s!r:.80} of dtype {e.d} needs {need} bytes, b={b}")
     if aligned and o % itemsize:
         raise _fail_at(pos, f"offset {o} is misaligned for {e.d} ({itemsize}-byte elements)")
+    cache, layer = _layer_of(e.n, e.i, pos, nl)
     if cache < 0:
         return None  # not a KV tensor: the reference ignores such names; so do we
-    assert e.d is not None
-    return _Span(pos, cache, _layer_of(e, pos, suffix, nl), e.d, tuple(e.s), o, b)
+    return _Span(pos, cache, layer, dname, tuple(e.s), o, b)
 
 
 def _spans(header: _Header, data_len: int) -> list[_Span]:
