@@ -11,8 +11,8 @@ import torch
 from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
 from omnikv.errors import DecodeError, EncodeError
 from omnikv.payload import (
+    DEFAULT_MAX_HEADER_BYTES,
     DTYPE_ALLOWLIST,
-    MAX_HEADER_BYTES,
     MAX_LAYERS,
     DecodedKV,
     KVCacheTransferData,
@@ -328,7 +328,7 @@ def test_duplicate_tensor_rejected() -> None:
 
 
 def test_oversized_header_rejected_without_reading_it() -> None:
-    raw = struct.pack(">I", MAX_HEADER_BYTES + 1) + b" " * (MAX_HEADER_BYTES + 1)
+    raw = struct.pack(">I", DEFAULT_MAX_HEADER_BYTES + 1) + b" " * (DEFAULT_MAX_HEADER_BYTES + 1)
     with pytest.raises(DecodeError, match="exceeds the limit"):
         decode(raw)
 

@@ -19,14 +19,32 @@ a 64-byte boundary (4096 for tensors of 256 KiB and more); the gaps are zero.
 
 Encoding has two speeds: :meth:`KVCacheTransferData.pack_into` writes into a caller's buffer
 (``packed_size()`` bytes; exactly one copy of each tensor), :meth:`KVCacheTransferData.to_bytes`
-returns ``bytes``. Decoding returns zero-copy views: the tensors alias the input buffer and are
-valid only as long as it is (for a connector buffer: until it is released).
+returns ``bytes``.
 
-Every malformed input raises :class:`~omnikv.errors.DecodeError` (a ``ValueError``) that says what
-was expected, what was found and where. The integrity check costs one extra pass over the data
-(crc32 runs at about a third of memcpy speed here), so it is off by default and enabled per payload
-(``checksum=True``) or per manager (connector config ``payload_checksum: true``); a payload that
-carries ``ck`` is verified on decode.
+Decoding (:func:`decode_kv`) returns a typed :class:`DecodedKV` of zero-copy views: the tensors
+alias the input buffer and are valid only as long as it is (for a connector buffer: until it is
+released); ``copy=True`` moves them into one fresh buffer no larger than the data section. The
+seed's dict is :meth:`DecodedKV.to_seed_dict` (``decode``/``decode_device`` return it).
+
+The decoder treats its input as hostile. Before anything proportional to a claimed size is
+allocated it checks: the header length (``max_header_bytes``, 1 MiB by default), the header's
+types (a typed msgspec decoder), ``nl`` <= :data:`MAX_LAYERS`, at most two descriptors per layer,
+allowlisted dtypes, shapes of at most :data:`MAX_DIMS` non-negative dims and
+:data:`MAX_ELEMENTS` elements (zero dims do not hide huge others), spans inside the data section
+(``dl`` when given) whose length matches the shape, no two spans sharing a byte (K and V at the
+same bytes included), no duplicate layers. Every failure is a
+:class:`~omnikv.errors.DecodeError` (a ``ValueError``) that says what was expected, what was
+found and where.
+
+Alignment: a payload carrying ``al`` (omnikv's writers) must place every tensor on a multiple of
+its element size, or it is refused. A payload without ``al`` (the reference writes no padding) is
+accepted, and a tensor whose bytes are not aligned for its dtype is copied to aligned memory
+(spans do not overlap, so these copies never exceed the data section).
+
+The integrity check costs one extra pass over the data (crc32 runs at about a third of memcpy
+speed here), so it is off by default and enabled per payload (``checksum=True``) or per manager
+(connector config ``payload_checksum: true``); a payload that carries ``ck`` is verified on
+decode. It detects corruption, not tampering.
 """
 
 from __future__ import annotations
@@ -60,7 +78,6 @@ __all__ = [
     "decode",
     "decode_device",
     "decode_kv",
-    "encode",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,7 +88,6 @@ PAGE = 4096
 LARGE_TENSOR_BYTES = 256 * 1024
 #: Largest JSON header a decoder accepts unless told otherwise (and the most an encoder writes).
 DEFAULT_MAX_HEADER_BYTES = 1 << 20
-MAX_HEADER_BYTES = DEFAULT_MAX_HEADER_BYTES
 #: Most layers a payload may claim (the largest open models have fewer than 200).
 MAX_LAYERS = 1024
 MAX_DIMS = 8
@@ -229,8 +245,11 @@ class PackedPayload:
             ).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise EncodeError(f"KV payload metadata is not JSON-serialisable: {exc}") from exc
-        if len(raw) > MAX_HEADER_BYTES:
-            raise EncodeError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+        if len(raw) > DEFAULT_MAX_HEADER_BYTES:
+            raise EncodeError(
+                f"header of {len(raw)} bytes exceeds {DEFAULT_MAX_HEADER_BYTES} (what receivers "
+                "accept by default): metadata or block ids too large"
+            )
         data_align = PAGE if any_large else ALIGN
         self.data_start = _round_up(4 + len(raw), data_align)
         self._header = raw + b" " * (self.data_start - 4 - len(raw))
@@ -796,11 +815,6 @@ def decode_device(t: torch.Tensor, *, copy: bool = True, verify: bool = True) ->
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise _fail("device payload must be a 1-D uint8 tensor")
     return decode_kv(t, copy=copy, verify=verify).to_seed_dict()
-
-
-def encode(data: KVCacheTransferData, *, checksum: bool = False) -> bytes:
-    """Convenience: ``data`` packed to ``bytes``."""
-    return data.plan(checksum=checksum).to_bytes()
 
 
 # --------------------------------------------------------------------------------------------
