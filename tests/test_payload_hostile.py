@@ -18,10 +18,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omnikv import OmniKVCacheConfig, OmniKVTransferManager, TransferOptions
 from omnikv.bench.reference import ref_to_bytes
+from omnikv.connectors.local import LocalConnector
 from omnikv.errors import DecodeError
 from omnikv.framing import decode_frame, encode_frame
 from omnikv.payload import MAX_LAYERS, KVCacheTransferData, decode, decode_kv
+from omnikv.receiver import ReceiveStatus
 
 _K = [torch.arange(24, dtype=torch.float16).view(3, 2, 4), None]
 _V = [torch.ones(3, 2, 4, dtype=torch.bfloat16), torch.zeros(0, 2, 4)]
@@ -371,3 +374,38 @@ def test_header_size_limit_holds_for_any_size(size: int, limit: int) -> None:
     else:
         assert decode_kv(raw, max_header_bytes=limit).num_layers == 0
     assert time.perf_counter() - start < 0.05
+
+
+# --------------------------------------------------------------------------------------------
+# Through the public receive path: a hostile payload is a `corrupt` outcome, quickly
+# --------------------------------------------------------------------------------------------
+HOSTILE = {
+    "aliased": _payload(
+        [_desc("key_cache_0", 0, 64, [64]), _desc("value_cache_0", 0, 64, [64])], 64
+    ),
+    "huge_zero": _payload([_desc("key_cache_0", 0, 0, [2**62, 2**62, 0])], 8),
+    "huge_1e30": _payload([_desc("key_cache_0", 0, 0, [10**30, 0])], 8),
+    "many_layers": _payload(
+        [_desc(f"key_cache_{i}", 0, 64, [64]) for i in range(8192)], 64, nl=8192
+    ),
+}
+
+
+@pytest.mark.parametrize("receive_copy", ["auto", "copy"])
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_payload_is_a_corrupt_outcome(namespace: str, name: str, receive_copy: str) -> None:
+    conn = {"type": "LocalConnector", "namespace": namespace}
+    receiver = OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config=conn, from_stage="s1", stage_id="s2", need_recv_cache=True
+        ),
+        options=TransferOptions(receive_copy=receive_copy),
+    )
+    LocalConnector({"namespace": namespace}).put(
+        "s1", "s2", f"omni_s1_to_s2_kv_cache_{name}", HOSTILE[name]
+    )
+    start = time.monotonic()
+    assert receiver.receive_kv_cache_for_request(name) == (None, 0)
+    assert time.monotonic() - start < 0.5
+    result = receiver.get_receive_result(name)
+    assert result is not None and result.status is ReceiveStatus.CORRUPT
