@@ -114,10 +114,13 @@ def test_deep_extension_nesting_is_a_decode_error_not_a_crash(tmp_path: Path) ->
 
 def test_deep_nesting_is_rejected_quickly_in_process() -> None:
     msg = _with_structure(_nested_tuples(200))
-    start = time.monotonic()
-    with pytest.raises(DecodeError, match="nested deeper"):
-        decode_frame(msg)
-    assert time.monotonic() - start < 0.05
+    times = []
+    for _ in range(3):  # the fastest of three: the cost, not the load of a shared machine
+        start = time.monotonic()
+        with pytest.raises(DecodeError, match="nested deeper"):
+            decode_frame(msg)
+        times.append(time.monotonic() - start)
+    assert min(times) < 0.05
 
 
 @pytest.mark.parametrize(

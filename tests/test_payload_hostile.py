@@ -6,7 +6,6 @@ or raises DecodeError (a ValueError), fast, without allocating what the payload 
 from __future__ import annotations
 
 import json
-import statistics
 import struct
 import time
 import tracemalloc
@@ -150,15 +149,25 @@ def _desc(name: str, o: int, b: int, shape: list[int], dtype: str = "uint8") -> 
     return {"n": name, "d": dtype, "s": shape, "o": o, "b": b}
 
 
-def _rejected_fast(raw: bytes, match: str, decoder: Callable[..., Any] = decode_kv) -> None:
-    """DecodeError matching ``match``; median time < 50 ms; < 16 MiB traced allocations."""
+def _fastest(fn: Callable[[], Any], tries: int = 5) -> float:
+    """The shortest of ``tries`` runs of ``fn``: its cost, without the noise of a loaded machine
+    (2 CPUs shared by the whole test run)."""
     times = []
-    for _ in range(5):
+    for _ in range(tries):
         start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _rejected_fast(raw: bytes, match: str, decoder: Callable[..., Any] = decode_kv) -> None:
+    """DecodeError matching ``match`` in < 50 ms; < 16 MiB traced allocations."""
+
+    def attempt() -> None:
         with pytest.raises(DecodeError, match=match):
             decoder(raw)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < 0.05, times
+
+    assert _fastest(attempt) < 0.05
     tracemalloc.start()  # (slows allocation down: timed separately, above)
     try:
         with pytest.raises(DecodeError, match=match):
@@ -292,15 +301,16 @@ def test_overlapping_spans_are_always_rejected(
 )
 def test_huge_or_negative_shapes_fail_cleanly(shape: list[int], dtype: str, b: int) -> None:
     raw = _payload([_desc("key_cache_0", 0, b, shape, dtype)], 64)
-    start = time.perf_counter()
-    try:
-        out = decode_kv(raw)
-    except DecodeError:
-        pass
-    else:
+
+    def attempt() -> None:
+        try:
+            out = decode_kv(raw)
+        except DecodeError:
+            return
         t = out.key_cache[0]
         assert t is not None and t.numel() * t.element_size() == b <= 64
-    assert time.perf_counter() - start < 0.5
+
+    assert _fastest(attempt, tries=2) < 0.05
 
 
 def _nested_json(depth: int) -> str:
@@ -367,13 +377,15 @@ def test_header_size_limit_holds_for_any_size(size: int, limit: int) -> None:
     base = '{"rid":"r","bids":[],"meta":{},"td":[],"nl":0}'
     body = (base + " " * max(0, size - len(base))).encode()
     raw = struct.pack(">I", len(body)) + body
-    start = time.perf_counter()
-    if len(body) > limit:
-        with pytest.raises(DecodeError, match="exceeds the limit"):
-            decode_kv(raw, max_header_bytes=limit)
-    else:
-        assert decode_kv(raw, max_header_bytes=limit).num_layers == 0
-    assert time.perf_counter() - start < 0.05
+
+    def attempt() -> None:
+        if len(body) > limit:
+            with pytest.raises(DecodeError, match="exceeds the limit"):
+                decode_kv(raw, max_header_bytes=limit)
+        else:
+            assert decode_kv(raw, max_header_bytes=limit).num_layers == 0
+
+    assert _fastest(attempt, tries=2) < 0.05
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,6 +418,6 @@ def test_hostile_payload_is_a_corrupt_outcome(namespace: str, name: str, receive
     )
     start = time.monotonic()
     assert receiver.receive_kv_cache_for_request(name) == (None, 0)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5.0  # not the 30 s receive timeout: refused at once
     result = receiver.get_receive_result(name)
     assert result is not None and result.status is ReceiveStatus.CORRUPT
