@@ -136,7 +136,7 @@ def test_put_retries_with_backoff(namespace: str, fails: int, status: SendStatus
         OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True), connector=conn
     )
     slept: list[float] = []
-    sender._sender._sleep = slept.append
+    sender._sender.sleep = slept.append
     sender.handle_finished_requests_kv_transfer(
         {"r": {"block_ids": [0], "seq_len": 3}}, _caches(), 8, "f"
     )
@@ -153,7 +153,7 @@ def test_no_connector_returns_ids_and_records_failure() -> None:
         {"a": {"block_ids": [0], "seq_len": 1}}, _caches(), 8, "f"
     )
     assert ids == ["a"]
-    assert mgr.get_send_result("a").status is SendStatus.FAILED
+    assert mgr.get_send_result("a").status is SendStatus.NOT_CONFIGURED
     assert OmniKVTransferManager(OmniKVCacheConfig()).handle_finished_requests_kv_transfer(
         {"b": {}}, [], 8, "f"
     ) == ["b"]
@@ -293,7 +293,7 @@ def test_device_copy_failure_is_consume_error(
     def oom(*_: Any) -> None:
         raise RuntimeError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(omnikv.receiver, "_map_tensors", oom)
+    monkeypatch.setattr(omnikv.receiver, "move_kv", oom)
     sender, receiver = _pair(namespace)
     sender.handle_finished_requests_kv_transfer(
         {"dev": {"block_ids": [0], "seq_len": 2}}, _caches(), 8, "f"
@@ -344,7 +344,7 @@ def test_update_sender_info_nested_and_flat() -> None:
         {1: {"host": "10.0.0.1", "zmq_port": 5000}, 0: {"host": "x", "zmq_port": 1}}
     )
     assert conn["sender_host"] == "10.0.0.1" and conn["sender_zmq_port"] == 5000
-    assert (mgr._sender_base_host, mgr._sender_base_zmq_port) == ("10.0.0.1", 5000)
+    assert mgr.sender_endpoint == ("10.0.0.1", 5000)
     mgr.update_sender_info({"host": "h", "zmq_port": "6000"})
     assert conn["sender_zmq_port"] == 6000
     mgr.update_sender_info({"0": {"host": "a"}, "5": {"host": "b"}})  # ambiguous: ignored
@@ -365,13 +365,13 @@ def test_update_sender_info_rank_offset(monkeypatch: pytest.MonkeyPatch) -> None
         )
     )
     mgr.update_sender_info({"host": "h", "zmq_port": 7000})
-    assert conn["sender_zmq_port"] == 7016 and mgr._sender_base_zmq_port == 7000
+    assert conn["sender_zmq_port"] == 7016 and mgr.sender_endpoint == ("h", 7000)
 
 
 def test_per_call_sender_info_does_not_touch_instance(namespace: str) -> None:
     _, receiver = _pair(namespace, timeout=0.05)
     receiver.receive_kv_cache_for_request("zz", sender_info={"host": "h", "zmq_port": 1})
-    assert receiver._sender_base_host is None
+    assert receiver.sender_endpoint is None
     assert receiver.receive_kv_cache_for_request("zz", sender_info={"nohost": 1}) == (None, 0)
     assert receiver.get_receive_result("zz").reason == "bad sender_info"
 

@@ -300,7 +300,7 @@ def test_per_call_sender_info_keeps_base_endpoint(namespace: str) -> None:
     _send(sender, "A")
     mgr.start_prefetch({"request_id": "A", "kv_sender_info": {"host": "10.9.9.9", "zmq_port": 1}})
     assert mgr.consume_prefetched_kv("A")[0] is not None
-    assert (mgr._sender_base_host, mgr._sender_base_zmq_port) == ("10.0.0.1", 6000)
+    assert mgr.sender_endpoint == ("10.0.0.1", 6000)
     mgr.close()
 
 
