@@ -258,6 +258,46 @@ def tp_agree(topo: TopoConfig, req: Any, ok: bool, deadline: float) -> bool:
     return agreed.ok
 
 
+def _distribute_tp(
+    topo: TopoConfig,
+    req: Any,
+    received: bool,
+    key: int,
+    deadline: float,
+    device: torch.device | str | None,
+) -> dict[str, Any] | None:
+    """TP with CFG and/or SP groups: scatter per CFG rank, then broadcast within each SP group."""
+    ctx = topo.context
+    own: dict[str, Any] | None = None
+    ok = True
+    if topo.cfg_active and topo.sp_rank == 0 and topo.cfg_group is not None:
+        own = _cfg_scatter(
+            _link("cfg", topo.cfg_group, ctx),
+            req,
+            is_src=topo.is_leader,
+            received=received,
+            key=key,
+            deadline=deadline,
+            device=device,
+        )
+        ok = own is not None
+    elif topo.is_leader:
+        collected = collect_request_kv_payload(req) if received else {}
+        own = {k: collected[k] for k in _MAIN_FIELDS if k in collected} or None
+        ok = own is not None
+    if topo.sp_active and topo.sp_group is not None:
+        own = _broadcast(
+            _link("sp", topo.sp_group, ctx),
+            own,
+            is_src=topo.sp_rank == 0,
+            ok=ok if topo.sp_rank == 0 else True,
+            key=key,
+            deadline=deadline,
+            device=device,
+        )
+    return own or None
+
+
 def distribute(
     topo: TopoConfig,
     req: Any,
@@ -275,49 +315,21 @@ def distribute(
         return None
     rid = request_id_of(req)
     key = request_key(rid)
-    ctx = topo.context
     try:
-        if not topo.tp_active:
-            if topo.world is None:
-                return None
-            payload = collect_request_kv_payload(req) if topo.is_leader and received else None
-            return _broadcast(
-                _link("world", topo.world, ctx),
-                payload,
-                is_src=topo.is_leader,
-                ok=not topo.is_leader or received,
-                key=key,
-                deadline=deadline,
-                device=target_device,
-            )
-        own: dict[str, Any] | None = None
-        ok = True
-        if topo.cfg_active and topo.sp_rank == 0 and topo.cfg_group is not None:
-            own = _cfg_scatter(
-                _link("cfg", topo.cfg_group, ctx),
-                req,
-                is_src=topo.is_leader,
-                received=received,
-                key=key,
-                deadline=deadline,
-                device=target_device,
-            )
-            ok = own is not None
-        elif topo.is_leader:
-            collected = collect_request_kv_payload(req) if received else {}
-            own = {k: collected[k] for k in _MAIN_FIELDS if k in collected} or None
-            ok = own is not None
-        if topo.sp_active and topo.sp_group is not None:
-            own = _broadcast(
-                _link("sp", topo.sp_group, ctx),
-                own,
-                is_src=topo.sp_rank == 0,
-                ok=ok if topo.sp_rank == 0 else True,
-                key=key,
-                deadline=deadline,
-                device=target_device,
-            )
-        return own or None
+        if topo.tp_active:
+            return _distribute_tp(topo, req, received, key, deadline, target_device)
+        if topo.world is None:
+            return None
+        payload = collect_request_kv_payload(req) if topo.is_leader and received else None
+        return _broadcast(
+            _link("world", topo.world, topo.context),
+            payload,
+            is_src=topo.is_leader,
+            ok=not topo.is_leader or received,
+            key=key,
+            deadline=deadline,
+            device=target_device,
+        )
     except DistributionError as exc:
         logger.error("KV distribution of %s failed: %s", rid, exc)
         return None
@@ -366,9 +378,9 @@ def receive_distributed(
     topo: TopoConfig,
     req: Any,
     fetch: Callable[[], bool],
-    *,
-    agree_deadline: Callable[[], float],
     distribute_fn: Callable[[bool], dict[str, Any] | None],
+    agree_deadline: Callable[[], float],
+    *,
     target_device: torch.device | str | None,
     received_counts: bool,
 ) -> bool:

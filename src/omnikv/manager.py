@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 DEFAULT_SEND_TIMEOUT = 30.0
+_INERT = "omni_kv_config needs need_send_cache or need_recv_cache and a connector_config type"
 _HOOKS = ("kv_send_key_builder", "kv_recv_key_builder", "kv_payload_merger", "kv_payload_slicer")
 
 
@@ -67,10 +68,10 @@ class OmniKVTransferManager:
         has_conn = connector is not None or bool((config.connector_config or {}).get("type"))
         sends, receives = bool(config.need_send_cache), bool(config.need_recv_cache)
         ok = self.configured = has_conn and (sends or receives)
-        common: dict[str, Any] = dict(topology=self.tp_topo, options=self.options, connector=lazy)
-        self._sender = KVSender(stages=self.send_stages, enabled=sends, configured=ok, **common)
+        common: dict[str, Any] = dict(topology=self.tp_topo, options=self.options, configured=ok)
+        self._sender = KVSender(stages=self.send_stages, enabled=sends, connector=lazy, **common)
         self._receiver = KVReceiver(
-            stages=self.recv_stages, enabled=receives, configured=ok, **common
+            stages=self.recv_stages, enabled=receives, connector=lazy, **common
         )
         self._receiver.recv_timeout = config.recv_timeout
         #: Outcome counters and phase histograms (``metrics.prometheus()`` for export).
@@ -78,20 +79,12 @@ class OmniKVTransferManager:
         self._log = TransferLog(self.metrics)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
-        self._prefetch = PrefetchSlot(
-            self.receive_kv_cache_result,
-            enabled=bool(async_prefetch) and receives,
-            recv_timeout=config.recv_timeout,
-            min_free_mem_ratio=config.kv_prefetch_min_free_mem_ratio,
-        )
+        self._prefetch = PrefetchSlot.of(config, self.receive_kv_cache_result, async_prefetch)
         self._ranks = StageRanks(parallel_context, self.tp_topo, config.recv_timeout)
         for name in _HOOKS:
             setattr(self, name, None)
         if not ok:
-            logger.warning(
-                "OmniKVTransferManager will neither send nor receive KV: omni_kv_config needs "
-                "need_send_cache or need_recv_cache, and a connector_config with a 'type'"
-            )
+            logger.warning("OmniKVTransferManager will neither send nor receive: %s", _INERT)
         elif sends and connector is None and self.connector is not None:
             logger.info("Sender connector eagerly initialized")
 
@@ -113,7 +106,6 @@ class OmniKVTransferManager:
     def from_od_config(cls, config: Any) -> OmniKVTransferManager:
         """Create from model or OmniDiffusion config (reads ``config.omni_kv_config``)."""
         omni_kv = getattr(config, "omni_kv_config", None)
-        omni_kv = omni_kv if isinstance(omni_kv, Mapping) else None
         has_companion = getattr(config, "cfg_kv_collect_func", None) is not None
         flag = _config.resolve_async_prefetch(omni_kv, has_companion=has_companion)
         return cls._create(omni_kv, async_prefetch=flag)
@@ -124,9 +116,8 @@ class OmniKVTransferManager:
     def from_vllm_config(cls, vllm_config: Any, model_config: Any) -> OmniKVTransferManager:
         """Create from vllm config with fallback to kv_transfer_config."""
         omni_kv = getattr(model_config, "omni_kv_config", None)
-        if isinstance(omni_kv, Mapping):
-            return cls._create(omni_kv, async_prefetch=False)
-        return cls._create(_config.vllm_omni_kv_dict(vllm_config))
+        found = omni_kv if isinstance(omni_kv, Mapping) else _config.vllm_omni_kv_dict(vllm_config)
+        return cls._create(found)
 
     @property
     def connector(self) -> OmniConnectorBase | None:
@@ -161,8 +152,7 @@ class OmniKVTransferManager:
         cache_dtype: str,
         request_id_resolver: Callable[[str], str] | None = None,
     ) -> list[str]:
-        """Send the KV of finished requests; return every id (its blocks may be freed). Outcomes:
-        :meth:`get_send_result`. All puts share one deadline: ``send_timeout`` (30 s) from now."""
+        """Send finished requests' KV, all puts under one ``send_timeout``; return every id."""
         if not finished_reqs:
             return []
         timeout = getattr(self.options, "send_timeout", DEFAULT_SEND_TIMEOUT)  # merge: codec
@@ -182,8 +172,9 @@ class OmniKVTransferManager:
         if not self.config.need_recv_cache:
             return
         endpoint = resolve_endpoint(sender_info, sender_stage_id, self.recv_stages[0])
-        if endpoint is None:
-            logger.warning("Invalid sender_info format: %r", sender_info)
+        if endpoint is None or endpoint == self._receiver.sender:  # unchanged: nothing to do
+            if endpoint is None:
+                logger.warning("Invalid sender_info format: %r", sender_info)
             return
         (host, base), port = endpoint, topology.rank_port(endpoint[1], self.local_rank)
         self._receiver.sender = endpoint
@@ -225,8 +216,7 @@ class OmniKVTransferManager:
         *,
         sender_info: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any] | None, int]:
-        """Receive KV cache for request_id; returns (data dict, size) or (None, 0); sender_info
-        overrides the instance's sender base. Why a miss happened: :meth:`get_receive_result`."""
+        """Receive KV cache for request_id; returns (data dict, size) or (None, 0)."""
         kv = self.receive_kv_cache_result(request_id, target_device, sender_info=sender_info).kv
         return (kv.to_dict(), kv.nbytes) if kv is not None else (None, 0)
 
@@ -234,19 +224,16 @@ class OmniKVTransferManager:
         """Set ``past_key_values`` and ``kv_metadata`` on the request and its sampling params."""
         _requests.apply_kv_cache_to_request(req, data)
 
-    def _prepare(self, req: Any) -> str | None:
-        """Take the request's ``kv_sender_info``; its id (``None``: warned, nothing to do)."""
+    def _take_sender_info(self, req: Any) -> None:
         info = getattr(req, "kv_sender_info", None)
         if info:
             self.update_sender_info(info, sender_stage_id=self.recv_stages[0])
+
+    def _receive_result(self, req: Any, device: Any, deadline: float | None) -> ReceiveResult:
+        self._take_sender_info(req)
         rid = request_id_of(req)
         if rid is None:
             logger.warning("Request without request_id; cannot receive KV")
-        return rid
-
-    def _receive_result(self, req: Any, device: Any, deadline: float | None) -> ReceiveResult:
-        rid = self._prepare(req)
-        if rid is None:
             return ReceiveResult("", ReceiveStatus.SKIPPED, reason="request without request_id")
         return self.receive_kv_cache_result(rid, device, deadline=deadline)
 
@@ -266,24 +253,17 @@ class OmniKVTransferManager:
         cfg_kv_collect_func: Callable[..., Any] | None = None,
         target_device: torch.device | None = None,
     ) -> bool:
-        """Receive primary KV cache and optional CFG companion KV caches (all at once, under one
-        ``recv_timeout``), then call the collector. Returns whether the primary was received."""
+        """Receive primary and CFG companion KV at once (one recv_timeout); True if primary came."""
         companions = list(_requests.cfg_companion_ids(req).values())
         if not companions or cfg_kv_collect_func is None:
             return self.receive_kv_cache(req, target_device)
-        rid = self._prepare(req)
-        ids = [i for i in (rid, *companions) if i is not None]
+        self._take_sender_info(req)  # the companions use it too
+        ids = [i for i in (request_id_of(req), *companions) if i is not None]
         deadline = deadline_after(self.config.recv_timeout, "recv_timeout")
         with self._receiver.companions(ids, deadline=deadline, target_device=target_device):
-            kv = (
-                self.receive_kv_cache_result(rid, target_device, deadline=deadline).kv
-                if rid
-                else None
-            )
-            if kv is not None:
-                apply_received_kv(req, kv)
+            ok = self._receive_into(req, target_device, deadline)
             _requests.collect_cfg_companions(req, cfg_kv_collect_func, self, target_device)
-        return kv is not None
+        return ok
 
     @property
     def topo_config(self) -> TopoConfig:
@@ -302,15 +282,9 @@ class OmniKVTransferManager:
         return distribute(topo, req, received=received, deadline=dl, target_device=target_device)
 
     def _share(self, req: Any, fetch: Callable[[], bool], device: Any, counts: bool) -> bool:
-        return receive_distributed(
-            self.topo_config,
-            req,
-            fetch,
-            agree_deadline=self._ranks.deadline,
-            distribute_fn=lambda got: self.distribute_kv_cache(req, device, received=got),
-            target_device=device,
-            received_counts=counts,
-        )
+        dist = partial(self.distribute_kv_cache, req, device)
+        share = partial(receive_distributed, self.topo_config, req, fetch, target_device=device)
+        return share(lambda got: dist(received=got), self._ranks.deadline, received_counts=counts)
 
     def receive_multi_kv_cache_distributed(
         self,

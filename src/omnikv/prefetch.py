@@ -675,6 +675,19 @@ class PrefetchSlot:
         #: The prefetcher once made (tests, diagnostics).
         self.prefetcher: KVPrefetcher | None = None
 
+    @classmethod
+    def of(
+        cls, config: Any, receive: Callable[..., ReceiveResult], requested: bool
+    ) -> PrefetchSlot:
+        """For an ``OmniKVCacheConfig`` (``recv_timeout``, ``need_recv_cache``,
+        ``kv_prefetch_min_free_mem_ratio``) and the resolved prefetch flag ``requested``."""
+        return cls(
+            receive,
+            enabled=bool(requested) and bool(config.need_recv_cache),
+            recv_timeout=config.recv_timeout,
+            min_free_mem_ratio=config.kv_prefetch_min_free_mem_ratio,
+        )
+
     def _receive_job(
         self,
         request_id: str,

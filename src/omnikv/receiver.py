@@ -123,6 +123,11 @@ class FetchTrace:
     keys: list[str] = field(default_factory=list)
     timings_ms: dict[str, float] = field(default_factory=dict)
 
+    def phases(self, t0: float, t_wait: float, t_decode: float, t_end: float) -> None:
+        self.timings_ms["wait_ms"] = (t_wait - t0) * 1e3
+        self.timings_ms["decode_ms"] = (t_decode - t_wait) * 1e3
+        self.timings_ms["finish_ms"] = (t_end - t_decode) * 1e3
+
 
 class ReceiveCancelled(OmniKVError):
     """The caller's ``abort`` event was set between two wait slices (nothing more consumed)."""
@@ -333,10 +338,7 @@ class KVReceiver:
             for buf in held:
                 buf.release()
         if trace is not None:
-            t_end = time.monotonic()
-            trace.timings_ms["wait_ms"] = (t_wait - t0) * 1e3
-            trace.timings_ms["decode_ms"] = (t_decode - t_wait) * 1e3
-            trace.timings_ms["finish_ms"] = (t_end - t_decode) * 1e3
+            trace.phases(t0, t_wait, t_decode, time.monotonic())
         logger.debug(
             "Received KV for %s: %d bytes across %d key(s), wait=%.3fs",
             request_id,

@@ -35,7 +35,7 @@ from omnikv.connectors.base import OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import remaining
 from omnikv.errors import OmniKVError, is_transient
-from omnikv.layouts import BlockGather, plan_request_kv
+from omnikv.layouts import HF_HINT, BlockGather, plan_request_kv
 from omnikv.payload import PackedPayload
 from omnikv.topology import (
     KVTPTopology,
@@ -45,14 +45,10 @@ from omnikv.topology import (
     head_slice_tag,
 )
 
-__all__ = ["HF_CACHE_HINT", "KVSender", "SendResult", "SendStatus", "put_with_retry"]
+__all__ = ["KVSender", "SendResult", "SendStatus", "put_with_retry"]
 
 logger = logging.getLogger(__name__)
 
-HF_CACHE_HINT = (
-    "this looks like a transformers cache; send it with "
-    "omnikv.integrations.transformers.send_hf_cache(manager, request_id, cache)"
-)
 _RESERVED_METADATA = ("block_size", "num_layers", "dtype", "seq_len")
 _DTYPE_ALIASES = {
     "float": torch.float32,
@@ -153,7 +149,7 @@ def _check_batch(kv_caches: Any, block_size: Any, cache_dtype: Any) -> torch.dty
     """The torch dtype ``cache_dtype`` names (``None``: not checked); raises :class:`_Refused`."""
     if _is_cache_object(kv_caches):
         raise _Refused(
-            f"kv_caches is a {type(kv_caches).__name__}, not a list of layers; " + HF_CACHE_HINT
+            f"kv_caches is a {type(kv_caches).__name__}, not a list of layers; " + HF_HINT
         )
     if not isinstance(kv_caches, list | tuple):
         raise _Refused(
