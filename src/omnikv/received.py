@@ -75,6 +75,23 @@ class ReceivedKV:
             nbytes=nbytes,
         )
 
+    @classmethod
+    def from_decoded(cls, data: dict[str, Any], nbytes: int) -> ReceivedKV:
+        """From :func:`omnikv.payload.decode`'s dict, whose shape the decoder guarantees (no
+        re-validation on the hot path; anything else goes through :meth:`from_dict`).
+
+        merge: build from payload.decode_kv's DecodedKV once codec lands (PLAN contract 8).
+        """
+        blocks = data["layer_blocks"]
+        return cls(
+            data["request_id"],
+            data["block_ids"],
+            data["metadata"],
+            blocks["key_cache"],
+            blocks["value_cache"],
+            nbytes,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """The seed's dict form (new containers, same tensors)."""
         return {

@@ -387,28 +387,25 @@ class KVReceiver:
             return ReceivedKV.from_dict(obj, size)
         if isinstance(obj, ManagedBuffer):
             t = obj.tensor
-            if t.device.type != "cpu":
-                return ReceivedKV.from_dict(decode_device(t, copy=True), size)
-            if target_device is None and self.options.receive_copy == "auto":
+            if (
+                t.device.type == "cpu"
+                and target_device is None
+                and self.options.receive_copy == "auto"
+            ):
                 owned = obj.adopt()
                 if owned is not None:
-                    return ReceivedKV.from_dict(decode(owned), size)
-            return ReceivedKV.from_dict(decode(t), size)
+                    t = owned
+            obj = t
         if isinstance(obj, torch.Tensor):
             if obj.dtype != torch.uint8 or obj.dim() != 1:
                 raise DecodeError(
                     f"corrupt KV payload: tensor payload must be 1-D uint8, got {obj.dtype}"
                 )
             if obj.device.type != "cpu":
-                return ReceivedKV.from_dict(decode_device(obj, copy=True), size)
-        try:
-            return ReceivedKV.from_dict(decode(obj), size)
-        except DecodeError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise DecodeError(
-                f"corrupt KV payload: unexpected payload type {type(obj).__name__}"
-            ) from exc
+                return ReceivedKV.from_decoded(decode_device(obj, copy=True), size)
+        elif not isinstance(obj, bytes | bytearray | memoryview):
+            raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
+        return ReceivedKV.from_decoded(decode(obj), size)
 
     def _combine(self, shards: list[ReceivedKV]) -> ReceivedKV:
         """Merge shards of several sender ranks and slice for this rank (hooks win)."""
