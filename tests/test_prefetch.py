@@ -25,7 +25,7 @@ from omnikv import (
 )
 from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
 from omnikv.connectors.local import LocalConnector
-from omnikv.prefetch import KVPrefetcher
+from omnikv.prefetch import KVPrefetcher, PrefetchStart
 
 SENDER = {"host": "127.0.0.1", "zmq_port": 50151}
 KEY = "omni_stage1_to_stage2_kv_cache_{}"
@@ -182,9 +182,8 @@ def test_start_same_request_twice_keeps_one_entry(namespace: str) -> None:
     mgr.start_prefetch(_job("r1"))
     pf = mgr.prefetcher
     assert pf is not None
-    entry = pf._entries["r1"]
     mgr.start_prefetch(KVPrefetchJob("r1", dict(SENDER)))
-    assert pf._entries["r1"] is entry and len(pf.tracked()) == 1
+    assert pf.start("r1", dict(SENDER)) is PrefetchStart.TRACKED and len(pf.tracked()) == 1
     mgr.close()
 
 

@@ -148,7 +148,7 @@ def test_host_prefetch_makes_no_stream_and_no_pinned_memory() -> None:
     assert out.result is not None and out.result.ok and out.result.kv is not None
     assert all(t.device.type == "cpu" for t in out.result.kv.tensors())
     assert seen == [("A", torch.device("cpu"), "kv-prefetch")]
-    assert pf._streams == {} and stager._chunks == []
+    assert pf.side_streams == 0 and stager.pinned_bytes == 0
     pf.shutdown()
 
 
@@ -161,7 +161,7 @@ def test_cuda_target_without_cuda_takes_the_plain_path() -> None:
     assert pf.start("A", {"host": "h"}, "cuda:0") is PrefetchStart.STARTED
     assert pf.consume("A").result is not None
     assert seen == [("A", torch.device("cuda:0"), "kv-prefetch")]
-    assert pf._streams == {} and stager._chunks == []
+    assert pf.side_streams == 0 and stager.pinned_bytes == 0
     pf.shutdown()
 
 

@@ -256,6 +256,11 @@ class PinnedStager:
         self._chunks: list[torch.Tensor] = []
         self._events: list[Any] = [None, None]
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held for staging (0 until the first chunked device copy)."""
+        return sum(int(c.numel()) for c in self._chunks)
+
     def _ensure(self) -> None:
         if not self._chunks:
             self._chunks = [
@@ -352,6 +357,11 @@ class KVPrefetcher:
     def thread(self) -> threading.Thread | None:
         """The worker thread (``None`` before the first start)."""
         return self._thread
+
+    @property
+    def side_streams(self) -> int:
+        """CUDA side streams made so far (one per target device; 0 for host targets)."""
+        return len(self._streams)
 
     def tracked(self) -> dict[str, str]:
         """``{request_id: state}`` of every tracked prefetch."""
