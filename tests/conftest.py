@@ -1,17 +1,96 @@
-"""Shared test fixtures. Every test gets a default timeout from pyproject (pytest-timeout)."""
+"""Shared test fixtures. Every test gets a default timeout from pyproject (pytest-timeout).
+
+* ``namespace``: a connector namespace unique to the test;
+* ``omni_kv``: the ``omni_kv_config`` dict of one stage, as a pipeline's YAML gives it;
+* ``manager_pair``: a sender and a receiver manager over a ``LocalConnector``, built through
+  ``from_od_config`` exactly as a worker builds them;
+* ``paged_caches``: a paged KV cache (``[2, blocks, block_size, heads, dim]`` per layer).
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
+
+from omnikv import OmniKVTransferManager
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+ManagerPair = tuple[OmniKVTransferManager, OmniKVTransferManager]
+PairFactory = Callable[..., ManagerPair]
 
 
 @pytest.fixture
 def namespace() -> str:
     """A namespace unique to the test, so connectors of parallel tests never meet."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+def omni_kv_config(namespace: str, role: str, **extra: Any) -> dict[str, Any]:
+    """One stage's ``omni_kv_config`` for the edge ``stage1 -> stage2`` over a LocalConnector.
+
+    ``role`` is ``"sender"`` or ``"receiver"``; ``extra`` adds or overrides keys.
+    """
+    conf: dict[str, Any] = {
+        "connector_config": {"type": "LocalConnector", "namespace": namespace},
+        "omni_from_stage": "stage1",
+    }
+    if role == "sender":
+        conf.update(omni_to_stage="stage2", need_send_cache=True)
+    else:
+        conf.update(stage_id="stage2", need_recv_cache=True, recv_timeout=1.0)
+    conf.update(extra)
+    return conf
+
+
+@pytest.fixture
+def omni_kv(namespace: str) -> Callable[..., dict[str, Any]]:
+    """``omni_kv(role, **extra)``: :func:`omni_kv_config` in this test's namespace."""
+    return lambda role, **extra: omni_kv_config(namespace, role, **extra)
+
+
+@pytest.fixture
+def manager_pair(omni_kv: Callable[..., dict[str, Any]]) -> Iterator[PairFactory]:
+    """``manager_pair(**receiver_extra)``: (sender, receiver) made by ``from_od_config``."""
+    made: list[OmniKVTransferManager] = []
+
+    def make(**receiver_extra: Any) -> ManagerPair:
+        sender = OmniKVTransferManager.from_od_config(
+            SimpleNamespace(omni_kv_config=omni_kv("sender"))
+        )
+        receiver = OmniKVTransferManager.from_od_config(
+            SimpleNamespace(omni_kv_config=omni_kv("receiver", **receiver_extra))
+        )
+        made.extend((sender, receiver))
+        return sender, receiver
+
+    yield make
+    for mgr in made:
+        mgr.close()
+
+
+def make_paged_caches(
+    layers: int = 2,
+    blocks: int = 8,
+    block_size: int = 8,
+    heads: int = 4,
+    dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """Seeded random ``[2, blocks, block_size, heads, dim]`` caches, one per layer."""
+    g = torch.Generator().manual_seed(1)
+    shape = (2, blocks, block_size, heads, dim)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
+
+
+@pytest.fixture
+def paged_caches() -> list[torch.Tensor]:
+    """Two layers of 8 blocks x 8 tokens x 4 heads x 16 dims (float32)."""
+    return make_paged_caches()

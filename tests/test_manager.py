@@ -7,59 +7,26 @@ behaviour changes omnikv makes on purpose (failures are recorded; out-of-range i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from conftest import PairFactory, make_paged_caches
 from omnikv import (
-    KVCacheTransferData,
-    KVPrefetchConsumeError,
     OmniKVCacheConfig,
     OmniKVTransferManager,
     ReceiveStatus,
     SendStatus,
 )
-from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase, PutResult
 from omnikv.connectors.local import LocalConnector
 
 
-def _pair(
-    namespace: str, timeout: float = 1.0, **recv: Any
-) -> tuple[OmniKVTransferManager, OmniKVTransferManager]:
-    conn = {"type": "LocalConnector", "namespace": namespace}
-    sender = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=dict(conn),
-            from_stage="stage1",
-            to_stage="stage2",
-            need_send_cache=True,
-        )
-    )
-    receiver = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=dict(conn),
-            from_stage="stage1",
-            stage_id="stage2",
-            need_recv_cache=True,
-            recv_timeout=timeout,
-            **recv,
-        )
-    )
-    return sender, receiver
-
-
-def _caches(
-    layers: int = 2, blocks: int = 8, bs: int = 8, heads: int = 4, dim: int = 16
-) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(2, blocks, bs, heads, dim, generator=g) for _ in range(layers)]
-
-
-def test_send_receive_round_trip_legacy_key(namespace: str) -> None:
-    sender, receiver = _pair(namespace)
-    caches = _caches()
+def test_send_receive_round_trip_legacy_key(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair()
+    caches = make_paged_caches()
     ids = sender.handle_finished_requests_kv_transfer(
         {
             "req_test_1": {
@@ -91,8 +58,8 @@ def test_send_receive_round_trip_legacy_key(namespace: str) -> None:
     assert receiver.get_receive_result("req_test_1").status is ReceiveStatus.OK
 
 
-def test_failed_send_is_recorded_not_silent(namespace: str) -> None:
-    sender, _ = _pair(namespace)
+def test_failed_send_is_recorded_not_silent(manager_pair: PairFactory) -> None:
+    sender, _ = manager_pair()
     ids = sender.handle_finished_requests_kv_transfer(
         {
             "ok": {"block_ids": [0], "seq_len": 4},
@@ -100,7 +67,7 @@ def test_failed_send_is_recorded_not_silent(namespace: str) -> None:
             "bad_block": {"block_ids": [0, 99], "seq_len": 10},
             "no_seq_len": {"block_ids": [0]},
         },
-        _caches(),
+        make_paged_caches(),
         8,
         "float32",
     )
@@ -116,54 +83,25 @@ def test_failed_send_is_recorded_not_silent(namespace: str) -> None:
     assert "seq_len" in (sender.get_send_result("no_seq_len").reason or "")
 
 
-class _FlakyConnector(LocalConnector):
-    def __init__(self, fails: int, namespace: str) -> None:
-        super().__init__({"namespace": namespace})
-        self.fails = fails
-        self.calls = 0
-
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
-        self.calls += 1
-        if self.calls <= self.fails:
-            return False, 0, None
-        return super().put(from_stage, to_stage, put_key, data)
-
-
-@pytest.mark.parametrize(("fails", "status"), [(2, SendStatus.SENT), (3, SendStatus.FAILED)])
-def test_put_retries_with_backoff(namespace: str, fails: int, status: SendStatus) -> None:
-    conn = _FlakyConnector(fails, namespace)
-    sender = OmniKVTransferManager(
-        OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True), connector=conn
-    )
-    slept: list[float] = []
-    sender._sender._sleep = slept.append
-    sender.handle_finished_requests_kv_transfer(
-        {"r": {"block_ids": [0], "seq_len": 3}}, _caches(), 8, "f"
-    )
-    assert sender.get_send_result("r").status is status
-    assert conn.calls == 3
-    assert slept == pytest.approx([0.1, 0.2][: min(fails, 2)])
-
-
 def test_no_connector_returns_ids_and_records_failure() -> None:
     mgr = OmniKVTransferManager(
         OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True)
     )
     ids = mgr.handle_finished_requests_kv_transfer(
-        {"a": {"block_ids": [0], "seq_len": 1}}, _caches(), 8, "f"
+        {"a": {"block_ids": [0], "seq_len": 1}}, make_paged_caches(), 8, "f"
     )
     assert ids == ["a"]
-    assert mgr.get_send_result("a").status is SendStatus.FAILED
+    assert mgr.get_send_result("a").status is SendStatus.NOT_CONFIGURED
     assert OmniKVTransferManager(OmniKVCacheConfig()).handle_finished_requests_kv_transfer(
         {"b": {}}, [], 8, "f"
     ) == ["b"]
 
 
-def test_request_id_resolver_changes_transfer_key(namespace: str) -> None:
-    sender, receiver = _pair(namespace)
+def test_request_id_resolver_changes_transfer_key(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair()
     sender.handle_finished_requests_kv_transfer(
         {"internal-7": {"block_ids": [2], "seq_len": 5}},
-        _caches(),
+        make_paged_caches(),
         8,
         "f",
         request_id_resolver=lambda r: "global-7",
@@ -172,8 +110,8 @@ def test_request_id_resolver_changes_transfer_key(namespace: str) -> None:
     assert data is not None and data["request_id"] == "global-7"
 
 
-def test_miss_returns_within_timeout_plus_50ms(namespace: str) -> None:
-    _, receiver = _pair(namespace, timeout=0.3)
+def test_miss_returns_within_timeout_plus_50ms(manager_pair: PairFactory) -> None:
+    _, receiver = manager_pair(recv_timeout=0.3)
     t0 = time.monotonic()
     assert receiver.receive_kv_cache_for_request("never") == (None, 0)
     elapsed = time.monotonic() - t0
@@ -184,8 +122,8 @@ def test_miss_returns_within_timeout_plus_50ms(namespace: str) -> None:
     )
 
 
-def test_waiting_receiver_wakes_on_put(namespace: str) -> None:
-    sender, receiver = _pair(namespace, timeout=5.0)
+def test_waiting_receiver_wakes_on_put(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair(recv_timeout=5.0)
     import threading
 
     out: dict[str, Any] = {}
@@ -198,15 +136,15 @@ def test_waiting_receiver_wakes_on_put(namespace: str) -> None:
     th = threading.Thread(target=recv)
     th.start()
     sender.handle_finished_requests_kv_transfer(
-        {"late": {"block_ids": [0], "seq_len": 2}}, _caches(), 8, "f"
+        {"late": {"block_ids": [0], "seq_len": 2}}, make_paged_caches(), 8, "f"
     )
     th.join(5)
     assert out["data"][0] is not None
     assert out["t1"] - out["t0"] < 2.0
 
 
-def test_dummy_request_and_guards(namespace: str) -> None:
-    _, receiver = _pair(namespace, timeout=5.0)
+def test_dummy_request_and_guards(manager_pair: PairFactory) -> None:
+    _, receiver = manager_pair(recv_timeout=5.0)
     t0 = time.monotonic()
     assert receiver.receive_kv_cache_for_request("dummy_req_id") == (None, 0)
     assert time.monotonic() - t0 < 0.1
@@ -214,18 +152,10 @@ def test_dummy_request_and_guards(namespace: str) -> None:
     assert not_receiver.receive_kv_cache_for_request("x") == (None, 0)
 
 
-def test_corrupt_payload_is_reported_as_corrupt(namespace: str) -> None:
-    _, receiver = _pair(namespace)
-    LocalConnector({"namespace": namespace}).put(
-        "stage1", "stage2", "omni_stage1_to_stage2_kv_cache_bad", b"\x00\x00\x00\x09{garbage}"
-    )
-    assert receiver.receive_kv_cache_for_request("bad") == (None, 0)
-    res = receiver.get_receive_result("bad")
-    assert res is not None and res.status is ReceiveStatus.CORRUPT
-
-
-def test_dict_payload_and_receive_kv_cache_applies(namespace: str) -> None:
-    _, receiver = _pair(namespace)
+def test_dict_payload_and_receive_kv_cache_applies(
+    manager_pair: PairFactory, namespace: str
+) -> None:
+    _, receiver = manager_pair()
     kv = {"key_cache": [torch.ones(2, 1, 2)], "value_cache": [torch.zeros(2, 1, 2)]}
     payload = {"request_id": "d1", "layer_blocks": kv, "block_ids": [], "metadata": {"seq_len": 2}}
     LocalConnector({"namespace": namespace}).put(
@@ -237,74 +167,11 @@ def test_dict_payload_and_receive_kv_cache_applies(namespace: str) -> None:
     assert req.sampling_params.kv_metadata == {"seq_len": 2} == req.kv_metadata
 
 
-def test_pool_buffer_release_does_not_corrupt_received(namespace: str) -> None:
-    """A pool buffer whose release zeroes memory: received tensors stay intact.
-
-    ``receive_copy="copy"`` copies out and releases at once; ``"auto"`` keeps zero-copy views and
-    releases the buffer only when the last view dies.
-    """
-    import gc
-
-    from omnikv import TransferOptions
-
-    data = KVCacheTransferData(
-        "p1", {"key_cache": [torch.full((4, 2, 2), 7.0)], "value_cache": [None]}
-    )
-    released: list[str] = []
-
-    def make() -> torch.Tensor:
-        return torch.frombuffer(bytearray(data.to_bytes()), dtype=torch.uint8)
-
-    for mode in ("copy", "auto"):
-        raw = make()
-
-        def release(raw: torch.Tensor = raw, mode: str = mode) -> None:
-            raw.zero_()
-            released.append(mode)
-
-        class _PoolConnector(LocalConnector):
-            def wait(self, *a: Any, raw: torch.Tensor = raw, rel: Any = release, **kw: Any) -> Any:
-                return ManagedBuffer(raw, release=rel), raw.numel()
-
-        mgr = OmniKVTransferManager(
-            OmniKVCacheConfig(from_stage="0", stage_id="1", need_recv_cache=True),
-            connector=_PoolConnector({"namespace": namespace}),
-            options=TransferOptions(receive_copy=mode),
-        )
-        got, _ = mgr.receive_kv_cache_for_request("p1")
-        assert got is not None
-        k = got["layer_blocks"]["key_cache"][0]
-        inside = raw.data_ptr() <= k.data_ptr() < raw.data_ptr() + raw.numel()
-        if mode == "copy":
-            assert released == ["copy"] and not inside
-        else:
-            assert released == ["copy"] and inside  # still held by the views
-        assert k.eq(7.0).all()
-        del got, k
-        gc.collect()
-    assert released == ["copy", "auto"]
-
-
-def test_device_copy_failure_is_consume_error(
-    namespace: str, monkeypatch: pytest.MonkeyPatch
+def test_receive_multi_kv_cache_fetches_companions_concurrently(
+    manager_pair: PairFactory,
 ) -> None:
-    import omnikv.receiver
-
-    def oom(*_: Any) -> None:
-        raise RuntimeError("CUDA out of memory (simulated)")
-
-    monkeypatch.setattr(omnikv.receiver, "_map_tensors", oom)
-    sender, receiver = _pair(namespace)
-    sender.handle_finished_requests_kv_transfer(
-        {"dev": {"block_ids": [0], "seq_len": 2}}, _caches(), 8, "f"
-    )
-    with pytest.raises(KVPrefetchConsumeError, match="payload already consumed"):
-        receiver.receive_kv_cache_for_request("dev", target_device=torch.device("cpu"))
-
-
-def test_receive_multi_kv_cache_fetches_companions_concurrently(namespace: str) -> None:
-    sender, receiver = _pair(namespace, timeout=0.5)
-    caches = _caches()
+    sender, receiver = manager_pair(recv_timeout=0.5)
+    caches = make_paged_caches()
     sender.handle_finished_requests_kv_transfer(
         {rid: {"block_ids": [0], "seq_len": 3} for rid in ("p", "p__cfg_text")}, caches, 8, "f"
     )
@@ -344,7 +211,7 @@ def test_update_sender_info_nested_and_flat() -> None:
         {1: {"host": "10.0.0.1", "zmq_port": 5000}, 0: {"host": "x", "zmq_port": 1}}
     )
     assert conn["sender_host"] == "10.0.0.1" and conn["sender_zmq_port"] == 5000
-    assert (mgr._sender_base_host, mgr._sender_base_zmq_port) == ("10.0.0.1", 5000)
+    assert mgr.sender_endpoint == ("10.0.0.1", 5000)
     mgr.update_sender_info({"host": "h", "zmq_port": "6000"})
     assert conn["sender_zmq_port"] == 6000
     mgr.update_sender_info({"0": {"host": "a"}, "5": {"host": "b"}})  # ambiguous: ignored
@@ -365,13 +232,15 @@ def test_update_sender_info_rank_offset(monkeypatch: pytest.MonkeyPatch) -> None
         )
     )
     mgr.update_sender_info({"host": "h", "zmq_port": 7000})
-    assert conn["sender_zmq_port"] == 7016 and mgr._sender_base_zmq_port == 7000
+    assert conn["sender_zmq_port"] == 7016 and mgr.sender_endpoint == ("h", 7000)
 
 
-def test_per_call_sender_info_does_not_touch_instance(namespace: str) -> None:
-    _, receiver = _pair(namespace, timeout=0.05)
+def test_per_call_sender_info_does_not_touch_instance(
+    manager_pair: PairFactory,
+) -> None:
+    _, receiver = manager_pair(recv_timeout=0.05)
     receiver.receive_kv_cache_for_request("zz", sender_info={"host": "h", "zmq_port": 1})
-    assert receiver._sender_base_host is None
+    assert receiver.sender_endpoint is None
     assert receiver.receive_kv_cache_for_request("zz", sender_info={"nohost": 1}) == (None, 0)
     assert receiver.get_receive_result("zz").reason == "bad sender_info"
 
@@ -387,44 +256,11 @@ def test_stages() -> None:
     assert OmniKVTransferManager(OmniKVCacheConfig()).recv_stages == (None, None)
 
 
-class _Broken(OmniConnectorBase):
-    created = 0
-
-    def __init__(self, config: dict) -> None:
-        type(self).created += 1
-        if type(self).created == 1:
-            raise RuntimeError("engine not up yet")
-        super().__init__()
-
-    def put(self, *a: Any) -> PutResult:
-        return True, 0, None
-
-    def get(self, *a: Any, **kw: Any) -> None:
-        return None
-
-    def close(self) -> None:
-        self._closed = True
-
-
-def test_failed_connector_creation_is_reported_and_retried() -> None:
-    from omnikv import OmniConnectorFactory, TransferOptions
-
-    OmniConnectorFactory.register_connector("TestBroken", _Broken)
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(connector_config={"type": "TestBroken"}, need_recv_cache=True),
-        options=TransferOptions(connector_retry_interval=0.0),
-    )
-    assert mgr.connector is None
-    assert "engine not up yet" in (mgr.connector_error or "")
-    assert mgr.connector is not None and mgr.get_connector is mgr.connector
-    assert mgr.connector_error is None
-
-
-def test_metrics_count_outcomes_and_export(namespace: str) -> None:
-    sender, receiver = _pair(namespace, timeout=0.05)
+def test_metrics_count_outcomes_and_export(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair(recv_timeout=0.05)
     sender.handle_finished_requests_kv_transfer(
         {"m1": {"block_ids": [0], "seq_len": 3}, "m2": {"block_ids": [99], "seq_len": 3}},
-        _caches(),
+        make_paged_caches(),
         8,
         "f",
     )
@@ -434,3 +270,102 @@ def test_metrics_count_outcomes_and_export(namespace: str) -> None:
     assert snap["outcomes"] == {"send.failed": 1, "send.sent": 1}
     assert receiver.metrics.snapshot()["outcomes"] == {"recv.ok": 1, "recv.timeout": 1}
     assert receiver.metrics.snapshot()["phases_ms"]["recv.wait"]["count"] == 1
+
+
+# -- a manager that will do nothing says so (issue 14.5) ------------------------------------------
+def test_an_inert_manager_warns_once_and_reports_not_configured(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model_config = SimpleNamespace()  # no omni_kv_config, no kv_transfer_config fallback
+    with caplog.at_level("WARNING", logger="omnikv.manager"):
+        mgr = OmniKVTransferManager.from_vllm_config(None, model_config)
+    warnings = [r for r in caplog.records if "neither send nor receive" in r.getMessage()]
+    assert len(warnings) == 1
+    assert mgr.handle_finished_requests_kv_transfer({"a": {"block_ids": [0]}}, [], 8, "f") == ["a"]
+    assert mgr.get_send_result("a").status is SendStatus.NOT_CONFIGURED
+    assert mgr.receive_kv_cache_for_request("b") == (None, 0)
+    assert mgr.get_receive_result("b").status is ReceiveStatus.NOT_CONFIGURED
+
+
+def test_a_configured_manager_does_not_warn(
+    omni_kv: Callable[..., dict], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="omnikv.manager"):
+        OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv("sender")))
+    assert not [r for r in caplog.records if "neither" in r.getMessage()]
+
+
+def test_flush_returns_what_the_connector_still_holds(namespace: str) -> None:
+    class _Lingering(LocalConnector):
+        def flush(self, timeout: float | None = None) -> list[str]:
+            return [f"k@{timeout}"]
+
+    mgr = OmniKVTransferManager(
+        OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True),
+        connector=_Lingering({"namespace": namespace}),
+    )
+    assert mgr.flush(0.5) == ["k@0.5"]
+    assert OmniKVTransferManager(OmniKVCacheConfig()).flush() == []
+
+
+# -- code written for the reference (issue 12) ----------------------------------------------------
+def test_a_diffusion_request_with_request_ids_receives_under_its_first_id(
+    manager_pair: PairFactory,
+) -> None:
+    sender, receiver = manager_pair()
+    send = {"diff-1": {"block_ids": [0], "seq_len": 3}}
+    sender.handle_finished_requests_kv_transfer(send, make_paged_caches(), 8, "float32")
+    req = SimpleNamespace(request_ids=["diff-1", "diff-1-extra"], sampling_params=SimpleNamespace())
+    assert receiver.receive_kv_cache(req) is True
+    assert req.past_key_values.key_cache[0].shape == (3, 4, 16)
+    sender.handle_finished_requests_kv_transfer(send, make_paged_caches(), 8, "float32")
+    again = SimpleNamespace(request_ids=["diff-1"], sampling_params=SimpleNamespace())
+    assert receiver.consume_and_distribute_kv_cache(again) is True
+
+
+def test_reference_style_hooks_are_called_as_the_reference_calls_them(
+    manager_pair: PairFactory,
+) -> None:
+    sender, receiver = manager_pair()
+    calls: list[str] = []
+
+    def send_keys(request_id: str, from_stage: str, to_stage: str) -> list[str]:
+        return [f"custom-{request_id}-{from_stage}-{to_stage}"]
+
+    def slicer(payload: dict) -> dict:  # one argument, as the reference calls it
+        calls.append("slicer")
+        payload["metadata"]["sliced_by"] = "hook"
+        return payload
+
+    def merger(payloads: list) -> dict:
+        calls.append("merger")
+        return payloads[0]
+
+    sender.kv_send_key_builder = send_keys
+    receiver.kv_recv_key_builder = send_keys
+    receiver.kv_payload_slicer = slicer
+    receiver.kv_payload_merger = merger
+    sender.handle_finished_requests_kv_transfer(
+        {"h1": {"block_ids": [0], "seq_len": 3}}, make_paged_caches(), 8, "float32"
+    )
+    assert sender.get_send_result("h1").keys == ["custom-h1-stage1-stage2"]
+    data, _ = receiver.receive_kv_cache_for_request("h1")
+    assert data is not None and data["metadata"]["sliced_by"] == "hook"
+    assert calls == ["slicer"]  # one shard: nothing to merge
+
+
+def test_int_and_string_stage_ids_name_the_same_stage(namespace: str) -> None:
+    conn = {"type": "LocalConnector", "namespace": namespace}
+    sender = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config={
+        "connector_config": dict(conn), "omni_from_stage": 1, "omni_to_stage": 2,
+        "need_send_cache": True,
+    }))  # fmt: skip
+    receiver = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config={
+        "connector_config": dict(conn), "stage_id": "2", "need_recv_cache": True,
+        "recv_timeout": 1.0,
+    }))  # fmt: skip
+    assert receiver.recv_stages == sender.send_stages == ("1", "2")
+    sender.handle_finished_requests_kv_transfer(
+        {"s": {"block_ids": [0], "seq_len": 2}}, make_paged_caches(), 8, "float32"
+    )
+    assert receiver.receive_kv_cache_for_request("s")[0] is not None

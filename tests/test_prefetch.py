@@ -25,7 +25,7 @@ from omnikv import (
 )
 from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
 from omnikv.connectors.local import LocalConnector
-from omnikv.prefetch import KVPrefetcher
+from omnikv.prefetch import KVPrefetcher, PrefetchStart
 
 SENDER = {"host": "127.0.0.1", "zmq_port": 50151}
 KEY = "omni_stage1_to_stage2_kv_cache_{}"
@@ -182,9 +182,8 @@ def test_start_same_request_twice_keeps_one_entry(namespace: str) -> None:
     mgr.start_prefetch(_job("r1"))
     pf = mgr.prefetcher
     assert pf is not None
-    entry = pf._entries["r1"]
     mgr.start_prefetch(KVPrefetchJob("r1", dict(SENDER)))
-    assert pf._entries["r1"] is entry and len(pf.tracked()) == 1
+    assert pf.start("r1", dict(SENDER)) is PrefetchStart.TRACKED and len(pf.tracked()) == 1
     mgr.close()
 
 
@@ -300,7 +299,7 @@ def test_per_call_sender_info_keeps_base_endpoint(namespace: str) -> None:
     _send(sender, "A")
     mgr.start_prefetch({"request_id": "A", "kv_sender_info": {"host": "10.9.9.9", "zmq_port": 1}})
     assert mgr.consume_prefetched_kv("A")[0] is not None
-    assert (mgr._sender_base_host, mgr._sender_base_zmq_port) == ("10.0.0.1", 6000)
+    assert mgr.sender_endpoint == ("10.0.0.1", 6000)
     mgr.close()
 
 

@@ -18,6 +18,7 @@ from omnikv.prefetch import (
     device_memory_ok,
     record_stream_for,
 )
+from omnikv.received import ReceivedKV
 from omnikv.receiver import ReceiveResult, ReceiveStatus
 
 pytestmark = pytest.mark.timeout(30)
@@ -36,14 +37,15 @@ def _mem(free: int, total: int) -> Any:
     return info
 
 
-def _data() -> dict[str, Any]:
-    return {
-        "layer_blocks": {
-            "key_cache": [torch.ones(4, 2), torch.ones(4, 2)],
-            "value_cache": [torch.zeros(4, 2), None],
-        },
-        "metadata": {"seq_len": 4},
-    }
+def _data() -> ReceivedKV:
+    return ReceivedKV(
+        "r",
+        [],
+        {"seq_len": 4},
+        [torch.ones(4, 2), torch.ones(4, 2)],
+        [torch.zeros(4, 2), None],
+        nbytes=96,
+    )
 
 
 def _receive_ok(seen: list[Any]) -> Any:
@@ -55,7 +57,7 @@ def _receive_ok(seen: list[Any]) -> Any:
         abort: threading.Event,
     ) -> ReceiveResult:
         seen.append((rid, device, threading.current_thread().name))
-        return ReceiveResult(rid, ReceiveStatus.OK, data=_data(), nbytes=96)
+        return ReceiveResult(rid, ReceiveStatus.OK, kv=_data(), nbytes=96)
 
     return receive
 
@@ -135,7 +137,6 @@ def test_manager_guard_uses_the_configured_ratio(monkeypatch: pytest.MonkeyPatch
 def test_record_stream_is_a_noop_for_host_tensors() -> None:
     assert record_stream_for(_data()) == 0
     assert record_stream_for(None) == 0
-    assert record_stream_for({"layer_blocks": "not a dict"}) == 0
 
 
 def test_host_prefetch_makes_no_stream_and_no_pinned_memory() -> None:
@@ -144,10 +145,10 @@ def test_host_prefetch_makes_no_stream_and_no_pinned_memory() -> None:
     pf = KVPrefetcher(_receive_ok(seen), recv_timeout=5.0, stager=stager)
     assert pf.start("A", {"host": "h"}, torch.device("cpu")) is PrefetchStart.STARTED
     out = pf.consume("A", target_device="cpu")
-    assert out.result is not None and out.result.ok and out.result.data is not None
-    assert all(t.device.type == "cpu" for t in out.result.data["layer_blocks"]["key_cache"])
+    assert out.result is not None and out.result.ok and out.result.kv is not None
+    assert all(t.device.type == "cpu" for t in out.result.kv.tensors())
     assert seen == [("A", torch.device("cpu"), "kv-prefetch")]
-    assert pf._streams == {} and stager._chunks == []
+    assert pf.side_streams == 0 and stager.pinned_bytes == 0
     pf.shutdown()
 
 
@@ -160,7 +161,7 @@ def test_cuda_target_without_cuda_takes_the_plain_path() -> None:
     assert pf.start("A", {"host": "h"}, "cuda:0") is PrefetchStart.STARTED
     assert pf.consume("A").result is not None
     assert seen == [("A", torch.device("cuda:0"), "kv-prefetch")]
-    assert pf._streams == {} and stager._chunks == []
+    assert pf.side_streams == 0 and stager.pinned_bytes == 0
     pf.shutdown()
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from omnikv.manager import OmniKVTransferManager
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(90)]
 
 if not hasattr(OmniKVTransferManager, "distribute_kv_cache"):
     pytest.skip("distribute_kv_cache is not in the manager yet", allow_module_level=True)

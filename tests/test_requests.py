@@ -9,8 +9,11 @@ import torch
 from omnikv.requests import (
     apply_kv_cache_to_request,
     apply_request_kv_payload,
+    cfg_companion_ids,
+    collect_cfg_companions,
     collect_request_kv_payload,
     move_to_device,
+    request_id_of,
 )
 
 
@@ -71,3 +74,31 @@ def test_move_to_device_rebuilds_without_mutating() -> None:
     assert kv.key_cache[0].device.type == "cpu"
     assert moved["t"][0].device.type == "meta" and moved["n"] == 3
     assert move_to_device(kv, None) is kv
+
+
+def test_request_id_of_takes_request_ids_first_entry() -> None:
+    assert request_id_of(SimpleNamespace(request_id="a", request_ids=["b"])) == "a"
+    assert request_id_of(SimpleNamespace(request_ids=["b", "c"])) == "b"
+    assert request_id_of(SimpleNamespace(request_ids=[])) is None
+    assert request_id_of(SimpleNamespace(request_id=7)) == "7"
+    assert request_id_of("plain-id") == "plain-id"
+    assert request_id_of(SimpleNamespace()) is None
+
+
+def test_cfg_companions_are_collected_and_applied() -> None:
+    sp = SimpleNamespace(cfg_kv_request_ids={"cfg_text": "r__t", "cfg_img": None})
+    req = SimpleNamespace(request_id="r", sampling_params=sp)
+    assert cfg_companion_ids(req) == {"cfg_text": "r__t"}
+    seen: list[tuple] = []
+
+    def collect(rid: str, ids: dict, *rest: object) -> dict:
+        seen.append((rid, ids, rest))
+        return {"cfg_text_past_key_values": "kv"}
+
+    collect_cfg_companions(req, collect, "mgr", None)
+    assert sp.cfg_text_past_key_values == "kv" and seen[0][0] == "r" and seen[0][2] == ("mgr", None)
+
+    def broken(*_: object) -> dict:
+        raise RuntimeError("model bug")
+
+    collect_cfg_companions(req, broken)  # logged, not raised

@@ -21,6 +21,8 @@ import torch
 from omnikv import OmniKVCacheConfig, OmniKVTransferManager, ReceiveStatus
 from omnikv.manager import LayerKV
 
+pytestmark = pytest.mark.slow
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["omnikv.connectors.shm", "omnikv.manager"])
 

@@ -10,13 +10,21 @@ import torch
 from omnikv import ConfigError, KVTPTopology, OmniKVCacheConfig, OmniKVTransferManager
 from omnikv.parallel import ParallelContext
 from omnikv.topology import (
+    TransferHooks,
     build_recv_keys,
     build_send_keys,
+    engine_connector_config,
     head_range,
+    head_slice_tag,
     kv_zmq_port,
     merge_received_rank_shards,
+    recv_stages_of,
+    resolve_endpoint,
+    send_stages_of,
     slice_kv_tensor_heads,
     slice_received_rank_shard,
+    source_metadata,
+    stage_key,
 )
 
 
@@ -111,3 +119,76 @@ def test_merge_in_source_order_and_receiver_slice_fallback() -> None:
     assert slice_received_rank_shard(
         full, KVTPTopology(1, 2, 0), slicer=lambda p, tp: {"x": 1}
     ) == {"x": 1}
+
+
+# -- stage ids: "1" and 1 are the same stage (issue 12.7) ----------------------------------------
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [(1, "1"), ("1", "1"), (" 1 ", "1"), (0, "0"), ("stage2", "stage2"), ("", None), (None, None)],
+)
+def test_stage_key_spells_each_stage_once(value: Any, key: str | None) -> None:
+    assert stage_key(value) == key
+
+
+def test_recv_stages_from_a_string_stage_id_without_input_source() -> None:
+    assert recv_stages_of(None, "1", []) == recv_stages_of(None, 1, None) == ("0", "1")
+    assert recv_stages_of("0", "stage2", None) == ("0", "stage2")
+    assert recv_stages_of("0", 3, ["1"]) == ("1", "3")
+    assert send_stages_of(0, "1") == ("0", "1") and send_stages_of("0", None) == (None, None)
+
+
+def test_per_stage_sender_info_matches_string_and_int_stage_ids() -> None:
+    info = {"1": {"host": "a", "zmq_port": 1}, 2: {"host": "b", "zmq_port": 2}}
+    assert resolve_endpoint(info, 1) == ("a", 1)
+    assert resolve_endpoint(info, "2") == ("b", 2)
+    assert resolve_endpoint({"host": "h", "zmq_port": "7"}) == ("h", 7)
+    assert resolve_endpoint({"host": "h", "zmq_port": 1.5}) is None
+    assert resolve_endpoint({"host": "h", "zmq_port": 70000}) is None
+    assert resolve_endpoint(info) is None  # ambiguous without a stage
+
+
+def test_engine_connectors_get_role_stages_and_this_ranks_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_OMNI_REPLICA_ID", raising=False)
+    monkeypatch.setenv("KV_BASE", "40000")
+    send = engine_connector_config(
+        {"zmq_port": "${KV_BASE}"}, from_stage=1, to_stage=2, sends=True, receives=False,
+        local_rank=2,
+    )  # fmt: skip
+    assert send == {"zmq_port": 40000 + 100 + 32 + 1, "from_stage": "1", "to_stage": "2",
+                    "role": "sender"}  # fmt: skip
+    recv = engine_connector_config({}, from_stage=None, to_stage=None, sends=False,
+                                   receives=True, local_rank=0)  # fmt: skip
+    assert recv == {"from_stage": "0", "to_stage": "1", "role": "receiver"}
+
+
+def test_source_metadata_names_the_sender_ranks_port() -> None:
+    assert source_metadata(None, 1, True) is None
+    assert source_metadata(("h", 5000), None, False) is None
+    assert source_metadata(("h", 5000), 2, False) == {"source_host": "h", "source_port": 5032}
+    assert source_metadata(("h", 5000), None, True) == {"source_host": "h", "source_port": 5000}
+
+
+# -- hooks: the reference's calling conventions (issue 12.3) -------------------------------------
+def test_hooks_accept_the_reference_signatures() -> None:
+    seen: list[Any] = []
+
+    def slicer(payload: dict) -> dict:  # the reference calls kv_payload_slicer(payload)
+        seen.append(payload)
+        return payload
+
+    hooks = TransferHooks.of(slicer=slicer, merger=lambda payloads: payloads[0])
+    assert hooks.slicer is not None and hooks.merger is not None
+    assert hooks.slicer({"p": 1}, KVTPTopology(1, 2)) == {"p": 1} and seen == [{"p": 1}]
+    rich = TransferHooks.of(slicer=lambda payload, topo: topo)
+    assert rich.slicer is not None and rich.slicer({}, KVTPTopology(1, 1)) == KVTPTopology(1, 1)
+
+
+def test_head_slice_tag_is_built_once_for_both_sides() -> None:
+    topo = KVTPTopology(2, 4, 1)
+    assert head_slice_tag(topo, 3, side="sender") == {
+        "applied": True, "side": "sender", "target_rank": 3, "source_rank": 1,
+        "from_tp": 2, "to_tp": 4, "offset_in_shard": 1, "num_slices": 2,
+    }  # fmt: skip
+    assert "source_rank" not in head_slice_tag(topo, 3, side="receiver")

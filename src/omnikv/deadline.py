@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 
-__all__ = ["deadline_after", "expired", "remaining", "validate_timeout"]
+__all__ = ["deadline_after", "remaining", "validate_timeout"]
 
 
 def validate_timeout(value: float | None, name: str = "timeout") -> float:
@@ -42,8 +42,3 @@ def remaining(deadline: float) -> float:
     if math.isinf(deadline):
         return math.inf
     return max(0.0, deadline - time.monotonic())
-
-
-def expired(deadline: float) -> bool:
-    """True once ``deadline`` has passed."""
-    return not math.isinf(deadline) and time.monotonic() >= deadline

@@ -16,11 +16,13 @@ pulled (or failed to pull) the request's KV. Guarantees:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from omnikv.deadline import deadline_after
+from omnikv.errors import KVPrefetchConsumeError
 from omnikv.framing import Frame, decode_frame
 from omnikv.parallel import (
     DistributionError,
@@ -28,22 +30,33 @@ from omnikv.parallel import (
     ParallelContext,
     TopoConfig,
     agree,
+    build_topo_config,
     request_key,
 )
-from omnikv.requests import collect_request_kv_payload, move_to_device, request_id_of
+from omnikv.prefetch import PrefetchConsume
+from omnikv.received import ReceivedKV
+from omnikv.receiver import ReceiveResult
+from omnikv.requests import (
+    apply_request_kv_payload,
+    collect_request_kv_payload,
+    move_to_device,
+    request_id_of,
+)
+from omnikv.topology import KVTPTopology
 
 __all__ = [
     "build_cfg_rank_payloads",
+    "consume_or_receive",
     "discover_cfg_branch_roles",
     "distribute",
+    "receive_distributed",
+    "share_outcome",
+    "StageRanks",
     "tp_agree",
 ]
 
 logger = logging.getLogger(__name__)
 
-# One broadcast per message: 8 MiB chunks (pack overlapped with sending) measured 0.19 x gloo
-# on the 2-core machine against 0.4-0.5 x for one broadcast (omnikv bench dist).
-_CHUNK = 1 << 40
 _MAIN_FIELDS = ("past_key_values", "kv_metadata", "sp.past_key_values", "sp.kv_metadata")
 
 
@@ -157,16 +170,12 @@ def _broadcast(
     device: torch.device | str | None,
 ) -> dict[str, Any] | None:
     """Agree, then broadcast one message from group rank 0 (every rank of ``link`` calls it)."""
-    frame: Frame | None = None
     buf: torch.Tensor | None = None
-    steps: Iterator[int] | None = None
     if is_src and ok:
         try:
             frame, _ = _encode(payload)
             if frame is not None:
-                buf = link.ctx.message_buffer(frame.nbytes)
-                steps = frame.pack_steps(buf)
-                next(steps)  # headers written; a failure here is a packing failure
+                buf = _packed(frame, link.ctx)
         except Exception:
             logger.exception("Packing KV for the %s broadcast failed", link.name)
             ok, buf = False, None
@@ -179,9 +188,7 @@ def _broadcast(
         return None
     if buf is None:
         buf = link.ctx.message_buffer(size)
-    # Chunks leave while later tensors are still being copied (a copy error after agreement
-    # breaks the group: the followers' broadcasts then time out and they return None).
-    link.broadcast_chunks(buf, 0, deadline, _CHUNK, steps)
+    link.broadcast(buf, 0, deadline)
     if is_src:
         return payload
     return _decode(buf, device)
@@ -251,6 +258,46 @@ def tp_agree(topo: TopoConfig, req: Any, ok: bool, deadline: float) -> bool:
     return agreed.ok
 
 
+def _distribute_tp(
+    topo: TopoConfig,
+    req: Any,
+    received: bool,
+    key: int,
+    deadline: float,
+    device: torch.device | str | None,
+) -> dict[str, Any] | None:
+    """TP with CFG and/or SP groups: scatter per CFG rank, then broadcast within each SP group."""
+    ctx = topo.context
+    own: dict[str, Any] | None = None
+    ok = True
+    if topo.cfg_active and topo.sp_rank == 0 and topo.cfg_group is not None:
+        own = _cfg_scatter(
+            _link("cfg", topo.cfg_group, ctx),
+            req,
+            is_src=topo.is_leader,
+            received=received,
+            key=key,
+            deadline=deadline,
+            device=device,
+        )
+        ok = own is not None
+    elif topo.is_leader:
+        collected = collect_request_kv_payload(req) if received else {}
+        own = {k: collected[k] for k in _MAIN_FIELDS if k in collected} or None
+        ok = own is not None
+    if topo.sp_active and topo.sp_group is not None:
+        own = _broadcast(
+            _link("sp", topo.sp_group, ctx),
+            own,
+            is_src=topo.sp_rank == 0,
+            ok=ok if topo.sp_rank == 0 else True,
+            key=key,
+            deadline=deadline,
+            device=device,
+        )
+    return own or None
+
+
 def distribute(
     topo: TopoConfig,
     req: Any,
@@ -268,52 +315,161 @@ def distribute(
         return None
     rid = request_id_of(req)
     key = request_key(rid)
-    ctx = topo.context
     try:
-        if not topo.tp_active:
-            if topo.world is None:
-                return None
-            payload = collect_request_kv_payload(req) if topo.is_leader and received else None
-            return _broadcast(
-                _link("world", topo.world, ctx),
-                payload,
-                is_src=topo.is_leader,
-                ok=not topo.is_leader or received,
-                key=key,
-                deadline=deadline,
-                device=target_device,
-            )
-        own: dict[str, Any] | None = None
-        ok = True
-        if topo.cfg_active and topo.sp_rank == 0 and topo.cfg_group is not None:
-            own = _cfg_scatter(
-                _link("cfg", topo.cfg_group, ctx),
-                req,
-                is_src=topo.is_leader,
-                received=received,
-                key=key,
-                deadline=deadline,
-                device=target_device,
-            )
-            ok = own is not None
-        elif topo.is_leader:
-            collected = collect_request_kv_payload(req) if received else {}
-            own = {k: collected[k] for k in _MAIN_FIELDS if k in collected} or None
-            ok = own is not None
-        if topo.sp_active and topo.sp_group is not None:
-            own = _broadcast(
-                _link("sp", topo.sp_group, ctx),
-                own,
-                is_src=topo.sp_rank == 0,
-                ok=ok if topo.sp_rank == 0 else True,
-                key=key,
-                deadline=deadline,
-                device=target_device,
-            )
-        return own or None
+        if topo.tp_active:
+            return _distribute_tp(topo, req, received, key, deadline, target_device)
+        if topo.world is None:
+            return None
+        payload = collect_request_kv_payload(req) if topo.is_leader and received else None
+        return _broadcast(
+            _link("world", topo.world, topo.context),
+            payload,
+            is_src=topo.is_leader,
+            ok=not topo.is_leader or received,
+            key=key,
+            deadline=deadline,
+            device=target_device,
+        )
     except DistributionError as exc:
         logger.error("KV distribution of %s failed: %s", rid, exc)
         return None
     except Exception:
         logger.exception("KV distribution of %s failed", rid)
         return None
+
+
+# --------------------------------------------------------------------------------------------
+# The stage-level receive paths (called by the manager on every rank of a receiving stage)
+# --------------------------------------------------------------------------------------------
+def share_outcome(
+    topo: TopoConfig,
+    req: Any,
+    received: bool,
+    failure: BaseException | None,
+    *,
+    agree_deadline: Callable[[], float],
+    distribute_fn: Callable[[bool], dict[str, Any] | None],
+    target_device: torch.device | str | None,
+    received_counts: bool,
+) -> bool:
+    """Tell the stage's other ranks how this rank's receive went; whether this rank has the KV.
+
+    Pure-TP ranks agree (all True or all False, bounded by ``agree_deadline()``); other ranks
+    enter distribution through ``distribute_fn(received)`` (the manager's
+    ``distribute_kv_cache``, i.e. :func:`distribute`; LOCAL: ``None`` at once) and apply what
+    they get.
+    ``received_counts``: a leader that received reports True even when its followers got
+    nothing. Re-raises ``failure`` afterwards, so an error on the leader never strands its
+    followers.
+    """
+    if topo.is_local and topo.tp_active:
+        ok = tp_agree(topo, req, received, agree_deadline())
+    else:
+        payload = distribute_fn(received)
+        if payload is not None:
+            apply_request_kv_payload(req, payload, target_device)
+        ok = payload is not None or (received and (received_counts or topo.is_local))
+    if failure is not None:
+        raise failure
+    return ok
+
+
+def receive_distributed(
+    topo: TopoConfig,
+    req: Any,
+    fetch: Callable[[], bool],
+    distribute_fn: Callable[[bool], dict[str, Any] | None],
+    agree_deadline: Callable[[], float],
+    *,
+    target_device: torch.device | str | None,
+    received_counts: bool,
+) -> bool:
+    """``fetch`` on every non-follower rank, then :func:`share_outcome` on every rank.
+
+    A ``fetch`` that raises still enters the sharing step (then re-raises), so followers never
+    block in a collective their leader skipped.
+    """
+    received = False
+    failure: BaseException | None = None
+    if not topo.is_follower:
+        try:
+            received = fetch()
+        except Exception as exc:  # shared first, re-raised by share_outcome
+            failure = exc
+    return share_outcome(
+        topo,
+        req,
+        received,
+        failure,
+        agree_deadline=agree_deadline,
+        distribute_fn=distribute_fn,
+        target_device=target_device,
+        received_counts=received_counts,
+    )
+
+
+def consume_or_receive(
+    req: Any,
+    consume: Callable[[], PrefetchConsume] | None,
+    receive: Callable[[float | None], ReceiveResult],
+    apply: Callable[[ReceivedKV], None],
+) -> bool:
+    """The prefetch consume path: take the prefetched KV, else receive synchronously; apply.
+
+    ``consume`` (``None``: prefetch is off) takes the prefetch of ``req``; ``receive(deadline)``
+    receives it now (``deadline`` ``None``: a fresh ``recv_timeout``; else what is left of the
+    prefetch's). A consume error (payload consumed, unusable) is final: no synchronous retry.
+    Returns whether KV was applied to ``req``.
+    """
+    rid = request_id_of(req)
+    out = PrefetchConsume(None)
+    if consume is not None:
+        try:
+            out = consume()
+        except KVPrefetchConsumeError as exc:
+            logger.error("Prefetched KV of %s unusable; request cannot recover: %s", rid, exc)
+            return False
+        res = out.result
+        if res is not None and res.ok and res.kv is not None:
+            apply(res.kv)
+            return True
+        if not out.sync_retry:
+            return False
+    logger.debug("No prefetched KV for %s; receiving synchronously", rid)
+    try:
+        result = receive(out.retry_deadline)
+    except KVPrefetchConsumeError as exc:
+        logger.error("KV of %s consumed but unusable; request cannot recover: %s", rid, exc)
+        return False
+    if result.ok and result.kv is not None:
+        apply(result.kv)
+        return True
+    return False
+
+
+class StageRanks:
+    """A manager's view of its stage's ranks: the role snapshot, built on first use from the
+    injected context (a :class:`ParallelContext`) or a default one, and the deadline of a
+    distribution (the receive timeout plus the context's grace)."""
+
+    def __init__(self, context: Any, tp: KVTPTopology, recv_timeout: float) -> None:
+        self.context, self.tp, self.recv_timeout = context, tp, recv_timeout
+        self._topo: TopoConfig | None = None
+
+    @property
+    def topo(self) -> TopoConfig:
+        return self._topo or self.rebuild()
+
+    def rebuild(self) -> TopoConfig:
+        """Re-snapshot the parallel context (once the runner's groups exist)."""
+        ctx = self.context
+        if not isinstance(ctx, ParallelContext):
+            ctx = ParallelContext.default(self.tp.local_rank, self.tp.source_tp_size)
+        active = self.tp.source_tp_size > 1 or self.tp.target_tp_size > 1
+        self._topo = build_topo_config(ctx, tp_active=active)
+        return self._topo
+
+    def deadline(self) -> float:
+        ctx = self.topo.context
+        grace = ctx.grace_s if ctx is not None else 2.0
+        return deadline_after(self.recv_timeout + grace, "recv_timeout")

@@ -6,9 +6,21 @@ exceptions into a :class:`ConnectorError` subclass at its boundary (``raise ... 
 ``KVPrefetchConsumeError`` keeps the seed's base class (``RuntimeError``); the payload errors are
 ``ValueError`` subclasses so code written against the reference (which raises ``ValueError`` for
 malformed payloads) keeps working.
+
+Retrying: every class says whether a retry can help (``transient``). The sender's put loop retries
+only transient errors, and never past the send deadline:
+
+* transient: :class:`ConnectorUnavailableError` (the engine may be back a moment later) and
+  :class:`PoolExhaustedError` (a consumer may free space; a connector that already waited until
+  the deadline leaves no time for a retry, so it is not retried then);
+* not transient: everything else, in particular :class:`ConnectorClosedError` (nothing will
+  reopen it), :class:`PeerGoneError`, payload and configuration errors, and any exception that is
+  not an :class:`OmniKVError` (a bug or a misuse, e.g. KV that requires grad).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 __all__ = [
     "ConfigError",
@@ -23,11 +35,15 @@ __all__ = [
     "PeerGoneError",
     "PoolExhaustedError",
     "ReceiveTimeout",
+    "is_transient",
 ]
 
 
 class OmniKVError(Exception):
     """Base class of every error omnikv raises on purpose."""
+
+    #: Whether trying the same operation again (before its deadline) may succeed.
+    transient: ClassVar[bool] = False
 
 
 class ConfigError(OmniKVError, ValueError):
@@ -53,6 +69,8 @@ class ConnectorError(OmniKVError):
 class ConnectorUnavailableError(ConnectorError):
     """The transport cannot be reached or is not set up (engine down, master unreachable)."""
 
+    transient = True
+
 
 class ConnectorClosedError(ConnectorError):
     """The connector was closed; no further put or get is possible."""
@@ -64,6 +82,8 @@ class PeerGoneError(ConnectorError):
 
 class PoolExhaustedError(ConnectorError):
     """No space in the connector's buffer pool before the deadline."""
+
+    transient = True
 
 
 class ReceiveTimeout(OmniKVError, TimeoutError):
@@ -85,3 +105,8 @@ class ReceiveTimeout(OmniKVError, TimeoutError):
 
 class KVPrefetchConsumeError(RuntimeError):
     """Payload consumed from connector but post-get processing failed — sync retry impossible."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` is an omnikv error marked ``transient`` (a retry may succeed)."""
+    return isinstance(exc, OmniKVError) and exc.transient

@@ -47,6 +47,32 @@ class ExtractionError(OmniKVError, ValueError):
     """A request's KV cannot be extracted (bad block ids, missing seq_len, unknown layout)."""
 
 
+ACCEPTED = (
+    "accepted per-layer layouts: [2, num_blocks, block_size, heads, head_dim] (kv_first), "
+    "[num_blocks, 2, block_size, heads, head_dim] (blocks_first), or a (K, V) pair of "
+    "[num_blocks, block_size, heads, head_dim] tensors"
+)
+HF_HINT = (
+    "this looks like a transformers cache; send it with "
+    "omnikv.integrations.transformers.send_hf_cache(manager, request_id, cache)"
+)
+
+
+def _looks_like_hf_cache(obj: Any) -> bool:
+    return any(hasattr(obj, a) for a in ("layers", "key_cache", "keys"))
+
+
+def _described(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {tuple(obj.shape)}"
+    if isinstance(obj, tuple | list):
+        inner = ", ".join(
+            _described(x) if isinstance(x, torch.Tensor) else type(x).__name__ for x in obj[:4]
+        )
+        return f"a {type(obj).__name__} of {len(obj)} ({inner})"
+    return f"a {type(obj).__name__}"
+
+
 def _canonical_layout(layout: str | None) -> str:
     if layout is None:
         return "auto"
@@ -66,7 +92,7 @@ def split_layer_kv(
     kind = _canonical_layout(layout)
     if isinstance(layer_kv, tuple | list):
         if len(layer_kv) != 2 or not all(isinstance(t, torch.Tensor) for t in layer_kv):
-            raise ExtractionError(f"{where}: a (K, V) pair of tensors is expected")
+            raise ExtractionError(f"{where}: got {_described(layer_kv)}; {ACCEPTED}")
         k, v = layer_kv
     elif isinstance(layer_kv, torch.Tensor):
         shape = tuple(layer_kv.shape)
@@ -86,11 +112,11 @@ def split_layer_kv(
             k, v = layer_kv[:, 0], layer_kv[:, 1]
         else:
             raise ExtractionError(
-                f"{where}: shape {shape} does not match layout {layout or 'auto'!r} "
-                "(expected [2, blocks, block_size, heads, dim] or [blocks, 2, ...])"
+                f"{where}: shape {shape} does not match layout {layout or 'auto'!r}; {ACCEPTED}"
             )
     else:
-        raise ExtractionError(f"{where}: unsupported cache type {type(layer_kv).__name__}")
+        hint = f"; {HF_HINT}" if _looks_like_hf_cache(layer_kv) else ""
+        raise ExtractionError(f"{where}: got {_described(layer_kv)}; {ACCEPTED}{hint}")
     if k.dim() < 2 or v.dim() < 2:
         raise ExtractionError(f"{where}: K and V need >= 2 dims, got {tuple(k.shape)}")
     return k, v
@@ -196,8 +222,8 @@ def plan_request_kv(
                 )
             if int(t.shape[1]) != block_size:
                 raise ExtractionError(
-                    f"request {rid} layer {idx}: cache block size {int(t.shape[1])} "
-                    f"!= block_size {block_size}"
+                    f"request {rid} layer {idx}: {name} blocks have shape {tuple(t.shape)}, "
+                    f"so block size {int(t.shape[1])} != block_size {block_size}; {ACCEPTED}"
                 )
             bad = [b for b in needed if b < 0 or b >= int(t.shape[0])]
             if bad:

@@ -82,10 +82,12 @@ import torch
 
 from omnikv.deadline import deadline_after, remaining
 from omnikv.errors import KVPrefetchConsumeError
+from omnikv.received import ReceivedKV, move_kv
 from omnikv.receiver import ReceiveResult, ReceiveStatus
 
 __all__ = [
     "KVPrefetchJob",
+    "PrefetchSlot",
     "KVPrefetcher",
     "PinnedStager",
     "PrefetchConsume",
@@ -109,7 +111,6 @@ The manager's typed receive; must honour ``abort`` between connector waits and r
 
 MemInfo = Callable[[torch.device], tuple[int, int]]
 
-_CACHES = ("key_cache", "value_cache")
 _LOST_KEPT = 1024
 
 
@@ -200,37 +201,17 @@ class _Entry:
         return self.state is _State.DONE and self.result is not None and self.result.ok
 
 
-def _layer_tensors(data: Mapping[str, Any]) -> Iterable[torch.Tensor]:
-    blocks = data.get("layer_blocks")
-    if not isinstance(blocks, Mapping):
-        return
-    for cache in _CACHES:
-        for t in blocks.get(cache) or []:
-            if isinstance(t, torch.Tensor):
-                yield t
-
-
-def _map_layers(data: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    blocks = data.get("layer_blocks")
-    if not isinstance(blocks, dict):
-        return
-    for cache in _CACHES:
-        layers = blocks.get(cache)
-        if isinstance(layers, list):
-            blocks[cache] = [fn(t) if isinstance(t, torch.Tensor) else t for t in layers]
-
-
-def record_stream_for(data: Mapping[str, Any] | None) -> int:
-    """``record_stream(current stream)`` on every device tensor of ``data``; returns the count.
+def record_stream_for(kv: ReceivedKV | None) -> int:
+    """``record_stream(current stream)`` on every device tensor of ``kv``; returns the count.
 
     Called on the consumer's thread at consume time: tensors born on the prefetch side stream are
     then not reused by the allocator while the consumer's stream may still use them. Host
     tensors are skipped (a no-op on CPU-only machines).
     """
-    if not data or not torch.cuda.is_available():
+    if kv is None or not torch.cuda.is_available():
         return 0
     n = 0
-    for t in _layer_tensors(data):
+    for t in kv.tensors():
         if t.device.type == "cuda":
             t.record_stream(torch.cuda.current_stream(t.device))
             n += 1
@@ -275,6 +256,11 @@ class PinnedStager:
         self._chunks: list[torch.Tensor] = []
         self._events: list[Any] = [None, None]
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held for staging (0 until the first chunked device copy)."""
+        return sum(int(c.numel()) for c in self._chunks)
+
     def _ensure(self) -> None:
         if not self._chunks:
             self._chunks = [
@@ -307,30 +293,17 @@ class PinnedStager:
             self._events[i] = ev
         return out
 
-    def to_device(self, data: dict[str, Any], device: torch.device, stream: Any) -> dict[str, Any]:
-        """Move every host layer tensor of ``data`` to ``device`` and synchronise ``stream``.
+    def to_device(self, kv: ReceivedKV, device: torch.device, stream: Any) -> ReceivedKV:
+        """``kv`` with every host tensor copied to ``device``; ``stream`` is synchronised.
 
-        Mutates and returns ``data``; the host tensors are dropped only after the copy finished.
-        Raises whatever the copy raises (e.g. ``torch.OutOfMemoryError``) with ``data`` intact.
+        Raises whatever the copy raises (e.g. ``torch.OutOfMemoryError``); ``kv`` is unchanged.
         """
         moved: dict[int, torch.Tensor] = {}
-        for t in _layer_tensors(data):
+        for t in kv.tensors():
             if t.device.type == "cpu" and id(t) not in moved:
                 moved[id(t)] = self.copy(t, device, stream)
         stream.synchronize()
-        _map_layers(data, lambda t: moved.get(id(t), t))
-        return data
-
-
-def _move_sync(data: dict[str, Any], device: torch.device) -> None:
-    """Synchronous fallback copy of every layer tensor to ``device`` (consumer's thread)."""
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == device else t.to(device).contiguous()
-
-    _map_layers(data, move)
-    if device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.current_stream(device).synchronize()
+        return kv.map_tensors(lambda t: moved.get(id(t), t))
 
 
 class KVPrefetcher:
@@ -384,6 +357,11 @@ class KVPrefetcher:
     def thread(self) -> threading.Thread | None:
         """The worker thread (``None`` before the first start)."""
         return self._thread
+
+    @property
+    def side_streams(self) -> int:
+        """CUDA side streams made so far (one per target device; 0 for host targets)."""
+        return len(self._streams)
 
     def tracked(self) -> dict[str, str]:
         """``{request_id: state}`` of every tracked prefetch."""
@@ -547,11 +525,11 @@ class KVPrefetcher:
                 entry.request_id, None, entry.sender_info, entry.deadline, self._stop
             )
             entry.result = result
-            if not result.ok or result.data is None:
+            if not result.ok or result.kv is None:
                 return
             try:
                 t0 = time.monotonic()
-                self._stager.to_device(result.data, device, stream)
+                result.kv = self._stager.to_device(result.kv, device, stream)
                 result.timings_ms["device_copy_ms"] = (time.monotonic() - t0) * 1e3
             except Exception as exc:  # OOM and the like: the host copy survives, consume retries
                 logger.warning(
@@ -619,28 +597,28 @@ class KVPrefetcher:
         result = entry.result
         if result is None:  # dropped at shutdown
             return PrefetchConsume(None)
-        if not result.ok or result.data is None:
+        if not result.ok or result.kv is None:
             status = result.status
             if status is ReceiveStatus.CORRUPT:
                 return PrefetchConsume(result, sync_retry=False)
             if status is ReceiveStatus.CANCELLED:
                 return PrefetchConsume(result, sync_retry=True)
             return PrefetchConsume(result, sync_retry=True, retry_deadline=entry.deadline)
-        data = result.data
+        kv = result.kv
         want = None if target_device is None else torch.device(target_device)
         move_to = entry.device_pending
-        if want is not None and any(t.device != want for t in _layer_tensors(data)):
+        if want is not None and any(t.device != want for t in kv.tensors()):
             move_to = want
         if move_to is not None:
             try:
-                _move_sync(data, move_to)
+                kv = result.kv = move_kv(kv, move_to)
             except Exception as exc:
                 logger.exception("Device copy of prefetched KV of %s failed", rid)
                 raise KVPrefetchConsumeError(
                     f"Prefetched KV of {rid} could not be moved to {move_to}: {exc}; "
                     "payload already consumed"
                 ) from exc
-        record_stream_for(data)
+        record_stream_for(kv)
         logger.debug("Consumed prefetched KV of %s (%d bytes)", rid, result.nbytes)
         return PrefetchConsume(result, sync_retry=False)
 
@@ -682,3 +660,94 @@ class KVPrefetcher:
 def _wait_timeout(limit: float) -> float | None:
     left = remaining(limit)
     return None if math.isinf(left) else left
+
+
+class PrefetchSlot:
+    """The manager's one :class:`KVPrefetcher`: made on the first start, closed for good by
+    :meth:`shutdown` (a later start then makes no new worker). ``enabled`` is the resolved
+    prefetch flag and ``need_recv_cache`` together; when false every method is a no-op.
+    ``receive(request_id, target_device, *, sender_info, deadline, abort)`` is the manager's
+    typed receive."""
+
+    def __init__(
+        self,
+        receive: Callable[..., ReceiveResult],
+        *,
+        enabled: bool,
+        recv_timeout: float,
+        min_free_mem_ratio: float = 0.0,
+    ) -> None:
+        self.enabled = enabled
+        self._receive = receive
+        self._recv_timeout = recv_timeout
+        self._ratio = min_free_mem_ratio
+        self._lock = threading.Lock()
+        #: The prefetcher once made (tests, diagnostics).
+        self.prefetcher: KVPrefetcher | None = None
+
+    @classmethod
+    def of(
+        cls, config: Any, receive: Callable[..., ReceiveResult], requested: bool
+    ) -> PrefetchSlot:
+        """For an ``OmniKVCacheConfig`` (``recv_timeout``, ``need_recv_cache``,
+        ``kv_prefetch_min_free_mem_ratio``) and the resolved prefetch flag ``requested``."""
+        return cls(
+            receive,
+            enabled=bool(requested) and bool(config.need_recv_cache),
+            recv_timeout=config.recv_timeout,
+            min_free_mem_ratio=config.kv_prefetch_min_free_mem_ratio,
+        )
+
+    def _receive_job(
+        self,
+        request_id: str,
+        target_device: torch.device | None,
+        sender_info: dict[str, Any] | None,
+        deadline: float,
+        abort: threading.Event,
+    ) -> ReceiveResult:
+        return self._receive(
+            request_id, target_device, sender_info=sender_info, deadline=deadline, abort=abort
+        )
+
+    def _get(self) -> KVPrefetcher:
+        with self._lock:
+            if self.prefetcher is None:
+                self.prefetcher = KVPrefetcher(
+                    self._receive_job,
+                    recv_timeout=self._recv_timeout,
+                    min_free_mem_ratio=self._ratio,
+                )
+            return self.prefetcher
+
+    def start(self, jobs: Any, target_device: torch.device | str | None) -> None:
+        """Queue every job of ``jobs`` (see :func:`iter_prefetch_jobs`); never blocks."""
+        found = iter_prefetch_jobs(jobs) if self.enabled else []
+        if found:
+            prefetcher = self._get()
+            for job in found:
+                prefetcher.start(job.request_id, job.kv_sender_info, target_device)
+
+    def consumer(
+        self, request_id: str | None, target_device: torch.device | str | None = None
+    ) -> Callable[[], PrefetchConsume] | None:
+        """A call that consumes ``request_id``'s prefetch; ``None`` when nothing can be there."""
+        prefetcher = self.prefetcher
+        if not self.enabled or prefetcher is None or request_id is None:
+            return None
+        return lambda: prefetcher.consume(request_id, target_device=target_device)
+
+    def consume(self, request_id: str | None) -> ReceivedKV | None:
+        """The prefetched KV of ``request_id`` (consume-once), or ``None`` on a miss.
+
+        Raises :class:`KVPrefetchConsumeError` when it was consumed but cannot be used.
+        """
+        prefetcher = self.prefetcher
+        if request_id is None or prefetcher is None:
+            return None
+        result = prefetcher.consume(request_id).result
+        return result.kv if result is not None and result.ok else None
+
+    def shutdown(self) -> None:
+        """Stop the worker (bounded) and refuse later starts. Idempotent."""
+        self._get().shutdown()

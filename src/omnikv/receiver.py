@@ -1,18 +1,30 @@
 """Receive path: keys -> wait with a deadline -> decode -> merge/slice -> optional device copy.
 
 Called by the manager (``receive_kv_cache_for_request`` and everything built on it), possibly
-from several threads at once (CFG companions, prefetch). :meth:`KVReceiver.receive` never raises
-for a miss: it returns a :class:`ReceiveResult` whose status says why (ok, timeout, corrupt,
-unavailable, peer_gone, skipped). The one exception is :class:`KVPrefetchConsumeError`: the payload
-was consumed but could not be made usable (e.g. the device copy failed), so retrying is pointless.
+from several threads at once (CFG companions, prefetch). Two forms:
+
+* :meth:`KVReceiver.fetch` raises: :class:`~omnikv.errors.ReceiveTimeout` (nothing arrived by
+  the deadline), :class:`~omnikv.errors.DecodeError` (corrupt payload),
+  :class:`~omnikv.errors.ConnectorError` subclasses (transport), ``ReceiveCancelled`` (the
+  caller's abort event), :class:`~omnikv.errors.KVPrefetchConsumeError` (consumed, unusable);
+* :meth:`KVReceiver.receive` is built on it and never raises for a miss: it returns a
+  :class:`ReceiveResult` whose status says why (ok, timeout, corrupt, unavailable, peer_gone,
+  cancelled, skipped). ``KVPrefetchConsumeError`` still propagates: the payload was consumed,
+  so retrying is pointless.
+
+CFG companions: :meth:`KVReceiver.receive_companions` receives several request ids concurrently
+under one deadline and keeps the results; a later :meth:`KVReceiver.receive` of one of those ids
+(the collector calling back into the manager) takes its result at once, consume-once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -21,31 +33,46 @@ import torch
 
 from omnikv.config import TransferOptions
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
+from omnikv.connectors.factory import LazyConnector
+from omnikv.deadline import deadline_after
 from omnikv.errors import (
     ConnectorError,
     ConnectorUnavailableError,
     DecodeError,
     KVPrefetchConsumeError,
+    OmniKVError,
     PeerGoneError,
+    ReceiveTimeout,
 )
 from omnikv.payload import decode, decode_device
+from omnikv.received import ReceivedKV, move_kv
 from omnikv.topology import (
     KVTPTopology,
-    PayloadMerger,
-    PayloadSlicer,
-    RecvKeyBuilder,
+    SenderEndpoint,
+    TransferHooks,
     build_recv_keys,
     merge_received_rank_shards,
-    rank_port,
     slice_received_rank_shard,
+    source_metadata,
 )
 
-__all__ = ["KVReceiver", "ReceiveResult", "ReceiveStatus", "SenderEndpoint"]
+__all__ = [
+    "ABORT_SLICE_S",
+    "DUMMY_REQUEST_ID",
+    "FetchTrace",
+    "KVReceiver",
+    "ReceiveCancelled",
+    "ReceiveResult",
+    "ReceiveStatus",
+    "SenderEndpoint",
+]
 
 logger = logging.getLogger(__name__)
 
-SenderEndpoint = tuple[str, int]
-"""``(host, rank-0 port)`` of the sender stage, as the orchestrator reports it."""
+#: The reference's warm-up request id: never received.
+DUMMY_REQUEST_ID = "dummy_req_id"
+#: Longest single connector wait when the caller passed an ``abort`` event (seconds).
+ABORT_SLICE_S = 0.05
 
 
 class ReceiveStatus(str, Enum):
@@ -57,15 +84,17 @@ class ReceiveStatus(str, Enum):
     SKIPPED = "skipped"
     #: The caller aborted the wait (prefetch shutdown); nothing was consumed for the missing key.
     CANCELLED = "cancelled"
+    #: The manager is configured neither to send nor to receive (see its construction warning).
+    NOT_CONFIGURED = "not_configured"
 
 
 @dataclass
 class ReceiveResult:
-    """Outcome of one request's receive. ``data`` is the decoded dict when ``ok``."""
+    """Outcome of one request's receive; ``kv`` holds the received KV when ``ok``."""
 
     request_id: str
     status: ReceiveStatus
-    data: dict[str, Any] | None = None
+    kv: ReceivedKV | None = None
     nbytes: int = 0
     keys: list[str] = field(default_factory=list)
     reason: str | None = None
@@ -76,31 +105,37 @@ class ReceiveResult:
     def ok(self) -> bool:
         return self.status is ReceiveStatus.OK
 
+    @property
+    def data(self) -> dict[str, Any] | None:
+        """The seed's dict form of :attr:`kv` (a new dict per call), or ``None``."""
+        return None if self.kv is None else self.kv.to_dict()
 
-def _is_layer_dict(obj: Any) -> bool:
-    return isinstance(obj, dict) and isinstance(obj.get("layer_blocks"), dict)
-
-
-def _map_tensors(data: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    blocks = data["layer_blocks"]
-    for cache in ("key_cache", "value_cache"):
-        layers = blocks.get(cache)
-        if isinstance(layers, list):
-            blocks[cache] = [fn(t) if isinstance(t, torch.Tensor) else t for t in layers]
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The payload's metadata (``custom_metadata`` included); empty without KV."""
+        return {} if self.kv is None else self.kv.metadata
 
 
-#: Longest single connector wait when the caller passed an ``abort`` event (seconds).
-ABORT_SLICE_S = 0.05
+@dataclass
+class FetchTrace:
+    """What :meth:`KVReceiver.fetch` did: the keys it waited for and its phase timings."""
+
+    keys: list[str] = field(default_factory=list)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def phases(self, t0: float, t_wait: float, t_decode: float, t_end: float) -> None:
+        self.timings_ms["wait_ms"] = (t_wait - t0) * 1e3
+        self.timings_ms["decode_ms"] = (t_decode - t_wait) * 1e3
+        self.timings_ms["finish_ms"] = (t_end - t_decode) * 1e3
 
 
-class _Aborted(Exception):
-    """The ``abort`` event was set between two wait slices."""
+class ReceiveCancelled(OmniKVError):
+    """The caller's ``abort`` event was set between two wait slices (nothing more consumed)."""
 
 
 def _wait_sliced(
     connector: OmniConnectorBase,
-    from_stage: str,
-    to_stage: str,
+    stages: tuple[str, str],
     key: str,
     deadline: float,
     metadata: dict[str, Any] | None,
@@ -109,24 +144,46 @@ def _wait_sliced(
     """``connector.wait`` until ``deadline``, cut into abortable slices when ``abort`` is given.
 
     A wait that returns ``None`` at its (slice) deadline consumes nothing (connector contract),
-    so slicing never loses a payload. Raises :class:`_Aborted` once ``abort`` is set.
+    so slicing never loses a payload. Raises :class:`ReceiveCancelled` once ``abort`` is set.
     """
     if abort is None:
-        return connector.wait(from_stage, to_stage, key, deadline=deadline, metadata=metadata)
+        return connector.wait(*stages, key, deadline=deadline, metadata=metadata)
     while True:
         if abort.is_set():
-            raise _Aborted
+            raise ReceiveCancelled("receive aborted")
         step = min(deadline, time.monotonic() + ABORT_SLICE_S)
-        got = connector.wait(from_stage, to_stage, key, deadline=step, metadata=metadata)
+        got = connector.wait(*stages, key, deadline=step, metadata=metadata)
         if got is not None or step >= deadline:
             return got
+
+
+def _normalise(got: Any) -> tuple[Any, int]:
+    """``(payload object, size)`` of one wait result.
+
+    merge: drop once every wait returns ManagedBuffer (PLAN contract 1); today connectors return
+    ``(obj, size)`` with ``obj`` a ManagedBuffer, bytes-like, a uint8 tensor or a decoded dict.
+    """
+    if isinstance(got, ManagedBuffer):
+        return got, got.size
+    obj, size = got
+    return obj, int(size)
+
+
+_STATUS = (
+    (PeerGoneError, ReceiveStatus.PEER_GONE),
+    (ConnectorUnavailableError, ReceiveStatus.UNAVAILABLE),
+    (ConnectorError, ReceiveStatus.UNAVAILABLE),
+    (DecodeError, ReceiveStatus.CORRUPT),
+    (ReceiveCancelled, ReceiveStatus.CANCELLED),
+    (ReceiveTimeout, ReceiveStatus.TIMEOUT),
+)
 
 
 class KVReceiver:
     """Receives one request's KV for the local rank of one stage edge.
 
-    ``connector`` is a zero-argument callable returning the current connector (created lazily by
-    the manager); the hook slots are read on every call so the worker may install them late.
+    ``connector`` is the manager's :class:`LazyConnector`; ``hooks`` is replaced (never mutated)
+    when the worker installs key builders, a merger or a slicer.
     """
 
     def __init__(
@@ -135,20 +192,104 @@ class KVReceiver:
         stages: tuple[str | None, str | None],
         topology: KVTPTopology,
         options: TransferOptions,
-        connector: Callable[[], OmniConnectorBase | None],
-        recv_key_builder: Callable[[], RecvKeyBuilder | None] = lambda: None,
-        merger: Callable[[], PayloadMerger | None] = lambda: None,
-        slicer: Callable[[], PayloadSlicer | None] = lambda: None,
+        connector: LazyConnector,
+        hooks: TransferHooks | None = None,
+        recv_timeout: float = 30.0,
+        enabled: bool = True,
+        configured: bool = True,
+        companion_workers: int = 4,
     ) -> None:
         self.stages = stages
         self.topology = topology
         self.options = options
-        self._connector = connector
-        self._recv_hook = recv_key_builder
-        self._merger = merger
-        self._slicer = slicer
+        self.connector = connector
+        self.hooks = hooks or TransferHooks()
+        self.recv_timeout = recv_timeout
+        #: The sender stage's base endpoint (the manager's ``update_sender_info``).
+        self.sender: SenderEndpoint | None = None
+        #: ``need_recv_cache``; ``configured``: the manager sends or receives at all.
+        self.enabled, self.configured = enabled, configured
+        self._companion_workers = companion_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._kept: dict[str, ReceiveResult] = {}
 
+    # -- the result form ----------------------------------------------------------------------
     def receive(
+        self,
+        request_id: str,
+        *,
+        deadline: float | None = None,
+        sender: SenderEndpoint | None = None,
+        per_call: bool = False,
+        target_device: torch.device | str | None = None,
+        abort: threading.Event | None = None,
+    ) -> ReceiveResult:
+        """:meth:`fetch` as a :class:`ReceiveResult`; raises only ``KVPrefetchConsumeError``.
+
+        ``deadline`` ``None``: ``recv_timeout`` from now; ``sender``: this call's endpoint
+        (``per_call``), else :attr:`sender`. A result kept by
+        :meth:`receive_companions` is returned at once. Skipped without touching the connector:
+        ``need_recv_cache`` false (``not_configured``), the warm-up request, unset stages, and a
+        per-call sender that could not be resolved (``per_call`` with ``sender`` ``None``).
+        """
+        kept = self._take_kept(request_id)
+        if kept is not None:
+            return kept
+        guard = self._guard(request_id, sender, per_call)
+        if guard is not None:
+            return guard
+        sender = sender if per_call else self.sender
+        if deadline is None:
+            deadline = deadline_after(self.recv_timeout, "recv_timeout")
+        t0 = time.monotonic()
+        trace = FetchTrace()
+        try:
+            kv = self.fetch(
+                request_id,
+                deadline=deadline,
+                sender=sender,
+                per_call=per_call,
+                target_device=target_device,
+                abort=abort,
+                trace=trace,
+            )
+        except OmniKVError as exc:
+            return self._miss(request_id, exc, t0, trace.keys)
+        waited = trace.timings_ms.get("wait_ms", 0.0) / 1e3
+        return ReceiveResult(
+            request_id, ReceiveStatus.OK, kv, kv.nbytes, trace.keys, None, waited, trace.timings_ms
+        )
+
+    def _guard(
+        self, request_id: str, sender: SenderEndpoint | None, per_call: bool
+    ) -> ReceiveResult | None:
+        status, reason = ReceiveStatus.SKIPPED, None
+        if not self.enabled:
+            status = ReceiveStatus.SKIPPED if self.configured else ReceiveStatus.NOT_CONFIGURED
+            reason = "need_recv_cache is false"
+        elif request_id == DUMMY_REQUEST_ID:
+            reason = "warm-up request"
+        elif self.stages[0] is None or self.stages[1] is None:
+            reason = "recv stages unset"
+        elif per_call and sender is None:
+            status, reason = ReceiveStatus.UNAVAILABLE, "bad sender_info"
+        if reason is None:
+            return None
+        logger.debug("Not receiving KV for %s: %s", request_id, reason)
+        return ReceiveResult(request_id, status, reason=reason)
+
+    @staticmethod
+    def _miss(request_id: str, exc: OmniKVError, t0: float, keys: list[str]) -> ReceiveResult:
+        status = next((s for kind, s in _STATUS if isinstance(exc, kind)), None)
+        if status is None:
+            raise exc
+        log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
+        log("KV receive for %s failed (%s): %s", request_id, status.value, exc)
+        return ReceiveResult(request_id, status, None, 0, keys, str(exc), time.monotonic() - t0)
+
+    # -- the raising form ---------------------------------------------------------------------
+    def fetch(
         self,
         request_id: str,
         *,
@@ -157,176 +298,219 @@ class KVReceiver:
         per_call: bool = False,
         target_device: torch.device | str | None = None,
         abort: threading.Event | None = None,
-    ) -> ReceiveResult:
-        """Wait for every shard of ``request_id`` until ``deadline`` (absolute monotonic).
+        trace: FetchTrace | None = None,
+    ) -> ReceivedKV:
+        """Wait for every shard of ``request_id`` until ``deadline`` and return its KV.
 
         ``sender`` is the sender stage's base endpoint; with ``per_call`` it was given for this
         call only and per-rank metadata is always sent. Shards already taken when a later shard
-        times out are dropped (they were consumed; the result says so).
-
-        ``abort`` (the prefetcher's stop event): when given, each connector wait is cut into
-        slices of at most :data:`ABORT_SLICE_S` and the event is checked before every slice; once
-        it is set the receive returns ``CANCELLED`` without calling the connector again.
+        times out are dropped (they were consumed; the error says so). ``abort``: each connector
+        wait is cut into slices of at most :data:`ABORT_SLICE_S` and the event is checked before
+        every slice. ``trace`` (optional) receives the keys and the phase timings.
         """
-        t0 = time.monotonic()
         from_stage, to_stage = self.stages
         if from_stage is None or to_stage is None:
-            return ReceiveResult(request_id, ReceiveStatus.SKIPPED, reason="recv stages unset")
-        connector = self._connector()
+            raise ConnectorUnavailableError("recv stages unset")
+        connector = self.connector.get()
         if connector is None:
-            return ReceiveResult(
-                request_id, ReceiveStatus.UNAVAILABLE, reason="no connector available"
+            raise ConnectorUnavailableError(
+                f"no connector available ({self.connector.error or 'not configured'})"
             )
-        pairs = build_recv_keys(self.topology, request_id, from_stage, to_stage, self._recv_hook())
-        keys = [k for k, _ in pairs]
-        raws: list[tuple[Any, int]] = []
-        held: list[ManagedBuffer] = []
+        t0 = time.monotonic()
+        pairs = build_recv_keys(
+            self.topology, request_id, from_stage, to_stage, self.hooks.recv_keys
+        )
+        if trace is not None:
+            trace.keys = [k for k, _ in pairs]
+        stages = (from_stage, to_stage)
+        raws = self._wait_all(
+            connector, stages, pairs, deadline, (sender, per_call), abort, request_id, t0
+        )
+        t_wait = time.monotonic()
+        held = [obj for obj, _ in raws if isinstance(obj, ManagedBuffer)]
         try:
-            for key, from_rank in pairs:
-                metadata = None
-                if sender is not None and (from_rank is not None or per_call):
-                    metadata = {
-                        "source_host": sender[0],
-                        "source_port": rank_port(sender[1], from_rank),
-                    }
-                try:
-                    got = _wait_sliced(
-                        connector, from_stage, to_stage, key, deadline, metadata, abort
-                    )
-                except _Aborted:
-                    detail = "receive aborted"
-                    if raws:
-                        detail += f"; {len(raws)} shard(s) already taken were dropped"
-                    return self._miss(request_id, ReceiveStatus.CANCELLED, detail, keys, t0)
-                except PeerGoneError as exc:
-                    return self._miss(request_id, ReceiveStatus.PEER_GONE, str(exc), keys, t0)
-                except ConnectorUnavailableError as exc:
-                    return self._miss(request_id, ReceiveStatus.UNAVAILABLE, str(exc), keys, t0)
-                except ConnectorError as exc:
-                    return self._miss(request_id, ReceiveStatus.UNAVAILABLE, str(exc), keys, t0)
-                if got is None:
-                    waited = time.monotonic() - t0
-                    detail = f"key {key} missing after {waited:.3f}s"
-                    if raws:
-                        detail += f"; {len(raws)} shard(s) already taken were dropped"
-                    return self._miss(request_id, ReceiveStatus.TIMEOUT, detail, keys, t0)
-                obj, size = got
-                if isinstance(obj, ManagedBuffer):
-                    held.append(obj)
-                raws.append((obj, int(size)))
-            t_wait = time.monotonic()
-            try:
-                payloads = [self._decode(obj, target_device) for obj, _ in raws]
-            except DecodeError as exc:
-                return self._miss(request_id, ReceiveStatus.CORRUPT, str(exc), keys, t0)
-            # Buffers whose lifetime was handed to the decoded views are no longer ours.
-            held[:] = [b for b in held if not b.released]
+            shards = [self._decode(obj, size, target_device) for obj, size in raws]
             t_decode = time.monotonic()
-            data = payloads[0] if len(payloads) == 1 else None
-            if len(payloads) > 1:
-                data = merge_received_rank_shards(payloads, self._merger())
-            data = slice_received_rank_shard(data, self.topology, self._slicer())
-            if not isinstance(data, dict):
-                return self._miss(
-                    request_id, ReceiveStatus.CORRUPT, "payload is not a KV dict", keys, t0
-                )
-            data = self._finish(request_id, data, target_device, held)
-            held.clear()
+            kv = self._combine(shards)
+            aliased = any(not b.released for b in held)
+            kv = self._finish(request_id, kv, target_device, aliased)
         finally:
             for buf in held:
                 buf.release()
-        t_end = time.monotonic()
-        total = sum(size for _, size in raws)
-        result = ReceiveResult(
-            request_id,
-            ReceiveStatus.OK,
-            data,
-            total,
-            keys,
-            None,
-            t_wait - t0,
-            {
-                "wait_ms": (t_wait - t0) * 1e3,
-                "decode_ms": (t_decode - t_wait) * 1e3,
-                "finish_ms": (t_end - t_decode) * 1e3,
-            },
-        )
+        if trace is not None:
+            trace.phases(t0, t_wait, t_decode, time.monotonic())
         logger.debug(
-            "Received KV for %s: %d bytes across %d key(s), wait=%.3fs, decode=%.2fms",
+            "Received KV for %s: %d bytes across %d key(s), wait=%.3fs",
             request_id,
-            total,
-            len(keys),
+            kv.nbytes,
+            len(pairs),
             t_wait - t0,
-            (t_decode - t_wait) * 1e3,
         )
-        return result
+        return kv
 
-    # -- helpers ------------------------------------------------------------------------------
-    def _decode(self, obj: Any, target_device: torch.device | str | None) -> Any:
-        verify = True
+    def _wait_all(
+        self,
+        connector: OmniConnectorBase,
+        stages: tuple[str, str],
+        pairs: list[tuple[str, int | None]],
+        deadline: float,
+        endpoint: tuple[SenderEndpoint | None, bool],
+        abort: threading.Event | None,
+        request_id: str,
+        t0: float,
+    ) -> list[tuple[Any, int]]:
+        """One wait per key, in order; on any failure the shards taken so far are released."""
+        raws: list[tuple[Any, int]] = []
+        try:
+            for key, from_rank in pairs:
+                meta = source_metadata(endpoint[0], from_rank, endpoint[1])
+                got = _wait_sliced(connector, stages, key, deadline, meta, abort)
+                if got is None:
+                    detail = f"key {key} missing"
+                    if raws:
+                        detail += f"; {len(raws)} shard(s) already taken were dropped"
+                    raise ReceiveTimeout(request_id, time.monotonic() - t0, detail)
+                raws.append(_normalise(got))
+        except BaseException:
+            for obj, _ in raws:
+                if isinstance(obj, ManagedBuffer):
+                    obj.release()
+            raise
+        return raws
+
+    def _decode(self, obj: Any, size: int, target_device: torch.device | str | None) -> ReceivedKV:
+        """One shard as :class:`ReceivedKV` (views of ``obj`` where possible).
+
+        merge: adapt to payload.decode_kv -> DecodedKV once codec lands (PLAN contract 8).
+        """
+        if isinstance(obj, dict):
+            return ReceivedKV.from_dict(obj, size)
         if isinstance(obj, ManagedBuffer):
             t = obj.tensor
-            if t.device.type != "cpu":
-                return decode_device(t, copy=True, verify=verify)
-            if target_device is None and self.options.receive_copy == "auto":
+            if (
+                t.device.type == "cpu"
+                and target_device is None
+                and self.options.receive_copy == "auto"
+            ):
                 owned = obj.adopt()
                 if owned is not None:
-                    return decode(owned, verify=verify)
-            return decode(t, verify=verify)
-        if isinstance(obj, bytes | bytearray | memoryview):
-            return decode(obj, verify=verify)
+                    t = owned
+            obj = t
         if isinstance(obj, torch.Tensor):
             if obj.dtype != torch.uint8 or obj.dim() != 1:
                 raise DecodeError(
                     f"corrupt KV payload: tensor payload must be 1-D uint8, got {obj.dtype}"
                 )
             if obj.device.type != "cpu":
-                return decode_device(obj, copy=True, verify=verify)
-            return decode(obj, verify=verify)
-        if _is_layer_dict(obj):
-            return obj
-        raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
+                return ReceivedKV.from_decoded(decode_device(obj, copy=True), size)
+        elif not isinstance(obj, bytes | bytearray | memoryview):
+            raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
+        return ReceivedKV.from_decoded(decode(obj), size)
+
+    def _combine(self, shards: list[ReceivedKV]) -> ReceivedKV:
+        """Merge shards of several sender ranks and slice for this rank (hooks win)."""
+        nbytes = sum(s.nbytes for s in shards)
+        topo, hooks = self.topology, self.hooks
+        needs_slice = hooks.slicer is not None or topo.target_tp_size > topo.source_tp_size
+        if len(shards) == 1 and not needs_slice and hooks.merger is None:
+            return shards[0]
+        # The merger/slicer (and the reference's hooks) work on the seed's dict form.
+        dicts = [s.to_dict() for s in shards]
+        merged = dicts[0] if len(dicts) == 1 else merge_received_rank_shards(dicts, hooks.merger)
+        sliced = slice_received_rank_shard(merged, topo, hooks.slicer)
+        return ReceivedKV.from_dict(sliced, nbytes)
 
     def _finish(
         self,
         request_id: str,
-        data: dict[str, Any],
+        kv: ReceivedKV,
         target_device: torch.device | str | None,
-        held: Sequence[ManagedBuffer],
-    ) -> dict[str, Any]:
-        """Move to ``target_device`` or detach from pool memory; consume errors are fatal."""
-        if not _is_layer_dict(data):
-            return data
+        aliased: bool,
+    ) -> ReceivedKV:
+        """Move to ``target_device`` or copy out of held connector memory; errors are fatal."""
+        if target_device is None and not aliased:
+            return kv
         try:
-            if target_device is not None:
-                device = torch.device(target_device)
-
-                def move(t: torch.Tensor) -> torch.Tensor:
-                    if t.device == device:
-                        return t.clone() if held else t
-                    return t.to(device).contiguous()
-
-                _map_tensors(data, move)
-                if device.type != "cpu" and torch.cuda.is_available():
-                    torch.cuda.current_stream(device).synchronize()
-            elif held:
-                _map_tensors(data, lambda t: t.clone())
+            return move_kv(kv, target_device, own=aliased)
         except Exception as exc:
             logger.exception("Post-get processing failed for %s", request_id)
             raise KVPrefetchConsumeError(
                 f"Post-get processing failed for {request_id}: {exc}; payload already consumed"
             ) from exc
-        return data
 
-    def _miss(
+    # -- CFG companions -----------------------------------------------------------------------
+    def receive_companions(
         self,
-        request_id: str,
-        status: ReceiveStatus,
-        reason: str,
-        keys: list[str],
-        t0: float,
-    ) -> ReceiveResult:
-        waited = time.monotonic() - t0
-        log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
-        log("KV receive for %s failed (%s): %s", request_id, status.value, reason)
-        return ReceiveResult(request_id, status, None, 0, keys, reason, waited)
+        request_ids: Iterable[str],
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        target_device: torch.device | str | None = None,
+    ) -> dict[str, ReceiveResult]:
+        """Receive every id concurrently under one deadline; keep the results for :meth:`receive`.
+
+        Called by the manager before the CFG collector runs; the collector's own receives of
+        these ids then return at once. Drop what nobody took with :meth:`drop_kept`.
+        """
+        ids = [str(r) for r in request_ids]
+        if not ids:
+            return {}
+        pool = self._executor()
+        futures = {
+            rid: pool.submit(
+                self.receive, rid, deadline=deadline, sender=sender, target_device=target_device
+            )
+            for rid in ids
+        }
+        results = {rid: f.result() for rid, f in futures.items()}
+        with self._lock:
+            self._kept.update(results)
+        return results
+
+    @contextlib.contextmanager
+    def companions(
+        self,
+        request_ids: Iterable[str],
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        target_device: torch.device | str | None = None,
+    ) -> Iterator[None]:
+        """:meth:`receive_companions` on entry (when receiving is on), :meth:`drop_kept` on exit."""
+        ids = list(request_ids)
+        if self.enabled and self.stages[0] is not None:
+            self.receive_companions(
+                ids, deadline=deadline, sender=sender or self.sender, target_device=target_device
+            )
+        try:
+            yield
+        finally:
+            self.drop_kept(ids)
+
+    def _take_kept(self, request_id: str) -> ReceiveResult | None:
+        if not self._kept:
+            return None
+        with self._lock:
+            return self._kept.pop(request_id, None)
+
+    def drop_kept(self, request_ids: Iterable[str]) -> None:
+        """Forget kept companion results (their tensors are freed with the last reference)."""
+        with self._lock:
+            for rid in request_ids:
+                self._kept.pop(str(rid), None)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._companion_workers, thread_name_prefix="omnikv-recv"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the companion threads (idempotent)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._kept.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -9,15 +9,20 @@ the pipeline finds the KV at ``req.past_key_values`` and ``req.sampling_params.p
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from omnikv.received import ReceivedKV
+
 __all__ = [
     "CFG_EXTRA_FIELDS",
     "apply_kv_cache_to_request",
+    "apply_received_kv",
+    "cfg_companion_ids",
+    "collect_cfg_companions",
     "apply_request_kv_payload",
     "collect_request_kv_payload",
     "kv_namespace",
@@ -37,9 +42,16 @@ CFG_EXTRA_FIELDS = (
 
 
 def request_id_of(req: Any) -> str | None:
-    """``req.request_id`` as a string, or ``None`` when absent."""
+    """The id KV is received under: ``req.request_id``, else ``req.request_ids[0]`` (the
+    diffusion request shape); a plain string is its own id; ``None`` when there is none."""
+    if isinstance(req, str):
+        return req
     rid = getattr(req, "request_id", None)
-    return None if rid is None else str(rid)
+    if rid is None:
+        ids = getattr(req, "request_ids", None)
+        if isinstance(ids, list | tuple) and ids:
+            rid = ids[0]
+    return None if rid is None or rid == "" else str(rid)
 
 
 def kv_namespace(data: Mapping[str, Any]) -> SimpleNamespace:
@@ -67,6 +79,17 @@ def apply_kv_cache_to_request(req: Any, data: Any) -> None:
         req.kv_metadata = data["metadata"]
         if sp is not None:
             sp.kv_metadata = data["metadata"]
+
+
+def apply_received_kv(req: Any, kv: ReceivedKV) -> None:
+    """:func:`apply_kv_cache_to_request` for a :class:`ReceivedKV` (same attributes set)."""
+    ns = SimpleNamespace(key_cache=list(kv.key_cache), value_cache=list(kv.value_cache))
+    sp = getattr(req, "sampling_params", None)
+    req.past_key_values = ns
+    req.kv_metadata = kv.metadata
+    if sp is not None:
+        sp.past_key_values = ns
+        sp.kv_metadata = kv.metadata
 
 
 def _is_cfg_field(name: str) -> bool:
@@ -135,3 +158,29 @@ def move_to_device(obj: Any, device: torch.device | str | None) -> Any:
     if isinstance(obj, tuple):
         return tuple(move_to_device(v, device) for v in obj)
     return obj
+
+
+def cfg_companion_ids(req: Any) -> dict[str, str]:
+    """``sampling_params.cfg_kv_request_ids`` (``{role: companion request id}``), or ``{}``."""
+    sp = getattr(req, "sampling_params", None)
+    ids = getattr(sp, "cfg_kv_request_ids", None)
+    if not isinstance(ids, Mapping):
+        return {}
+    return {str(role): str(rid) for role, rid in ids.items() if rid}
+
+
+def collect_cfg_companions(req: Any, collect: Callable[..., Any], *args: Any) -> None:
+    """Call the model's ``cfg_kv_collect_func(request_id, cfg_ids, *args)`` and set every entry
+    of its result on ``req.sampling_params``. Its failure is logged: the companions are lost,
+    the primary KV stays."""
+    sp = getattr(req, "sampling_params", None)
+    rid = request_id_of(req)
+    try:
+        out = collect(rid, getattr(sp, "cfg_kv_request_ids", None), *args)
+    except Exception:  # model code
+        logger.exception("CFG KV collection failed for %s", rid)
+        return
+    if isinstance(out, Mapping) and sp is not None:
+        for key, value in out.items():
+            setattr(sp, key, value)
+        logger.debug("Applied CFG KV caches for %s: %s", rid, sorted(out))

@@ -13,18 +13,33 @@ Ports: ``kv_zmq_port(base, from_stage, local_rank, replica_id)`` =
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from omnikv.errors import ConfigError
 
 __all__ = [
+    "TRANSFER_ENGINE_DEFAULT_PORT",
     "KV_RANK_PORT_STRIDE",
+    "RankInfo",
+    "SenderEndpoint",
+    "StagePlacement",
+    "TransferHooks",
+    "engine_connector_config",
+    "head_slice_tag",
+    "recv_stages_of",
+    "resolve_endpoint",
+    "resolve_sender_entry",
+    "send_stages_of",
+    "sender_endpoint",
+    "source_metadata",
+    "stage_key",
     "KV_REPLICA_PORT_STRIDE",
     "KV_TRANSFER_PORT_OFFSET",
     "KVTPTopology",
@@ -84,6 +99,16 @@ class KVTPTopology:
                 f"heterogeneous TP needs sizes where one is divisible by the other; "
                 f"got from_tp={self.source_tp_size}, to_tp={self.target_tp_size}"
             )
+
+    @classmethod
+    def for_stage(
+        cls, from_tp: int, to_tp: int, local_rank: int, detected_tp: int = 1
+    ) -> KVTPTopology:
+        """The reference's rule: configured ``1``/``1`` (or less) means both sides run the
+        detected TP size (symmetric); anything else is used as configured."""
+        if from_tp <= 1 and to_tp <= 1:
+            from_tp = to_tp = max(1, detected_tp)
+        return cls(from_tp, to_tp, local_rank)
 
     @property
     def is_heterogeneous(self) -> bool:
@@ -344,16 +369,273 @@ def slice_received_rank_shard(
     k = topo.ratio
     offset = topo.local_rank % k
     new_meta = dict(meta) if isinstance(meta, dict) else {}
-    new_meta["tp_head_slice"] = {
-        "applied": True,
-        "side": "receiver",
-        "target_rank": topo.local_rank,
-        "from_tp": topo.source_tp_size,
-        "to_tp": topo.target_tp_size,
-        "offset_in_shard": offset,
-        "num_slices": k,
-    }
+    new_meta["tp_head_slice"] = head_slice_tag(topo, topo.local_rank, side="receiver")
     out = dict(payload)
     out["layer_blocks"] = slice_layer_blocks(payload["layer_blocks"], offset, k)
     out["metadata"] = new_meta
     return out
+
+
+def head_slice_tag(topo: KVTPTopology, target_rank: int, *, side: str) -> dict[str, Any]:
+    """The ``tp_head_slice`` metadata of a payload sliced for ``target_rank`` (S < T).
+
+    ``side`` is ``"sender"`` (sliced before the put; also names ``source_rank``) or
+    ``"receiver"`` (sliced after the get).
+    """
+    tag: dict[str, Any] = {"applied": True, "side": side, "target_rank": target_rank}
+    if side == "sender":
+        tag["source_rank"] = topo.local_rank
+    tag.update(
+        from_tp=topo.source_tp_size,
+        to_tp=topo.target_tp_size,
+        offset_in_shard=target_rank % topo.ratio,
+        num_slices=topo.ratio,
+    )
+    return tag
+
+
+# --------------------------------------------------------------------------------------------
+# Stage ids: "1" and 1 are the same stage everywhere
+# --------------------------------------------------------------------------------------------
+def stage_key(value: Any) -> str | None:
+    """The one spelling of a stage id: ``None``/``""`` -> ``None``; ``1``, ``"1"``, ``" 1"`` ->
+    ``"1"``; other names (``"stage2"``) as given. Booleans are not stage ids (``None``)."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    text = str(value).strip()
+    if not text:
+        return None
+    try:
+        return str(int(text))
+    except ValueError:
+        return text
+
+
+def _stage_number(value: Any) -> int | None:
+    key = stage_key(value)
+    try:
+        return None if key is None else int(key)
+    except ValueError:
+        return None
+
+
+def send_stages_of(from_stage: Any, to_stage: Any) -> tuple[str | None, str | None]:
+    """``(from, to)`` when both are configured (stage 0 counts), else ``(None, None)``."""
+    src, dst = stage_key(from_stage), stage_key(to_stage)
+    return (src, dst) if src is not None and dst is not None else (None, None)
+
+
+def recv_stages_of(
+    from_stage: Any, stage_id: Any, engine_input_source: Sequence[Any] | None
+) -> tuple[str | None, str | None]:
+    """``(source, stage)`` a receiver reads from (reference rule, stage ids normalised).
+
+    The source is ``engine_input_source[0]`` when given; else, for a numeric ``stage_id`` (``3``
+    or ``"3"``), the stage before it; else ``from_stage``.
+    """
+    stage = stage_key(stage_id)
+    number = _stage_number(stage_id)
+    source: Any = from_stage
+    if engine_input_source:
+        source = engine_input_source[0]
+    elif number is not None:
+        source = number - 1
+    src = stage_key(source)
+    return (src, stage) if src is not None and stage is not None else (None, None)
+
+
+class RankInfo(Protocol):
+    """What a manager needs to know about its process's place in its stage."""
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+
+def _env_local_rank() -> int:
+    try:
+        return max(0, int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one manager sits: the edge it sends on, the edge it receives on, its TP topology."""
+
+    send_stages: tuple[str | None, str | None]
+    recv_stages: tuple[str | None, str | None]
+    topology: KVTPTopology
+
+    @classmethod
+    def of(cls, config: Any, rank_info: RankInfo | None = None) -> StagePlacement:
+        """From an ``OmniKVCacheConfig`` and an optional ``RankInfo`` (``local_rank``,
+        ``tp_size``); without one, ``LOCAL_RANK`` (default 0) and TP size 1 are assumed."""
+        rank = _env_local_rank() if rank_info is None else int(rank_info.local_rank)
+        detected = 1 if rank_info is None else int(rank_info.tp_size)
+        return cls(
+            send_stages_of(config.from_stage, config.to_stage),
+            recv_stages_of(config.from_stage, config.stage_id, config.engine_input_source),
+            KVTPTopology.for_stage(int(config.from_tp), int(config.to_tp), rank, detected),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Sender endpoints and connector ports (the only place that does port math)
+# --------------------------------------------------------------------------------------------
+SenderEndpoint = tuple[str, int]
+"""``(host, rank-0 port)`` of the sender stage, as the orchestrator reports it."""
+
+TRANSFER_ENGINE_DEFAULT_PORT = 50051
+
+
+def resolve_sender_entry(
+    sender_info: Any, preferred: Any = None, fallback: Any = None
+) -> dict[str, Any] | None:
+    """One ``{"host", "zmq_port"}`` entry out of flat or per-stage sender info (reference §2.6).
+
+    Per-stage maps are looked up by ``preferred``, then ``fallback`` (stage ids compared
+    normalised: ``1 == "1"``); else the only entry with a host; several -> ``None`` (warning).
+    """
+    if not sender_info or not isinstance(sender_info, Mapping):
+        return None
+    if "host" in sender_info:
+        return dict(sender_info)
+    entries = {stage_key(k): v for k, v in sender_info.items() if isinstance(v, Mapping)}
+    for want in (stage_key(preferred), stage_key(fallback)):
+        entry = entries.get(want) if want is not None else None
+        if entry is not None and "host" in entry:
+            return dict(entry)
+    hosts = [v for v in entries.values() if "host" in v]
+    if len(hosts) == 1:
+        return dict(hosts[0])
+    if len(hosts) > 1:
+        logger.warning("Ambiguous sender_info with %d stages and no match", len(hosts))
+    return None
+
+
+def sender_endpoint(entry: Mapping[str, Any] | None) -> SenderEndpoint | None:
+    """``(host, port)`` of a resolved entry; ``None`` without a host or with a bad port."""
+    if entry is None or entry.get("host") is None:
+        return None
+    port = entry.get("zmq_port", 0)
+    if isinstance(port, bool | float):
+        return None
+    try:
+        value = int(port)
+    except (TypeError, ValueError):
+        return None
+    return (str(entry["host"]), value) if 0 <= value <= 65535 else None
+
+
+def resolve_endpoint(
+    sender_info: Any, preferred: Any = None, fallback: Any = None
+) -> SenderEndpoint | None:
+    """:func:`sender_endpoint` of :func:`resolve_sender_entry`."""
+    return sender_endpoint(resolve_sender_entry(sender_info, preferred, fallback))
+
+
+def source_metadata(
+    sender: SenderEndpoint | None, from_rank: int | None, per_call: bool
+) -> dict[str, Any] | None:
+    """Per-key connector metadata naming sender rank ``from_rank``'s endpoint, or ``None``.
+
+    Built when the base endpoint is known and either the key has a source rank or the endpoint
+    was given for this call only (reference §2.6).
+    """
+    if sender is None or (from_rank is None and not per_call):
+        return None
+    return {"source_host": sender[0], "source_port": rank_port(sender[1], from_rank)}
+
+
+def engine_connector_config(
+    extra: Mapping[str, Any],
+    *,
+    from_stage: Any,
+    to_stage: Any,
+    sends: bool,
+    receives: bool,
+    local_rank: int,
+) -> dict[str, Any]:
+    """The constructor config of a pull-model (transfer-engine) connector (reference §2.3).
+
+    Stages default to ``"0"`` / ``"1"``; a sender binds :func:`kv_zmq_port` of the configured
+    base port (``${VAR}`` expanded; default 50051), a receiver keeps its config. Raises
+    ``ValueError`` for a base port that is not an integer.
+    """
+    out = dict(extra)
+    out.setdefault("from_stage", stage_key(from_stage) or "0")
+    out.setdefault("to_stage", stage_key(to_stage) or "1")
+    if sends:
+        raw = os.path.expandvars(str(out.get("zmq_port", TRANSFER_ENGINE_DEFAULT_PORT)))
+        base = int(raw)
+        stage = _stage_number(out["from_stage"]) or 0
+        out["role"] = "sender"
+        out["zmq_port"] = kv_zmq_port(base, stage, local_rank)
+    elif receives:
+        out["role"] = "receiver"
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks: the reference's calling conventions, and omnikv's richer ones
+# --------------------------------------------------------------------------------------------
+def _positional_arity(fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments ``fn`` takes (``None``: any number, or unknown)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            return None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n
+
+
+def _adapt_slicer(fn: Callable[..., Any] | None) -> PayloadSlicer | None:
+    """The reference calls ``slicer(payload)``; omnikv also accepts ``slicer(payload, topo)``."""
+    if fn is None:
+        return None
+    if _positional_arity(fn) == 1:
+        return lambda payload, _topo: fn(payload)  # type: ignore[no-any-return]
+    return fn
+
+
+@dataclass(frozen=True)
+class TransferHooks:
+    """The worker's optional hooks, as one frozen value the sender and receiver read.
+
+    * ``send_keys(request_id, from_stage, to_stage) -> keys``;
+    * ``recv_keys(request_id, from_stage, to_stage) -> keys or (key, from_rank) pairs``;
+    * ``merger(payloads) -> payload`` (seed dicts, in source-rank order);
+    * ``slicer(payload) -> payload`` as the reference calls it, or ``slicer(payload, topo)``.
+
+    Build it with :meth:`of`, which adapts the reference's one-argument slicer.
+    """
+
+    send_keys: SendKeyBuilder | None = None
+    recv_keys: RecvKeyBuilder | None = None
+    merger: PayloadMerger | None = None
+    slicer: PayloadSlicer | None = None
+
+    @classmethod
+    def of(
+        cls,
+        send_keys: Callable[..., Any] | None = None,
+        recv_keys: Callable[..., Any] | None = None,
+        merger: Callable[..., Any] | None = None,
+        slicer: Callable[..., Any] | None = None,
+    ) -> TransferHooks:
+        return cls(send_keys, recv_keys, merger, _adapt_slicer(slicer))
+
+    @property
+    def reshapes_payloads(self) -> bool:
+        """A merger or slicer is installed (they work on the seed's dict form)."""
+        return self.merger is not None or self.slicer is not None

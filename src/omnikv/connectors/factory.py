@@ -11,16 +11,21 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Any, ClassVar
 
 from omnikv.connectors.base import OmniConnectorBase
+from omnikv.topology import engine_connector_config
 
 __all__ = [
     "TRANSFER_ENGINE_CONNECTOR_NAMES",
     "ConnectorSpec",
+    "LazyConnector",
+    "spec_for_stage",
+    "spec_from_config",
     "OmniConnectorFactory",
     "OmniTransferConfig",
 ]
@@ -178,3 +183,128 @@ class OmniConnectorFactory:
                 logger.warning(
                     "entry point %s=%s clashes with a registered connector", ep.name, ep.value
                 )
+
+
+def spec_from_config(
+    connector_config: Mapping[str, Any] | None,
+    *,
+    from_stage: Any,
+    to_stage: Any,
+    sends: bool,
+    receives: bool,
+    local_rank: int,
+) -> ConnectorSpec | None:
+    """What a stage's ``connector_config`` asks to build (``None`` without a ``type``).
+
+    Every key but ``type`` is passed on; pull-model (transfer-engine) connectors also get their
+    role, stages and this rank's port (:func:`omnikv.topology.engine_connector_config`).
+    """
+    if not connector_config or not connector_config.get("type"):
+        return None
+    name = str(connector_config["type"])
+    extra = {k: v for k, v in connector_config.items() if k != "type"}
+    if name in TRANSFER_ENGINE_CONNECTOR_NAMES:
+        extra = engine_connector_config(
+            extra,
+            from_stage=from_stage,
+            to_stage=to_stage,
+            sends=sends,
+            receives=receives,
+            local_rank=local_rank,
+        )
+    return ConnectorSpec(name, extra)
+
+
+def spec_for_stage(config: Any, local_rank: int) -> ConnectorSpec | None:
+    """:func:`spec_from_config` of an ``OmniKVCacheConfig`` (read when called: the manager's
+    ``update_sender_info`` writes the sender endpoint into its ``connector_config``)."""
+    return spec_from_config(
+        config.connector_config,
+        from_stage=config.from_stage,
+        to_stage=config.to_stage,
+        sends=bool(config.need_send_cache),
+        receives=bool(config.need_recv_cache),
+        local_rank=local_rank,
+    )
+
+
+class LazyConnector:
+    """A connector created on first use; a failed creation is retried after ``retry_interval``.
+
+    ``spec`` builds the :class:`ConnectorSpec` when creation is attempted (``None``: nothing is
+    configured; ``TypeError``/``ValueError``: a bad configuration, recorded like a failed
+    creation). ``get()`` is called by the sender and receiver on every request; it never raises
+    and returns ``None`` while no connector exists. :attr:`error` says why the last attempt
+    failed. An injected ``connector`` is used as is.
+    """
+
+    def __init__(
+        self,
+        spec: Callable[[], ConnectorSpec | None],
+        *,
+        retry_interval: float = 5.0,
+        connector: OmniConnectorBase | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._spec = spec
+        self.retry_interval = retry_interval
+        self._connector = connector
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._retry_at = 0.0
+        #: Why the last creation failed (``None`` after a success or before any attempt).
+        self.error: str | None = None
+
+    @property
+    def current(self) -> OmniConnectorBase | None:
+        """The connector if it exists; never creates one."""
+        return self._connector
+
+    def set(self, connector: OmniConnectorBase | None) -> None:
+        """Use ``connector`` from now on (tests and drop-in code assign ``manager._connector``)."""
+        with self._lock:
+            self._connector = connector
+            self.error = None
+
+    def get(self) -> OmniConnectorBase | None:
+        """The connector, created now if needed and allowed; ``None`` while unavailable."""
+        conn = self._connector
+        if conn is not None:
+            return conn
+        with self._lock:
+            if self._connector is None and self._clock() >= self._retry_at:
+                self._connector = self._create()
+            return self._connector
+
+    def _create(self) -> OmniConnectorBase | None:
+        try:
+            spec = self._spec()
+        except (TypeError, ValueError) as exc:
+            self._failed(f"bad connector config: {exc}")
+            return None
+        if spec is None:
+            return None
+        logger.info(
+            "Initializing OmniConnector type=%s role=%s", spec.name, spec.extra.get("role", "-")
+        )
+        try:
+            conn = OmniConnectorFactory.create_connector(spec)
+        except Exception as exc:  # any backend failure: record the cause, retry later
+            self._failed(f"{type(exc).__name__}: {exc}")
+            return None
+        self.error = None
+        return conn
+
+    def _failed(self, reason: str) -> None:
+        self.error = reason
+        self._retry_at = self._clock() + self.retry_interval
+        logger.error(
+            "Connector creation failed (%s); retrying in %.1fs", reason, self.retry_interval
+        )
+
+    def close(self) -> None:
+        """Close the connector if one was created (idempotent); a later ``get`` recreates it."""
+        with self._lock:
+            conn, self._connector = self._connector, None
+        if conn is not None:
+            conn.close()
