@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from omnikv.config import TransferOptions
-from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
+from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase, get_result
 from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import deadline_after
 from omnikv.errors import (
@@ -164,7 +164,8 @@ def _normalise(got: Any) -> tuple[Any, int]:
     ``(obj, size)`` with ``obj`` a ManagedBuffer, bytes-like, a uint8 tensor or a decoded dict.
     """
     if isinstance(got, ManagedBuffer):
-        return got, got.size
+        obj, size = get_result(got)
+        return obj, int(size)
     obj, size = got
     return obj, int(size)
 
