@@ -210,7 +210,8 @@ class KVReceiver:
                     if raws:
                         detail += f"; {len(raws)} shard(s) already taken were dropped"
                     return self._miss(request_id, ReceiveStatus.TIMEOUT, detail, keys, t0)
-                obj, size = got
+                # merge: drop once every wait returns ManagedBuffer (facade owns this file)
+                obj, size = (got, got.size) if isinstance(got, ManagedBuffer) else got
                 if isinstance(obj, ManagedBuffer):
                     held.append(obj)
                 raws.append((obj, int(size)))
