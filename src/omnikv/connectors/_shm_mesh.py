@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from omnikv.connectors._shm_pool import MappedRegion
+from omnikv.connectors._shm_pool import PeerPool
 from omnikv.connectors._shm_wire import (
     FrameReader,
     NamespaceLock,
@@ -59,12 +59,13 @@ class Link:
         self.pid = pid
         self.peer = peer or f"pid {pid}"
         self.alive = True
+        self.dropped = False
         self.local = sock is None
         self.send_lock = threading.RLock()
         self.reader = FrameReader()
         self.fds: deque[int] = deque()
         self.fds_received = 0
-        self.pool: MappedRegion | None = None  # the peer's pool, mapped here
+        self.pool: PeerPool | None = None  # the peer's pool, mapped here
         self.pool_sent = False  # our pool's descriptor was sent on this link
 
     def take_fd(self) -> int:
@@ -211,6 +212,9 @@ class Mesh:
         if link.local or link.sock is None:
             return
         with self._lock:
+            if link.dropped:
+                return
+            link.dropped = True
             self.counters["peers_dropped"] += 1
         logger.warning("dropping shared-memory peer %s: %s", link, reason)
         with link.send_lock, contextlib.suppress(OSError):
@@ -254,7 +258,7 @@ class Mesh:
             return
         try:
             for msg in link.reader.feed(data):
-                if link.alive:
+                if link.alive and not link.dropped:
                     self._handler.on_message(link, msg)
         except (ValueError, TypeError, IndexError, KeyError, msgpack.ExtraData) as exc:
             self.drop(link, f"protocol error: {exc}")
@@ -300,6 +304,8 @@ class Mesh:
             links = list(self._links)
             self._links.clear()
         self._teardown_sockets(links)
+        if self.local.pool is not None:
+            self.local.pool.close()
         with contextlib.suppress(OSError):
             self._listener.close()
         with contextlib.suppress(OSError, ValueError):

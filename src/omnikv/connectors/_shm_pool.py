@@ -79,6 +79,7 @@ class MappedRegion:
         arr = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = int(arr.ctypes.data)
         self._tensor: torch.Tensor | None = torch.from_numpy(arr)
+        self.tainted = False  # a span was migrated: new views must come from a fresh mapping
 
     def view(self, offset: int, n: int) -> torch.Tensor:
         """A 1-D ``uint8`` view of ``[offset, offset + n)``; pins the mapping while alive."""
@@ -94,7 +95,8 @@ class MappedRegion:
 
         Views of the span stay valid and keep their contents; the shared pages underneath are no
         longer referenced by this mapping, so their owner may reuse them. One copy. Raises
-        ``OSError`` if the kernel refuses (the span is then unchanged).
+        ``OSError`` if the kernel refuses (the span is then unchanged). Afterwards the mapping is
+        ``tainted``: it no longer shows the pool everywhere, so new views use a fresh mapping.
         """
         if self._tensor is None or offset % PAGE or offset < 0 or offset + n > self.size:
             raise ValueError(f"cannot migrate [{offset}, {offset + n}) of this pool")
@@ -106,6 +108,7 @@ class MappedRegion:
         if tmp is None or tmp == _MAP_FAILED:
             raise OSError(ctypes.get_errno(), "mmap for migration failed")
         ctypes.memmove(tmp, addr, span)
+        self.tainted = True
         moved = _libc.mremap(tmp, span, span, _MREMAP_MAYMOVE | _MREMAP_FIXED, addr)
         if moved is None or moved == _MAP_FAILED:
             err = ctypes.get_errno()
@@ -197,20 +200,48 @@ class SenderPool(MappedRegion):
         super().close()
 
 
-class PeerPool(MappedRegion):
-    """A receiver's mapping of a sender's pool, from the descriptor passed over the socket.
+class PeerPool:
+    """A reader's access to a sender's pool through the descriptor it was given.
 
-    Refuses (``ValueError``) a descriptor that is not a sealed memfd of exactly ``size`` bytes.
-    The descriptor is closed in every case; the mapping alone keeps the memory.
+    Refuses (``ValueError``) a descriptor that is not a sealed memfd of exactly ``size`` bytes
+    (the descriptor is then closed). Views come from :meth:`region`: one shared mapping, replaced
+    by a fresh one once a span of it was migrated (the old one lives on as long as views of it
+    do), so a reused slot is always read through the shared pages.
     """
 
     def __init__(self, pool_id: int, fd: int, size: int) -> None:
         try:
             check_pool_fd(fd, size)
-            super().__init__(fd, size)
-        finally:
+            region = MappedRegion(fd, size)
+        except BaseException:
             os.close(fd)
+            raise
         self.pool_id = pool_id
+        self.size = size
+        self._fd: int | None = fd
+        self._region: MappedRegion | None = region
+        self._lock = threading.Lock()
+
+    def region(self) -> MappedRegion:
+        """The current shared mapping (a fresh one after a migration)."""
+        with self._lock:
+            region, fd = self._region, self._fd
+            if region is None or fd is None:
+                raise RuntimeError("peer pool is closed")
+            if region.tainted:
+                region.close()
+                region = self._region = MappedRegion(fd, self.size)
+            return region
+
+    def close(self) -> None:
+        """Drop the descriptor and our mapping; views handed out keep theirs alive."""
+        with self._lock:
+            region, self._region = self._region, None
+            fd, self._fd = self._fd, None
+        if region is not None:
+            region.close()
+        if fd is not None:
+            os.close(fd)
 
 
 def check_pool_fd(fd: int, size: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnikv.connectors._shm_mesh import Link, Mesh
-from omnikv.connectors._shm_pool import MappedRegion
+from omnikv.connectors._shm_pool import MappedRegion, PeerPool
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.deadline import remaining
 from omnikv.errors import PeerGoneError
@@ -34,7 +34,7 @@ KINDS = ("raw", "bytes", "msgpack")
 @dataclass
 class Offer:
     link: Link
-    pool: MappedRegion
+    pool: PeerPool
     token: int
     offset: int
     nbytes: int
@@ -61,7 +61,7 @@ class RecvSide:
         self._mesh = mesh
         self._lock = threading.Lock()
         self._wants: dict[int, _Want] = {}
-        self._holding: dict[tuple[Link, int], Offer] = {}
+        self._holding: dict[tuple[Link, int], tuple[Offer, MappedRegion]] = {}
         self._next_wid = 1
         self.closed = False
         self.counters = dict.fromkeys(("gets", "misses", "bytes_got", "migrated"), 0)
@@ -126,12 +126,13 @@ class RecvSide:
         """The caller's view of an accepted offer; the slot is released with the buffer."""
         release = functools.partial(self._release, offer.link, offer.token)
         try:
-            view = offer.pool.view(offer.offset, offer.nbytes)
+            region = offer.pool.region()
+            view = region.view(offer.offset, offer.nbytes)
         except (RuntimeError, ValueError) as exc:
             self._mesh.send(offer.link, [["release", offer.token]])
             raise PeerGoneError(f"payload {offer.token} from {offer.link} unusable: {exc}") from exc
         with self._lock:
-            self._holding[(offer.link, offer.token)] = offer
+            self._holding[(offer.link, offer.token)] = (offer, region)
             self.counters["gets"] += 1
             self.counters["bytes_got"] += offer.nbytes
         return ManagedBuffer(view, release)
@@ -171,7 +172,7 @@ class RecvSide:
         if held is None:
             return
         try:
-            held.pool.migrate(held.offset, held.nbytes)
+            held[1].migrate(held[0].offset, held[0].nbytes)
         except (OSError, ValueError) as exc:
             log("cannot migrate a held shared-memory payload (%s); the sender must wait", exc)
             with self._lock:

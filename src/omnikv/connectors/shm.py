@@ -282,7 +282,10 @@ class SharedMemoryConnector(OmniConnectorBase):
             raise ConnectorClosedError("SharedMemoryConnector is closed")
 
     def _on_pool_created(self, pool: SenderPool) -> None:
-        self._mesh.local.pool = pool
+        # our own reads go through a second mapping, so a migrated span never hides the pool
+        # from the sender's writes
+        assert pool.fd is not None
+        self._mesh.local.pool = PeerPool(self._store.pool_id, os.dup(pool.fd), pool.size)
 
     def _put(
         self, key: str, label: str, nbytes: int, write: Writer, kind: str, deadline: float
