@@ -18,8 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from omnikv.connectors._shm_mesh import Link, Mesh
-from omnikv.connectors._shm_pool import MappedRegion, PeerPool
+from omnikv.connectors._shm_pool import MappedRegion
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.deadline import remaining
 from omnikv.errors import PeerGoneError
@@ -33,8 +35,12 @@ KINDS = ("raw", "bytes", "msgpack")
 
 @dataclass
 class Offer:
+    """An accepted offer; ``view`` is taken when it arrives, so it pins the mapping even if the
+    sender goes away before the caller looks at it."""
+
     link: Link
-    pool: PeerPool
+    region: MappedRegion
+    view: torch.Tensor
     token: int
     offset: int
     nbytes: int
@@ -125,17 +131,11 @@ class RecvSide:
     def materialize(self, offer: Offer) -> ManagedBuffer:
         """The caller's view of an accepted offer; the slot is released with the buffer."""
         release = functools.partial(self._release, offer.link, offer.token)
-        try:
-            region = offer.pool.region()
-            view = region.view(offer.offset, offer.nbytes)
-        except (RuntimeError, ValueError) as exc:
-            self._mesh.send(offer.link, [["release", offer.token]])
-            raise PeerGoneError(f"payload {offer.token} from {offer.link} unusable: {exc}") from exc
         with self._lock:
-            self._holding[(offer.link, offer.token)] = (offer, region)
+            self._holding[(offer.link, offer.token)] = (offer, offer.region)
             self.counters["gets"] += 1
             self.counters["bytes_got"] += offer.nbytes
-        return ManagedBuffer(view, release)
+        return ManagedBuffer(offer.view, release)
 
     def _release(self, link: Link, token: int) -> None:
         """Release callback of a handed-out view (any thread, also a GC finalizer)."""
@@ -147,12 +147,15 @@ class RecvSide:
     # -- messages from senders ------------------------------------------------------------------
     def on_offer(self, link: Link, msg: list[Any]) -> None:
         wid, token, offset, nbytes, kind = msg[1:6]
+        if link.pool is None or kind not in KINDS:
+            raise ValueError(f"offer of kind {kind!r} before a usable pool")
+        region = link.pool.region()
+        view = region.view(offset, nbytes)  # ValueError (the peer is dropped) if out of bounds
         accepted = False
-        pool = link.pool
         with self._lock:
             want = self._wants.get(wid)
-            if want is not None and want.offer is None and pool is not None and kind in KINDS:
-                want.offer = Offer(link, pool, token, offset, nbytes, str(kind))
+            if want is not None and want.offer is None:
+                want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
                 want.event.set()
                 accepted = True
         if not accepted:
