@@ -394,3 +394,107 @@ def test_no_pickle_in_the_shared_memory_code() -> None:
     assert len(files) >= 7
     for path in files:
         assert not re.search(r"import pickle|pickle\.", path.read_text()), path
+
+
+# -- the reference's surface and calling conventions (reference-behaviour §8.3, §9 items 69-72) ----
+@pytest.fixture
+def one(namespace: str) -> Iterator[SharedMemoryConnector]:
+    """One connector that both puts and gets, as a stage that sends and receives in one process."""
+    c = SharedMemoryConnector({"namespace": namespace, "shm_threshold_bytes": 1024, "linger_s": 0})
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(20)
+def test_reference_put_then_get_on_the_same_instance(one: SharedMemoryConnector) -> None:
+    data = {"request_id": "r1", "layers": [torch.ones(2, 3)], "note": "x" * 2000}
+    ok, size, meta = one.put("stage_0", "stage_1", "r1", data)
+    assert ok and size > 0 and meta is not None and meta["size"] == size
+    assert meta["shm"]["size"] == size and isinstance(meta["shm"]["name"], str)
+    assert one.health()["published"] == 1  # pending until consumed
+    got = one.get("stage_0", "stage_1", "r1")
+    assert got is not None
+    obj, got_size = got
+    assert got_size == size and obj["request_id"] == "r1" and obj["note"] == "x" * 2000
+    assert torch.equal(obj["layers"][0], torch.ones(2, 3))
+    assert one.health()["published"] == 0  # consume-once
+    assert one.get("stage_0", "stage_1", "r1") is None
+    assert one.get("stage_0", "stage_1", "missing") is None
+    assert one.put("0", "1", "raw", b"abc")[0]
+    assert one.get("0", "1", "raw") == (b"abc", 3)  # bytes come back as bytes
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        None,
+        "not-a-dict",
+        {},
+        {"host": "10.0.0.1", "port": 5555, "size": 3},  # RDMA-style
+        {"req_7": {"seq_len": 3}},  # keyed by request id
+    ],
+)
+def test_reference_get_falls_back_to_the_key(one: SharedMemoryConnector, metadata: Any) -> None:
+    assert one.put("0", "1", "req_7", b"xyz")[0]
+    assert one.get("0", "1", "req_7", metadata=metadata) == (b"xyz", 3)
+
+
+@pytest.mark.timeout(20)
+def test_reference_get_accepts_put_metadata_plain_and_wrapped(one: SharedMemoryConnector) -> None:
+    _, _, meta = one.put("0", "1", "a", b"AAA")
+    assert one.get("0", "1", "a", metadata=meta) == (b"AAA", 3)
+    _, _, meta = one.put("0", "1", "b", b"BBB")
+    assert one.get("0", "1", "b", metadata={"b": meta}) == (b"BBB", 3)  # {key: meta}
+    _, _, meta = one.put("0", "1", "c", b"CCC")
+    assert one.get("0", "1", "some-other-key", metadata=meta) == (b"CCC", 3)  # the handle wins
+
+
+@pytest.mark.timeout(20)
+def test_reference_per_rank_keys_for_heterogeneous_tp(namespace: str) -> None:
+    """A TP2 sender writes one key per rank; a TP1 receiver (another connector) reads both."""
+    tx = SharedMemoryConnector({"namespace": namespace, "linger_s": 0})
+    rx = SharedMemoryConnector({"namespace": namespace})
+    try:
+        for rank in range(2):
+            assert tx.put("0", "1", f"omni_0_to_1_kv_cache_r1_rank{rank}", {"rank": rank})[0]
+        for rank in (1, 0):  # independent: any order
+            got = rx.get("0", "1", f"omni_0_to_1_kv_cache_r1_rank{rank}")
+            assert got is not None and got[0] == {"rank": rank}
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.timeout(20)
+def test_reference_cleanup_and_close_drop_pending(one: SharedMemoryConnector) -> None:
+    assert one.put("0", "1", "cleanup_req_42", b"1")[0]
+    assert one.put("0", "1", "keep_req_420", b"2")[0]
+    one.cleanup("req_42")
+    assert one.get("0", "1", "cleanup_req_42") is None
+    assert one.health()["published"] == 1
+    assert one.put("0", "1", "req_42", b"3")[0]
+    assert one.get("0", "1", "req_42") == (b"3", 1)
+    one.cleanup("req_42")  # no-op after consumption
+    one.close()  # clears every pending payload
+    assert one.health()["published"] == 0 and one.health()["status"] == "closed"
+
+
+def test_reference_config_keys_are_accepted(namespace: str) -> None:
+    c = SharedMemoryConnector({"namespace": namespace})
+    try:
+        assert c.threshold == 65536 and c.health()["threshold"] == 65536
+    finally:
+        c.close()
+    c = SharedMemoryConnector(
+        {"namespace": namespace, "shm_threshold_bytes": 4096, "inline_small_payloads": True}
+    )
+    try:
+        assert c.threshold == 4096  # accepted; every payload still goes through the pool
+    finally:
+        c.close()
+    for bad in ({"prefault": 1}, {"linger_s": -1}, {"pool_size_bytes": "big"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            SharedMemoryConnector({"namespace": namespace, **bad})
