@@ -82,6 +82,7 @@ def test_factory_builds_it_from_a_typed_config(namespace: str) -> None:
         SharedMemoryConnector({"namespace": namespace, "put_timeout_s": -1})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_cross_process_put_get_is_consume_once(peers: list[Peer], namespace: str) -> None:
     sender = start_peer(peers, namespace, pool_size_bytes=1 << 20)
@@ -105,6 +106,7 @@ def test_cross_process_put_get_is_consume_once(peers: list[Peer], namespace: str
         rx.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_waiter_wakes_on_put_within_a_millisecond(peers: list[Peer], namespace: str) -> None:
     """Put -> wake latency across processes (median of 30; the issue asks for <= 1 ms)."""
@@ -303,6 +305,7 @@ def test_close_is_idempotent_and_wakes_waiters(namespace: str) -> None:
         c.get("0", "1", "k")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(40)
 def test_several_senders_and_receivers_at_once(peers: list[Peer], namespace: str) -> None:
     """Two sender processes (TP ranks) and four receiving threads of another process."""
@@ -356,6 +359,7 @@ def test_owner_only_memory_and_nothing_named(
     assert own_memfd_maps()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(20)
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 def test_peers_of_another_uid_are_refused(namespace: str) -> None:

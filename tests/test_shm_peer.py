@@ -202,6 +202,7 @@ def own_memfd_maps() -> list[str]:
         return [line for line in f if "omnikv-shm" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_peer_round_trip(peers: list[Peer], namespace: str) -> None:
     """The helper itself: two peers exchange one payload and report it verified."""
