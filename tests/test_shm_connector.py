@@ -499,6 +499,6 @@ def test_reference_config_keys_are_accepted(namespace: str) -> None:
         assert c.threshold == 4096  # accepted; every payload still goes through the pool
     finally:
         c.close()
-    for bad in ({"prefault": 1}, {"linger_s": -1}, {"pool_size_bytes": "big"}):
+    for bad in ({"prefault": "yes"}, {"linger_s": -1}, {"pool_size_bytes": "big"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SharedMemoryConnector({"namespace": namespace, **bad})

@@ -160,7 +160,11 @@ class SenderPool(MappedRegion):
 
     def note_used(self, end: int) -> None:
         """An allocation reaches ``end``: keep the populated prefix ahead of it."""
-        target = min(self.size, _round_up(2 * end + _PREFAULT_AHEAD, PAGE))
+        self.populate_to(2 * end + _PREFAULT_AHEAD)
+
+    def populate_to(self, end: int) -> None:
+        """Populate ``[0, end)`` in the background (no-op without ``prefault``)."""
+        target = min(self.size, _round_up(end, PAGE))
         with self._lock:
             if self._thread is not None and target > self._want:
                 self._want = target

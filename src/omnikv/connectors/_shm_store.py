@@ -117,7 +117,7 @@ class SendStore:
             )
         t0 = time.monotonic()
         try:
-            offset, size = alloc.alloc(max(nbytes, 1), deadline=deadline, on_wait=self._evict)
+            offset, _ = alloc.alloc(max(nbytes, 1), deadline=deadline, on_wait=self._evict)
         except PoolExhaustedError as exc:
             with self._lock:
                 self.counters["put_timeouts"] += 1
@@ -128,7 +128,6 @@ class SendStore:
                 f" {alloc.largest_free()}); {held} payload(s) held by readers that did not give"
                 f" them back, {published} published and unconsumed"
             ) from exc
-        self.pool.note_used(offset + size)
         return offset
 
     def _evict(self, size: int) -> None:
@@ -156,6 +155,8 @@ class SendStore:
     # -- publishing ---------------------------------------------------------------------------
     def publish(self, entry: Entry) -> None:
         self.deliver(entry)
+        if self.pool is not None:  # after the write, so prefaulting ahead never competes with it
+            self.pool.note_used(entry.offset + max(entry.nbytes, 1))
         with self._lock:
             self.counters["puts"] += 1
             self.counters["bytes_put"] += entry.nbytes

@@ -32,7 +32,8 @@ key                       default      meaning
 ``namespace``             ``default``  connectors meet only within one namespace (per uid)
 ``pool_size_bytes``       1 GiB        this connector's send pool (>= 4096); the most it keeps
                                        unconsumed at once; a larger payload is refused
-``prefault``              ``True``     populate the pool ahead of use in the background
+``prefault``              ``True``     populate the pool ahead of use in the background; a
+                                       number of bytes: also populate that much at start-up
 ``put_timeout_s``         30           a put's wait for space when the caller gives no deadline
 ``get_timeout_s``         0.1          how long a non-blocking ``get`` waits for peers' answers
 ``join_timeout_s``        10           longest the constructor waits for the namespace lock
@@ -102,6 +103,14 @@ def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def _prefault(cfg: Mapping[str, Any]) -> int:
+    """``prefault``: a boolean (-1: grow with use, 0: off) or a byte count to populate at once."""
+    value = cfg.get("prefault", True)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(_number(cfg, "prefault", 0))
+    return -1 if _bool(cfg, "prefault", True) else 0
+
+
 def _number(cfg: Mapping[str, Any], key: str, default: float, low: float = 0.0) -> float:
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float | str):
@@ -122,6 +131,7 @@ class ShmConfig:
     namespace: str = "default"
     pool_size: int = DEFAULT_POOL_SIZE
     prefault: bool = True
+    prefault_bytes: int = 0
     put_timeout_s: float = 30.0
     get_timeout_s: float = 0.1
     join_timeout_s: float = 10.0
@@ -138,7 +148,8 @@ class ShmConfig:
         return cls(
             namespace=str(cfg.get("namespace", "default")),
             pool_size=int(_number(cfg, "pool_size_bytes", DEFAULT_POOL_SIZE, 4096)),
-            prefault=_bool(cfg, "prefault", True),
+            prefault=_prefault(cfg) != 0,
+            prefault_bytes=max(0, _prefault(cfg)),
             put_timeout_s=_number(cfg, "put_timeout_s", 30.0),
             get_timeout_s=_number(cfg, "get_timeout_s", 0.1),
             join_timeout_s=_number(cfg, "join_timeout_s", 10.0),
@@ -213,6 +224,11 @@ class SharedMemoryConnector(OmniConnectorBase):
                 f"cannot join shared-memory namespace {self.namespace!r}: {exc}"
             ) from exc
         self._closed = False
+        if self.config.prefault_bytes:
+            # a started stage populates up front what its first request will need
+            self._store.ensure_pool(self._on_pool_created)
+            assert self._store.pool is not None
+            self._store.pool.populate_to(self.config.prefault_bytes)
         multiprocessing.util.Finalize(self, _close_ref, (weakref.ref(self),), exitpriority=50)
         logger.debug(
             "SharedMemoryConnector %s joined namespace %r with %d peer(s)",
