@@ -20,8 +20,6 @@ from omnikv.connectors._shm_store import MAX_WANTS_PER_LINK
 from omnikv.connectors.shm import SharedMemoryConnector
 from shm_attack import Attacker
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
 def attackers() -> Iterator[list[Attacker]]:
@@ -35,6 +33,7 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run an attacker as another uid")
 def test_another_uid_cannot_stall_joining_or_receiving(
@@ -69,6 +68,7 @@ def test_another_uid_cannot_stall_joining_or_receiving(
             os.rmdir(squatted)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("scenario", "bound"), [("wants", MAX_WANTS_PER_LINK), ("fds", MAX_FDS_PER_LINK)]
@@ -101,3 +101,23 @@ def test_a_peer_over_its_bounds_is_disconnected_and_logged(
         assert any("dropping shared-memory peer" in r.message for r in caplog.records)
     finally:
         c.close()
+
+
+@pytest.mark.timeout(30)
+def test_joins_at_once_meet_exactly_once_and_leave_no_lock_file(namespace: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omnikv.connectors._shm_wire import namespace_prefix, private_dir
+
+    with ThreadPoolExecutor(4) as pool:
+        conns = list(pool.map(lambda _: SharedMemoryConnector({"namespace": namespace}), range(4)))
+    try:
+        deadline = time.monotonic() + 5
+        while any(c.health()["peers"] != 3 for c in conns) and time.monotonic() < deadline:
+            time.sleep(0.01)  # bounded poll of a public view: accepts land on the I/O threads
+        assert [c.health()["peers"] for c in conns] == [3, 3, 3, 3]
+    finally:
+        for c in conns:
+            c.close()
+    digest = namespace_prefix(namespace).rstrip("/").rsplit("/", 1)[-1]
+    assert not [n for n in os.listdir(private_dir()) if digest in n]

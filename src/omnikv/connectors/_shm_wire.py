@@ -185,23 +185,35 @@ class NamespaceLock:
 
     def __enter__(self) -> NamespaceLock:
         end = time.monotonic() + self._timeout
+        while True:
+            fd = self._try_lock()
+            if fd is not None:
+                self._fd = fd
+                return self
+            if time.monotonic() >= end:
+                raise TimeoutError(f"namespace lock busy for {self._timeout}s")
+            time.sleep(0.001)
+
+    def _try_lock(self) -> int | None:
+        """The locked descriptor of the file now at the path, or ``None`` if busy or replaced."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         fd = os.open(self._path, flags, 0o600)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError as exc:
-                if time.monotonic() >= end:
-                    os.close(fd)
-                    raise TimeoutError(f"namespace lock busy for {self._timeout}s") from exc
-                time.sleep(0.001)
-                continue
-            self._fd = fd
-            return self
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(self._path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass  # busy, or the holder removed the file after we opened it: try again
+        os.close(fd)
+        return None
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # releases the flock
+            # remove the file while holding the lock (nothing is left behind); a waiter that
+            # opened it meanwhile sees the inode change and starts over
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(self._fd)
             self._fd = None
 
 
