@@ -502,3 +502,20 @@ def test_reference_config_keys_are_accepted(namespace: str) -> None:
     for bad in ({"prefault": "yes"}, {"linger_s": -1}, {"pool_size_bytes": "big"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SharedMemoryConnector({"namespace": namespace, **bad})
+
+
+@pytest.mark.timeout(20)
+def test_views_held_after_the_receiver_closes_keep_their_bytes(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
+) -> None:
+    a, b = pair
+    a.put_packed("0", "1", "k1", 40 * KIB, lambda t: t.fill_(1))
+    buf, _ = _take(b, "k1")
+    view = buf.adopt()  # the application keeps the tensor, not the buffer
+    assert view is not None
+    b.close()  # the sender reclaims the slot once the connection is gone ...
+    deadline = time.monotonic() + 5
+    while a.health()["pool_free_bytes"] != 64 * KIB and time.monotonic() < deadline:
+        time.sleep(0.01)  # bounded poll of a public view: the sender's I/O thread reclaims
+    a.put_packed("0", "1", "k2", 40 * KIB, lambda t: t.fill_(2))  # ... and reuses it
+    assert bool((view == 1).all())  # the held tensor was moved to private memory at close

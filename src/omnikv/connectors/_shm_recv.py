@@ -202,7 +202,18 @@ class RecvSide:
             return {"held_here": len(self._holding), **self.counters}
 
     def close(self) -> None:
+        """Wake waiters; move every span still held here to private memory, since the senders
+        reclaim the slots once our connections close (the views keep their bytes)."""
         with self._lock:
             self.closed = True
             for want in self._wants.values():
                 want.event.set()
+            held = list(self._holding.values())
+            self._holding.clear()
+        for offer, region in held:
+            if offer.link.local:
+                continue  # our own pool: nobody writes to it after close
+            try:
+                region.migrate(offer.offset, offer.nbytes)
+            except (OSError, ValueError) as exc:
+                logger.warning("a view held at close could not be kept private: %s", exc)
