@@ -61,7 +61,7 @@ def test_sender_killed_mid_put(peers: list[Peer], namespace: str) -> None:
         assert sender2.call("put", "k", 512 * KIB, 4, 5.0)[:2] == ("put", True)
         got = rx.wait("0", "1", "k", deadline=time.monotonic() + 5)
         assert got is not None
-        buf, size = got
+        buf, size = got, got.size
         assert size == 512 * KIB and bool((buf.tensor == 4).all())
         buf.release()
         sender2.stop()
@@ -131,7 +131,7 @@ def test_sender_killed_while_receiver_holds_a_view(peers: list[Peer], namespace:
         assert sender.call("put", "k", 256 * KIB, 8, 5.0)[:2] == ("put", True)
         got = rx.wait("0", "1", "k", deadline=time.monotonic() + 5)
         assert got is not None
-        buf, _ = got
+        buf = got
         sender.kill()
         assert bool((buf.tensor == 8).all())  # the mapping pins the memory after the owner died
         buf.release()
@@ -232,7 +232,7 @@ def test_sender_killed_at_a_random_moment_of_a_busy_stream(
         while True:
             got = rx.wait("0", "1", f"c{i}", deadline=time.monotonic() + 10)
             assert got is not None
-            views.append((i, got[0]))
+            views.append((i, got))
             i += 1
             msg = sender.recv()
             if msg[1] >= kill_after:
@@ -249,8 +249,8 @@ def test_sender_killed_at_a_random_moment_of_a_busy_stream(
         sender2 = start_peer(peers, namespace, pool_size_bytes=1 << 20)
         assert sender2.call("put", "again", 64 * KIB, 5, 5.0)[:2] == ("put", True)
         got = rx.wait("0", "1", "again", deadline=time.monotonic() + 5)
-        assert got is not None and bool((got[0].tensor == 5).all())
-        got[0].release()
+        assert got is not None and bool((got.tensor == 5).all())
+        got.release()
         sender2.stop()
     finally:
         rx.close()

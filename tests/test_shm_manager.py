@@ -65,6 +65,7 @@ def sender_stage(conn: Connection, namespace: str) -> None:
     mgr.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_manager_sends_and_receives_paged_kv_across_processes(namespace: str) -> None:
     parent, child = _CTX.Pipe()

@@ -78,7 +78,7 @@ def peer_main(conn: Connection, config: dict[str, Any]) -> None:
                 if got is None:
                     conn.send(("miss", t1))
                     continue
-                buf, size = got
+                buf, size = got, got.size
                 ok = bool((buf.tensor == fill).all()) if size else True
                 if op == "wait_hold":
                     held.append(buf)
@@ -95,9 +95,9 @@ def peer_main(conn: Connection, config: dict[str, Any]) -> None:
                     if held:
                         held.pop().release()
                     if i % 2:
-                        held.append(got[0])
+                        held.append(got)
                     else:
-                        got[0].release()
+                        got.release()
                     conn.send(("progress", i))
             elif op == "churn_put":  # put c0.. of 64 KiB each, filled with i % 251
                 _, n = cmd
@@ -202,6 +202,7 @@ def own_memfd_maps() -> list[str]:
         return [line for line in f if "omnikv-shm" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_peer_round_trip(peers: list[Peer], namespace: str) -> None:
     """The helper itself: two peers exchange one payload and report it verified."""

@@ -109,7 +109,7 @@ def _receiver(fd: int, namespace: str, model: str, tokens: int) -> int:
             if got is None:
                 chan.send(time.monotonic(), False)
                 continue
-            buf, size = got
+            buf, size = got, got.size
             ok = True
             if case == "view":
                 data = decode(buf.tensor)

@@ -1,5 +1,8 @@
 """A page-aligned, pre-faulted host buffer and a first-fit allocator over it.
 
+:class:`BufferAllocator` is omnikv's one allocator: the shared-memory connector uses it over its
+memfd pool, the Mooncake connectors over a :class:`HostPool`.
+
 Used by the Mooncake connectors (and any transport that registers one big region with an engine
 once and then hands out slots): the region is an anonymous ``mmap`` (page-aligned by
 construction), touched once at start-up so no page fault lands on the hot path, and exposed as a
@@ -19,12 +22,13 @@ import logging
 import mmap
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from omnikv.deadline import remaining
-from omnikv.errors import PoolExhaustedError
+from omnikv.errors import ConnectorClosedError, PoolExhaustedError
 
 __all__ = ["ALIGNMENT", "BufferAllocator", "HostPool"]
 
@@ -59,6 +63,7 @@ class BufferAllocator:
         self._sizes: list[int] = [self.total]
         self._used: dict[int, int] = {}
         self._cond = threading.Condition()
+        self._closed = False
 
     @property
     def used_bytes(self) -> int:
@@ -69,6 +74,20 @@ class BufferAllocator:
     def allocations(self) -> int:
         with self._cond:
             return len(self._used)
+
+    def block_size(self, nbytes: int) -> int:
+        """The reserved size for a request of ``nbytes`` (rounded up; at least one unit)."""
+        return max(_round_up(nbytes, self.alignment), self.alignment)
+
+    def largest_free(self) -> int:
+        with self._cond:
+            return max(self._sizes, default=0)
+
+    def close(self) -> None:
+        """Wake every waiting ``alloc``; they (and later ones) raise ``ConnectorClosedError``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def _take(self, size: int) -> int | None:
         for i, avail in enumerate(self._sizes):
@@ -84,11 +103,35 @@ class BufferAllocator:
                 return start
         return None
 
-    def alloc(self, nbytes: int, *, deadline: float = 0.0) -> tuple[int, int]:
+    def _take_or_raise(self, size: int, deadline: float) -> int | None:
+        """One attempt under the lock: the offset, ``None`` to wait, or raise."""
+        if self._closed:
+            raise ConnectorClosedError("the pool is closed")
+        start = self._take(size)
+        if start is not None:
+            return start
+        if (remaining(deadline) if deadline else 0.0) <= 0:
+            free = sum(self._sizes)
+            raise PoolExhaustedError(
+                f"no {size}-byte slot in the pool ({free} of {self.total} bytes free, "
+                f"{len(self._used)} slots in use)"
+            )
+        return None
+
+    def alloc(
+        self,
+        nbytes: int,
+        *,
+        deadline: float = 0.0,
+        on_wait: Callable[[int], object] | None = None,
+    ) -> tuple[int, int]:
         """Reserve ``nbytes`` (rounded up); returns ``(offset, reserved_size)``.
 
-        Waits for frees until ``deadline`` (absolute monotonic; ``0.0``: do not wait) and then
-        raises :class:`PoolExhaustedError`. A request larger than the pool fails at once.
+        Blocks on a condition woken by :meth:`free` (no polling) until ``deadline`` (absolute
+        monotonic; ``0.0``: do not wait) and then raises :class:`PoolExhaustedError`; raises
+        ``ConnectorClosedError`` once :meth:`close` was called. A request larger than the pool
+        fails at once. ``on_wait(size)`` is called once, without the lock held, before the
+        first wait (a caller's chance to ask holders of space to give it back).
         """
         if nbytes <= 0:
             raise ValueError(f"allocation size must be > 0 bytes, got {nbytes}")
@@ -96,18 +139,17 @@ class BufferAllocator:
         if size > self.total:
             raise PoolExhaustedError(f"{nbytes} bytes requested, the pool holds {self.total}")
         with self._cond:
+            start = self._take_or_raise(size, deadline)
+        if start is not None:
+            return start, size
+        if on_wait is not None:
+            on_wait(size)
+        with self._cond:
             while True:
-                start = self._take(size)
+                start = self._take_or_raise(size, deadline)
                 if start is not None:
                     return start, size
-                left = remaining(deadline) if deadline else 0.0
-                if left <= 0:
-                    free = sum(self._sizes)
-                    raise PoolExhaustedError(
-                        f"no {size}-byte slot in the pool ({free} of {self.total} bytes free, "
-                        f"{len(self._used)} slots in use)"
-                    )
-                self._cond.wait(timeout=min(left, 3600.0))
+                self._cond.wait(timeout=min(remaining(deadline), 3600.0))
 
     def try_alloc(self, nbytes: int) -> int:
         """Reference-shaped allocation: the offset, or ``MemoryError`` when nothing fits."""

@@ -1,20 +1,29 @@
-"""Shared-memory pools for :mod:`omnikv.connectors.shm`: an anonymous memfd and its allocator.
+"""Shared-memory mappings for :mod:`omnikv.connectors.shm`: the sender's memfd and peers' maps.
 
-A sender owns one :class:`SenderPool`: a ``memfd_create`` file (it has no name in ``/dev/shm`` or
+A sender owns one :class:`SenderPool`: a ``memfd_create`` file (no name in ``/dev/shm`` or
 anywhere else, so a SIGKILL cannot leak it: the kernel frees the memory when the last descriptor
-and mapping are gone), owner-only (``0600``), sealed against growing and shrinking (a reader cannot
-truncate it under the sender and make it fault), mapped once and pre-faulted.
+and mapping are gone), owner-only (``0600``), sealed against growing and shrinking and against
+further seals (``F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``: a reader can never have the file
+truncated under it). It is mapped once and *not* populated: memory is committed as it is used
+(the allocator is first-fit from offset 0, so a small workload touches a small prefix), and a
+background thread pre-faults ahead of the high-water mark so steady-state puts do not fault.
 
-A receiver maps the descriptor it was sent as a :class:`PeerPool`. Views handed out are numpy /
-torch views whose buffer export pins the mapping, so the mapping outlives every view even after
-the pool's owner is gone or the connector is closed; it is unmapped when the last view dies.
+A receiver maps a descriptor it was sent as a :class:`PeerPool` only after checking that it is a
+memfd with those three seals and exactly the announced size (``fstat``); anything else is
+refused, so a peer cannot make the receiver fault (SIGBUS) by shrinking the file later.
+
+Views handed out are numpy / torch views whose buffer export pins the mapping, so the mapping
+outlives every view even after the pool's owner is gone; it is unmapped when the last view dies.
+:func:`MappedRegion.migrate` moves a span of a mapping to private anonymous memory at the same
+address (``mremap``), so a receiver can keep a view forever and still give the sender its space.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
+import ctypes
 import fcntl
+import logging
 import mmap
 import os
 import threading
@@ -22,158 +31,89 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["PAGE", "Allocator", "PeerPool", "SenderPool"]
+__all__ = ["PAGE", "REQUIRED_SEALS", "MappedRegion", "PeerPool", "SenderPool"]
+
+logger = logging.getLogger(__name__)
 
 PAGE = 4096
+REQUIRED_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+_PREFAULT_STEP = 8 << 20
+_PREFAULT_AHEAD = 4 << 20
+_MADV_POPULATE_WRITE = 23
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_void_p,
+)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-class Allocator:
-    """First-fit allocator over ``[0, total)`` with page-aligned, page-rounded blocks.
+class MappedRegion:
+    """A shared mapping of a memfd with page-granular views and in-place migration."""
 
-    Called by the connector under its own lock (not thread-safe by itself). ``alloc`` returns an
-    offset or ``None`` when nothing fits; ``free`` takes back exactly what ``alloc`` gave and
-    merges neighbours; a double free raises ``RuntimeError`` (it would corrupt the pool).
-    """
-
-    def __init__(self, total: int, align: int = PAGE) -> None:
-        self.total = total - total % align
-        self.align = align
-        self._starts: list[int] = [0] if self.total else []  # sorted free block starts
-        self._sizes: dict[int, int] = {0: self.total} if self.total else {}
-        self._used: dict[int, int] = {}
-
-    def block_size(self, n: int) -> int:
-        return max(_round_up(n, self.align), self.align)
-
-    def alloc(self, n: int) -> int | None:
-        need = self.block_size(n)
-        for i, start in enumerate(self._starts):
-            size = self._sizes[start]
-            if size >= need:
-                del self._sizes[start]
-                if size == need:
-                    del self._starts[i]
-                else:
-                    self._starts[i] = start + need
-                    self._sizes[start + need] = size - need
-                self._used[start] = need
-                return start
-        return None
-
-    def free(self, offset: int) -> None:
-        size = self._used.pop(offset, None)
-        if size is None:
-            raise RuntimeError(f"free of offset {offset} that is not allocated")
-        i = bisect.bisect_left(self._starts, offset)
-        # merge with the next free block
-        if i < len(self._starts) and self._starts[i] == offset + size:
-            size += self._sizes.pop(self._starts[i])
-            del self._starts[i]
-        # merge with the previous free block
-        if i > 0:
-            prev = self._starts[i - 1]
-            if prev + self._sizes[prev] == offset:
-                self._sizes[prev] += size
-                return
-        self._starts.insert(i, offset)
-        self._sizes[offset] = size
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(self._sizes.values())
-
-    @property
-    def largest_free(self) -> int:
-        return max(self._sizes.values(), default=0)
-
-    @property
-    def used_blocks(self) -> int:
-        return len(self._used)
-
-
-class SenderPool:
-    """The sender's memfd pool: created, sealed, chmod 0600, mapped once, pre-faulted.
-
-    Built by the connector on its first put. ``slot(offset, n)`` is a writable 1-D ``uint8``
-    tensor over pool memory. ``close`` drops the descriptor and, once no view is alive, the
-    mapping; a mapping still pinned by a view is unmapped when that view dies.
-    """
-
-    def __init__(self, size: int, name: str, *, prefault: bool = True) -> None:
-        if size < PAGE:
-            raise ValueError(f"pool_size_bytes must be at least {PAGE}, got {size}")
-        self.size = size - size % PAGE
-        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-        self.fd: int | None = os.memfd_create(name, flags)
-        try:
-            os.fchmod(self.fd, 0o600)
-            os.ftruncate(self.fd, self.size)
-            fcntl.fcntl(
-                self.fd,
-                fcntl.F_ADD_SEALS,
-                fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL,
-            )
-            mflags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            self._mm: mmap.mmap | None = mmap.mmap(self.fd, self.size, flags=mflags)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self._tensor: torch.Tensor | None = torch.from_numpy(
-            np.frombuffer(self._mm, dtype=np.uint8)
-        )
-        self._lock = threading.Lock()
-
-    def slot(self, offset: int, n: int) -> torch.Tensor:
-        t = self._tensor
-        if t is None:
-            raise RuntimeError("pool is closed")
-        return t[offset : offset + n]
-
-    def close(self) -> None:
-        """Idempotent. Unmaps now if no view pins the mapping, else when the last view dies."""
-        with self._lock:
-            self._tensor = None
-            mm, self._mm = self._mm, None
-            fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
-
-
-class PeerPool:
-    """A receiver's mapping of a sender's pool (from the descriptor passed over the socket).
-
-    The descriptor is closed right after mapping; the mapping alone keeps the memory. ``view``
-    returns 1-D ``uint8`` tensors whose buffer export pins the mapping.
-    """
-
-    def __init__(self, pool_id: int, fd: int, size: int, *, prefault: bool = True) -> None:
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise ValueError(f"pool descriptor has {actual} bytes, announced {size}")
-            mflags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            mm = mmap.mmap(fd, size, flags=mflags)
-        finally:
-            os.close(fd)
-        self.pool_id = pool_id
+    def __init__(self, fd: int, size: int) -> None:
         self.size = size
-        self._mm: mmap.mmap | None = mm
-        self._tensor: torch.Tensor | None = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+        self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        arr = np.frombuffer(self._mm, dtype=np.uint8)
+        self.address = int(arr.ctypes.data)
+        self._tensor: torch.Tensor | None = torch.from_numpy(arr)
+        self.tainted = False  # a span was migrated: new views must come from a fresh mapping
 
     def view(self, offset: int, n: int) -> torch.Tensor:
+        """A 1-D ``uint8`` view of ``[offset, offset + n)``; pins the mapping while alive."""
         t = self._tensor
         if t is None:
-            raise RuntimeError("peer pool is unmapped")
+            raise RuntimeError("shared-memory pool is unmapped")
         if offset < 0 or n < 0 or offset + n > self.size:
             raise ValueError(f"span [{offset}, {offset + n}) outside a pool of {self.size} bytes")
         return t[offset : offset + n]
+
+    def migrate(self, offset: int, n: int) -> None:
+        """Replace ``[offset, offset + n)`` (page-rounded) with a private copy at the same address.
+
+        Views of the span stay valid and keep their contents; the shared pages underneath are no
+        longer referenced by this mapping, so their owner may reuse them. One copy. Raises
+        ``OSError`` if the kernel refuses (the span is then unchanged). Afterwards the mapping is
+        ``tainted``: it no longer shows the pool everywhere, so new views use a fresh mapping.
+        """
+        if self._tensor is None or offset % PAGE or offset < 0 or offset + n > self.size:
+            raise ValueError(f"cannot migrate [{offset}, {offset + n}) of this pool")
+        span = min(_round_up(max(n, 1), PAGE), self.size - offset)
+        addr = self.address + offset
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        tmp = _libc.mmap(None, span, prot, flags, -1, 0)
+        if tmp is None or tmp == _MAP_FAILED:
+            raise OSError(ctypes.get_errno(), "mmap for migration failed")
+        ctypes.memmove(tmp, addr, span)
+        self.tainted = True
+        moved = _libc.mremap(tmp, span, span, _MREMAP_MAYMOVE | _MREMAP_FIXED, addr)
+        if moved is None or moved == _MAP_FAILED:
+            err = ctypes.get_errno()
+            _libc.munmap(tmp, span)
+            raise OSError(err, "mremap for migration failed")
 
     def close(self) -> None:
         """Drop our reference; unmapped now, or when the last view handed out dies."""
@@ -182,3 +122,143 @@ class PeerPool:
         if mm is not None:
             with contextlib.suppress(BufferError):
                 mm.close()
+
+
+class SenderPool(MappedRegion):
+    """The sender's memfd pool: created, chmod 0600, sized, sealed, mapped (not populated).
+
+    ``note_used(end)`` tells the pool how far allocations reach; with ``prefault`` a background
+    thread then populates the mapping ahead of that mark (``MADV_POPULATE_WRITE``, in 8 MiB
+    steps), so memory grows with use and steady-state writes do not fault.
+    """
+
+    def __init__(self, size: int, name: str, *, prefault: bool = True) -> None:
+        if size < PAGE:
+            raise ValueError(f"pool_size_bytes must be at least {PAGE}, got {size}")
+        size -= size % PAGE
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        fd = os.memfd_create(name, flags)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+            super().__init__(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd: int | None = fd
+        self._lock = threading.Lock()
+        self._ready = 0  # populated up to here
+        self._want = 0  # populate up to here
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        if prefault:
+            self._thread = threading.Thread(
+                target=self._prefault_loop, name="omnikv-shm-prefault", daemon=True
+            )
+            self._thread.start()
+
+    def note_used(self, end: int) -> None:
+        """An allocation reaches ``end``: keep the populated prefix ahead of it."""
+        self.populate_to(2 * end + _PREFAULT_AHEAD)
+
+    def populate_to(self, end: int) -> None:
+        """Populate ``[0, end)`` in the background (no-op without ``prefault``)."""
+        target = min(self.size, _round_up(end, PAGE))
+        with self._lock:
+            if self._thread is not None and target > self._want:
+                self._want = target
+                self._wake.notify()
+
+    @property
+    def populated_bytes(self) -> int:
+        with self._lock:
+            return self._ready
+
+    def _prefault_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._ready >= self._want and self._tensor is not None:
+                    self._wake.wait()
+                if self._tensor is None:
+                    return
+                start, end = self._ready, min(self._want, self._ready + _PREFAULT_STEP)
+            # ctypes releases the GIL: the kernel allocates and maps pages meanwhile
+            if _libc.madvise(self.address + start, end - start, _MADV_POPULATE_WRITE):
+                logger.debug("MADV_POPULATE_WRITE unsupported; pool pages fault on first use")
+                return
+            with self._lock:
+                self._ready = max(self._ready, end)
+
+    def close(self) -> None:
+        """Idempotent. Unmaps now if no view pins the mapping, else when the last view dies."""
+        with self._lock:
+            self._tensor = None
+            self._wake.notify_all()
+            fd, self.fd = self.fd, None
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        if fd is not None:
+            os.close(fd)
+        super().close()
+
+
+class PeerPool:
+    """A reader's access to a sender's pool through the descriptor it was given.
+
+    Refuses (``ValueError``) a descriptor that is not a sealed memfd of exactly ``size`` bytes
+    (the descriptor is then closed). Views come from :meth:`region`: one shared mapping, replaced
+    by a fresh one once a span of it was migrated (the old one lives on as long as views of it
+    do), so a reused slot is always read through the shared pages.
+    """
+
+    def __init__(self, pool_id: int, fd: int, size: int) -> None:
+        try:
+            check_pool_fd(fd, size)
+            region = MappedRegion(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.pool_id = pool_id
+        self.size = size
+        self._fd: int | None = fd
+        self._region: MappedRegion | None = region
+        self._lock = threading.Lock()
+
+    def region(self) -> MappedRegion:
+        """The current shared mapping (a fresh one after a migration)."""
+        with self._lock:
+            region, fd = self._region, self._fd
+            if region is None or fd is None:
+                raise RuntimeError("peer pool is closed")
+            if region.tainted:
+                region.close()
+                region = self._region = MappedRegion(fd, self.size)
+            return region
+
+    def close(self) -> None:
+        """Drop the descriptor and our mapping; views handed out keep theirs alive."""
+        with self._lock:
+            region, self._region = self._region, None
+            fd, self._fd = self._fd, None
+        if region is not None:
+            region.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def check_pool_fd(fd: int, size: int) -> None:
+    """Raise ``ValueError`` unless ``fd`` is a memfd sealed with :data:`REQUIRED_SEALS` whose size
+    is exactly ``size`` (a positive multiple of the page size)."""
+    if size <= 0 or size % PAGE:
+        raise ValueError(f"announced pool size {size} is not a positive multiple of {PAGE}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ValueError(f"pool descriptor is not a sealable memfd: {exc}") from exc
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise ValueError(f"pool descriptor seals {seals:#x} lack {REQUIRED_SEALS:#x}")
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise ValueError(f"pool descriptor has {actual} bytes, announced {size}")

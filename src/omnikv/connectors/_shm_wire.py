@@ -12,11 +12,17 @@ Never pickled. Frames are bounded (:data:`MAX_FRAME`) and validated by the reade
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import os
 import re
+import select
 import socket
+import stat
 import struct
+import tempfile
 import time
 from typing import Any
 
@@ -27,11 +33,13 @@ __all__ = [
     "MAX_KEY_CHARS",
     "FrameReader",
     "NamespaceLock",
+    "connect_peer",
     "discover",
     "encode_frame",
     "escape_key",
     "namespace_prefix",
     "peer_uid",
+    "private_dir",
 ]
 
 MAX_FRAME = 64 * 1024
@@ -135,35 +143,97 @@ def abstract(name: str) -> bytes:
     return b"\0" + name.encode()
 
 
+def private_dir() -> str:
+    """A directory only this uid can write: the first usable of ``$XDG_RUNTIME_DIR/omnikv``,
+    ``<tmp>/omnikv-<uid>`` and ``~/.cache/omnikv`` (created ``0700``). A candidate that exists but
+    is a symlink, not a directory, owned by another uid or open to others is skipped, so no other
+    user can pre-create it and hold our locks. Raises ``OSError`` if none is usable."""
+    uid = os.getuid()
+    candidates = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        candidates.append(os.path.join(runtime, "omnikv"))
+    candidates.append(os.path.join(tempfile.gettempdir(), f"omnikv-{uid}"))
+    candidates.append(os.path.join(os.path.expanduser("~"), ".cache", "omnikv"))
+    for path in candidates:
+        with contextlib.suppress(FileExistsError, FileNotFoundError, PermissionError):
+            os.makedirs(path, mode=0o700)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077:
+            return path
+    raise OSError(f"no private directory for shared-memory locks among {candidates}")
+
+
 class NamespaceLock:
-    """A node-wide mutex per namespace: holding it means having bound its abstract name.
+    """A node-wide mutex per namespace and uid: an ``flock`` on a file in :func:`private_dir`.
 
     Used only around a connector's join (bind listener, list peers, connect), so that two
     connectors starting at once never miss or double-connect each other. The kernel releases it
-    when its holder dies. Acquiring retries every millisecond until ``timeout``.
+    when its holder dies. Only processes of our uid can reach the file, so another user cannot
+    hold it; a same-uid holder holds it for a few milliseconds. Acquiring retries every
+    millisecond until ``timeout`` (then ``TimeoutError``).
     """
 
     def __init__(self, prefix: str, timeout: float = 10.0) -> None:
-        self._name = abstract(prefix + "lock")
+        digest = prefix.rstrip("/").rsplit("/", 1)[-1]
+        self._path = os.path.join(private_dir(), f"ns-{digest}.lock")
         self._timeout = timeout
-        self._sock: socket.socket | None = None
+        self._fd: int | None = None
 
     def __enter__(self) -> NamespaceLock:
         end = time.monotonic() + self._timeout
         while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.bind(self._name)
-            except OSError as exc:
-                s.close()
-                if time.monotonic() >= end:
-                    raise TimeoutError(f"namespace lock busy for {self._timeout}s") from exc
-                time.sleep(0.001)
-                continue
-            self._sock = s
-            return self
+            fd = self._try_lock()
+            if fd is not None:
+                self._fd = fd
+                return self
+            if time.monotonic() >= end:
+                raise TimeoutError(f"namespace lock busy for {self._timeout}s")
+            time.sleep(0.001)
+
+    def _try_lock(self) -> int | None:
+        """The locked descriptor of the file now at the path, or ``None`` if busy or replaced."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(self._path, flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(self._path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass  # busy, or the holder removed the file after we opened it: try again
+        os.close(fd)
+        return None
 
     def __exit__(self, *exc: object) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._fd is not None:
+            # remove the file while holding the lock (nothing is left behind); a waiter that
+            # opened it meanwhile sees the inode change and starts over
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(self._fd)
+            self._fd = None
+
+
+def connect_peer(name: str, timeout: float) -> socket.socket | None:
+    """Connect to the listener ``name`` without blocking past ``timeout`` seconds.
+
+    A listener whose backlog is full (``EAGAIN``) or that does not complete the connection in
+    time is skipped (``None``): a squatter cannot stall a join. The caller checks the peer's
+    credentials before trusting anything on the socket.
+    """
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    try:
+        err = s.connect_ex(abstract(name))
+        if err == errno.EINPROGRESS:
+            _, writable, _ = select.select([], [s], [], max(timeout, 0.0))
+            err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if writable else errno.ETIMEDOUT
+        if err:
+            raise OSError(err, os.strerror(err))
+        s.setblocking(True)
+        return s
+    except OSError:
+        s.close()
+        return None

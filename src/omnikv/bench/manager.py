@@ -1,0 +1,345 @@
+"""``omnikv bench manager``: paged KV through two managers in two processes over shared memory.
+
+The sender stage (this process) calls ``handle_finished_requests_kv_transfer`` on a paged KV
+cache; the receiver stage (a child process started here, killed by PID at the end) is already
+blocked in ``receive_kv_cache_for_request`` for that request. A sample is the time from the send
+call to the moment the receiver holds the decoded KV, on ``CLOCK_MONOTONIC`` (one clock per node).
+
+Cases, each on a *fresh* pair of managers (new namespace, new connectors), so the first request
+is a real first request (pool creation, connection, mapping):
+
+* **224 MiB**: Qwen2.5-7B shape (28 layers, 4 KV heads, dim 128, fp16), 4096 tokens, block 16;
+* **64 KiB**: 2 layers, 2 KV heads, dim 64, fp16, 64 tokens (targets: p50 <= 0.5 ms, p99 <= 2 ms);
+* **memcpy** of each payload's size in the same run (aligned, pre-faulted: the ceiling).
+
+Reported per case: the first request, then steady state (median, spread, p99). Data is verified
+on the receiver against caches it rebuilds from the same seed (first, last and every 64 KiB
+sample). ``--profile`` adds a cProfile breakdown of steady-state 64 KiB requests on both sides.
+The control channel is a socketpair carrying JSON lines (no pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnikv.bench.common import JsonChannel, Stats, print_table, write_json
+
+__all__ = ["main"]
+
+MIB = 1 << 20
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    heads: int
+    dim: int
+    tokens: int
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // BLOCK)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.heads * self.dim * self.tokens * 2
+
+
+SHAPES = {
+    "224MiB": Shape("224 MiB (Qwen2.5-7B, 4096 tokens)", 28, 4, 128, 4096),
+    "64KiB": Shape("64 KiB paged", 2, 2, 64, 64),
+}
+
+
+def _caches(shape: Shape) -> list[torch.Tensor]:
+    """Paged fp16 KV per layer ``[2, blocks, BLOCK, heads, dim]`` from a fixed seed."""
+    g = torch.Generator().manual_seed(1234)
+    return [
+        torch.randn(2, shape.blocks, BLOCK, shape.heads, shape.dim, generator=g).half()
+        for _ in range(shape.layers)
+    ]
+
+
+def _config(namespace: str, role: str, pool: int, prefault: int | bool = True) -> Any:
+    from omnikv import OmniKVCacheConfig
+
+    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": pool}
+    if role == "sender":
+        return OmniKVCacheConfig(
+            connector_config={**conn, "linger_s": 0, "prefault": prefault},
+            from_stage="0",
+            to_stage="1",
+            need_send_cache=True,
+        )
+    return OmniKVCacheConfig(
+        connector_config=conn,
+        from_stage="0",
+        stage_id="1",
+        need_recv_cache=True,
+        recv_timeout=60.0,
+    )
+
+
+def _verify(data: dict[str, Any] | None, caches: list[torch.Tensor], shape: Shape) -> bool:
+    if data is None:
+        return False
+    keys, values = data["layer_blocks"]["key_cache"], data["layer_blocks"]["value_cache"]
+    for layer, kv in enumerate(caches):
+        want_k = kv[0].reshape(-1, shape.heads, shape.dim)[: shape.tokens]
+        want_v = kv[1].reshape(-1, shape.heads, shape.dim)[: shape.tokens]
+        if not (torch.equal(keys[layer], want_k) and torch.equal(values[layer], want_v)):
+            return False
+    return True
+
+
+# -- receiver (child process) ------------------------------------------------------------------
+def _receiver(fd: int) -> int:
+    """Child: ``[new, ns, shape, pool]`` builds a manager; ``[recv, rid, verify]`` receives;
+    ``[profile, on|off]``; ``stop``."""
+    from omnikv import OmniKVTransferManager
+
+    chan = JsonChannel(socket.socket(fileno=fd))
+    mgr: Any = None
+    caches: list[torch.Tensor] = []
+    shape = SHAPES["64KiB"]
+    prof: cProfile.Profile | None = None
+    chan.send("ready")
+    while True:
+        msg = chan.recv()
+        if msg[0] == "stop":
+            break
+        if msg[0] == "new":
+            if mgr is not None:
+                mgr.close()
+            shape = SHAPES[msg[2]]
+            caches = _caches(shape)
+            mgr = OmniKVTransferManager(_config(msg[1], "receiver", int(msg[3])))
+            _ = mgr.connector  # a started stage has its connector before any KV arrives
+            chan.send("ok")
+        elif msg[0] == "profile":
+            prof = cProfile.Profile() if msg[1] == "on" else prof
+            chan.send("ok", _stats_text(prof) if msg[1] == "off" else "")
+            prof = None if msg[1] == "off" else prof
+        else:
+            chan.send("waiting")
+            if prof is not None:
+                prof.enable()
+            data, _size = mgr.receive_kv_cache_for_request(msg[1])
+            t = time.monotonic()
+            if prof is not None:
+                prof.disable()
+            ok = _verify(data, caches, shape) if msg[2] else data is not None
+            del data
+            chan.send(t, ok)
+    if mgr is not None:
+        mgr.close()
+    return 0
+
+
+def _stats_text(prof: cProfile.Profile | None, top: int = 18) -> str:
+    if prof is None:
+        return ""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+# -- sender (this process) ---------------------------------------------------------------------
+def _rss_mib() -> float:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _run_case(
+    args: argparse.Namespace, chan: JsonChannel, key: str, iters: int
+) -> tuple[float, Stats, float, list[str]]:
+    """(first request s, steady-state stats, sender RSS growth MiB at the first request, fails)."""
+    from omnikv import OmniKVTransferManager
+
+    shape = SHAPES[key]
+    pool = args.pool_mib * MIB if key == "64KiB" else 2 * shape.nbytes + 16 * MIB
+    namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
+    caches = _caches(shape)
+    chan.send("new", namespace, key, pool)
+    chan.expect("ok")
+    prefault: int | bool = True
+    if key == "224MiB" and args.prefault_mib:
+        prefault = args.prefault_mib * MIB
+    mgr = OmniKVTransferManager(_config(namespace, "sender", pool, prefault))
+    if key == "224MiB" and args.prefault_mib:
+        time.sleep(args.settle_s)  # a stage starts well before its first request
+    samples: list[float] = []
+    failures: list[str] = []
+    first, rss = 0.0, 0.0
+    try:
+        for i in range(1 + args.warmup + iters):
+            rss0 = _rss_mib()
+            t0, t_got, ok = _one(chan, mgr, caches, shape, f"{key}-{i}", i, iters)
+            if not ok:
+                failures.append(f"{key} sample {i}")
+            if i == 0:
+                first, rss = t_got - t0, _rss_mib() - rss0
+            elif i > args.warmup:
+                samples.append(t_got - t0)
+    finally:
+        mgr.close()
+    return first, Stats(f"{shape.name}, steady", samples, shape.nbytes), rss, failures
+
+
+def _one(
+    chan: JsonChannel, mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str, i: int, n: int
+) -> tuple[float, float, bool]:
+    verify = shape.nbytes <= MIB or i in (0, n)
+    chan.send("recv", rid, verify)
+    chan.expect("waiting")
+    time.sleep(0.002)  # let the receiver block in its wait (not part of the sample)
+    t0 = time.monotonic()
+    mgr.handle_finished_requests_kv_transfer(
+        {rid: {"block_ids": list(range(shape.blocks)), "seq_len": shape.tokens}},
+        caches,
+        BLOCK,
+        "torch.float16",
+    )
+    t_got, ok = chan.recv()
+    return t0, float(t_got), bool(ok)
+
+
+def _memcpy(nbytes: int, iters: int) -> Stats:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.ones(nbytes, dtype=torch.uint8)
+    samples = []
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= 2:
+            samples.append(time.perf_counter() - t0)
+    return Stats(f"memcpy {nbytes / MIB:.3g} MiB", samples, nbytes)
+
+
+def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, str]:
+    """cProfile of steady-state 64 KiB requests: (sender text, receiver text)."""
+    from omnikv import OmniKVTransferManager
+
+    shape = SHAPES["64KiB"]
+    namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
+    caches = _caches(shape)
+    chan.send("new", namespace, "64KiB", args.pool_mib * MIB)
+    chan.expect("ok")
+    mgr = OmniKVTransferManager(_config(namespace, "sender", args.pool_mib * MIB))
+    prof = cProfile.Profile()
+    try:
+        for i in range(20):
+            _one(chan, mgr, caches, shape, f"warm-{i}", i, 20)
+        chan.send("profile", "on")
+        chan.expect("ok")
+        for i in range(args.small_iters):
+            prof.enable()
+            _one(chan, mgr, caches, shape, f"prof-{i}", i, args.small_iters)
+            prof.disable()
+        chan.send("profile", "off")
+        rx_text = str(chan.expect("ok")[1])
+    finally:
+        mgr.close()
+    return _stats_text(prof), rx_text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns 0 when every target is met, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="omnikv bench manager", description=__doc__)
+    parser.add_argument("--iters", type=int, default=10, help="224 MiB steady-state samples")
+    parser.add_argument("--small-iters", type=int, default=500, help="64 KiB samples")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pool-mib", type=int, default=1024, help="64 KiB case's sender pool")
+    parser.add_argument(
+        "--prefault-mib", type=int, default=0, help="224 MiB case: populate this much at start"
+    )
+    parser.add_argument("--settle-s", type=float, default=3.0, help=argparse.SUPPRESS)
+    parser.add_argument("--skip-large", action="store_true", help="only the 64 KiB case")
+    parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
+    parser.add_argument("--json", help="write results to this file")
+    parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
+    parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv or []))
+    torch.set_num_threads(1)
+    if args.role == "receiver":
+        return _receiver(args.fd)
+    parent, child = socket.socketpair()
+    cmd = [sys.executable, "-m", "omnikv.cli", "bench", "manager", "--role", "receiver",
+           "--fd", str(child.fileno())]  # fmt: skip
+    proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
+    child.close()
+    chan = JsonChannel(parent)
+    try:
+        chan.expect("ready")
+        return _sender(args, chan)
+    finally:
+        with contextlib.suppress(OSError):
+            chan.send("stop")
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        parent.close()
+
+
+def _sender(args: argparse.Namespace, chan: JsonChannel) -> int:
+    cases = [("64KiB", args.small_iters)] + ([] if args.skip_large else [("224MiB", args.iters)])
+    rows: list[Stats] = []
+    out: dict[str, Any] = {"bench": "manager", "cases": {}}
+    failures: list[str] = []
+    targets: list[tuple[str, float, bool]] = []
+    for key, iters in cases:
+        first, steady, rss, fails = _run_case(args, chan, key, iters)
+        failures += fails
+        memcpy = _memcpy(SHAPES[key].nbytes, min(iters, 50))
+        rows += [memcpy, steady]
+        print(
+            f"{SHAPES[key].name}: first request {first * 1e3:.3f} ms (steady median"
+            f" {steady.median * 1e3:.3f} ms; +{(first - steady.median) * 1e3:.1f} ms), sender"
+            f" RSS +{rss:.1f} MiB at the first request"
+        )
+        out["cases"][key] = {"first_s": first, "first_rss_mib": rss, **steady.as_dict(),
+                             "memcpy": memcpy.as_dict()}  # fmt: skip
+        targets.append((f"{key} first - steady <= 50 ms (ms)", (first - steady.median) * 1e3,
+                        first - steady.median <= 0.05))  # fmt: skip
+        if key == "64KiB":
+            targets.append(("64 KiB p50 <= 0.5 ms (ms)", steady.median * 1e3,
+                            steady.median <= 0.5e-3))  # fmt: skip
+            targets.append(("64 KiB p99 <= 2 ms (ms)", steady.p99 * 1e3, steady.p99 <= 2e-3))
+    print_table(rows, title="through the managers, two processes (steady state)")
+    if failures:
+        raise SystemExit(f"verification failed: {', '.join(failures[:5])}")
+    print("\nTargets")
+    for label, value, ok in targets:
+        print(f"  {'PASS' if ok else 'MISS'}  {label}: {value:.3f}")
+    if args.profile:
+        tx, rx = _profile_small(args, chan)
+        print("\ncProfile, sender, steady-state 64 KiB requests (tottime)\n" + tx)
+        print("\ncProfile, receiver, steady-state 64 KiB requests (tottime)\n" + rx)
+    out["targets_met"] = all(ok for _, _, ok in targets)
+    write_json(args.json, out)
+    return 0 if out["targets_met"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))
