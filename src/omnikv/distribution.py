@@ -16,7 +16,7 @@ pulled (or failed to pull) the request's KV. Guarantees:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,9 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# One broadcast per message: 8 MiB chunks (pack overlapped with sending) measured 0.19 x gloo
-# on the 2-core machine against 0.4-0.5 x for one broadcast (omnikv bench dist).
-_CHUNK = 1 << 40
 _MAIN_FIELDS = ("past_key_values", "kv_metadata", "sp.past_key_values", "sp.kv_metadata")
 
 
@@ -159,14 +156,11 @@ def _broadcast(
     """Agree, then broadcast one message from group rank 0 (every rank of ``link`` calls it)."""
     frame: Frame | None = None
     buf: torch.Tensor | None = None
-    steps: Iterator[int] | None = None
     if is_src and ok:
         try:
             frame, _ = _encode(payload)
             if frame is not None:
-                buf = link.ctx.message_buffer(frame.nbytes)
-                steps = frame.pack_steps(buf)
-                next(steps)  # headers written; a failure here is a packing failure
+                buf = _packed(frame, link.ctx)  # a failure here is a packing failure
         except Exception:
             logger.exception("Packing KV for the %s broadcast failed", link.name)
             ok, buf = False, None
@@ -179,9 +173,7 @@ def _broadcast(
         return None
     if buf is None:
         buf = link.ctx.message_buffer(size)
-    # Chunks leave while later tensors are still being copied (a copy error after agreement
-    # breaks the group: the followers' broadcasts then time out and they return None).
-    link.broadcast_chunks(buf, 0, deadline, _CHUNK, steps)
+    link.broadcast(buf, 0, deadline)
     if is_src:
         return payload
     return _decode(buf, device)

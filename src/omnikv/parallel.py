@@ -23,7 +23,6 @@ import hashlib
 import logging
 import math
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -334,36 +333,6 @@ class GroupLink:
         opts = self._broadcast_options(src, deadline)
         try:
             self.group.broadcast([t], opts).wait()
-        except Exception as exc:
-            raise self._fail("broadcast", exc) from exc
-
-    def broadcast_chunks(
-        self,
-        buf: torch.Tensor,
-        src: int,
-        deadline: float,
-        chunk: int,
-        progress: Iterator[int] | None = None,
-    ) -> None:
-        """Broadcast ``buf`` as consecutive ``chunk``-byte broadcasts, all posted asynchronously.
-
-        Every rank must call it with the same ``buf`` size and ``chunk``. On the source,
-        ``progress`` (bytes of ``buf`` already final, increasing) lets a chunk leave as soon as
-        its bytes are written, so packing overlaps sending.
-        """
-        self.check()
-        total = int(buf.numel())
-        done = 0
-        works = []
-        try:
-            for start in range(0, total, chunk):
-                end = min(total, start + chunk)
-                while progress is not None and done < end:
-                    done = next(progress, total)
-                opts = self._broadcast_options(src, deadline)
-                works.append(self.group.broadcast([buf[start:end]], opts))
-            for work in works:
-                self._wait(work, deadline)
         except Exception as exc:
             raise self._fail("broadcast", exc) from exc
 
