@@ -76,6 +76,12 @@ class ReceiveResult:
     def ok(self) -> bool:
         return self.status is ReceiveStatus.OK
 
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The payload's metadata (``custom_metadata`` keys included); empty without data."""
+        meta = self.data.get("metadata") if isinstance(self.data, dict) else None
+        return dict(meta) if isinstance(meta, dict) else {}
+
 
 def _is_layer_dict(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("layer_blocks"), dict)
