@@ -69,6 +69,9 @@ def _doctor() -> int:
         except ImportError as exc:
             status = f"missing dependency: {exc}"
         print(f"connector {name}: {status}")
+    from omnikv.parallel import ParallelContext
+
+    print(f"parallel state: {ParallelContext.default().source}")
     return 0
 
 

@@ -39,6 +39,7 @@ from omnikv.distribution import distribute, tp_agree
 from omnikv.errors import KVPrefetchConsumeError
 from omnikv.metrics import TransferMetrics
 from omnikv.parallel import ParallelContext, TopoConfig, build_topo_config
+from omnikv.parallel_discovery import discover_tp
 from omnikv.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume, iter_prefetch_jobs
 from omnikv.receiver import KVReceiver, ReceiveResult, ReceiveStatus, SenderEndpoint
 from omnikv.requests import apply_kv_cache_to_request, apply_request_kv_payload, request_id_of
@@ -70,13 +71,6 @@ class RankInfo(Protocol):
 
     @property
     def tp_size(self) -> int: ...
-
-
-def _env_local_rank() -> int:
-    try:
-        return max(0, int(os.environ.get("LOCAL_RANK", "0")))
-    except ValueError:
-        return 0
 
 
 def _stage_str(value: Any) -> str | None:
@@ -154,9 +148,9 @@ class OmniKVTransferManager:
         if parallel_context is not None:
             self.local_rank = int(parallel_context.local_rank)
             detected_tp = int(parallel_context.tp_size)
-        else:
-            self.local_rank = _env_local_rank()
-            detected_tp = 1
+        else:  # the host framework's TP group, else LOCAL_RANK (omnikv.parallel_discovery)
+            host = discover_tp()
+            self.local_rank, detected_tp = host.local_rank, host.tp_size
         from_tp, to_tp = int(config.from_tp), int(config.to_tp)
         if from_tp <= 1 and to_tp <= 1:
             from_tp = to_tp = max(1, detected_tp)
