@@ -7,6 +7,9 @@ single-process ``generate`` on the prompt.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +172,21 @@ def test_a_missing_request_gives_no_cache_and_a_reason(namespace: str) -> None:
         cache, result = receive_hf_cache(receiver, "never-sent")
     assert cache is None
     assert result.status.value == "timeout"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_shared_memory_across_two_processes(dtype: str) -> None:
+    """``omnikv demo --model hf-llama``: stage 1 is another process; KV and tokens checked."""
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "omnikv.cli", "demo", "--model", "hf-llama", "--dtype", dtype,
+        "--prompt-lens", "1,15,16,17,100", "--new-tokens", str(NEW_TOKENS + 1),
+        "--realistic-tokens", "0", "--timeout", "100",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "stage 1 running as pid" in out.stdout
+    assert out.stdout.count("kv bit-identical") == 5
+    assert "tokens match the single-process reference: yes" in out.stdout
