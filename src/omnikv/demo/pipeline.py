@@ -193,6 +193,12 @@ class TinyWorkload:
 
 def _workload(ns: argparse.Namespace) -> Workload:
     if ns.model == "hf-llama":
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise SystemExit(
+                "--model hf-llama needs transformers: pip install 'omnikv[transformers]'"
+            )
         from omnikv.demo.hf import HFWorkload
 
         return HFWorkload(ns.dtype)
