@@ -190,3 +190,50 @@ def test_shared_memory_across_two_processes(dtype: str) -> None:
     assert "stage 1 running as pid" in out.stdout
     assert out.stdout.count("kv bit-identical") == 5
     assert "tokens match the single-process reference: yes" in out.stdout
+
+
+def test_a_static_cache_sends_only_the_tokens_it_holds(
+    models: dict[str, Any], namespace: str
+) -> None:
+    model = models["fp16"]
+    static = transformers.StaticCache(config=model.config, max_cache_len=64)
+    prompt = _prompt(12)
+    with torch.no_grad():
+        out = model(prompt, cache=static, use_cache=True)
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "static", out.cache).ok
+        cache, got = receive_hf_cache(receiver, "static", config=model.config)
+    assert got.ok and cache.get_seq_length() == 12
+    assert torch.equal(cache.layers[0].keys, static.layers[0].keys[:, :, :12])
+    assert "layer_blocks" not in (got.data or {})  # nothing received stays pinned
+
+
+def test_a_config_with_fewer_layers_than_received_is_refused(
+    models: dict[str, Any], namespace: str
+) -> None:
+    pairs = tuple((torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8)) for _ in range(3))
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "three", pairs).ok
+        with pytest.raises(HFCacheError, match="received 3 layers"):
+            receive_hf_cache(receiver, "three", config=models["fp32"].config)
+
+
+def test_a_sliding_window_cache_is_refused(namespace: str) -> None:
+    config = transformers.MistralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        out = model(_prompt(9), use_cache=True)
+    sender, _ = _pair(namespace)
+    with sender, pytest.raises(HFCacheError, match="sliding-window"):
+        send_hf_cache(sender, "window", out.cache)

@@ -20,6 +20,7 @@ views and fills a ``DynamicCache``. Batch size 1 only: one request is one sequen
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,10 +48,25 @@ class HFCacheError(OmniKVError, ValueError):
     """A transformers cache omnikv cannot send (batch > 1, uneven layers, wrong shape)."""
 
 
+def _filled(idx: int, layer: Any) -> tuple[Any, Any]:
+    """A cache layer's K and V, cut to the tokens it holds (a ``StaticCache`` preallocates)."""
+    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    length = getattr(layer, "get_seq_length", None)
+    if not callable(length) or not isinstance(k, torch.Tensor) or k.dim() != 4:
+        return k, v
+    seq = int(length())
+    if seq > int(k.shape[2]):
+        raise HFCacheError(
+            f"layer {idx} holds {int(k.shape[2])} of {seq} tokens (a sliding-window layer); "
+            "send_hf_cache needs every token of every layer"
+        )
+    return k[:, :, :seq], v[:, :, :seq] if isinstance(v, torch.Tensor) else v
+
+
 def _layer_pairs(cache: Any) -> list[tuple[Any, Any]]:
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        return [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in layers]
+        return [_filled(idx, layer) for idx, layer in enumerate(layers)]
     if isinstance(cache, tuple | list) and all(
         isinstance(p, tuple | list) and len(p) >= 2 for p in cache
     ):
@@ -139,13 +155,18 @@ def receive_hf_cache(
     Returns ``(cache, result)``; ``cache`` is ``None`` when ``result.ok`` is false (the status
     and reason say why). ``config`` (the model's config) lets transformers pick each layer's
     cache type; ``device`` moves the KV there (default: where it arrived, the host).
-    ``result.metadata`` is the payload's metadata, ``custom_metadata`` keys included.
+    ``result.metadata`` is the payload's metadata, ``custom_metadata`` keys included;
+    ``result.data`` keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
+    so nothing received stays pinned once this returns.
     """
     target = torch.device(device) if device is not None else None
     result = manager.receive_kv_cache_result(str(request_id), target)
     if not result.ok or result.data is None:
         return None, result
-    return _dynamic_cache(result.data, config), result
+    cache = _dynamic_cache(result.data, config)
+    # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
+    rest = {k: v for k, v in result.data.items() if k != "layer_blocks"}
+    return cache, dataclasses.replace(result, data=rest)
 
 
 def _dynamic_cache(data: Mapping[str, Any], config: Any) -> Any:
@@ -161,7 +182,12 @@ def _dynamic_cache(data: Mapping[str, Any], config: Any) -> Any:
     ]
     if len(pairs) != len(keys):
         raise HFCacheError(f"received KV has {len(keys) - len(pairs)} empty layer(s)")
-    return DynamicCache(pairs, config=config)
+    try:
+        return DynamicCache(pairs, config=config)
+    except IndexError as exc:  # more received layers than the config has
+        raise HFCacheError(
+            f"received {len(pairs)} layers, which the given config does not describe: {exc}"
+        ) from exc
 
 
 def _from_tokens(t: torch.Tensor) -> torch.Tensor:
