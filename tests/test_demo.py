@@ -38,9 +38,9 @@ def _shm_files() -> set[str]:
 
 
 _REALISTIC = re.compile(
-    r"realistic transfer \(Qwen2\.5-7B KV shape: 28 layers x 4 kv heads x 128 dims, fp16, "
-    r"(\d+) tokens, (\d+) MiB\), (.+?): median [\d.]+ ms .*?, [\d.]+ GB/s; a memcpy of the same "
-    r"bytes in this run: [\d.]+ ms \([\d.]+ GB/s\), so the transfer costs [\d.]+x a memcpy; "
+    r"realistic transfer, (.+?): (\d+) MiB \(Qwen2\.5-7B KV: 28 layers x 4 kv heads x 128 dims, "
+    r"fp16, (\d+) tokens\) in [\d.]+ ms \(median of 3, [\d.]+-[\d.]+ ms\), [\d.]+ GB/s = "
+    r"[\d.]+x the time of a memcpy of the same bytes in this run \([\d.]+ ms, [\d.]+ GB/s\); "
     r"KV checksums match"
 )
 
@@ -60,9 +60,9 @@ def test_demo_tokens_match_reference(connector: str) -> None:
     assert "GB/s" not in out.stdout.split("realistic transfer")[0]  # no bandwidth for the toy
     found = _REALISTIC.search(out.stdout)
     assert found is not None, out.stdout
-    assert found.group(1, 2) == ("512", "28")
-    where = "one process" if connector == "LocalConnector" else "stage 0 -> stage 1 process"
-    assert found.group(3) == where
+    assert found.group(2, 3) == ("28", "512")
+    where = "in one process" if connector == "LocalConnector" else "stage 0 -> stage 1 process"
+    assert found.group(1) == where
     assert _shm_files() <= before
 
 

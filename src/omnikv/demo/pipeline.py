@@ -497,7 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  send failed: {line}")
     ok = _report(prompts, ref, digests, stage1, {"prefill": prefill, "send": send}, ns.connector)
     if real is not None:
-        where = "one process" if ns.connector == "LocalConnector" else "stage 0 -> stage 1 process"
+        where = (
+            "in one process" if ns.connector == "LocalConnector" else "stage 0 -> stage 1 process"
+        )
         real.report(where)
         ok = ok and real.ok
     print("result: " + ("PASS" if ok else "FAIL"))

@@ -45,8 +45,8 @@ class RealisticShape:
 
     def describe(self) -> str:
         return (
-            f"Qwen2.5-7B KV shape: {self.layers} layers x {self.kv_heads} kv heads x "
-            f"{self.head_dim} dims, fp16, {self.tokens} tokens, {self.nbytes / 2**20:.0f} MiB"
+            f"Qwen2.5-7B KV: {self.layers} layers x {self.kv_heads} kv heads x "
+            f"{self.head_dim} dims, fp16, {self.tokens} tokens"
         )
 
     def paged_cache(self, seed: int = 11) -> list[LayerKV]:
@@ -117,14 +117,11 @@ def summary(
 ) -> str:
     """The one line the demo prints for the realistic transfer."""
     t = statistics.median(seconds)
-    gbs = shape.nbytes / t / 1e9
-    copy_gbs = shape.nbytes / copy_s / 1e9
-    spread = (
-        f" (min {min(seconds) * 1e3:.0f}, max {max(seconds) * 1e3:.0f})" if len(seconds) > 1 else ""
-    )
+    spread = f", {min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f} ms" if len(seconds) > 1 else ""
     return (
-        f"realistic transfer ({shape.describe()}), {where}: median {t * 1e3:.0f} ms{spread} "
-        f"over {len(seconds)} rounds, {gbs:.2f} GB/s; a memcpy of the same bytes in this run: "
-        f"{copy_s * 1e3:.0f} ms ({copy_gbs:.2f} GB/s), so the transfer costs {t / copy_s:.1f}x a "
-        f"memcpy; KV checksums {'match' if ok else 'DIFFER'}"
+        f"realistic transfer, {where}: {shape.nbytes / 2**20:.0f} MiB ({shape.describe()}) in "
+        f"{t * 1e3:.0f} ms (median of {len(seconds)}{spread}), {shape.nbytes / t / 1e9:.2f} GB/s "
+        f"= {t / copy_s:.1f}x the time of a memcpy of the same bytes in this run "
+        f"({copy_s * 1e3:.0f} ms, {shape.nbytes / copy_s / 1e9:.2f} GB/s); "
+        f"KV checksums {'match' if ok else 'DIFFER'}"
     )
