@@ -229,61 +229,81 @@ def _receive(mgr: OmniKVTransferManager, rid: str) -> dict[str, Any]:
     }
 
 
+# world size, TP groups (None: no vLLM in the host), CFG groups, SP groups
+LAYOUTS: dict[str, tuple[int, Any, Any, Any]] = {
+    "tp2xcfg2": (4, [[0, 1], [2, 3]], [[0, 2], [1, 3]], None),
+    "tp2xsp2": (4, [[0, 1], [2, 3]], None, [[0, 2], [1, 3]]),
+    "sp2": (2, None, None, [[0, 1]]),
+}
+
+
+def _send_shards(ns: str, tp_rank: int, tp: int) -> None:
+    """Stage 0's rank ``tp_rank`` (of ``tp``) sends its shard for both requests."""
+    from omnikv.connectors.local import LocalConnector
+
+    sender = OmniKVTransferManager(
+        OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True, from_tp=tp, to_tp=tp),
+        parallel_context=SimpleNamespace(local_rank=tp_rank, tp_size=tp),
+        connector=LocalConnector({"namespace": ns}),
+    )
+    for rid in ("found", "given"):
+        sender.handle_finished_requests_kv_transfer(
+            {rid: {"block_ids": [0, 1], "seq_len": 20}}, _shard(tp_rank), 16, "float32"
+        )
+
+
+def _receiver(ns: str, ctx: ParallelContext | None, tp: int) -> OmniKVTransferManager:
+    from omnikv.connectors.local import LocalConnector
+
+    cfg = OmniKVCacheConfig(
+        from_stage="0", stage_id="1", need_recv_cache=True, recv_timeout=1.0, from_tp=tp, to_tp=tp
+    )
+    return OmniKVTransferManager(
+        cfg, parallel_context=ctx, connector=LocalConnector({"namespace": ns})
+    )
+
+
+def _injected(omni_state: Any, vllm_state: Any, tp_rank: int, tp: int) -> ParallelContext:
+    """The context a launcher would inject for the same groups."""
+
+    def group(coordinator: Any) -> Any:
+        return coordinator.cpu_group if coordinator is not None else None
+
+    return ParallelContext(
+        world_group=group(omni_state._WORLD),
+        cfg_group=group(omni_state._CFG),
+        sp_group=group(omni_state._SP),
+        tp_group=group(vllm_state._TP) if vllm_state is not None else None,
+        local_rank=tp_rank,
+        tp_size=tp,
+    )
+
+
 def _worker(layout: str, rank: int, init: str, host: str, ns: str, out: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ.pop("LOCAL_RANK", None)
     sys.path.insert(0, host)
+    import importlib
+
     import torch.distributed as dist
 
-    from omnikv.connectors.local import LocalConnector
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    world, tp_groups, cfg_groups, sp_groups = LAYOUTS[layout]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        import vllm.distributed.parallel_state as vllm_state  # the stand-ins
-        import vllm_omni.diffusion.distributed.parallel_state as omni_state
-
-        vllm_state.initialize([[0, 1], [2, 3]])  # TP 2: rank = other * 2 + tp_rank
-        other = [[0, 2], [1, 3]]
-        omni_state.initialize(
-            other if layout == "cfg2" else None, other if layout == "sp2" else None
-        )
-        tp_rank = rank % 2
-        sender = OmniKVTransferManager(
-            OmniKVCacheConfig(
-                from_stage="0", to_stage="1", need_send_cache=True, from_tp=2, to_tp=2
-            ),
-            parallel_context=SimpleNamespace(local_rank=tp_rank, tp_size=2),
-            connector=LocalConnector({"namespace": ns}),
-        )
-        for rid in ("found", "given"):
-            sender.handle_finished_requests_kv_transfer(
-                {rid: {"block_ids": [0, 1], "seq_len": 20}}, _shard(tp_rank), 16, "float32"
-            )
-
-        def receiver(ctx: ParallelContext | None, tp: int) -> OmniKVTransferManager:
-            cfg = OmniKVCacheConfig(
-                from_stage="0", stage_id="1", need_recv_cache=True, recv_timeout=1.0,
-                from_tp=tp, to_tp=tp,
-            )  # fmt: skip
-            return OmniKVTransferManager(
-                cfg, parallel_context=ctx, connector=LocalConnector({"namespace": ns})
-            )
-
-        found = receiver(None, 1)  # from_tp = to_tp = 1: both become vLLM's TP size
+        vllm_state = None
+        if tp_groups is not None:  # the host runs vLLM: its TP group exists
+            vllm_state = importlib.import_module("vllm.distributed.parallel_state")
+            vllm_state.initialize(tp_groups)
+        omni_state = importlib.import_module("vllm_omni.diffusion.distributed.parallel_state")
+        omni_state.initialize(cfg_groups, sp_groups)
+        tp = 2 if tp_groups is not None else 1
+        tp_rank = rank % tp
+        _send_shards(ns, tp_rank, tp)
+        found = _receiver(ns, None, 1)  # from_tp = to_tp = 1: both become the detected TP size
         res: dict[str, Any] = {"rank": rank, "source": found.topo_config.context.source}
         res["found"] = _receive(found, "found")
         res["found_miss"] = _receive(found, "never-sent")["ok"]
-        cfg_g = omni_state._CFG.cpu_group if omni_state._CFG else None
-        sp_g = omni_state._SP.cpu_group if omni_state._SP else None
-        injected = ParallelContext(
-            world_group=omni_state._WORLD.cpu_group,
-            cfg_group=cfg_g,
-            sp_group=sp_g,
-            tp_group=vllm_state._TP.cpu_group,
-            local_rank=tp_rank,
-            tp_size=2,
-        )
-        given = receiver(injected, 2)
+        given = _receiver(ns, _injected(omni_state, vllm_state, tp_rank, tp), tp)
         res["given"] = _receive(given, "given")
         res["given_miss"] = _receive(given, "never-sent-either")["ok"]
         res["expected_kv"] = _expected_sum(tp_rank)
@@ -298,6 +318,7 @@ def _worker(layout: str, rank: int, init: str, host: str, ns: str, out: Any) -> 
 def _run(layout: str, tmp_path: Path, namespace: str) -> list[dict[str, Any]]:
     from omnikv.bench.common import run_ranks
 
+    world = LAYOUTS[layout][0]
     host = tmp_path / "host"
     _write_host(host)
     ctx = mp.get_context("spawn")
@@ -305,20 +326,20 @@ def _run(layout: str, tmp_path: Path, namespace: str) -> list[dict[str, Any]]:
     init = f"file://{tmp_path}/rdv"
     procs = [
         ctx.Process(target=_worker, args=(layout, r, init, str(host), namespace, out))
-        for r in range(4)
+        for r in range(world)
     ]
-    results: list[dict[str, Any]] = run_ranks(procs, out, 4, 90)
-    assert len(results) == 4, f"only {len(results)} of 4 ranks reported: {results}"
+    results: list[dict[str, Any]] = run_ranks(procs, out, world, 90)
+    assert len(results) == world, f"only {len(results)} of {world} ranks reported: {results}"
     for r in results:
         assert "error" not in r, r
     return sorted(results, key=lambda r: r["rank"])
 
 
-def _check(results: list[dict[str, Any]], roles: list[str]) -> None:
+def _check(results: list[dict[str, Any]], roles: list[str], source: str, tp: int) -> None:
     for r in results:
-        assert r["source"] == "groups: vllm-omni; tp: vllm", r
+        assert r["source"] == source, r
         assert r["found"] == r["given"], r  # discovered == injected, rank by rank
-        assert r["found"]["local_rank"] == r["rank"] % 2 and r["found"]["tp"] == (2, 2), r
+        assert r["found"]["local_rank"] == r["rank"] % tp and r["found"]["tp"] == (tp, tp), r
         assert r["found"]["ok"] and r["found"]["kv"] == r["expected_kv"], r
         assert r["found_miss"] is False and r["given_miss"] is False, r
     assert [r["found"]["role"] for r in results] == roles
@@ -327,14 +348,24 @@ def _check(results: list[dict[str, Any]], roles: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_tp2_x_cfg2_discovered_receive_equals_injected(tmp_path: Path, namespace: str) -> None:
-    results = _run("cfg2", tmp_path, namespace)
-    _check(results, ["leader", "leader", "follower", "follower"])
+    results = _run("tp2xcfg2", tmp_path, namespace)
+    _check(results, ["leader", "leader", "follower", "follower"], "groups: vllm-omni; tp: vllm", 2)
     assert [r["found"]["cfg"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_tp2_x_sp2_discovered_receive_equals_injected(tmp_path: Path, namespace: str) -> None:
-    results = _run("sp2", tmp_path, namespace)
-    _check(results, ["leader", "leader", "follower", "follower"])
+    results = _run("tp2xsp2", tmp_path, namespace)
+    _check(results, ["leader", "leader", "follower", "follower"], "groups: vllm-omni; tp: vllm", 2)
     assert [r["found"]["sp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_sp2_without_vllm_discovered_receive_equals_injected(
+    tmp_path: Path, namespace: str
+) -> None:
+    results = _run("sp2", tmp_path, namespace)
+    _check(results, ["leader", "follower"], "groups: vllm-omni; tp: default", 1)
+    assert [r["found"]["sp"] for r in results] == [(0, 2), (1, 2)]
