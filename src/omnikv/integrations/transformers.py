@@ -52,7 +52,9 @@ def _filled(idx: int, layer: Any) -> tuple[Any, Any]:
     """A cache layer's K and V, cut to the tokens it holds (a ``StaticCache`` preallocates)."""
     k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
     length = getattr(layer, "get_seq_length", None)
-    if not callable(length) or not isinstance(k, torch.Tensor) or k.dim() != 4:
+    if not callable(length) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return k, v
+    if k.dim() != 4:
         return k, v
     seq = int(length())
     if seq > int(k.shape[2]):
@@ -60,7 +62,7 @@ def _filled(idx: int, layer: Any) -> tuple[Any, Any]:
             f"layer {idx} holds {int(k.shape[2])} of {seq} tokens (a sliding-window layer); "
             "send_hf_cache needs every token of every layer"
         )
-    return k[:, :, :seq], v[:, :, :seq] if isinstance(v, torch.Tensor) else v
+    return k[:, :, :seq], v[:, :, :seq]
 
 
 def _layer_pairs(cache: Any) -> list[tuple[Any, Any]]:
@@ -121,7 +123,8 @@ def send_hf_cache(
 ) -> SendResult:
     """Send one request's transformers KV cache; returns its :class:`SendResult`.
 
-    ``cache`` is what the model returned in ``past_key_values`` (batch size 1). ``custom_metadata``
+    ``cache`` is what the model returned (``out.cache``; ``out.past_key_values`` on older
+    releases), batch size 1. ``custom_metadata``
     travels in the payload's metadata (``ReceiveResult.metadata`` on the receiver). Never raises
     for a send failure (the result says why); raises :class:`HFCacheError` for a cache it cannot
     read. KV that requires grad is detached (the model ran without ``torch.no_grad()``).
