@@ -69,6 +69,16 @@ def _doctor() -> int:
         except ImportError as exc:
             status = f"missing dependency: {exc}"
         print(f"connector {name}: {status}")
+    try:
+        from importlib.metadata import version
+
+        hf = f"ok ({version('transformers')})"
+    except ImportError:  # PackageNotFoundError is an ImportError
+        hf = "not installed (pip install 'omnikv[transformers]')"
+    print(f"integration transformers: {hf}")
+    from omnikv.parallel import ParallelContext
+
+    print(f"parallel state: {ParallelContext.default().source}")
     return 0
 
 

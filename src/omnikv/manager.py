@@ -23,6 +23,7 @@ from omnikv.deadline import deadline_after
 from omnikv.distribution import StageRanks, consume_or_receive, distribute, receive_distributed
 from omnikv.metrics import TransferMetrics
 from omnikv.parallel import TopoConfig
+from omnikv.parallel_discovery import discover_tp
 from omnikv.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchSlot
 from omnikv.receiver import DUMMY_REQUEST_ID, KVReceiver, ReceiveResult, ReceiveStatus
 from omnikv.requests import apply_received_kv, request_id_of
@@ -59,7 +60,9 @@ class OmniKVTransferManager:
     ) -> None:
         self.config, self.options = config, options or TransferOptions()
         self.parallel_context = parallel_context
-        place = topology.StagePlacement.of(config, parallel_context)
+        # Without an injected context: the host framework's TP group, else LOCAL_RANK.
+        rank_info = parallel_context if parallel_context is not None else discover_tp()
+        place = topology.StagePlacement.of(config, rank_info)
         self.send_stages, self.recv_stages = place.send_stages, place.recv_stages
         self.tp_topo, self.local_rank = place.topology, place.topology.local_rank
         retry = self.options.connector_retry_interval

@@ -23,7 +23,6 @@ import hashlib
 import logging
 import math
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -79,6 +78,7 @@ class ParallelContext:
     receive timeout pulling). ``max_message_bytes`` bounds what a follower allocates.
     ``buffer_cache``: how many message buffers (already faulted in) this rank keeps for reuse;
     a buffer is reused only once nothing references it any more (0: always allocate).
+    ``source``: where the groups came from (``"injected"``, or what :meth:`default` found).
     """
 
     world_group: ProcessGroup | None = None
@@ -90,17 +90,33 @@ class ParallelContext:
     grace_s: float = 2.0
     max_message_bytes: int = 1 << 36
     buffer_cache: int = 2
+    source: str = "injected"
     _buffers: list[tuple[torch.Tensor, int]] = field(default_factory=list, repr=False)
     _broken: dict[int, str] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def default(cls, local_rank: int = 0, tp_size: int = 1) -> ParallelContext:
-        """The initialised default world group if there is one, else a single rank."""
-        world: ProcessGroup | None = None
-        if dist.is_available() and dist.is_initialized():
-            world = dist.group.WORLD
-        return cls(world_group=world, local_rank=local_rank, tp_size=tp_size)
+    def default(cls, local_rank: int | None = None, tp_size: int | None = None) -> ParallelContext:
+        """The parallel state discovered from the host (no context was injected).
+
+        Groups: vllm-omni's diffusion parallel state > the initialised ``torch.distributed``
+        world > a single rank; TP group, rank and size: vLLM's TP group > ``LOCAL_RANK`` > 0
+        (:mod:`omnikv.parallel_discovery`). ``local_rank`` / ``tp_size`` override the discovered
+        values (the manager passes the ones its topology already uses). ``source`` says where
+        each part came from.
+        """
+        from omnikv.parallel_discovery import discover_groups, discover_tp
+
+        groups, tp = discover_groups(), discover_tp()
+        return cls(
+            world_group=groups.world,
+            cfg_group=groups.cfg,
+            sp_group=groups.sp,
+            tp_group=tp.group,
+            local_rank=tp.local_rank if local_rank is None else local_rank,
+            tp_size=tp.tp_size if tp_size is None else tp_size,
+            source=f"groups: {groups.source}; tp: {tp.source}",
+        )
 
     def message_buffer(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 host tensor of ``nbytes``: a cached buffer nobody else holds, or a new one.
@@ -334,36 +350,6 @@ class GroupLink:
         opts = self._broadcast_options(src, deadline)
         try:
             self.group.broadcast([t], opts).wait()
-        except Exception as exc:
-            raise self._fail("broadcast", exc) from exc
-
-    def broadcast_chunks(
-        self,
-        buf: torch.Tensor,
-        src: int,
-        deadline: float,
-        chunk: int,
-        progress: Iterator[int] | None = None,
-    ) -> None:
-        """Broadcast ``buf`` as consecutive ``chunk``-byte broadcasts, all posted asynchronously.
-
-        Every rank must call it with the same ``buf`` size and ``chunk``. On the source,
-        ``progress`` (bytes of ``buf`` already final, increasing) lets a chunk leave as soon as
-        its bytes are written, so packing overlaps sending.
-        """
-        self.check()
-        total = int(buf.numel())
-        done = 0
-        works = []
-        try:
-            for start in range(0, total, chunk):
-                end = min(total, start + chunk)
-                while progress is not None and done < end:
-                    done = next(progress, total)
-                opts = self._broadcast_options(src, deadline)
-                works.append(self.group.broadcast([buf[start:end]], opts))
-            for work in works:
-                self._wait(work, deadline)
         except Exception as exc:
             raise self._fail("broadcast", exc) from exc
 

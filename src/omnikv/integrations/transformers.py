@@ -1,0 +1,198 @@
+"""Send and receive Hugging Face transformers KV caches through an :class:`OmniKVTransferManager`.
+
+``pip install omnikv[transformers]``; transformers is imported only when a cache is built.
+
+Sender stage (after a prefill with ``use_cache=True``, under ``torch.no_grad()``)::
+
+    result = send_hf_cache(manager, "req-1", out.past_key_values, custom_metadata={...})
+
+Receiver stage::
+
+    cache, result = receive_hf_cache(manager, "req-1", config=model.config)
+    model.generate(ids, past_key_values=cache, ...)
+
+The sender presents each layer's ``[1, kv_heads, seq, head_dim]`` keys and values as one paged
+block ``[1, seq, kv_heads, head_dim]`` (a strided view, no copy) and goes through the manager's
+ordinary send path, so the only copy is the packing into the connector's buffer. The receiver
+turns the decoded ``[seq, kv_heads, head_dim]`` tensors back into ``[1, kv_heads, seq, head_dim]``
+views and fills a ``DynamicCache``. Batch size 1 only: one request is one sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from omnikv.errors import OmniKVError
+from omnikv.receiver import ReceiveResult
+from omnikv.sender import SendResult, SendStatus
+
+if TYPE_CHECKING:
+    from omnikv.manager import OmniKVTransferManager
+
+__all__ = ["HFCacheError", "cache_to_pairs", "receive_hf_cache", "send_hf_cache"]
+
+logger = logging.getLogger(__name__)
+
+_ACCEPTED = (
+    "a transformers Cache with .layers[i].keys/.values (DynamicCache), or a tuple of "
+    "(K, V) pairs, each [1, kv_heads, seq, head_dim]"
+)
+
+
+class HFCacheError(OmniKVError, ValueError):
+    """A transformers cache omnikv cannot send (batch > 1, uneven layers, wrong shape)."""
+
+
+def _filled(idx: int, layer: Any) -> tuple[Any, Any]:
+    """A cache layer's K and V, cut to the tokens it holds (a ``StaticCache`` preallocates)."""
+    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    length = getattr(layer, "get_seq_length", None)
+    if not callable(length) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return k, v
+    if k.dim() != 4:
+        return k, v
+    seq = int(length())
+    if seq > int(k.shape[2]):
+        raise HFCacheError(
+            f"layer {idx} holds {int(k.shape[2])} of {seq} tokens (a sliding-window layer); "
+            "send_hf_cache needs every token of every layer"
+        )
+    return k[:, :, :seq], v[:, :, :seq]
+
+
+def _layer_pairs(cache: Any) -> list[tuple[Any, Any]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [_filled(idx, layer) for idx, layer in enumerate(layers)]
+    if isinstance(cache, tuple | list) and all(
+        isinstance(p, tuple | list) and len(p) >= 2 for p in cache
+    ):
+        return [(p[0], p[1]) for p in cache]
+    raise HFCacheError(f"unsupported cache type {type(cache).__name__}; expected {_ACCEPTED}")
+
+
+def cache_to_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(K, V)`` tensors ``[1, kv_heads, seq, head_dim]`` of ``cache``, validated.
+
+    Raises :class:`HFCacheError` naming the layer and shape for an empty or uninitialised layer,
+    a batch size other than 1, layers of different lengths (sliding-window layers), or K and V
+    of different shapes, dtypes or devices.
+    """
+    pairs = _layer_pairs(cache)
+    if not pairs:
+        raise HFCacheError("the cache has no layers")
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for idx, (k, v) in enumerate(pairs):
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.numel() == 0:
+            raise HFCacheError(f"layer {idx} holds no KV (run the prompt with use_cache=True)")
+        if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise HFCacheError(
+                f"layer {idx}: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype}; "
+                f"expected {_ACCEPTED}"
+            )
+        if int(k.shape[0]) != 1:
+            raise HFCacheError(
+                f"layer {idx}: batch size {int(k.shape[0])}; send_hf_cache sends one sequence "
+                "(batch size 1) per request: split the batch into one request per row"
+            )
+        if out and k.shape != out[0][0].shape:
+            raise HFCacheError(
+                f"layer {idx}: shape {tuple(k.shape)} differs from layer 0's "
+                f"{tuple(out[0][0].shape)} (sliding-window or mixed caches are not supported)"
+            )
+        out.append((k, v))
+    return out
+
+
+def _as_block(t: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, seq, dim]`` -> one block ``[1, seq, heads, dim]`` (a view, no copy)."""
+    return t[0].transpose(0, 1).unsqueeze(0)
+
+
+def send_hf_cache(
+    manager: OmniKVTransferManager,
+    request_id: str,
+    cache: Any,
+    *,
+    custom_metadata: Mapping[str, Any] | None = None,
+) -> SendResult:
+    """Send one request's transformers KV cache; returns its :class:`SendResult`.
+
+    ``cache`` is what the model returned (``out.cache``; ``out.past_key_values`` on older
+    releases), batch size 1. ``custom_metadata``
+    travels in the payload's metadata (``ReceiveResult.metadata`` on the receiver). Never raises
+    for a send failure (the result says why); raises :class:`HFCacheError` for a cache it cannot
+    read. KV that requires grad is detached (the model ran without ``torch.no_grad()``).
+    """
+    rid = str(request_id)
+    pairs = cache_to_pairs(cache)
+    seq = int(pairs[0][0].shape[2])
+    layers = [(_as_block(k.detach()), _as_block(v.detach())) for k, v in pairs]
+    entry: dict[str, Any] = {"block_ids": [0], "seq_len": seq}
+    if custom_metadata:
+        entry["custom_metadata"] = dict(custom_metadata)
+    dtype = str(pairs[0][0].dtype).removeprefix("torch.")
+    manager.handle_finished_requests_kv_transfer({rid: entry}, list(layers), seq, dtype)
+    result = manager.get_send_result(rid)
+    if result is None:
+        reason = "the manager does not send (need_send_cache is false or no send stages)"
+        logger.warning("KV of %s not sent: %s", rid, reason)
+        return SendResult(rid, SendStatus.SKIPPED, rid, reason=reason)
+    return result
+
+
+def receive_hf_cache(
+    manager: OmniKVTransferManager,
+    request_id: str,
+    *,
+    config: Any = None,
+    device: torch.device | str | None = None,
+) -> tuple[Any, ReceiveResult]:
+    """Receive one request's KV as a ``DynamicCache`` ready for ``model(...)`` / ``generate``.
+
+    Returns ``(cache, result)``; ``cache`` is ``None`` when ``result.ok`` is false (the status
+    and reason say why). ``config`` (the model's config) lets transformers pick each layer's
+    cache type; ``device`` moves the KV there (default: where it arrived, the host).
+    ``result.metadata`` is the payload's metadata, ``custom_metadata`` keys included;
+    ``result.data`` keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
+    so nothing received stays pinned once this returns.
+    """
+    target = torch.device(device) if device is not None else None
+    result = manager.receive_kv_cache_result(str(request_id), target)
+    if not result.ok or result.data is None:
+        return None, result
+    cache = _dynamic_cache(result.data, config)
+    # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
+    rest = {k: v for k, v in result.data.items() if k != "layer_blocks"}
+    return cache, dataclasses.replace(result, data=rest)
+
+
+def _dynamic_cache(data: Mapping[str, Any], config: Any) -> Any:
+    from transformers import DynamicCache
+
+    blocks = data.get("layer_blocks") or {}
+    keys: Sequence[torch.Tensor | None] = blocks.get("key_cache") or []
+    values: Sequence[torch.Tensor | None] = blocks.get("value_cache") or []
+    pairs = [
+        (_from_tokens(k), _from_tokens(v))
+        for k, v in zip(keys, values, strict=True)
+        if k is not None and v is not None
+    ]
+    if len(pairs) != len(keys):
+        raise HFCacheError(f"received KV has {len(keys) - len(pairs)} empty layer(s)")
+    try:
+        return DynamicCache(pairs, config=config)
+    except IndexError as exc:  # more received layers than the config has
+        raise HFCacheError(
+            f"received {len(pairs)} layers, which the given config does not describe: {exc}"
+        ) from exc
+
+
+def _from_tokens(t: torch.Tensor) -> torch.Tensor:
+    """``[seq, heads, dim]`` -> ``[1, heads, seq, dim]`` (a view)."""
+    return t.transpose(0, 1).unsqueeze(0)
