@@ -29,6 +29,18 @@ from mooncake_helpers import (
     tcp_sockets,
 )
 from omnikv.connectors.nixl_agent import unavailable_reason
+from test_mooncake_manager import (
+    QWEN,
+    SMALL,
+    _check_closed_sender,
+    _check_receiver,
+    _check_sent_224,
+    _collect,
+    _free_base_port,
+    peer_receiver,
+    receive_and_check,
+)
+from test_mooncake_manager import peer_sender as manager_sender
 
 pytestmark = [
     pytest.mark.engine,
@@ -268,7 +280,97 @@ def scenario_failures() -> dict[str, Any]:
     return res
 
 
+def nixl_kv_config(role: str, base_port: int, from_tp: int, to_tp: int) -> dict[str, Any]:
+    """The ``omni_kv_config`` of one stage, built as a user writes it."""
+    pool = 256 * MiB if from_tp == to_tp == 1 else 16 * MiB
+    cfg: dict[str, Any] = {
+        "connector_config": {
+            "type": "NixlConnector",
+            "host": "127.0.0.1",
+            "zmq_port": base_port,
+            "backends": ["UCX"],
+            "memory_pool_size": pool,
+            "auth_secret": "job-secret",
+        },
+        "rank_mapping": {"from_tp": from_tp, "to_tp": to_tp},
+        "recv_timeout": 60.0,
+    }
+    if role == "sender":
+        cfg.update(omni_from_stage="0", omni_to_stage="1", need_send_cache=True, stage_id=0)
+    else:
+        cfg.update(stage_id=1, engine_input_source=[0], need_recv_cache=True)
+    return cfg
+
+
+def scenario_manager_224() -> dict[str, Any]:
+    _loopback_env()
+    base = _free_base_port(1)
+    out_q, in_q = queue(), queue()
+    proc = spawn(manager_sender, nixl_kv_config("sender", base, 1, 1), 0, 1, QWEN, out_q, in_q)
+    res: dict[str, Any] = {}
+    with peers(proc, timeout=30):
+        # the receiver starts waiting before the sender has sent: it is woken by the put
+        res["recv"] = receive_and_check(
+            nixl_kv_config("receiver", base, 1, 1),
+            0,
+            1,
+            QWEN,
+            {"0": {"host": "127.0.0.1", "zmq_port": base + 100}},
+        )
+        res["sent"] = _collect(out_q, 1, 60)[0][2]
+        in_q.put("close")
+        res["closed"] = _collect(out_q, 1, 60)[0][2]
+    return res
+
+
+def scenario_manager_tp(s: int, t: int) -> dict[str, Any]:
+    _loopback_env()
+    base = _free_base_port(s)
+    out_q, in_q = queue(), queue()
+    info = {"host": "127.0.0.1", "zmq_port": base + 100}
+    procs = [
+        spawn(manager_sender, nixl_kv_config("sender", base, s, t), r, s, SMALL, out_q, in_q)
+        for r in range(s)
+    ]
+    procs += [
+        spawn(peer_receiver, nixl_kv_config("receiver", base, s, t), r, t, SMALL, info, out_q)
+        for r in range(t)
+    ]
+    res: dict[str, Any] = {"sent": {}, "received": {}, "closed": {}}
+    with peers(*procs, timeout=30):
+        for kind, rank, body in _collect(out_q, s + t, 90):
+            res[kind][str(rank)] = body
+        for _ in range(s):
+            in_q.put("close")
+        for _kind, rank, body in _collect(out_q, s, 60):
+            res["closed"][str(rank)] = body
+    return res
+
+
 # -- tests --------------------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_manager_224mib_end_to_end_every_tensor() -> None:
+    r = run_scenario(__file__, "scenario_manager_224", timeout=140)
+    _check_sent_224(r["sent"])
+    _check_receiver(r["recv"], QWEN, QWEN["heads"])
+    _check_closed_sender(r["closed"])
+
+
+@pytest.mark.timeout(150)
+def test_manager_heterogeneous_tp_2_to_4() -> None:
+    r = run_scenario(__file__, "scenario_manager_tp", {"s": 2, "t": 4}, timeout=140)
+    assert sorted(r["sent"]) == ["0", "1"]
+    for rank, body in r["sent"].items():
+        assert body["status"] == "sent", body
+        first = 2 * int(rank)  # sender rank r slices its heads for receivers 2r and 2r + 1
+        assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
+    assert sorted(r["received"]) == ["0", "1", "2", "3"]
+    for body in r["received"].values():
+        _check_receiver(body, SMALL, SMALL["heads"] // 4)
+    for body in r["closed"].values():
+        _check_closed_sender(body)
+
+
 @pytest.mark.timeout(90)
 def test_roundtrip_long_poll_auth_consume_once_and_clean_close() -> None:
     r = run_scenario(__file__, "scenario_roundtrip", timeout=80)
