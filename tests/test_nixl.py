@@ -347,7 +347,29 @@ def scenario_manager_tp(s: int, t: int) -> dict[str, Any]:
     return res
 
 
+def scenario_bench_small(path: str) -> dict[str, Any]:
+    _loopback_env()
+    import json
+
+    from omnikv.bench.nixl import main
+
+    rc = main(["--size-mib", "8", "--repeat", "2", "--warmup", "1", "--json", path])
+    with open(path, encoding="utf-8") as fh:
+        return {"rc": rc, "report": json.load(fh), "threads": omnikv_threads()}
+
+
 # -- tests --------------------------------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_bench_nixl_small_run_verifies(tmp_path: Any) -> None:
+    r = run_scenario(__file__, "scenario_bench_small", {"path": str(tmp_path / "n.json")}, 80)
+    rep = r["report"]
+    assert r["rc"] == 0 and rep["verified"] and rep["failures"] == [], rep
+    assert rep["samples_checked"] == 6 and rep["samples_decoded"] == 4
+    assert set(rep["results"]) == {"raw", "wait", "e2e", "writer"}
+    assert all(len(v["samples_s"]) == 2 for v in rep["results"].values())
+    assert rep["ratios"]["nixl"] > 0 and r["threads"] == []
+
+
 @pytest.mark.timeout(150)
 def test_manager_224mib_end_to_end_every_tensor() -> None:
     r = run_scenario(__file__, "scenario_manager_224", timeout=140)

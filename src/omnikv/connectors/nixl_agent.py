@@ -34,6 +34,7 @@ __all__ = [
     "Transfer",
     "import_nixl",
     "nixl_errors",
+    "ucx_defaults",
     "unavailable_reason",
 ]
 
@@ -68,7 +69,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _ucx_defaults() -> None:
+def ucx_defaults() -> None:
     """Keep UCX's InfiniBand modules unloaded where no InfiniBand device exists (see above)."""
     if "UCX_MODULES" in os.environ:
         return
@@ -161,7 +162,7 @@ class NixlAgent:
     """
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
-        _ucx_defaults()
+        ucx_defaults()
         self.api = import_nixl()
         self.name = name
         self.backends = list(backends)
