@@ -122,11 +122,11 @@ class _FlakyConnector(LocalConnector):
         self.fails = fails
         self.calls = 0
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+    def put_packed(self, *args: Any, **kwargs: Any) -> PutResult:
         self.calls += 1
         if self.calls <= self.fails:
             return False, 0, None
-        return super().put(from_stage, to_stage, put_key, data)
+        return super().put_packed(*args, **kwargs)
 
 
 @pytest.mark.parametrize(("fails", "status"), [(2, SendStatus.SENT), (3, SendStatus.FAILED)])

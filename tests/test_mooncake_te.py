@@ -1,14 +1,15 @@
 """MooncakeTransferEngineConnector against real Transfer Engine peers in separate processes.
 
-Every networked case runs as a ``scenario_*`` function in an isolated child (``unshare -n``
-where possible, see ``mooncake_helpers``); the sender is a spawned peer driven over a queue.
+Every networked scenario runs once per module (module-scoped fixtures) as a ``scenario_*``
+function in an isolated child (``unshare -n`` where possible, see ``mooncake_helpers``); the
+sender is a spawned peer driven over a queue. Each test asserts one behaviour of a scenario.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,12 @@ from mooncake_helpers import (
 
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.slow,
     pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason())),
 ]
 
 MiB = 1 << 20
+SECRET = "s3cret"
 
 
 # -- the sender peer ----------------------------------------------------------------------------
@@ -53,6 +56,18 @@ class _HeldEngine:
         return getattr(self._engine, name)
 
 
+def _sender_put(conn: Any, key: str, nbytes: int, seed: int, deadline_s: float) -> tuple[Any, ...]:
+    data = pattern(nbytes, seed)
+
+    def write(dst: Any) -> None:
+        dst.numpy()[:] = data
+
+    ok, size, _ = conn.put_packed(
+        "0", "1", key, nbytes, write, deadline=time.monotonic() + deadline_s
+    )
+    return ("put", ok, size, crc(data))
+
+
 def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any, hold_q: Any) -> None:
     from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
 
@@ -63,20 +78,12 @@ def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any, hold_q: Any) -> None
         op = cmd[0]
         try:
             if op == "put":
-                _, key, nbytes, seed, deadline_s = cmd
-                data = pattern(nbytes, seed)
-
-                def write(dst: Any, data: np.ndarray = data) -> None:
-                    dst.numpy()[:] = data
-
-                ok, size, _meta = conn.put_packed(
-                    "0", "1", key, nbytes, write, deadline=time.monotonic() + deadline_s
-                )
-                out_q.put(("put", ok, size, crc(data)))
+                out_q.put(_sender_put(conn, *cmd[1:]))
             elif op == "put_obj":
                 out_q.put(("put", *conn.put("0", "1", cmd[1], cmd[2])[:2], 0))
-            elif op == "hold":
-                conn._engine = _HeldEngine(conn._engine, out_q, hold_q)
+            elif op == "hold":  # test hook: the sender side's engine handle
+                side = conn._sender
+                side._engine = _HeldEngine(side._engine, out_q, hold_q)
                 out_q.put(("held",))
             elif op == "health":
                 out_q.put(("health", conn.health()))
@@ -103,68 +110,66 @@ def _base_cfg(**extra: Any) -> dict[str, Any]:
     return cfg
 
 
-# -- scenarios (run isolated) -------------------------------------------------------------------
+def _ask(in_q: Any, out_q: Any, *cmd: Any) -> Any:
+    in_q.put(cmd)
+    return out_q.get(timeout=30)
+
+
+# -- scenario: round trip, auth, close ------------------------------------------------------------
+def _long_poll(recv: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> None:
+    got: dict[str, Any] = {}
+
+    def waiter() -> None:
+        got["r"] = recv.wait("0", "1", "k1", deadline=time.monotonic() + 20)
+        got["t"] = time.monotonic()
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    _, ok, size, sent_crc = _ask(in_q, out_q, "put", "k1", 20 * MiB + 123, 7, 5.0)
+    t_put = time.monotonic()
+    th.join(timeout=25)
+    buf = got["r"]
+    res["put_ok"] = ok and size == 20 * MiB + 123
+    res["wait_type"] = type(buf).__name__
+    res["size"] = buf.size
+    res["crc_ok"] = crc(buf.tensor.numpy()) == sent_crc
+    res["lag_s"] = got["t"] - t_put
+    buf.release()
+
+
 def scenario_roundtrip() -> dict[str, Any]:
-    from omnikv.connectors.base import ManagedBuffer
     from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
     from omnikv.errors import ConnectorClosedError
 
     (zport,) = free_ports(1)
     res: dict[str, Any] = {}
     proc, out_q, in_q, _ = _sender(
-        _base_cfg(role="sender", zmq_port=zport, auth_secret="s3cret", buffer_ttl_seconds=60)
+        _base_cfg(role="sender", zmq_port=zport, auth_secret=SECRET, buffer_ttl_seconds=60)
     )
     with peers(proc):
         recv = MooncakeTransferEngineConnector(
-            _base_cfg(role="receiver", auth_secret="s3cret", peer_timeout_seconds=2)
+            _base_cfg(role="receiver", auth_secret=SECRET, peer_timeout_seconds=2)
         )
         recv.update_sender_info("127.0.0.1", zport)
-        # a miss is None and quick
         t0 = time.monotonic()
         res["miss"] = recv.get("0", "1", "absent") is None
         res["miss_s"] = time.monotonic() - t0
-        # long-poll: wait first, put while it waits
-        got: dict[str, Any] = {}
-
-        def waiter() -> None:
-            got["r"] = recv.wait("0", "1", "k1", deadline=time.monotonic() + 20)
-            got["t"] = time.monotonic()
-
-        th = threading.Thread(target=waiter)
-        th.start()
-        in_q.put(("put", "k1", 20 * MiB + 123, 7, 5.0))
-        _, ok, size, sent_crc = out_q.get(timeout=20)
-        t_put = time.monotonic()
-        th.join(timeout=25)
-        r = got["r"]
-        res["put_ok"] = ok and size == 20 * MiB + 123
-        res["managed"] = isinstance(r[0], ManagedBuffer)
-        res["size"] = r[1]
-        res["crc_ok"] = crc(r[0].tensor.numpy()) == sent_crc
-        res["lag_s"] = got["t"] - t_put
-        r[0].release()
-        # consume-once; per-call metadata instead of the default endpoint
+        _long_poll(recv, in_q, out_q, res)
         meta = {"source_host": "127.0.0.1", "source_port": zport}
         res["second_get_none"] = recv.get("0", "1", "k1", metadata=meta) is None
-        in_q.put(("put_obj", "obj", {"a": [1, 2], "b": "x"}))
-        out_q.get(timeout=20)
-        res["obj"] = recv.get("0", "1", "obj", metadata=meta)
-        # a receiver with the wrong secret is refused and times out within its deadline
+        _ask(in_q, out_q, "put_obj", "obj", {"a": [1, 2], "b": "x"})
+        res["obj"] = recv.get("0", "1", "obj", metadata=meta)[0]
         bad = MooncakeTransferEngineConnector(_base_cfg(role="receiver", auth_secret="wrong"))
-        in_q.put(("put", "k2", MiB, 3, 5.0))
-        out_q.get(timeout=20)
+        _ask(in_q, out_q, "put", "k2", MiB, 3, 5.0)
         t0 = time.monotonic()
         res["bad_secret_none"] = bad.wait("0", "1", "k2", deadline=t0 + 1.0, metadata=meta) is None
         res["bad_secret_s"] = time.monotonic() - t0
         bad.close()
-        in_q.put(("health",))
-        h = out_q.get(timeout=20)[1]
-        res["rejected"] = h["rejected_messages"]
-        res["still_pending"] = h["entries"]
-        # the good receiver still gets k2
+        h = _ask(in_q, out_q, "health")[1]
+        res["rejected"], res["still_pending"] = h["rejected_messages"], h["entries"]
         r2 = recv.wait("0", "1", "k2", deadline=time.monotonic() + 10)
-        res["k2_ok"] = r2 is not None and crc(r2[0].tensor.numpy()) == crc(pattern(MiB, 3))
-        view = r2[0].adopt() if r2 is not None else None
+        res["k2_ok"] = r2 is not None and crc(r2.tensor.numpy()) == crc(pattern(MiB, 3))
+        view = r2.adopt() if r2 is not None else None
         res["recv_health"] = recv.health()
         del view
         recv.close()
@@ -176,17 +181,130 @@ def scenario_roundtrip() -> dict[str, Any]:
             res["closed_raises"] = True
         res["recv_threads"] = omnikv_threads()
         res["recv_tcp"] = tcp_sockets()
-        in_q.put(("close",))
-        _, sh, alive, res["sender_tcp"] = out_q.get(timeout=30)
-        res["sender_closed"] = sh["status"]
-        res["sender_threads"] = alive
-        res["sender_pool"] = sh["pool_size"]
+        _, sh, res["sender_threads"], res["sender_tcp"] = _ask(in_q, out_q, "close")
+        res["sender_closed"], res["sender_pool"] = sh["status"], sh["pool_size"]
     return res
+
+
+@pytest.fixture(scope="module")
+def roundtrip() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_roundtrip", timeout=100)
+
+
+def test_a_miss_is_none_and_quick(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["miss"] and roundtrip["miss_s"] < 3
+
+
+def test_wait_returns_the_payload_as_a_managed_buffer(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["put_ok"] and roundtrip["wait_type"] == "ManagedBuffer"
+    assert roundtrip["size"] == 20 * MiB + 123 and roundtrip["crc_ok"]
+
+
+def test_a_waiting_receiver_is_woken_by_the_put(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["lag_s"] < 2.0, roundtrip["lag_s"]  # not by a poll period
+
+
+def test_a_payload_is_consumed_once(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["second_get_none"]
+
+
+def test_objects_come_back_decoded_from_get(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["obj"] == {"a": [1, 2], "b": "x"}
+
+
+def test_a_wrong_secret_is_refused_within_the_deadline(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["bad_secret_none"] and roundtrip["bad_secret_s"] < 1.6
+    assert roundtrip["rejected"] >= 1 and roundtrip["still_pending"] == 1
+
+
+def test_the_right_receiver_is_served_after_a_refusal(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["k2_ok"]
+    h = roundtrip["recv_health"]
+    assert h["gets"] == 3 and h["quarantined"] == 0
+
+
+def test_a_closed_receiver_raises(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["closed_raises"]
+
+
+def test_close_leaves_no_thread_or_socket(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["recv_threads"] == [] and roundtrip["sender_threads"] == []
+    assert roundtrip["recv_tcp"] == [] and roundtrip["sender_tcp"] == []
+    assert roundtrip["sender_closed"] == "closed" and roundtrip["sender_pool"] == 0
+
+
+# -- scenario: failures ---------------------------------------------------------------------------
+def _pool_and_ttl(recv: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> dict[str, Any]:
+    from omnikv.errors import PoolExhaustedError
+
+    assert _ask(in_q, out_q, "put", "k12", 12 * MiB, 1, 1.0)[1] is True
+    t0 = time.monotonic()
+    res["sender_pool"] = _ask(in_q, out_q, "put", "x8", 8 * MiB, 1, 0.3)[1]
+    res["sender_pool_s"] = time.monotonic() - t0
+    try:
+        recv.wait("0", "1", "k12", deadline=time.monotonic() + 0.5)
+        res["recv_pool"] = "no error"
+    except PoolExhaustedError:
+        res["recv_pool"] = "PoolExhaustedError"
+    end = time.monotonic() + 10
+    h = _ask(in_q, out_q, "health")[1]
+    while h["entries"] and time.monotonic() < end:
+        time.sleep(0.1)  # polls the sender's TTL sweep (1 s); synchronises nothing
+        h = _ask(in_q, out_q, "health")[1]
+    res["ttl_reaped"] = h["ttl_reaped"]
+    return h
+
+
+def _late_arrival(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, Any]) -> None:
+    ttl_before = _ask(in_q, out_q, "health")[1]["ttl_reaped"]
+    assert _ask(in_q, out_q, "hold")[0] == "held"
+    assert _ask(in_q, out_q, "put", "late", 2 * MiB, 5, 1.0)[1] is True
+    t0 = time.monotonic()
+    res["late_first_none"] = recv.wait("0", "1", "late", deadline=t0 + 0.6) is None
+    res["late_first_s"] = time.monotonic() - t0
+    assert out_q.get(timeout=20)[0] == "writing"
+    t_writing = time.monotonic()
+    res["quarantined_during"] = recv.health()["quarantined"]
+    # keep the write in flight past the 1 s TTL and its 0.5 s sweep: the reaper must skip it
+    time.sleep(max(0.0, t_writing + 2.0 - time.monotonic()))  # lets the TTL elapse
+    res["ttl_reaped_inflight"] = _ask(in_q, out_q, "health")[1]["ttl_reaped"] - ttl_before
+    hold_q.put("go")
+    r = recv.wait("0", "1", "late", deadline=time.monotonic() + 10)
+    res["late_ok"] = r is not None and crc(r.tensor.numpy()) == crc(pattern(2 * MiB, 5))
+    if r is not None:
+        r.release()
+
+
+def _sender_killed(recv: Any, proc: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> None:
+    from omnikv.errors import PeerGoneError
+
+    assert _ask(in_q, out_q, "put", "doomed", 4 * MiB, 6, 1.0)[1] is True
+    killed: dict[str, float] = {}
+
+    def killer() -> None:
+        assert out_q.get(timeout=20)[0] == "writing"
+        proc.kill()
+        killed["t"] = time.monotonic()
+
+    th = threading.Thread(target=killer)
+    th.start()
+    try:
+        recv.wait("0", "1", "doomed", deadline=time.monotonic() + 20)
+        res["killed"] = "no error"
+    except PeerGoneError:
+        res["killed"] = "PeerGoneError"
+    th.join(timeout=20)
+    res["killed_detect_s"] = time.monotonic() - killed["t"]
+    res["quarantined_after_kill"] = recv.health()["quarantined"]
+    end = time.monotonic() + 10
+    while recv.health()["quarantined"] and time.monotonic() < end:
+        time.sleep(0.1)  # polls the reaper's outcome; synchronises nothing
+    h = recv.health()
+    res["quarantine_freed"], res["recv_pool_used"] = h["quarantine_freed"], h["pool_used"]
 
 
 def scenario_failures() -> dict[str, Any]:
     from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
-    from omnikv.errors import PeerGoneError, PoolExhaustedError
 
     (zport,) = free_ports(1)
     res: dict[str, Any] = {}
@@ -204,126 +322,244 @@ def scenario_failures() -> dict[str, Any]:
                 sender_zmq_port=zport,
             )
         )
-        # key never put: None within the deadline
         t0 = time.monotonic()
         res["never_none"] = recv.wait("0", "1", "never", deadline=t0 + 0.8) is None
         res["never_s"] = time.monotonic() - t0
-        # receiver pool exhausted: 12 MiB does not fit 8 MiB
-        in_q.put(("put", "k12", 12 * MiB, 1, 1.0))
-        assert out_q.get(timeout=20)[1] is True
-        # sender pool exhausted: 8 more MiB do not fit 16; put_packed raises at its deadline
-        t0 = time.monotonic()
-        in_q.put(("put", "x8", 8 * MiB, 1, 0.3))
-        res["sender_pool"] = out_q.get(timeout=20)[1]
-        res["sender_pool_s"] = time.monotonic() - t0
-        try:
-            recv.wait("0", "1", "k12", deadline=time.monotonic() + 0.5)
-            res["recv_pool"] = "no error"
-        except PoolExhaustedError:
-            res["recv_pool"] = "PoolExhaustedError"
-        # TTL: the sender drops k12 unconsumed after 1 s, then pending is empty
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            in_q.put(("health",))
-            h = out_q.get(timeout=20)[1]
-            if h["entries"] == 0:
-                break
-            time.sleep(0.1)
-        res["ttl_reaped"] = h["ttl_reaped"]
-        # receiver gives up mid-transfer: slot quarantined; finished transfer becomes a late arrival
-        in_q.put(("hold",))
-        assert out_q.get(timeout=20)[0] == "held"
-        in_q.put(("put", "late", 2 * MiB, 5, 1.0))
-        assert out_q.get(timeout=20)[1] is True
-        t0 = time.monotonic()
-        res["late_first_none"] = recv.wait("0", "1", "late", deadline=t0 + 0.6) is None
-        res["late_first_s"] = time.monotonic() - t0
-        assert out_q.get(timeout=20)[0] == "writing"
-        t_writing = time.monotonic()
-        res["quarantined_during"] = recv.health()["quarantined"]
-        # keep the write in flight past the 1 s TTL and its 0.5 s sweep: the reaper must skip it
-        # (this sleep lets the TTL elapse; it synchronises nothing)
-        time.sleep(max(0.0, t_writing + 2.0 - time.monotonic()))
-        in_q.put(("health",))
-        res["ttl_reaped_inflight"] = out_q.get(timeout=20)[1]["ttl_reaped"] - h["ttl_reaped"]
-        hold_q.put("go")
-        r = recv.wait("0", "1", "late", deadline=time.monotonic() + 10)
-        res["late_ok"] = r is not None and crc(r[0].tensor.numpy()) == crc(pattern(2 * MiB, 5))
-        if r is not None:
-            r[0].release()
-        # sender killed mid-transfer: PeerGoneError within peer_timeout, slot freed later
-        in_q.put(("put", "doomed", 4 * MiB, 6, 1.0))
-        assert out_q.get(timeout=20)[1] is True
-        killed: dict[str, float] = {}
-
-        def killer() -> None:
-            msg = out_q.get(timeout=20)
-            assert msg[0] == "writing"
-            proc.kill()
-            killed["t"] = time.monotonic()
-
-        th = threading.Thread(target=killer)
-        th.start()
-        try:
-            recv.wait("0", "1", "doomed", deadline=time.monotonic() + 20)
-            res["killed"] = "no error"
-        except PeerGoneError:
-            res["killed"] = "PeerGoneError"
-        th.join(timeout=20)
-        res["killed_detect_s"] = time.monotonic() - killed["t"]
-        res["quarantined_after_kill"] = recv.health()["quarantined"]
-        res["q_dump"] = [(q.key, q.xid) for q in recv._quarantine.values()]
-        end = time.monotonic() + 10
-        while recv.health()["quarantined"] and time.monotonic() < end:
-            time.sleep(0.1)
-        h = recv.health()
-        res["quarantine_freed"] = h["quarantine_freed"]
-        res["recv_pool_used"] = h["pool_used"]
+        _pool_and_ttl(recv, in_q, out_q, res)
+        _late_arrival(recv, in_q, out_q, hold_q, res)
+        _sender_killed(recv, proc, in_q, out_q, res)
         recv.close()
         res["threads"] = omnikv_threads()
     return res
 
 
-# -- tests --------------------------------------------------------------------------------------
-@pytest.mark.timeout(120)
-def test_te_roundtrip_long_poll_auth_and_close() -> None:
-    r = run_scenario(__file__, "scenario_roundtrip", timeout=100)
-    assert r["miss"] and r["miss_s"] < 3
-    assert r["put_ok"] and r["managed"] and r["size"] == 20 * MiB + 123 and r["crc_ok"]
-    assert r["lag_s"] < 2.0, r["lag_s"]  # woken by the put, not by a poll period
-    assert r["second_get_none"]
-    assert r["obj"] == [{"a": [1, 2], "b": "x"}, r["obj"][1]]
-    assert r["bad_secret_none"] and r["bad_secret_s"] < 1.6
-    assert r["rejected"] >= 1 and r["still_pending"] == 1
-    assert r["k2_ok"]
-    h = r["recv_health"]
-    assert h["gets"] == 3 and h["quarantined"] == 0
-    assert r["closed_raises"] and r["recv_threads"] == []
-    # no control socket, engine RPC listener or data connection is left open after close()
-    assert r["recv_tcp"] == [] and r["sender_tcp"] == [], (r["recv_tcp"], r["sender_tcp"])
-    assert r["sender_closed"] == "closed" and r["sender_threads"] == [] and r["sender_pool"] == 0
+@pytest.fixture(scope="module")
+def failures() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_failures", timeout=100)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.slow
-def test_te_failures_are_explicit_bounded_and_leak_nothing() -> None:
-    r = run_scenario(__file__, "scenario_failures", timeout=100)
-    assert r["never_none"] and 0.7 < r["never_s"] < 1.5
-    assert r["sender_pool"] == "PoolExhaustedError" and 0.25 < r["sender_pool_s"] < 2
-    assert r["recv_pool"] == "PoolExhaustedError"
-    assert r["ttl_reaped"] >= 1
-    assert r["late_first_none"] and r["late_first_s"] < 1.2
-    assert r["quarantined_during"] == 1
-    assert r["ttl_reaped_inflight"] == 0, "the TTL reaper freed a buffer that was being written"
-    assert r["late_ok"]
-    assert r["killed"] == "PeerGoneError" and r["killed_detect_s"] < 3.0
-    assert r["quarantined_after_kill"] == 1 and r["quarantine_freed"] >= 1
-    assert r["recv_pool_used"] == 0
-    assert r["threads"] == []
+def test_a_key_never_put_is_none_at_the_deadline(failures: dict[str, Any]) -> None:
+    assert failures["never_none"] and 0.7 < failures["never_s"] < 1.5
+
+
+def test_a_full_sender_pool_raises_at_the_put_deadline(failures: dict[str, Any]) -> None:
+    assert failures["sender_pool"] == "PoolExhaustedError"
+    assert 0.25 < failures["sender_pool_s"] < 2
+
+
+def test_a_full_receiver_pool_raises(failures: dict[str, Any]) -> None:
+    assert failures["recv_pool"] == "PoolExhaustedError"
+
+
+def test_unconsumed_entries_expire_by_ttl(failures: dict[str, Any]) -> None:
+    assert failures["ttl_reaped"] >= 1
+
+
+def test_a_receiver_that_gives_up_mid_write_quarantines_its_slot(failures: dict[str, Any]) -> None:
+    assert failures["late_first_none"] and failures["late_first_s"] < 1.2
+    assert failures["quarantined_during"] == 1
+
+
+def test_the_ttl_never_frees_an_entry_being_written(failures: dict[str, Any]) -> None:
+    assert failures["ttl_reaped_inflight"] == 0
+
+
+def test_a_transfer_that_finishes_late_is_handed_to_the_next_wait(
+    failures: dict[str, Any],
+) -> None:
+    assert failures["late_ok"]
+
+
+def test_a_killed_sender_is_peer_gone_quickly(failures: dict[str, Any]) -> None:
+    assert failures["killed"] == "PeerGoneError" and failures["killed_detect_s"] < 3.0
+
+
+def test_the_killed_transfer_slot_is_freed_later(failures: dict[str, Any]) -> None:
+    assert failures["quarantined_after_kill"] == 1 and failures["quarantine_freed"] >= 1
+    assert failures["recv_pool_used"] == 0 and failures["threads"] == []
+
+
+# -- scenario: replay attack on the control port (issue 13 item 1) --------------------------------
+def _tap_client(recv: Any) -> list[list[bytes]]:
+    """Record every multipart message the receiver's control client sends (its wire bytes)."""
+    wire: list[list[bytes]] = []
+    client = recv._receiver._client  # test hook: where the control messages leave
+    connect: Callable[..., Any] = client._connect
+
+    class Tap:
+        def __init__(self, sock: Any) -> None:
+            self._sock = sock
+
+        def send_multipart(self, frames: list[bytes]) -> None:
+            wire.append(list(frames))
+            self._sock.send_multipart(frames)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._sock, name)
+
+    client._connect = lambda ep: Tap(connect(ep))
+    return wire
+
+
+def _replayed_answers(port: int, messages: list[list[bytes]]) -> list[bool]:
+    """Re-send each message verbatim from a fresh socket; True where anything answered."""
+    import zmq
+
+    ctx = zmq.Context()
+    answers = []
+    for frames in messages:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(frames)
+        answers.append(bool(sock.poll(1000)))
+        sock.close(0)
+    ctx.destroy(linger=0)
+    return answers
+
+
+def scenario_replay() -> dict[str, Any]:
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    (zport,) = free_ports(1)
+    res: dict[str, Any] = {}
+    proc, out_q, in_q, _ = _sender(_base_cfg(role="sender", zmq_port=zport, auth_secret=SECRET))
+    with peers(proc):
+        recv = MooncakeTransferEngineConnector(
+            _base_cfg(role="receiver", auth_secret=SECRET, sender_host="127.0.0.1",
+                      sender_zmq_port=zport, peer_timeout_seconds=1.0)
+        )  # fmt: skip
+        wire = _tap_client(recv)
+        _, _, _, sent_crc = _ask(in_q, out_q, "put", "k", 4 * MiB, 1, 5.0)
+        held = recv.wait("0", "1", "k", deadline=time.monotonic() + 20)
+        assert held is not None and crc(held.tensor.numpy()) == sent_crc
+        chan = recv._receiver._client.channel(("127.0.0.1", zport), 5.0)  # test hook
+        assert chan is not None and chan.request({"op": "ping"}, 5.0) is not None
+        wanted = ("query", "pull", "ping")
+        captured = {_control_op(m): m for m in wire if _control_op(m) in wanted}
+        # the same key is published again (other bytes): a served replay of the captured pull
+        # would overwrite the slot the application still holds
+        _ask(in_q, out_q, "put", "k", 4 * MiB, 2, 5.0)
+        before = _ask(in_q, out_q, "health")[1]
+        res["captured"] = sorted(captured)
+        res["answers"] = _replayed_answers(
+            zport, [captured[op] for op in ("query", "pull", "ping")]
+        )
+        after = _ask(in_q, out_q, "health")[1]
+        res["held_intact"] = crc(held.tensor.numpy()) == sent_crc
+        res["pulls_served"] = after["pulls_served"] - before["pulls_served"]
+        res["entries"] = after["entries"]
+        res["rejected"] = after["rejected_messages"] - before["rejected_messages"]
+        held.release()
+        got = recv.wait("0", "1", "k", deadline=time.monotonic() + 20)
+        res["genuine_ok"] = got is not None and crc(got.tensor.numpy()) == crc(pattern(4 * MiB, 2))
+        recv.close()
+        _ask(in_q, out_q, "close")
+    return res
+
+
+def _control_op(frames: list[bytes]) -> str:
+    import msgpack
+
+    return str(msgpack.unpackb(frames[0])["op"])
+
+
+@pytest.fixture(scope="module")
+def replay() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_replay", timeout=100)
+
+
+def test_signed_query_pull_and_ping_were_captured(replay: dict[str, Any]) -> None:
+    assert replay["captured"] == ["ping", "pull", "query"]
+
+
+def test_replayed_messages_get_no_answer(replay: dict[str, Any]) -> None:
+    assert replay["answers"] == [False, False, False]
+
+
+def test_a_replayed_pull_changes_no_memory(replay: dict[str, Any]) -> None:
+    assert replay["held_intact"] and replay["pulls_served"] == 0 and replay["entries"] == 1
+
+
+def test_replays_are_counted_as_rejected(replay: dict[str, Any]) -> None:
+    assert replay["rejected"] == 3
+
+
+def test_the_genuine_receiver_is_still_served(replay: dict[str, Any]) -> None:
+    assert replay["genuine_ok"]
+
+
+# -- scenario: construction ---------------------------------------------------------------------
+def _build(cfg: dict[str, Any]) -> str:
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    try:
+        MooncakeTransferEngineConnector(cfg).close()
+    except Exception as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+def scenario_construction() -> dict[str, Any]:
+    import socket
+
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    (zport,) = free_ports(1)
+    res: dict[str, Any] = {"sockets_before": len(tcp_sockets())}
+    t0 = time.monotonic()
+    res["workers0"] = _build(_base_cfg(role="sender", zmq_port=zport, workers=0))
+    res["workers0_s"] = time.monotonic() - t0
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", zport))
+    squatter.listen()
+    t0 = time.monotonic()
+    res["port_taken"] = _build(_base_cfg(role="sender", zmq_port=zport))
+    res["port_taken_s"] = time.monotonic() - t0
+    squatter.close()
+    res["empty_secret"] = _build(_base_cfg(role="sender", zmq_port=zport, auth_secret=""))
+    res["threads_after_failures"] = omnikv_threads()
+    res["sockets_after_failures"] = len(tcp_sockets())
+    auto = MooncakeTransferEngineConnector(_base_cfg(role="sender", zmq_port=zport, host="auto"))
+    h = auto.health()
+    res["auto_host"], res["auto_session"] = h["host"], h["session_id"]
+    auto.close()
+    return res
+
+
+@pytest.fixture(scope="module")
+def construction() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_construction", timeout=60)
+
+
+def test_workers_zero_is_a_config_error_not_a_hang(construction: dict[str, Any]) -> None:
+    assert construction["workers0"] == "ConfigError" and construction["workers0_s"] < 5
+
+
+def test_a_taken_port_fails_the_constructor_promptly(construction: dict[str, Any]) -> None:
+    assert construction["port_taken"] == "ConnectorUnavailableError"
+    assert construction["port_taken_s"] < 10
+
+
+def test_an_empty_secret_is_a_config_error(construction: dict[str, Any]) -> None:
+    assert construction["empty_secret"] == "ConfigError"
+
+
+def test_failed_constructors_leave_no_thread_or_socket(construction: dict[str, Any]) -> None:
+    assert construction["threads_after_failures"] == []
+    assert construction["sockets_after_failures"] == construction["sockets_before"]
+
+
+def test_host_auto_advertises_the_detected_address(construction: dict[str, Any]) -> None:
+    from omnikv.connectors._mooncake_common import detect_local_address
+
+    expected = "127.0.0.1" if construction["_isolated"] else detect_local_address()
+    assert construction["auto_host"] == expected
+    assert construction["auto_session"].startswith(f"{expected}:")
 
 
 def test_pattern_is_positional() -> None:
     a = pattern(3 * MiB, 1)
     assert a.size == 3 * MiB and a[MiB] == 1 and a[2 * MiB] == 2
     assert crc(a) != crc(pattern(3 * MiB, 2))
-    assert math.isfinite(float(a.mean()))
+    assert np.isfinite(float(a.mean()))

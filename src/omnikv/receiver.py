@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from omnikv.config import TransferOptions
-from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
+from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase, get_result
 from omnikv.errors import (
     ConnectorError,
     ConnectorUnavailableError,
@@ -210,7 +210,8 @@ class KVReceiver:
                     if raws:
                         detail += f"; {len(raws)} shard(s) already taken were dropped"
                     return self._miss(request_id, ReceiveStatus.TIMEOUT, detail, keys, t0)
-                obj, size = got
+                # merge: drop once every wait returns ManagedBuffer
+                obj, size = get_result(got) if isinstance(got, ManagedBuffer) else got
                 if isinstance(obj, ManagedBuffer):
                     held.append(obj)
                 raws.append((obj, int(size)))

@@ -493,11 +493,11 @@ def _omni_wait(conn: Any, key: str, check: _Check, label: str, full: bool) -> fl
     t1 = time.monotonic()
     if got is None:
         raise BenchError(f"{label}: wait returned nothing within {WAIT_BUDGET_S:.0f} s")
-    buf, size = got
+    buf = got
     if not isinstance(buf, ManagedBuffer):
         raise BenchError(f"{label}: wait returned {type(buf).__name__}, not a ManagedBuffer")
     try:
-        check.check(label, buf.tensor, int(size), full=full)
+        check.check(label, buf.tensor, buf.size, full=full)
     finally:
         buf.release()
     return t1 - t0

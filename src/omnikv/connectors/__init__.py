@@ -2,11 +2,13 @@
 
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
 from omnikv.connectors.factory import ConnectorSpec, OmniConnectorFactory, OmniTransferConfig
+from omnikv.serialization import OmniSerializer
 
 __all__ = [
     "ConnectorSpec",
     "ManagedBuffer",
     "OmniConnectorBase",
     "OmniConnectorFactory",
+    "OmniSerializer",
     "OmniTransferConfig",
 ]

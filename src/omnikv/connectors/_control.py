@@ -397,7 +397,7 @@ class ControlServer:
                     sock.close(0)
             self._sockets.clear()
 
-    # -- listener thread --------------------------------------------------------------------------
+    # -- listener thread ---------------------------------------------------------------------------
     def _listen(self) -> None:
         zmq = self._zmq
         poller = zmq.Poller()

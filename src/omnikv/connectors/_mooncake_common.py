@@ -3,46 +3,44 @@
 * :func:`import_mooncake_engine` / :func:`import_mooncake_store`: the lazy imports, translated
   into an ``ImportError`` that names the extra to install; :func:`unavailable_reason` says up
   front whether they would succeed.
-* :func:`encode_object` / :func:`decode_if_object`: non-raw objects (dicts the reference would
-  msgpack) travel as ``MAGIC + msgpack``. The magic's first four bytes read as a big-endian header
-  length of about 4.28 GB, far above the payload format's header limit, so a packed KV payload is
-  never mistaken for an object and vice versa.
-* :func:`as_host_bytes`: a zero-copy ``memoryview`` of bytes-like data / host tensors.
-* :func:`matches_request`: the ``cleanup(request_id)`` rule shared with the other connectors.
-* :func:`resolve_host`: the bind-what-you-are-told rule ("auto" is the only detection).
+* :func:`resolve_host`: the address to bind and advertise (the reference's detection for a
+  missing, empty, ``"auto"`` or wildcard host); :func:`detect_local_address`.
+* :func:`warn_unauthenticated`: the one WARNING for a server on a non-loopback address without
+  ``auth_secret``.
+* :func:`parse_size`, :func:`set_tcp_bind_address`.
+
+Objects, cleanup keys and raw views are the connectors' common helpers (``connectors.base``,
+``omnikv.serialization``), not Mooncake's.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
-import msgpack
-import numpy as np
-import torch
-
-from omnikv.connectors.base import ManagedBuffer
 from omnikv.errors import ConfigError
 
 __all__ = [
-    "MAGIC",
-    "as_host_bytes",
-    "decode_if_object",
-    "encode_object",
+    "WILDCARDS",
+    "detect_local_address",
     "import_mooncake_engine",
     "import_mooncake_store",
-    "matches_request",
+    "is_loopback",
     "parse_size",
     "resolve_host",
     "set_tcp_bind_address",
     "unavailable_reason",
+    "warn_unauthenticated",
 ]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"\xffOMKVMP1"
+WILDCARDS = frozenset({"0.0.0.0", "::", "*", "[::]"})
+_PROBE = ("192.0.2.1", 9)  # TEST-NET-1: a routing lookup only, nothing is ever sent
 _MISSING_HINT = (
     "Mooncake is not importable; install it with pip install 'omnikv[mooncake]' "
     "(CPU-only hosts: mooncake-transfer-engine-non-cuda, plus Debian's libibverbs1)"
@@ -82,28 +80,67 @@ def import_mooncake_store() -> tuple[Any, Any]:
     return MooncakeDistributedStore, ReplicateConfig
 
 
-def resolve_host(host: Any) -> str:
-    """The address to bind and advertise: exactly ``host``; ``"auto"`` detects a routable IP.
+def detect_local_address() -> str:
+    """The local address this host uses to reach other hosts (the reference's UDP-socket trick).
 
-    Wildcards are refused: a peer must be told an address it can reach, and omnikv binds what it
-    advertises. The detection opens a UDP socket towards a public address without sending.
+    ``connect`` on a UDP socket only asks the kernel for a route (no packet is sent); the source
+    address it picked is the answer. Where no route exists (a host, or a network namespace, with
+    only loopback) the answer is ``127.0.0.1``.
     """
-    value = "127.0.0.1" if host is None or host == "" else str(host)
-    if value in {"0.0.0.0", "::", "*"}:
-        raise ConfigError(
-            f"host {value!r} is a wildcard; configure the address peers should use, or 'auto'"
-        )
-    if value != "auto":
-        return value
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: routing lookup only, nothing is sent
+        probe.connect(_PROBE)
         return str(probe.getsockname()[0])
     except OSError:
-        logger.warning("host='auto' found no routable address; using 127.0.0.1")
+        logger.debug("no route to other hosts; the local address is 127.0.0.1")
         return "127.0.0.1"
     finally:
         probe.close()
+
+
+def resolve_host(host: Any) -> str:
+    """The address to bind and advertise: ``host`` as given, or, when it is missing, empty,
+    ``"auto"`` or a wildcard, the detected local address (:func:`detect_local_address`), so a
+    peer is always told an address it can reach.
+    """
+    value = "" if host is None else str(host).strip()
+    if value in {"", "auto"} or value in WILDCARDS:
+        detected = detect_local_address()
+        logger.info("host %r: advertising the detected local address %s", value, detected)
+        return detected
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_unauthenticated(host: str, what: str) -> None:
+    """One WARNING per process and address when a server binds a non-loopback ``host`` without
+    ``auth_secret`` (anyone who reaches it can then read or inject KV; see README, Mooncake).
+    """
+    if is_loopback(host):
+        return
+    with _warned_lock:
+        if host in _warned:
+            return
+        _warned.add(host)
+    logger.warning(
+        "%s binds %s without auth_secret: anyone who reaches this address can pull the KV it "
+        "holds; set auth_secret on every peer (see README, Mooncake: trust model)",
+        what,
+        host,
+    )
 
 
 def set_tcp_bind_address(host: str) -> None:
@@ -139,51 +176,3 @@ def parse_size(value: Any, name: str) -> int:
     if n <= 0:
         raise ConfigError(f"{name} must be > 0 bytes, got {value!r}")
     return n
-
-
-def encode_object(obj: Any) -> bytes:
-    """``MAGIC + msgpack(obj)`` for objects that are not raw bytes (reference's non-raw path)."""
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
-    return MAGIC + packed
-
-
-def decode_if_object(buf: ManagedBuffer, size: int) -> tuple[Any, int] | None:
-    """If ``buf`` holds an encoded object, decode it, release ``buf`` and return ``(obj, size)``."""
-    if size < len(MAGIC):
-        return None
-    t = buf.tensor
-    if bytes(t[: len(MAGIC)].numpy()) != MAGIC:
-        return None
-    try:
-        obj = msgpack.unpackb(t[len(MAGIC) : size].numpy().data, raw=False)
-    finally:
-        buf.release()
-    return obj, size
-
-
-def as_host_bytes(data: Any) -> memoryview | None:
-    """A flat byte view of host data (bytes-like, numpy, contiguous CPU tensor); else ``None``.
-
-    Device tensors are copied to host (one copy) since the pools here are host memory.
-    """
-    if isinstance(data, ManagedBuffer):
-        data = data.tensor
-    if isinstance(data, torch.Tensor):
-        t = data.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous().reshape(-1).view(torch.uint8)
-        return t.numpy().data
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    if isinstance(data, bytes | bytearray | memoryview):
-        return memoryview(data).cast("B")
-    return None
-
-
-def matches_request(transport_key: str, request_id: str) -> bool:
-    """True when the key (before its ``@from_to`` suffix) is, starts or ends with the id."""
-    base = transport_key.rsplit("@", 1)[0]
-    return (
-        base == request_id or base.startswith(f"{request_id}_") or base.endswith(f"_{request_id}")
-    )

@@ -15,11 +15,21 @@ Who calls what:
 * ``close``: the owner, once or more (idempotent); afterwards put/get raise
   ``ConnectorClosedError``.
 
-A ``get`` / ``wait`` result is ``(obj, size)`` where ``obj`` is ``bytes``-like, a 1-D ``uint8``
-tensor, a :class:`ManagedBuffer` (the caller must ``release()`` it), or an already decoded
-object (dict). Transport failures are raised as :class:`~omnikv.errors.ConnectorError`
-subclasses from ``wait`` and ``put_packed``; the reference-shaped ``put`` / ``get`` report them as
+* ``flush``: the owner before closing, to wait (bounded) until what it published is consumed.
+
+``wait`` returns a :class:`ManagedBuffer` (release it when done) or ``None``. ``get`` keeps the
+reference's shape, ``(obj, size)``: a :class:`ManagedBuffer` for raw payloads, the decoded object
+for objects published with the reference-shaped ``put`` (they travel as
+:func:`omnikv.serialization.encode_object` bytes, so ``wait`` hands them over as those bytes;
+:func:`get_result` turns such a buffer into the ``get`` shape). Transport failures are raised as
+:class:`~omnikv.errors.ConnectorError` subclasses from ``wait`` and ``put_packed`` (each backend
+translates its own errors at its boundary); the reference-shaped ``put`` / ``get`` report them as
 ``(False, 0, None)`` / ``None``.
+
+Deadlines are absolute ``time.monotonic()`` values. ``put_packed`` waits for pool space until its
+``deadline`` and then raises :class:`~omnikv.errors.PoolExhaustedError`; a deadline already
+passed means "try once". The reference-shaped ``put`` has no deadline parameter: it waits
+``put_timeout_s`` (instance attribute, default 0: try once).
 """
 
 from __future__ import annotations
@@ -33,19 +43,26 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from omnikv.deadline import remaining
+from omnikv.errors import ConnectorError
+from omnikv.serialization import OmniSerializer, decode_object, encode_object, is_object
 
 __all__ = [
     "GetResult",
     "ManagedBuffer",
     "OmniConnectorBase",
     "PutResult",
+    "SlotRelease",
     "Writer",
+    "as_host_bytes",
+    "as_managed",
+    "get_result",
+    "matches_request",
 ]
 
 logger = logging.getLogger(__name__)
@@ -186,32 +203,129 @@ def _safe_call(cb: Callable[[], None]) -> None:
         logger.exception("releasing a connector buffer failed")
 
 
+class _Freer(Protocol):
+    def free(self, offset: int) -> None: ...
+
+
+class SlotPool(Protocol):
+    """What :class:`SlotRelease` needs of a pool (``HostPool`` has it): an allocator and
+    whether the pool's memory is gone.
+    """
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def allocator(self) -> _Freer: ...
+
+
+class SlotRelease:
+    """The release callback of a pool slot (a small class, so no closure keeps a connector alive).
+
+    Frees ``offset`` in ``pool`` unless the pool was closed meanwhile (its memory is gone).
+    """
+
+    __slots__ = ("_offset", "_pool")
+
+    def __init__(self, pool: SlotPool, offset: int) -> None:
+        self._pool = pool
+        self._offset = offset
+
+    def __call__(self) -> None:
+        if not self._pool.closed:
+            self._pool.allocator.free(self._offset)
+
+
+def matches_request(transport_key: str, request_id: str) -> bool:
+    """The ``cleanup(request_id)`` rule of every connector (the reference's).
+
+    True when the key before its ``@from_to`` suffix is the id, starts with ``id_`` or ends with
+    ``_id``.
+    """
+    base = transport_key.rsplit("@", 1)[0]
+    return (
+        base == request_id or base.startswith(f"{request_id}_") or base.endswith(f"_{request_id}")
+    )
+
+
+def as_host_bytes(data: Any) -> memoryview | None:
+    """A flat byte view of raw data (bytes-like, numpy, tensor, ManagedBuffer); else ``None``.
+
+    Zero-copy for host data; device tensors are copied to host once.
+    """
+    if isinstance(data, ManagedBuffer):
+        data = data.tensor
+    if isinstance(data, torch.Tensor):
+        t = data.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    if isinstance(data, bytes | bytearray | memoryview):
+        return memoryview(data).cast("B")
+    return None
+
+
+def _encoded(data: Any) -> memoryview:
+    """Raw data as bytes, anything else framed by the one object encoder."""
+    if data is None:
+        raise ValueError("cannot put None")
+    view = as_host_bytes(data)
+    if view is None:
+        view = memoryview(encode_object(data))
+    if view.nbytes == 0:
+        raise ValueError("empty payload")
+    return view
+
+
+def as_managed(obj: Any) -> ManagedBuffer:
+    """Any ``get`` result object as a :class:`ManagedBuffer` (``wait``'s one shape).
+
+    A ManagedBuffer is returned as is; 1-D ``uint8`` tensors are wrapped without a copy; other
+    raw data is viewed (bytes) or copied once; objects are encoded (``encode_object``).
+    """
+    if isinstance(obj, ManagedBuffer):
+        return obj
+    if isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8 and obj.dim() == 1:
+        return ManagedBuffer(obj.contiguous())
+    view = _encoded(obj)
+    if view.readonly:
+        return ManagedBuffer(torch.frombuffer(bytearray(view), dtype=torch.uint8))
+    return ManagedBuffer(torch.frombuffer(view, dtype=torch.uint8))
+
+
+def get_result(buf: ManagedBuffer) -> GetResult:
+    """The reference-shaped ``get`` result for ``buf``: the decoded object for an encoded
+    object (``buf`` is released), ``(buf, size)`` otherwise.
+    """
+    t = buf.tensor
+    if t.device.type == "cpu" and is_object(t):
+        try:
+            return decode_object(t), buf.size
+        finally:
+            buf.release()
+    return buf, buf.size
+
+
 class OmniConnectorBase(ABC):
     """Base class of every omnikv transport (see the module docstring for the contract).
 
-    Subclasses implement ``put``, ``get`` and ``close``; the rest have working defaults.
-    Capabilities are class attributes, never probed with ``hasattr``.
+    Subclasses implement ``get`` and ``close`` and at least one of ``put`` / ``put_packed`` (each
+    default is written on top of the other); the rest have working defaults. Capabilities are
+    class attributes, never probed with ``hasattr``.
     """
 
-    #: Accepts raw bytes / uint8 tensors / its own pool buffers without msgpack wrapping; the
-    #: manager then hands it packed device tensors when the KV lives on a device.
+    #: Accepts raw bytes / uint8 tensors / its own pool buffers without object encoding; the
+    #: manager then hands it packed KV (through ``put_packed``).
     supports_raw_data: ClassVar[bool] = False
-    #: ``wait`` is woken by the transport (no polling at all).
-    supports_notify: ClassVar[bool] = False
-    #: ``put_packed`` writes straight into transport memory (no staging copy).
-    supports_zero_copy_put: ClassVar[bool] = False
+    #: Seconds the reference-shaped ``put`` waits for pool space (0: try once).
+    put_timeout_s: float = 0.0
 
     def __init__(self) -> None:
         self._closed = False
 
     # -- required -------------------------------------------------------------------------
-    @abstractmethod
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
-        """Publish ``data`` under ``put_key`` for the edge ``from_stage -> to_stage``.
-
-        Returns ``(ok, size, metadata)``; ``metadata`` may carry transport handles for ``get``.
-        """
-
     @abstractmethod
     def get(
         self,
@@ -226,7 +340,33 @@ class OmniConnectorBase(ABC):
     def close(self) -> None:
         """Release every resource. Idempotent."""
 
-    # -- optional, with defaults ----------------------------------------------------------
+    # -- put: the reference shape on top of put_packed (or the reverse) ----------------------
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+        """Publish ``data`` under ``put_key`` for the edge ``from_stage -> to_stage``.
+
+        Raw data (bytes-like, tensors, arrays) travels as is, anything else framed by
+        :func:`omnikv.serialization.encode_object`. One copy into the transport's memory
+        (``put_packed``), waiting ``put_timeout_s`` for space. Returns ``(ok, size, metadata)``;
+        ``(False, 0, None)`` on any failure (logged).
+        """
+        if type(self).put_packed is OmniConnectorBase.put_packed:
+            raise NotImplementedError(
+                f"{type(self).__name__} implements neither put nor put_packed"
+            )
+        try:
+            src = _encoded(data)
+
+            def copy(dst: torch.Tensor) -> None:
+                dst.numpy()[:] = np.frombuffer(src, dtype=np.uint8)
+
+            deadline = time.monotonic() + self.put_timeout_s
+            return self.put_packed(
+                from_stage, to_stage, put_key, src.nbytes, copy, deadline=deadline
+            )
+        except (ConnectorError, ValueError, TypeError) as exc:
+            logger.error("%s put of %s failed: %s", type(self).__name__, put_key, exc)
+            return False, 0, None
+
     def put_packed(
         self,
         from_stage: str,
@@ -235,19 +375,26 @@ class OmniConnectorBase(ABC):
         nbytes: int,
         write: Writer,
         *,
-        deadline: float = math.inf,
+        deadline: float,
     ) -> PutResult:
         """Publish a payload of ``nbytes`` bytes that ``write`` fills in place.
 
         ``write`` is called exactly once with a contiguous 1-D ``uint8`` tensor of ``nbytes``
         bytes; transports with pooled memory pass their own space, so the payload is encoded once,
-        straight into the memory that travels. If ``write`` raises, nothing is published and the
-        exception propagates. The default stages into a fresh host buffer and calls ``put``.
+        straight into the memory that travels. Waits for that space until ``deadline``, then
+        raises :class:`~omnikv.errors.PoolExhaustedError`. If ``write`` raises, nothing is
+        published and the exception propagates. The default stages into a fresh host buffer and
+        calls ``put``.
         """
+        if type(self).put is OmniConnectorBase.put:
+            raise NotImplementedError(
+                f"{type(self).__name__} implements neither put nor put_packed"
+            )
         buf = torch.empty(nbytes, dtype=torch.uint8)
         write(buf)
         return self.put(from_stage, to_stage, put_key, buf)
 
+    # -- optional, with defaults ----------------------------------------------------------
     def wait(
         self,
         from_stage: str,
@@ -256,18 +403,19 @@ class OmniConnectorBase(ABC):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
+    ) -> ManagedBuffer | None:
         """Block until the payload under ``get_key`` is there or ``deadline`` passes.
 
-        Returns the ``get`` result, or ``None`` at the deadline without consuming anything.
-        The default polls ``get`` with a fine, bounded back-off (0.5 ms doubling to 10 ms), each
-        sleep cut to the time left; notifying transports override it.
+        Returns it as a :class:`ManagedBuffer` (see :func:`as_managed`), or ``None`` at the
+        deadline without consuming anything. The default polls ``get`` with a fine, bounded
+        back-off (0.5 ms doubling to 10 ms), each sleep cut to the time left; notifying
+        transports override it.
         """
         step = _POLL_FIRST_S
         while True:
             result = self.get(from_stage, to_stage, get_key, metadata)
             if result is not None:
-                return result
+                return as_managed(result[0])
             left = remaining(deadline)
             if left <= 0:
                 return None
@@ -275,7 +423,13 @@ class OmniConnectorBase(ABC):
             step = min(step * 2, _POLL_CAP_S)
 
     def cleanup(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """Drop anything left unconsumed for ``request_id``. Default: nothing to drop."""
+        """Drop anything left unconsumed for ``request_id`` (see :func:`matches_request`)."""
+
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait up to ``timeout`` seconds for published payloads to be consumed; returns the
+        keys still unconsumed. Default: a transport that keeps nothing has nothing to wait for.
+        """
+        return []
 
     def health(self) -> dict[str, Any]:
         """Status and counters; cheap and never raising."""
@@ -287,6 +441,16 @@ class OmniConnectorBase(ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @staticmethod
+    def serialize_obj(obj: Any) -> bytes:
+        """The reference's helper: :meth:`OmniSerializer.serialize`."""
+        return OmniSerializer.serialize(obj)
+
+    @staticmethod
+    def deserialize_obj(data: bytes | bytearray | memoryview) -> Any:
+        """The reference's helper: :meth:`OmniSerializer.deserialize`."""
+        return OmniSerializer.deserialize(data)
 
     @staticmethod
     def _make_key(key: str, from_stage: str, to_stage: str, sep: str = "@") -> str:

@@ -1,93 +1,153 @@
 """In-process connector: both stages live in one process (tests, single-process pipelines).
 
-Honours the whole connector contract and is the reference double for tests: consume-once gets,
-a ``wait`` woken by ``put`` through a condition variable (no polling), ``cleanup``, ``health`` and
-an idempotent ``close``. Connectors created with the same ``namespace`` (config key, default
-``"default"``) share one store, so a sender and a receiver manager in the same process meet.
+Honours the whole connector contract and is the reference double for tests: payloads live in a
+pool shared by the connectors of one ``namespace`` (config key, default ``"default"``), so a
+sender and a receiver manager in the same process meet, and ``wait`` hands out
+:class:`~omnikv.connectors.base.ManagedBuffer` views of pool slots exactly like the engine
+connectors (release or adopt them; the slot is free again afterwards). ``put_packed`` waits for
+pool space until its deadline (then ``PoolExhaustedError``); ``wait`` is woken by ``put`` through
+a condition variable (no polling); consume-once ``get``, ``cleanup``, ``flush``, ``health`` and an
+idempotent ``close``.
+
+Config keys: ``namespace``; ``pool_size`` (bytes, default 1 GiB of virtual memory, taken by the
+first connector of a namespace; pages are touched only as payloads use them); ``put_timeout_s``
+(how long the reference-shaped ``put`` waits for space, default 0).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
+from omnikv.connectors._pool import BufferAllocator
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    SlotRelease,
+    Writer,
+    get_result,
+    matches_request,
+)
 from omnikv.deadline import remaining
-from omnikv.errors import ConnectorClosedError
+from omnikv.errors import ConfigError, ConnectorClosedError
 
 __all__ = ["LocalConnector"]
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_POOL = 1 << 30
+_ALIGN = 64
+
+
+class _Pool:
+    """Plain host memory with an allocator (never registered anywhere, never closed)."""
+
+    closed = False
+
+    def __init__(self, size: int) -> None:
+        self.allocator = BufferAllocator(size, alignment=_ALIGN)
+        self.buffer = torch.empty(self.allocator.total, dtype=torch.uint8)
+
+    def slot(self, offset: int, size: int) -> torch.Tensor:
+        return self.buffer[offset : offset + size]
+
+
+@dataclass
+class _Item:
+    offset: int
+    size: int
+
 
 class _Store:
-    def __init__(self) -> None:
-        self.items: dict[str, tuple[Any, int]] = {}
+    def __init__(self, pool_size: int) -> None:
+        self.items: dict[str, _Item] = {}
         self.cond = threading.Condition()
+        self.pool = _Pool(pool_size)
+        self.users = 0
 
 
-def _payload_size(data: Any) -> tuple[Any, int]:
-    """(stored object, size). In-process, objects (e.g. the dict form) are kept as they are."""
-    if isinstance(data, torch.Tensor):
-        return data, int(data.numel() * data.element_size())
-    if isinstance(data, bytes | bytearray | memoryview):
-        return data, memoryview(data).nbytes
-    if data is None:
-        raise ValueError("cannot put None")
-    return data, 0
+def _pool_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"pool_size must be a positive number of bytes, got {value!r}")
+    return value
 
 
 class LocalConnector(OmniConnectorBase):
-    """Keyed in-memory hand-off between managers of one process."""
+    """Keyed in-memory hand-off between managers of one process, over a shared pool."""
 
     supports_raw_data = True
-    supports_notify = True
     _stores: ClassVar[dict[str, _Store]] = {}
-    _stores_lock: ClassVar[threading.Lock] = threading.Lock()
+    # reentrant: a garbage-collected connector may close inside another one's constructor
+    _stores_lock: ClassVar[threading.RLock] = threading.RLock()
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         cfg = dict(config or {})
         self.namespace = str(cfg.get("namespace", "default"))
+        size = _pool_size(cfg.get("pool_size", _DEFAULT_POOL))
+        self.put_timeout_s = float(cfg.get("put_timeout_s", 0.0))
         with self._stores_lock:
-            self._store = self._stores.setdefault(self.namespace, _Store())
+            store = self._stores.get(self.namespace)
+            if store is None:
+                store = self._stores[self.namespace] = _Store(size)
+            store.users += 1
+        self._store = store
         self._counters = {"puts": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0}
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConnectorClosedError("LocalConnector is closed")
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
-        """Store ``data`` under the edge key; the connector owns it afterwards."""
-        if self._closed:
-            logger.warning("put on a closed LocalConnector (key %s)", put_key)
-            return False, 0, None
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        """``write`` fills a pool slot; waits for space until ``deadline`` (PoolExhaustedError)."""
+        self._check_open()
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        pool = self._store.pool
+        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
         try:
-            stored, size = _payload_size(data)
-        except (TypeError, ValueError) as exc:
-            logger.error("LocalConnector cannot store %s: %s", put_key, exc)
-            return False, 0, None
+            write(pool.slot(offset, nbytes))
+        except BaseException:
+            pool.allocator.free(offset)
+            raise
         key = self._make_key(put_key, from_stage, to_stage)
         with self._store.cond:
-            self._store.items[key] = (stored, size)
+            old = self._store.items.pop(key, None)
+            self._store.items[key] = _Item(offset, nbytes)
             self._store.cond.notify_all()
+        if old is not None:
+            pool.allocator.free(old.offset)
         self._counters["puts"] += 1
-        self._counters["bytes_put"] += size
-        logger.debug("LocalConnector put %s (%d bytes)", key, size)
-        return True, size, {"key": key, "size": size}
+        self._counters["bytes_put"] += nbytes
+        logger.debug("LocalConnector put %s (%d bytes)", key, nbytes)
+        return True, nbytes, {"key": key, "size": nbytes}
 
-    def _take(self, key: str) -> GetResult | None:
+    def _take(self, key: str) -> ManagedBuffer | None:
         item = self._store.items.pop(key, None)
         if item is None:
             return None
-        obj, size = item
+        self._store.cond.notify_all()  # flush() waits for consumption
         self._counters["gets"] += 1
-        self._counters["bytes_got"] += size
-        return obj, size
+        self._counters["bytes_got"] += item.size
+        pool = self._store.pool
+        return ManagedBuffer(pool.slot(item.offset, item.size), SlotRelease(pool, item.offset))
 
     def get(
         self,
@@ -96,14 +156,15 @@ class LocalConnector(OmniConnectorBase):
         get_key: str,
         metadata: dict[str, Any] | None = None,
     ) -> GetResult | None:
-        """Take the payload if present (consume-once); ``None`` otherwise."""
+        """Take the payload if present (consume-once): ``(ManagedBuffer, size)`` or ``(obj, n)``."""
         self._check_open()
         key = self._make_key(get_key, from_stage, to_stage)
         with self._store.cond:
-            result = self._take(key)
-        if result is None:
+            buf = self._take(key)
+        if buf is None:
             self._counters["misses"] += 1
-        return result
+            return None
+        return get_result(buf)
 
     def wait(
         self,
@@ -113,15 +174,15 @@ class LocalConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
+    ) -> ManagedBuffer | None:
         """Block on the store's condition until the key is put or ``deadline`` passes."""
         self._check_open()
         key = self._make_key(get_key, from_stage, to_stage)
         with self._store.cond:
             while True:
-                result = self._take(key)
-                if result is not None:
-                    return result
+                buf = self._take(key)
+                if buf is not None:
+                    return buf
                 left = remaining(deadline)
                 if left <= 0 or self._closed:
                     self._counters["misses"] += 1
@@ -129,37 +190,50 @@ class LocalConnector(OmniConnectorBase):
                 self._store.cond.wait(timeout=min(left, 3600.0))
 
     def cleanup(self, request_id: str) -> None:
-        """Drop unconsumed payloads whose key is, starts with ``id_`` or ends with ``_id``."""
+        """Drop unconsumed payloads of ``request_id`` (:func:`matches_request`)."""
         with self._store.cond:
-            for key in list(self._store.items):
-                base = key.rsplit("@", 1)[0]
-                if (
-                    base == request_id
-                    or base.startswith(f"{request_id}_")
-                    or base.endswith(f"_{request_id}")
-                ):
-                    del self._store.items[key]
+            keys = [k for k in self._store.items if matches_request(k, request_id)]
+            dropped = [self._store.items.pop(k) for k in keys]
+        for item in dropped:
+            self._store.pool.allocator.free(item.offset)
 
     def pending_keys(self) -> list[str]:
         """Keys published and not yet consumed (tests, diagnostics)."""
         with self._store.cond:
             return list(self._store.items)
 
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait up to ``timeout`` s until this namespace holds nothing unconsumed."""
+        end = time.monotonic() + (0.0 if timeout is None else max(0.0, timeout))
+        with self._store.cond:
+            while self._store.items and time.monotonic() < end:
+                self._store.cond.wait(timeout=end - time.monotonic())
+            return list(self._store.items)
+
     def health(self) -> dict[str, Any]:
         with self._store.cond:
             pending = len(self._store.items)
+        allocator = self._store.pool.allocator
         return {
             "status": "closed" if self._closed else "healthy",
             "type": "LocalConnector",
             "namespace": self.namespace,
             "pending": pending,
+            "pool_size": allocator.total,
+            "pool_used": allocator.used_bytes,
             **self._counters,
         }
 
     def close(self) -> None:
-        """Idempotent; wakes waiters (they return ``None``). Unconsumed data stays for others."""
+        """Idempotent; wakes waiters (they return ``None``). Unconsumed data stays for others
+        of the namespace; the namespace's pool goes when its last connector closes empty.
+        """
         if self._closed:
             return
         self._closed = True
         with self._store.cond:
             self._store.cond.notify_all()
+        with self._stores_lock:
+            self._store.users -= 1
+            if self._store.users == 0 and not self._store.items:
+                self._stores.pop(self.namespace, None)

@@ -12,28 +12,31 @@ deadline. ``close`` unregisters the pool, closes the store client and unmaps the
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-import math
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-import torch
-
 from omnikv.connectors._mooncake_common import (
-    as_host_bytes,
-    decode_if_object,
-    encode_object,
     import_mooncake_store,
-    matches_request,
     parse_size,
     resolve_host,
     set_tcp_bind_address,
 )
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import GetResult, ManagedBuffer, OmniConnectorBase, PutResult, Writer
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    SlotRelease,
+    Writer,
+    get_result,
+    matches_request,
+)
 from omnikv.errors import (
     ConfigError,
     ConnectorClosedError,
@@ -49,6 +52,17 @@ logger = logging.getLogger(__name__)
 #: Mooncake's ``TRANSFER_FAIL``: the master lists the object, but the client whose segment holds
 #: it did not answer (a killed sender). Later reads of it block ~1 s each in the engine.
 _TRANSFER_FAIL = -800
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Translate the store client's failures into omnikv errors (the Store boundary)."""
+    try:
+        yield
+    except ConnectorError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        raise ConnectorUnavailableError(f"{what}: Mooncake Store failed: {exc}") from exc
 
 
 def _probe_master(address: str, timeout_s: float) -> None:
@@ -79,11 +93,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
     that does not accept a TCP connection within it fails the constructor with
     ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries),
     ``max_tracked_keys`` (4096: how many of its own puts a client remembers for ``cleanup``;
-    beyond it, keys another client consumed are forgotten first, then the oldest).
+    beyond it, keys another client consumed are forgotten first, then the oldest),
+    ``put_timeout_s`` (0: how long the reference-shaped ``put`` waits for pool space).
     """
 
     supports_raw_data: ClassVar[bool] = True
-    supports_zero_copy_put: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -102,6 +116,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if replicas < 1:
             raise ConfigError(f"replica_num must be >= 1, got {replicas}")
         probe_s = float(cfg.get("master_probe_timeout_s", 3.0))
+        self.put_timeout_s = float(cfg.get("put_timeout_s", 0.0))
         self.max_tracked_keys = int(cfg.get("max_tracked_keys", 4096))
         if self.max_tracked_keys < 1:
             raise ConfigError(f"max_tracked_keys must be >= 1, got {self.max_tracked_keys}")
@@ -120,21 +135,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._pool: HostPool | None = None
         self._registered = False
         try:
-            store = store_cls()
-            rc = store.setup(
-                self.host, self.metadata_server, segment, local_buf, self.protocol,
-                self.device_name, self.master,
-            )  # fmt: skip
-            self._store = store
-            if rc != 0:
-                raise ConnectorUnavailableError(
-                    f"Mooncake Store setup (master {self.master}) returned {rc}"
-                )
-            self._pool = HostPool(pool_size)
-            rc = store.register_buffer(self._pool.address, self._pool.size)
-            if rc != 0:
-                raise ConnectorUnavailableError(f"register_buffer of the pool returned {rc}")
-            self._registered = True
+            with store_errors("Mooncake Store set-up"):
+                self._open(store_cls(), segment, local_buf, pool_size)
         except BaseException:
             self._teardown()
             raise
@@ -144,8 +146,24 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self.host,
             self.master,
             self.protocol,
-            self._pool.size,
+            pool_size,
         )
+
+    def _open(self, store: Any, segment: int, local_buf: int, pool_size: int) -> None:
+        rc = store.setup(
+            self.host, self.metadata_server, segment, local_buf, self.protocol,
+            self.device_name, self.master,
+        )  # fmt: skip
+        self._store = store
+        if rc != 0:
+            raise ConnectorUnavailableError(
+                f"Mooncake Store setup (master {self.master}) returned {rc}"
+            )
+        self._pool = HostPool(pool_size)
+        rc = store.register_buffer(self._pool.address, self._pool.size)
+        if rc != 0:
+            raise ConnectorUnavailableError(f"register_buffer of the pool returned {rc}")
+        self._registered = True
 
     # -- helpers -----------------------------------------------------------------------------
     def _live(self) -> tuple[Any, HostPool]:
@@ -166,7 +184,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         nbytes: int,
         write: Writer,
         *,
-        deadline: float = math.inf,
+        deadline: float,
     ) -> PutResult:
         """Sender hot path: ``write`` fills a registered slot, ``put_from`` stores it.
 
@@ -176,12 +194,12 @@ class MooncakeStoreConnector(OmniConnectorBase):
         store, pool = self._live()
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        wait_until = 0.0 if deadline <= 0 or not math.isfinite(deadline) else deadline
-        offset, _ = pool.allocator.alloc(nbytes, deadline=wait_until)
+        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
         key = self._make_key(put_key, from_stage, to_stage)
         try:
             write(pool.slot(offset, nbytes))
-            rc = store.put_from(key, pool.address + offset, nbytes, self._rcfg)
+            with store_errors(f"put of {key}"):
+                rc = store.put_from(key, pool.address + offset, nbytes, self._rcfg)
         finally:
             pool.allocator.free(offset)
         if rc != 0:
@@ -193,62 +211,49 @@ class MooncakeStoreConnector(OmniConnectorBase):
         logger.debug("stored %s (%d bytes)", key, nbytes)
         return True, nbytes, {"data_size": nbytes, "key": key}
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
-        """Reference-shaped put (one copy into the pool); ``(False, 0, None)`` on error."""
-        try:
-            view = as_host_bytes(data)
-            if view is None:
-                view = memoryview(encode_object(data))
-            if view.nbytes == 0:
-                raise ValueError("empty payload")
-            _, pool = self._live()
-            src = view
-
-            def copy(dst: torch.Tensor) -> None:
-                pool.copy_in(int(dst.data_ptr()) - pool.address, src)
-
-            return self.put_packed(from_stage, to_stage, put_key, view.nbytes, copy, deadline=0.0)
-        except (ConnectorError, ValueError, TypeError) as exc:
-            self._count("put_failures")
-            logger.error("put of %s failed: %s", put_key, exc)
-            return False, 0, None
-
     # -- receiver ----------------------------------------------------------------------------
-    def _take(self, key: str, deadline: float) -> GetResult | None:
+    def _take(self, key: str, deadline: float) -> ManagedBuffer | None:
         store, pool = self._live()
-        size = int(store.get_size(key))
+        with store_errors(f"size of {key}"):
+            size = int(store.get_size(key))
         if size <= 0:
             return None
-        alloc_deadline = deadline if math.isfinite(deadline) else 0.0
-        offset, _ = pool.allocator.alloc(size, deadline=alloc_deadline)
+        offset, _ = pool.allocator.alloc(size, deadline=deadline)
         try:
-            got = int(store.get_into(key, pool.address + offset, size))
+            with store_errors(f"get of {key}"):
+                got = int(store.get_into(key, pool.address + offset, size))
         except BaseException:
             pool.allocator.free(offset)
             raise
         if got != size:
             pool.allocator.free(offset)
-            if got == _TRANSFER_FAIL:
-                raise PeerGoneError(
-                    f"{key} is listed by the master, but the client holding it did not answer "
-                    f"(get_into returned {got}, TRANSFER_FAIL): the sender is gone"
-                )
-            if got < 0:
-                return None  # removed or expired between get_size and get_into
-            raise ConnectorUnavailableError(f"get_into of {key} returned {got} of {size} bytes")
+            return self._short_read(key, got, size)
+        self._consumed(store, key)
+        self._count("gets")
+        self._count("get_bytes", size)
+        return ManagedBuffer(pool.slot(offset, size), SlotRelease(pool, offset))
+
+    @staticmethod
+    def _short_read(key: str, got: int, size: int) -> None:
+        if got == _TRANSFER_FAIL:
+            raise PeerGoneError(
+                f"{key} is listed by the master, but the client holding it did not answer "
+                f"(get_into returned {got}, TRANSFER_FAIL): the sender is gone"
+            )
+        if got < 0:
+            return None  # removed or expired between get_size and get_into
+        raise ConnectorUnavailableError(f"get_into of {key} returned {got} of {size} bytes")
+
+    def _consumed(self, store: Any, key: str) -> None:
         if self.remove_after_get:
-            rc = int(store.remove(key, True))  # force: our own read lease is held
+            with store_errors(f"remove of {key}"):
+                rc = int(store.remove(key, True))  # force: our own read lease is held
             if rc == 0:
                 self._count("removed")
             else:
                 logger.debug("remove of %s returned %d", key, rc)
         with self._lock:
             self._put_keys.pop(key, None)
-        self._count("gets")
-        self._count("get_bytes", size)
-        buf = ManagedBuffer(pool.slot(offset, size), _Release(pool, offset))
-        decoded = decode_if_object(buf, size)
-        return decoded if decoded is not None else (buf, size)
 
     def get(
         self,
@@ -265,13 +270,14 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if self._closed:
             raise ConnectorClosedError("MooncakeStoreConnector is closed")
         try:
-            result = self._take(key, 0.0)
-        except (ConnectorError, RuntimeError) as exc:
+            buf = self._take(key, 0.0)
+        except ConnectorError as exc:
             logger.error("get of %s failed: %s", key, exc)
             return None
-        if result is None:
+        if buf is None:
             self._count("misses")
-        return result
+            return None
+        return get_result(buf)
 
     def wait(
         self,
@@ -281,7 +287,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
+    ) -> ManagedBuffer | None:
         """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
 
         Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline and
@@ -293,9 +299,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         while True:
             if self._closed:
                 raise ConnectorClosedError("MooncakeStoreConnector is closed")
-            result = self._take(key, deadline)
-            if result is not None:
-                return result
+            buf = self._take(key, deadline)
+            if buf is not None:
+                return buf
             left = deadline - time.monotonic()
             if left <= 0:
                 self._count("misses")
@@ -323,8 +329,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         store = self._store
         if store is not None:
             try:
-                exists = [int(e) for e in store.batch_is_exist(keys)]
-            except Exception as exc:  # the store is down: fall back to forgetting the oldest
+                with store_errors("batch_is_exist"):
+                    exists = [int(e) for e in store.batch_is_exist(keys)]
+            except ConnectorUnavailableError as exc:  # store down: forget the oldest instead
                 logger.debug("batch_is_exist over %d keys failed: %s", len(keys), exc)
         with self._lock:
             if exists is not None and len(exists) == len(keys):
@@ -339,6 +346,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if dropped:
             logger.debug("forgot %d unconsumed keys past max_tracked_keys", dropped)
 
+    def pending_keys(self) -> list[str]:
+        """Keys this client stored and has not seen consumed, oldest first (for cleanup)."""
+        with self._lock:
+            return list(self._put_keys)
+
     def cleanup(self, request_id: str) -> None:
         """Remove objects this client stored for ``request_id`` and nobody consumed."""
         with self._lock:
@@ -348,7 +360,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if self._store is None or self._closed:
             return
         for k in keys:
-            rc = int(self._store.remove(k, True))
+            with store_errors(f"remove of {k}"):
+                rc = int(self._store.remove(k, True))
             if rc == 0:
                 self._count("removed")
 
@@ -388,7 +401,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if store is not None:
             try:
                 store.close()
-            except Exception:
+            except (RuntimeError, OSError):
                 logger.warning("closing the Mooncake Store client failed", exc_info=True)
         if self._pool is not None:
             self._pool.close()
@@ -396,17 +409,3 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
 
 MooncakeConnector = MooncakeStoreConnector
-
-
-class _Release:
-    """Release callback of a receive slot (no closure over the connector)."""
-
-    __slots__ = ("_offset", "_pool")
-
-    def __init__(self, pool: HostPool, offset: int) -> None:
-        self._pool = pool
-        self._offset = offset
-
-    def __call__(self) -> None:
-        if not self._pool.closed:
-            self._pool.allocator.free(self._offset)

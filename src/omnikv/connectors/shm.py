@@ -698,7 +698,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             logger.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
             return None
 
-    def wait(
+    def wait(  # type: ignore[override]  # merge: shm returns ManagedBuffer (contract 1)
         self,
         from_stage: str,
         to_stage: str,

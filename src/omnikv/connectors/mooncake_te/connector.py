@@ -1,0 +1,298 @@
+"""MooncakeTransferEngineConnector: pull-model KV hand-off over the Mooncake Transfer Engine.
+
+Data plane: the Mooncake Transfer Engine (``protocol`` "tcp" everywhere, "rdma" where the
+hardware exists), one registered, pre-faulted host pool per process. Control plane:
+:mod:`omnikv.connectors._control` (msgpack over pyzmq, optionally authenticated with a shared
+secret, replay-proof). The role is chosen once, at construction: every connector can receive
+(:class:`~.receiver.ReceiverSide`); a ``role="sender"`` connector also publishes and serves pulls
+(:class:`~.sender.SenderSide`) on its control port.
+
+``close`` stops and joins every thread, closes every socket, waits for in-flight writes,
+unregisters the pool from the engine and unmaps it; a failed constructor leaves nothing open.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+from omnikv.connectors._control import ControlCodec
+from omnikv.connectors._mooncake_common import (
+    import_mooncake_engine,
+    set_tcp_bind_address,
+    warn_unauthenticated,
+)
+from omnikv.connectors._pool import HostPool
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    Writer,
+    get_result,
+)
+from omnikv.connectors.mooncake_te.protocol import SCHEMA, Counters, TEConfig, te_errors
+from omnikv.connectors.mooncake_te.receiver import ReceiverSide
+from omnikv.connectors.mooncake_te.sender import SenderSide
+from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
+
+__all__ = ["MooncakeTransferEngineConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeTransferEngineConnector(OmniConnectorBase):
+    """Cross-node KV hand-off over the Mooncake Transfer Engine (pull model, consume-once).
+
+    Built by the factory as ``MooncakeTransferEngineConnector(config)``; the manager injects
+    ``role``, ``zmq_port``, ``from_stage`` and ``to_stage`` per rank. Config keys: ``host`` (the
+    address bound and advertised; missing, empty, ``"auto"`` or a wildcard: the detected local
+    address), ``zmq_port``, ``role`` (``"sender"`` binds the control socket; ``"receiver"`` binds
+    nothing), ``protocol`` (``"tcp"``), ``device_name`` (``""``), ``memory_pool_size`` (bytes,
+    default 1 GiB), ``memory_pool_device`` (``"cpu"``), ``buffer_ttl_seconds`` (300),
+    ``auth_secret`` (shared by all peers; without it anyone who reaches the port can pull),
+    ``auth_window_seconds`` (30: the replay window), ``sender_host`` / ``sender_zmq_port``
+    (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
+    (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0).
+    """
+
+    supports_raw_data: ClassVar[bool] = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self._closed = True  # until fully built: a failed constructor leaves nothing to close
+        cfg = self._cfg = TEConfig.parse(config)
+        self.role, self.host, self.zmq_port, self.protocol = (
+            cfg.role,
+            cfg.host,
+            cfg.zmq_port,
+            cfg.protocol,
+        )
+        self.put_timeout_s = cfg.put_timeout_s
+        import zmq
+
+        engine_cls = import_mooncake_engine()
+        set_tcp_bind_address(cfg.host)
+        if cfg.role == "sender" and cfg.secret is None:
+            warn_unauthenticated(cfg.host, "Transfer Engine sender")
+        self._counters = Counters()
+        self._engine: Any = None
+        self._pool: HostPool | None = None
+        self._registered = False
+        self._ctx: Any = None
+        self._sender: SenderSide | None = None
+        self._receiver: ReceiverSide | None = None
+        try:
+            with te_errors("Transfer Engine set-up"):
+                self._open_engine(engine_cls)
+                self._ctx = zmq.Context()
+                self._open_sides()
+        except BaseException:
+            self._teardown()
+            raise
+        self._closed = False
+        logger.info(
+            "MooncakeTransferEngineConnector %s on %s (rpc %d, zmq %s, %s, pool %d bytes)",
+            self.role,
+            self.host,
+            self.rpc_port,
+            self.zmq_port,
+            self.protocol,
+            cfg.pool_size,
+        )
+
+    def _open_engine(self, engine_cls: Any) -> None:
+        cfg = self._cfg
+        self._engine = engine_cls()
+        rc = self._engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
+        if rc != 0:
+            raise ConnectorUnavailableError(
+                f"Transfer Engine initialize({cfg.host}, {cfg.protocol}) returned {rc}"
+            )
+        self.rpc_port = int(self._engine.get_rpc_port())
+        self.session_id = f"{cfg.host}:{self.rpc_port}"
+        self._pool = HostPool(cfg.pool_size)
+        rc = self._engine.register_memory(self._pool.address, self._pool.size)
+        if rc != 0:
+            raise ConnectorUnavailableError(f"register_memory of the pool returned {rc}")
+        self._registered = True
+
+    def _open_sides(self) -> None:
+        cfg, pool = self._cfg, self._pool
+        assert pool is not None
+        codec = ControlCodec(SCHEMA, cfg.secret, window_s=cfg.window_s)
+        self._receiver = ReceiverSide(cfg, self._ctx, codec, self.session_id, pool, self._counters)
+        if cfg.role == "sender":
+            self._sender = SenderSide(cfg, self._ctx, codec, self._engine, pool, self._counters)
+
+    # -- sending -----------------------------------------------------------------------------------
+    def _serving(self) -> SenderSide:
+        if self._closed:
+            raise ConnectorClosedError("MooncakeTransferEngineConnector is closed")
+        if self._sender is None:
+            raise ConnectorError("only a connector with role='sender' serves puts")
+        return self._sender
+
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        """Sender hot path: ``write`` encodes straight into a registered pool slot.
+
+        Waits for pool space until ``deadline`` and then raises
+        :class:`~omnikv.errors.PoolExhaustedError`; if ``write`` raises, the slot is freed and
+        nothing is published.
+        """
+        key = self._make_key(put_key, from_stage, to_stage)
+        try:
+            return self._serving().put_packed(key, nbytes, write, deadline)
+        except ConnectorError:
+            self._counters.add("put_failures")
+            raise
+
+    # -- receiving ---------------------------------------------------------------------------------
+    def _receiving(self) -> ReceiverSide:
+        if self._closed or self._receiver is None:
+            raise ConnectorClosedError("MooncakeTransferEngineConnector is closed")
+        return self._receiver
+
+    def update_sender_info(self, host: str, port: int) -> None:
+        """Default sender endpoint for gets without per-call metadata (called by the manager)."""
+        self._receiving().set_default_sender(host, port)
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Reference-shaped get: one query (no hold), pull if present; ``None`` otherwise.
+
+        Returns ``(ManagedBuffer, size)`` over the receiver's registered pool slot (the caller
+        releases it), or ``(obj, size)`` for an object put. Errors are logged and give ``None``.
+        """
+        side = self._receiving()
+        key = self._make_key(get_key, from_stage, to_stage)
+        try:
+            with te_errors(f"get of {key}"):
+                buf = side.take(key, side.endpoint(metadata))
+        except ConnectorError as exc:
+            logger.error("get of %s failed: %s", key, exc)
+            return None
+        return None if buf is None else get_result(buf)
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> ManagedBuffer | None:
+        """Block until the payload is delivered or ``deadline`` passes (then ``None``).
+
+        Long-polls the sender (no sleep loop). Raises ``PeerGoneError`` when the sender falls
+        silent mid-transfer, ``PoolExhaustedError`` when no receive slot frees up before the
+        deadline, ``ConnectorUnavailableError`` for a failed transfer or a missing endpoint.
+        """
+        side = self._receiving()
+        key = self._make_key(get_key, from_stage, to_stage)
+        with te_errors(f"wait for {key}"):
+            return side.wait(key, side.endpoint(metadata), deadline)
+
+    # -- common ------------------------------------------------------------------------------------
+    def cleanup(self, request_id: str) -> None:
+        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
+        if self._sender is not None:
+            self._sender.cleanup(request_id)
+        if self._receiver is not None:
+            self._receiver.cleanup(request_id)
+
+    def pending_keys(self) -> list[str]:
+        """Keys published by this sender and not yet consumed (tests, diagnostics)."""
+        return [] if self._sender is None else self._sender.pending_keys()
+
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait up to ``timeout`` s until every published payload was pulled; the rest's keys."""
+        if self._sender is None or self._closed:
+            return []
+        return self._sender.flush(0.0 if timeout is None else timeout)
+
+    def _threads(self) -> Iterator[threading.Thread]:
+        for side in (self._sender, self._receiver):
+            t = None if side is None else side.thread
+            if t is not None and t.is_alive():
+                yield t
+
+    def health(self) -> dict[str, Any]:
+        """Status, endpoints, pool use and counters. Cheap; never raises."""
+        pool = self._pool
+        counters = self._counters.snapshot()
+        for side in (self._sender, self._receiver):
+            if side is not None:
+                counters["rejected_messages"] += side.rejected
+        sender = self._sender.stats() if self._sender is not None else {"entries": 0, "inflight": 0}
+        receiver = self._receiver.stats() if self._receiver is not None else {}
+        return {
+            "status": "closed" if self._closed else "healthy",
+            "type": type(self).__name__,
+            "role": self.role,
+            "host": self.host,
+            "zmq_port": self.zmq_port,
+            "session_id": getattr(self, "session_id", None),
+            "protocol": self.protocol,
+            "authenticated": self._cfg.secret is not None,
+            "pool_size": pool.size if pool is not None else 0,
+            "pool_used": pool.allocator.used_bytes if pool is not None and not pool.closed else 0,
+            **sender,
+            **{"quarantined": 0, "late_arrivals_held": 0, **receiver},
+            "threads": [t.name for t in self._threads()],
+            **counters,
+        }
+
+    def close(self) -> None:
+        """Stop and join threads, close sockets, wait for in-flight writes, unregister, unmap.
+
+        Idempotent. In-flight pulls are waited for up to ``close_timeout_seconds``; if one is
+        still running then, the pool stays mapped (leaked, logged) rather than freed under it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        # the sides hold the engine and the pool: drop them so the engine object goes too
+        sender, self._sender = self._sender, None
+        receiver, self._receiver = self._receiver, None
+        idle = sender.close() if sender is not None else True
+        if receiver is not None:
+            receiver.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)  # closes any socket left behind: term() cannot hang
+            self._ctx = None
+        if not idle:
+            logger.error("a transfer is still running at close; leaving the pool mapped")
+            return
+        self._release_pool()
+
+    def _release_pool(self) -> None:
+        if self._registered and self._pool is not None and self._engine is not None:
+            rc = self._engine.unregister_memory(self._pool.address)
+            if rc != 0:
+                logger.warning("unregister_memory returned %d", rc)
+            self._registered = False
+        self._engine = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

@@ -1,0 +1,189 @@
+"""What both sides of the Transfer Engine connector agree on: messages, limits, configuration.
+
+Control messages ride on :mod:`omnikv.connectors._control` (envelope, HMAC, nonces, replay
+window, channels). A receiver's ``hello`` declares its engine session and the address range of
+its registered receive pool; the sender writes only there. Requests: ``query`` (long-poll for a
+key's size), ``pull`` (write the entry into ``[dst, dst + cap)`` of the requester's pool),
+``status`` (what became of a transfer, for quarantined slots), ``ping``. Replies: ``info``,
+``done``, ``xstate``, ``pong``, ``error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnikv.connectors._control import DEFAULT_WINDOW_S, Schema
+from omnikv.connectors._mooncake_common import parse_size, resolve_host
+from omnikv.errors import ConfigError, ConnectorError, ConnectorUnavailableError
+
+__all__ = [
+    "LONG_POLL_CAP_S",
+    "SCHEMA",
+    "XFER_HISTORY",
+    "Counters",
+    "TEConfig",
+    "te_errors",
+    "transfer_budget_s",
+]
+
+logger = logging.getLogger(__name__)
+
+LONG_POLL_CAP_S = 5.0
+XFER_HISTORY = 4096
+
+SCHEMA = Schema(
+    requests={
+        "query": {"key": str, "wait_ms": int},
+        "pull": {"key": str, "dst": int, "cap": int, "xid": str, "budget_ms": int},
+        "status": {"xid": str},
+    },
+    replies={"info": {"found": bool, "size": int}, "done": {"size": int}, "xstate": {"state": str}},
+    hello={"sess": str, "base": int, "len": int},
+)
+
+
+def transfer_budget_s(nbytes: int) -> float:
+    """The reference's pull timeout: 30 s + 5 s per full 100 MiB."""
+    return 30.0 + 5.0 * (nbytes // (100 << 20))
+
+
+@contextlib.contextmanager
+def te_errors(what: str) -> Iterator[None]:
+    """Translate the engine's and pyzmq's failures into omnikv errors (the TE boundary)."""
+    import zmq
+
+    try:
+        yield
+    except ConnectorError:
+        raise
+    except zmq.ZMQError as exc:
+        raise ConnectorUnavailableError(f"{what}: control channel failed: {exc}") from exc
+    except (RuntimeError, OSError) as exc:
+        raise ConnectorUnavailableError(f"{what}: Transfer Engine failed: {exc}") from exc
+
+
+def _positive(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _count(cfg: Mapping[str, Any], key: str, default: int) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _port(value: Any, key: str) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key} must be a port number, got {value!r}") from exc
+    if isinstance(value, bool) or not 0 < port < 65536:
+        raise ConfigError(f"{key} must be in 1..65535, got {value!r}")
+    return port
+
+
+def _secret(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | bytes) or not value:
+        raise ConfigError("auth_secret must be a non-empty string or bytes (or absent)")
+    return value.encode() if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class TEConfig:
+    """The connector's configuration, parsed and validated once (``ConfigError`` naming the key)."""
+
+    host: str
+    role: str
+    protocol: str
+    device_name: str
+    pool_size: int
+    ttl_s: float
+    peer_timeout_s: float
+    quarantine_dead_s: float
+    close_timeout_s: float
+    put_timeout_s: float
+    window_s: float
+    workers: int
+    secret: bytes | None
+    zmq_port: int | None
+    default_sender: tuple[str, int] | None
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any] | None) -> TEConfig:
+        cfg = dict(config or {})
+        role = str(cfg.get("role", "sender"))
+        if role not in {"sender", "receiver"}:
+            raise ConfigError(f"role must be 'sender' or 'receiver', got {role!r}")
+        if str(cfg.get("memory_pool_device", "cpu")) != "cpu":
+            raise ConfigError(
+                "memory_pool_device must be 'cpu' (device pools are not supported yet)"
+            )
+        port = cfg.get("zmq_port")
+        zmq_port = _port(port, "zmq_port") if port is not None else None
+        if role == "sender" and zmq_port is None:
+            raise ConfigError("a sender needs zmq_port")
+        sender: tuple[str, int] | None = None
+        if cfg.get("sender_host") and cfg.get("sender_zmq_port") is not None:
+            sender = (str(cfg["sender_host"]), _port(cfg["sender_zmq_port"], "sender_zmq_port"))
+        return cls(
+            host=resolve_host(cfg.get("host")),
+            role=role,
+            protocol=str(cfg.get("protocol", "tcp")),
+            device_name=str(cfg.get("device_name", "") or ""),
+            pool_size=parse_size(cfg.get("memory_pool_size", 1 << 30), "memory_pool_size"),
+            ttl_s=_positive(cfg, "buffer_ttl_seconds", 300.0),
+            peer_timeout_s=_positive(cfg, "peer_timeout_seconds", 5.0),
+            quarantine_dead_s=_positive(cfg, "quarantine_dead_seconds", 60.0),
+            close_timeout_s=_positive(cfg, "close_timeout_seconds", 30.0),
+            put_timeout_s=float(cfg.get("put_timeout_s", 0.0)),
+            window_s=_positive(cfg, "auth_window_seconds", DEFAULT_WINDOW_S),
+            workers=_count(cfg, "workers", 4),
+            secret=_secret(cfg.get("auth_secret")),
+            zmq_port=zmq_port,
+            default_sender=sender,
+        )
+
+
+_COUNTERS = (
+    "puts",
+    "put_bytes",
+    "put_failures",
+    "gets",
+    "get_bytes",
+    "misses",
+    "pulls_served",
+    "pull_failures",
+    "ttl_reaped",
+    "quarantine_events",
+    "quarantine_freed",
+    "late_arrivals",
+    "rejected_messages",
+    "peer_gone",
+)
+
+
+@dataclass
+class Counters:
+    """Thread-safe event counters shared by the two sides (shown by ``health()``)."""
+
+    values: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.values)

@@ -1,0 +1,334 @@
+"""The sender side of the Transfer Engine connector: publish, answer queries, serve pulls.
+
+``put_packed`` reserves a slot in the registered pool, lets the caller encode straight into it and
+publishes it under its transport key. The control server (one listener thread) answers
+``query`` at once or holds it (long-poll) until the key is published or the requester's wait
+ends; a ``pull`` is checked (entry present and idle, capacity, destination inside the pool the
+requester declared in its hello) and handed to a worker, which writes the entry with
+``transfer_sync_write`` into the requester's session and frees the slot on success
+(consume-once). Entries older than ``buffer_ttl_seconds`` are dropped, never one in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from omnikv.connectors._control import ControlCodec, ControlServer, Request
+from omnikv.connectors._pool import HostPool
+from omnikv.connectors.base import PutResult, Writer, matches_request
+from omnikv.connectors.mooncake_te.protocol import (
+    LONG_POLL_CAP_S,
+    XFER_HISTORY,
+    Counters,
+    TEConfig,
+)
+
+__all__ = ["SenderSide"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    key: str
+    offset: int
+    size: int
+    created: float
+    inflight: bool = False
+
+
+@dataclass
+class _Waiter:
+    req: Request
+    key: str
+    expires: float
+
+
+def _pull_refusal(entry: _Entry | None, req: Request) -> str:
+    """Why ``req`` (a pull) cannot be served now; ``""`` when it can."""
+    if entry is None or entry.inflight:
+        return "not_found" if entry is None else "busy"
+    msg, peer = req.msg, req.peer
+    if msg["cap"] < entry.size:
+        return "too_small"
+    if msg["dst"] < peer["base"] or msg["dst"] + entry.size > peer["base"] + peer["len"]:
+        return "outside_pool"
+    return ""
+
+
+class SenderSide:
+    """Entries, the control server and the pull workers of one sending connector."""
+
+    def __init__(
+        self,
+        cfg: TEConfig,
+        ctx: Any,
+        codec: ControlCodec,
+        engine: Any,
+        pool: HostPool,
+        counters: Counters,
+    ) -> None:
+        self._cfg = cfg
+        self._engine = engine
+        self._pool = pool
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._waiters: list[_Waiter] = []
+        self._xfers: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._stopping = False
+        self._sweep_every = max(0.05, min(10.0, cfg.ttl_s / 2))
+        self._next_sweep = time.monotonic() + self._sweep_every
+        assert cfg.zmq_port is not None
+        self._server = ControlServer(
+            ctx,
+            codec,
+            (cfg.host, cfg.zmq_port),
+            self._handle,
+            tick=self._tick,
+            name="omnikv-te",
+        )
+        try:
+            self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="omnikv-te-pull")
+        except BaseException:
+            self._server.close()
+            raise
+        self._server.start()
+
+    # -- publishing (caller threads) --------------------------------------------------------------
+    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> PutResult:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        pool = self._pool
+        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
+        try:
+            write(pool.slot(offset, nbytes))
+        except BaseException:
+            pool.allocator.free(offset)
+            raise
+        return True, nbytes, self._publish(key, offset, nbytes)
+
+    def _publish(self, key: str, offset: int, size: int) -> dict[str, Any]:
+        entry = _Entry(key, offset, size, time.monotonic())
+        with self._lock:
+            old = self._entries.get(key)
+            self._entries[key] = entry
+        if old is not None and not old.inflight:
+            self._pool.allocator.free(old.offset)
+        self._server.wake()
+        self._counters.add("puts")
+        self._counters.add("put_bytes", size)
+        logger.debug("published %s (%d bytes)", key, size)
+        return {
+            "source_host": self._cfg.host,
+            "source_port": self._cfg.zmq_port,
+            "data_size": size,
+            "is_fast_path": True,
+        }
+
+    def cleanup(self, request_id: str) -> None:
+        with self._lock:
+            gone = [
+                e
+                for k, e in self._entries.items()
+                if matches_request(k, request_id) and not e.inflight
+            ]
+            for e in gone:
+                del self._entries[e.key]
+        for e in gone:
+            self._pool.allocator.free(e.offset)
+
+    def pending_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def flush(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s until every published entry was pulled."""
+        end = time.monotonic() + max(0.0, timeout)
+        with self._idle:
+            while self._entries and time.monotonic() < end:
+                self._idle.wait(timeout=end - time.monotonic())
+            return list(self._entries)
+
+    # -- listener thread ---------------------------------------------------------------------------
+    def _handle(self, req: Request) -> None:
+        if req.op == "status":
+            with self._lock:
+                state = self._xfers.get(req.msg["xid"], "unknown")
+            self._server.answer(req, {"op": "xstate", "state": state})
+        elif req.op == "query":
+            self._query(req)
+        else:
+            self._start_pull(req)
+
+    def _query(self, req: Request) -> None:
+        key = req.msg["key"]
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.inflight:
+                found, size = True, entry.size
+            else:
+                wait_s = min(req.msg["wait_ms"] / 1000.0, LONG_POLL_CAP_S)
+                if wait_s > 0:
+                    self._waiters.append(_Waiter(req, key, time.monotonic() + wait_s))
+                    return
+                found, size = False, 0
+        self._server.answer(req, {"op": "info", "found": found, "size": size})
+
+    def _tick(self) -> float:
+        """Answer long-polls that can be answered, sweep by TTL; seconds until needed again."""
+        self._serve_waiters()
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._reap_ttl()
+            self._next_sweep = now + self._sweep_every
+        with self._lock:
+            soonest = min((w.expires for w in self._waiters), default=self._next_sweep)
+        return max(0.0, min(soonest, self._next_sweep) - time.monotonic())
+
+    def _serve_waiters(self) -> None:
+        now = time.monotonic()
+        answers: list[tuple[Request, bool, int]] = []
+        with self._lock:
+            keep: list[_Waiter] = []
+            for w in self._waiters:
+                entry = self._entries.get(w.key)
+                if entry is not None and not entry.inflight:
+                    answers.append((w.req, True, entry.size))
+                elif now >= w.expires:
+                    answers.append((w.req, False, 0))
+                else:
+                    keep.append(w)
+            self._waiters = keep
+        for req, found, size in answers:
+            self._server.answer(req, {"op": "info", "found": found, "size": size})
+
+    def _start_pull(self, req: Request) -> None:
+        with self._lock:
+            entry = self._entries.get(req.msg["key"])
+            reason = _pull_refusal(entry, req)
+            if not reason:
+                assert entry is not None
+                entry.inflight = True
+                self._inflight += 1
+                self._note_xfer(req.msg["xid"], "inflight")
+        if reason:
+            if reason == "outside_pool":
+                logger.warning("refused a pull of %s outside the requester's pool", req.msg["key"])
+            self._server.answer(req, {"op": "error", "reason": reason})
+            return
+        assert entry is not None
+        try:
+            self._executor.submit(self._do_pull, req, entry, time.monotonic())
+        except RuntimeError:  # executor shut down: closing
+            self._finish_pull(entry, req.msg["xid"], ok=False)
+            self._server.answer(req, {"op": "error", "reason": "closing"})
+
+    def _note_xfer(self, xid: str, state: str) -> None:
+        self._xfers[xid] = state
+        while len(self._xfers) > XFER_HISTORY:
+            self._xfers.popitem(last=False)
+
+    # -- pull workers ------------------------------------------------------------------------------
+    def _write(self, req: Request, entry: _Entry) -> str:
+        """One engine write of ``entry`` into the requester's slot; ``""`` or why it failed."""
+        sess = req.peer["sess"]
+        t0 = time.perf_counter()
+        try:
+            rc = self._engine.transfer_sync_write(
+                sess, self._pool.address + entry.offset, req.msg["dst"], entry.size
+            )
+        except (RuntimeError, OSError) as exc:
+            return f"transfer raised {exc}"
+        logger.debug(
+            "pull %s -> %s: %d bytes in %.3f ms (rc %d)",
+            entry.key,
+            sess,
+            entry.size,
+            (time.perf_counter() - t0) * 1e3,
+            rc,
+        )
+        return "" if rc == 0 else f"transfer_sync_write returned {rc}"
+
+    def _do_pull(self, req: Request, entry: _Entry, started: float) -> None:
+        reason = "expired"
+        try:
+            expired = time.monotonic() - started >= req.msg["budget_ms"] / 1000.0
+            if not expired and not self._stopping:
+                reason = self._write(req, entry)
+        finally:
+            self._finish_pull(entry, req.msg["xid"], ok=not reason)
+        if not reason:
+            self._counters.add("pulls_served")
+            self._server.answer(req, {"op": "done", "size": entry.size})
+        else:
+            self._counters.add("pull_failures")
+            logger.warning("pull of %s failed: %s", entry.key, reason)
+            self._server.answer(req, {"op": "error", "reason": reason})
+
+    def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> None:
+        with self._lock:
+            self._note_xfer(xid, "done" if ok else "failed")
+            entry.inflight = False
+            current = self._entries.get(entry.key) is entry
+            free = ok or not current  # consumed, or replaced by a newer put while in flight
+            if ok and current:
+                del self._entries[entry.key]
+            self._inflight -= 1
+            self._idle.notify_all()
+        if free:
+            self._pool.allocator.free(entry.offset)
+        if not ok:
+            self._server.wake()  # waiters may retry
+
+    def _reap_ttl(self) -> None:
+        cutoff = time.monotonic() - self._cfg.ttl_s
+        with self._lock:
+            old = [e for e in self._entries.values() if e.created < cutoff and not e.inflight]
+            for e in old:
+                del self._entries[e.key]
+            if old:
+                self._idle.notify_all()
+        for e in old:
+            self._pool.allocator.free(e.offset)
+            logger.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
+        if old:
+            self._counters.add("ttl_reaped", len(old))
+
+    # -- state and shutdown ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries": len(self._entries), "inflight": self._inflight}
+
+    @property
+    def rejected(self) -> int:
+        return self._server.rejected
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._server.thread
+
+    def close(self) -> bool:
+        """Stop the listener and workers; True when no write is running (the pool may go)."""
+        self._stopping = True
+        self._server.close(timeout=max(5.0, self._cfg.peer_timeout_s * 2))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        end = time.monotonic() + self._cfg.close_timeout_s
+        with self._idle:
+            while self._inflight > 0 and time.monotonic() < end:
+                self._idle.wait(timeout=max(0.0, end - time.monotonic()))
+            idle = self._inflight == 0
+            self._entries.clear()
+            self._waiters.clear()
+        if idle:
+            self._executor.shutdown(wait=True)
+            self._engine = None  # the connector destroys the engine next
+        return idle

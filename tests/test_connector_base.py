@@ -1,0 +1,212 @@
+"""connectors/base.py: the contract's defaults, ManagedBuffer, and the helpers every connector
+shares (cleanup key rule, object framing, the one result shape of ``wait``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from omnikv.connectors.base import (
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    Writer,
+    as_managed,
+    get_result,
+    matches_request,
+)
+from omnikv.serialization import decode_object, encode_object
+
+
+class _PollOnly(OmniConnectorBase):
+    """Implements put / get / close only: wait falls back to bounded polling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.ready_at = math.inf
+        self.stored: list[Any] = []
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+        self.stored.append(data)
+        return True, 0, None
+
+    def get(self, *a: Any, **kw: Any) -> Any:
+        self.calls += 1
+        return (b"ok", 2) if time.monotonic() >= self.ready_at else None
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class _PackedOnly(OmniConnectorBase):
+    """Implements put_packed / get / close only: the reference-shaped put comes from base."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: dict[str, bytes] = {}
+        self.deadlines: list[float] = []
+
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        write(buf)
+        self.items[put_key] = bytes(buf.numpy())
+        self.deadlines.append(deadline)
+        return True, nbytes, None
+
+    def get(self, *a: Any, **kw: Any) -> Any:
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def test_default_wait_polls_finely_and_boundedly() -> None:
+    conn = _PollOnly()
+    t0 = time.monotonic()
+    assert conn.wait("0", "1", "k", deadline=t0 + 0.2) is None
+    elapsed = time.monotonic() - t0
+    assert 0.2 <= elapsed < 0.25
+    assert 10 < conn.calls < 200  # neither a busy loop nor a coarse sleep
+
+
+def test_default_wait_returns_a_managed_buffer() -> None:
+    conn = _PollOnly()
+    conn.ready_at = time.monotonic() + 0.05
+    t0 = time.monotonic()
+    got = conn.wait("0", "1", "k", deadline=t0 + 5)
+    assert time.monotonic() - t0 < 0.07
+    assert isinstance(got, ManagedBuffer) and got.to_bytes() == b"ok"
+
+
+def test_default_put_packed_stages_into_put() -> None:
+    conn = _PollOnly()
+    ok, _, _ = conn.put_packed("0", "1", "k", 4, lambda t: t.fill_(7), deadline=0.0)
+    assert ok and bytes(conn.stored[0].numpy()) == b"\x07" * 4
+
+
+def test_reference_put_copies_raw_data_once_into_put_packed() -> None:
+    conn = _PackedOnly()
+    t0 = time.monotonic()
+    assert conn.put("0", "1", "raw", b"abc") == (True, 3, None)
+    assert conn.items["raw"] == b"abc"
+    assert t0 <= conn.deadlines[0] <= time.monotonic()  # put_timeout_s 0: try once
+
+
+def test_reference_put_frames_objects_with_the_one_encoder() -> None:
+    conn = _PackedOnly()
+    assert conn.put("0", "1", "obj", {"a": [1, 2]})[0]
+    assert decode_object(conn.items["obj"]) == {"a": [1, 2]}
+
+
+def test_reference_put_reports_failures_as_false() -> None:
+    conn = _PackedOnly()
+    assert conn.put("0", "1", "none", None) == (False, 0, None)
+    assert conn.put("0", "1", "empty", b"") == (False, 0, None)
+    assert conn.put("0", "1", "odd", object()) == (False, 0, None)
+
+
+def test_a_connector_must_implement_put_or_put_packed() -> None:
+    class Neither(OmniConnectorBase):
+        def get(self, *a: Any, **kw: Any) -> Any:
+            return None
+
+        def close(self) -> None:
+            self._closed = True
+
+    with pytest.raises(NotImplementedError):
+        Neither().put("0", "1", "k", b"x")
+
+
+def test_flush_default_has_nothing_unconsumed() -> None:
+    assert _PollOnly().flush(timeout=1.0) == []
+
+
+def test_serialize_obj_helpers_use_the_serializer() -> None:
+    data = OmniConnectorBase.serialize_obj({"t": torch.arange(3)})
+    assert torch.equal(OmniConnectorBase.deserialize_obj(data)["t"], torch.arange(3))
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("req@0_1", True),
+        ("req_r1@0_1", True),
+        ("omni_0_to_1_req@0_1", True),
+        ("reqx@0_1", False),
+        ("xreq@0_1", False),
+        ("other@0_1", False),
+    ],
+)
+def test_matches_request_is_the_reference_cleanup_rule(key: str, expected: bool) -> None:
+    assert matches_request(key, "req") is expected
+
+
+def test_as_managed_wraps_every_result_kind() -> None:
+    t = torch.arange(4, dtype=torch.uint8)
+    assert as_managed(t).tensor.data_ptr() == t.data_ptr()  # no copy
+    assert as_managed(b"xy").to_bytes() == b"xy"
+    assert as_managed(bytearray(b"xy")).to_bytes() == b"xy"
+    assert decode_object(as_managed({"k": 1}).tensor) == {"k": 1}
+    buf = ManagedBuffer(t)
+    assert as_managed(buf) is buf
+
+
+def test_get_result_decodes_objects_and_releases_their_buffer() -> None:
+    raw = bytearray(encode_object({"k": 1}))
+    released: list[int] = []
+    buf = ManagedBuffer(torch.frombuffer(raw, dtype=torch.uint8), lambda: released.append(1))
+    assert get_result(buf) == ({"k": 1}, len(raw))
+    assert released == [1]
+    plain = ManagedBuffer(torch.zeros(8, dtype=torch.uint8))
+    assert get_result(plain) == (plain, 8)
+
+
+def test_managed_buffer_release_and_views() -> None:
+    released: list[int] = []
+    buf = ManagedBuffer(torch.zeros(16, dtype=torch.uint8), release=lambda: released.append(1))
+    view = buf.as_tensor(torch.float32, (2,), offset=4)
+    assert view.shape == (2,)
+    with pytest.raises(ValueError, match="aligned"):
+        buf.as_tensor(torch.float32, (1,), offset=2)
+    with pytest.raises(ValueError, match="exceeds"):
+        buf.as_tensor(torch.float32, (5,))
+    assert buf.to_bytes() == bytes(16)
+    with buf:
+        pass
+    buf.release()
+    assert released == [1] and buf.released
+    with pytest.raises(RuntimeError, match="released"):
+        _ = buf.tensor
+    with pytest.raises(ValueError):
+        ManagedBuffer(torch.zeros(4, dtype=torch.float32))
+
+
+def test_managed_buffer_adopt_ties_release_to_views() -> None:
+    released: list[int] = []
+    buf = ManagedBuffer(torch.zeros(64, dtype=torch.uint8), release=lambda: released.append(1))
+    owned = buf.adopt()
+    assert owned is not None and buf.released
+    part = owned[8:16].view(torch.float32)
+    del owned
+    gc.collect()
+    assert released == []
+    buf.release()  # no-op after adopt
+    del part
+    gc.collect()
+    assert released == [1]

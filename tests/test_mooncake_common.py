@@ -1,0 +1,70 @@
+"""connectors/_mooncake_common.py: host resolution, the unauthenticated-bind warning, sizes.
+
+Tests run in a network namespace where only loopback may exist, so detection is tested by its
+contract (an address of this host that a socket can bind, 127.0.0.1 where nothing else
+routes), not by a particular address.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+from omnikv.connectors import _mooncake_common as common
+from omnikv.errors import ConfigError
+
+
+def test_the_detected_address_belongs_to_this_host() -> None:
+    addr = common.detect_local_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((addr, 0))  # only a local address can be bound
+
+
+def test_detection_is_the_kernels_route_choice() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+            expected = probe.getsockname()[0]
+        except OSError:
+            expected = "127.0.0.1"
+    assert common.detect_local_address() == expected
+
+
+@pytest.mark.parametrize("host", [None, "", "auto", "0.0.0.0", "::", "*", " auto "])
+def test_missing_empty_auto_and_wildcards_advertise_the_detected_address(
+    host: str | None,
+) -> None:
+    assert common.resolve_host(host) == common.detect_local_address()
+
+
+def test_an_explicit_host_is_used_as_given() -> None:
+    assert common.resolve_host("10.1.2.3") == "10.1.2.3"
+    assert common.resolve_host("127.0.0.1") == "127.0.0.1"
+
+
+def test_binding_a_non_loopback_address_without_a_secret_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=common.__name__)
+    common.warn_unauthenticated("10.9.8.7", "Transfer Engine sender")
+    common.warn_unauthenticated("10.9.8.7", "Transfer Engine sender")
+    common.warn_unauthenticated("127.0.0.1", "Transfer Engine sender")
+    common.warn_unauthenticated("localhost", "Transfer Engine sender")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "10.9.8.7" in warnings[0].getMessage()
+    assert "auth_secret" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("64MB", 64 << 20), ("1GiB", 1 << 30), (4096, 4096)]
+)
+def test_sizes_accept_suffixes(text: object, expected: int) -> None:
+    assert common.parse_size(text, "memory_pool_size") == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, "lots", True])
+def test_bad_sizes_are_config_errors_naming_the_key(bad: object) -> None:
+    with pytest.raises(ConfigError, match="memory_pool_size"):
+        common.parse_size(bad, "memory_pool_size")
