@@ -130,11 +130,6 @@ def _cfg(**extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def _buffer(got: Any) -> Any:
-    """The ManagedBuffer of a wait result (merge: drop once every wait returns the buffer)."""
-    return got[0] if isinstance(got, tuple) else got
-
-
 def _ask(out_q: Any, in_q: Any, *cmd: Any) -> Any:
     in_q.put(cmd)
     msg = out_q.get(timeout=30)
@@ -162,7 +157,7 @@ def scenario_roundtrip() -> dict[str, Any]:
         got: dict[str, Any] = {}
 
         def waiter() -> None:
-            got["r"] = _buffer(recv.wait("0", "1", "k1", deadline=time.monotonic() + 20))
+            got["r"] = recv.wait("0", "1", "k1", deadline=time.monotonic() + 20)
             got["t"] = time.monotonic()
 
         th = threading.Thread(target=waiter)
@@ -192,7 +187,7 @@ def scenario_roundtrip() -> dict[str, Any]:
         res["bad_secret_s"] = time.monotonic() - t0
         bad.close()
         res["sender_health"] = _ask(out_q, in_q, "health")[1]
-        b2 = _buffer(recv.wait("0", "1", "k2", deadline=time.monotonic() + 10))
+        b2 = recv.wait("0", "1", "k2", deadline=time.monotonic() + 10)
         res["k2_ok"] = b2 is not None and crc(b2.tensor.numpy()) == crc(pattern(MiB, 3))
         view = b2.adopt() if b2 is not None else None
         res["recv_health"] = recv.health()

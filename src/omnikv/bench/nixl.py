@@ -313,13 +313,12 @@ def _omni_wait(conn: Any, key: str, check: _Check, label: str, full: bool) -> fl
     t1 = time.monotonic()
     if got is None:
         raise BenchError(f"{label}: wait returned nothing within {WAIT_BUDGET_S:.0f} s")
-    buf = got[0] if isinstance(got, tuple) else got  # merge: the buffer itself (contract 1)
-    if not isinstance(buf, ManagedBuffer):
-        raise BenchError(f"{label}: wait returned {type(buf).__name__}, not a ManagedBuffer")
+    if not isinstance(got, ManagedBuffer):
+        raise BenchError(f"{label}: wait returned {type(got).__name__}, not a ManagedBuffer")
     try:
-        check.check(label, buf.tensor, buf.size, full=full)
+        check.check(label, got.tensor, got.size, full=full)
     finally:
-        buf.release()
+        got.release()
     return t1 - t0
 
 

@@ -36,12 +36,17 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-import torch
-
 from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer, Endpoint
-from omnikv.connectors._mooncake_common import as_host_bytes, decode_if_object, encode_object
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult, Writer
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    Writer,
+    get_result,
+    matches_request,
+)
 from omnikv.connectors.nixl_agent import NixlAgent, import_nixl
 from omnikv.connectors.nixl_protocol import MAX_MESSAGE_BYTES, SCHEMA, Counters, NixlSettings
 from omnikv.connectors.nixl_receiver import NixlReceiverSide
@@ -148,7 +153,7 @@ class NixlConnector(OmniConnectorBase):
         nbytes: int,
         write: Writer,
         *,
-        deadline: float = 0.0,
+        deadline: float,
     ) -> PutResult:
         """Sender hot path: ``write`` encodes straight into a registered pool slot.
 
@@ -159,31 +164,6 @@ class NixlConnector(OmniConnectorBase):
         side = self._sending_side()
         key = self._make_key(put_key, from_stage, to_stage)
         return True, nbytes, side.put_packed(key, nbytes, write, deadline)
-
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
-        """Reference-shaped put: copies ``data`` into a pool slot; ``(False, 0, None)`` on error.
-
-        Bytes-like data and tensors travel raw; other objects through the object encoder.
-        Does not wait for pool space.
-        """
-        try:
-            view = as_host_bytes(data)
-            if view is None:
-                view = memoryview(encode_object(data))
-            if view.nbytes == 0:
-                raise ValueError("empty payload")
-            pool = self._pool
-            assert pool is not None
-            src = view
-
-            def copy(dst: torch.Tensor) -> None:
-                pool.copy_in(int(dst.data_ptr()) - pool.address, src)
-
-            return self.put_packed(from_stage, to_stage, put_key, view.nbytes, copy, deadline=0.0)
-        except (ConnectorError, ValueError, TypeError, AssertionError) as exc:
-            self._counters.add("put_failures")
-            logger.error("put of %s failed: %s", put_key, exc)
-            return False, 0, None
 
     # == receiver =================================================================================
     def update_sender_info(self, host: str, port: int) -> None:
@@ -217,10 +197,10 @@ class NixlConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
+    ) -> ManagedBuffer | None:
         """Block until the payload is in hand or ``deadline`` passes (then ``None``).
 
-        Returns ``(ManagedBuffer, size)`` over the receiver's registered slot (release it).
+        Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
         Raises ``PeerGoneError`` when the sender dies mid-transfer, ``PoolExhaustedError`` when
         no receive slot frees up before the deadline, ``ConnectorUnavailableError`` for a failed
         transfer or a missing endpoint.
@@ -228,9 +208,7 @@ class NixlConnector(OmniConnectorBase):
         side = self._receiving_side()
         key = self._make_key(get_key, from_stage, to_stage)
         with _zmq_errors(key):
-            buf = side.wait(key, self._endpoint(metadata), deadline)
-        # merge: return buf itself once base.wait returns ManagedBuffer | None (contract 1)
-        return None if buf is None else (buf, buf.size)
+            return side.wait(key, self._endpoint(metadata), deadline)
 
     def get(
         self,
@@ -252,21 +230,26 @@ class NixlConnector(OmniConnectorBase):
         except ConnectorError as exc:
             logger.error("get of %s failed: %s", key, exc)
             return None
-        if buf is None:
-            return None
-        decoded = decode_if_object(buf, buf.size)
-        return decoded if decoded is not None else (buf, buf.size)
+        return None if buf is None else get_result(buf)
 
     # == common ===================================================================================
     def cleanup(self, request_id: str) -> None:
         """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
-        from omnikv.connectors._mooncake_common import matches_request
-
         if self._sender is not None:
             self._sender.cleanup(request_id)
         if self._receiver is not None:
             keys = [k for k in self._receiver.late_keys() if matches_request(k, request_id)]
             self._receiver.drop_late(keys)
+
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait up to ``timeout`` seconds (``None``: ``close_timeout_seconds``) until every
+        published payload was consumed; returns the keys still unconsumed (sender; a receiver
+        publishes nothing).
+        """
+        if self._sender is None or self._closed:
+            return []
+        limit = self.settings.close_timeout_s if timeout is None else max(0.0, float(timeout))
+        return self._sender.wait_consumed(limit)
 
     def pending_keys(self) -> list[str]:
         """Keys published by this sender and not yet consumed (tests, diagnostics)."""

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from omnikv.connectors._control import Channel, ControlClient, Endpoint
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.base import ManagedBuffer, SlotRelease
 from omnikv.connectors.nixl_agent import NixlAgent, Transfer
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
@@ -315,7 +315,7 @@ class NixlReceiverSide:
             step = min(step * 2, POLL_CAP_S)
 
     def _deliver(self, offset: int, size: int) -> ManagedBuffer:
-        buf = ManagedBuffer(self._pool.slot(offset, size), _Release(self._pool, offset))
+        buf = ManagedBuffer(self._pool.slot(offset, size), SlotRelease(self._pool, offset))
         self._counters.add("gets")
         self._counters.add("get_bytes", size)
         return buf
@@ -414,17 +414,3 @@ class NixlReceiverSide:
 def _finite(deadline: float) -> float:
     """A pool wait never blocks forever: an infinite deadline waits 1 s for space."""
     return deadline if math.isfinite(deadline) else time.monotonic() + 1.0
-
-
-class _Release:
-    """Release callback of a receive slot (a small class so no closure keeps the connector)."""
-
-    __slots__ = ("_offset", "_pool")
-
-    def __init__(self, pool: HostPool, offset: int) -> None:
-        self._pool = pool
-        self._offset = offset
-
-    def __call__(self) -> None:
-        if not self._pool.closed:
-            self._pool.allocator.free(self._offset)

@@ -15,15 +15,15 @@ NIXL's notifications (finely while leases are out) and sweeps leases and the TTL
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import ControlServer, Request
-from omnikv.connectors._mooncake_common import matches_request
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import Writer
+from omnikv.connectors.base import Writer, matches_request
 from omnikv.connectors.nixl_agent import NixlAgent
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
@@ -79,6 +79,7 @@ class NixlSenderSide:
         self._entries: dict[str, _Entry] = {}
         self._by_xid: dict[str, _Entry] = {}
         self._waiters: list[_Waiter] = []
+        self._consumed_cond = threading.Condition(lock)
         self._md = agent.metadata()
         self._next_sweep = time.monotonic()
         self.server: ControlServer | None = None
@@ -125,6 +126,7 @@ class NixlSenderSide:
         entry.consumed = True
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
+            self._consumed_cond.notify_all()
         return entry.lease is None
 
     # -- control requests (listener thread) --------------------------------------------------
@@ -281,6 +283,17 @@ class NixlSenderSide:
 
     def pending_keys(self) -> list[str]:
         with self._lock:
+            return list(self._entries)
+
+    def wait_consumed(self, timeout_s: float) -> list[str]:
+        """Block until no entry is left or ``timeout_s`` passes; the keys still unconsumed."""
+        end = time.monotonic() + timeout_s
+        with self._consumed_cond:
+            while self._entries:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._consumed_cond.wait(timeout=left)
             return list(self._entries)
 
     def stats(self) -> dict[str, int]:
