@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake")
+BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl")
 
 
 def _bench(argv: Sequence[str]) -> int:

@@ -47,6 +47,7 @@ _BUILTINS: dict[str, tuple[str, str | None]] = {
         "omnikv.connectors.mooncake_te:MooncakeTransferEngineConnector",
         "mooncake",
     ),
+    "NixlConnector": ("omnikv.connectors.nixl:NixlConnector", "nixl"),
 }
 
 #: Pull-model connectors whose ports and roles the manager derives (reference §2.3).
@@ -54,6 +55,7 @@ TRANSFER_ENGINE_CONNECTOR_NAMES: frozenset[str] = frozenset(
     {
         "MooncakeTransferEngineConnector",
         "MoriTransferEngineConnector",
+        "NixlConnector",
         "YuanrongTransferEngineConnector",
     }
 )

@@ -1,0 +1,335 @@
+"""NixlConnector: pull-model KV hand-off over NIXL (the transfer library behind vLLM's P/D).
+
+Data plane: one NIXL agent per connector (backends from ``backends``, default ``["UCX"]``) with
+one registered, pre-faulted host pool. Control plane: :mod:`omnikv.connectors._control`
+(msgpack over pyzmq, HMAC + nonce + timestamp with ``auth_secret``), shared with the Mooncake
+Transfer Engine connector; the NIXL messages are in :mod:`omnikv.connectors.nixl_protocol`.
+
+How a payload moves:
+
+1. The sender's ``put_packed`` reserves a slot in its registered pool and lets the caller encode
+   straight into it; the entry is published under ``"{key}@{from}_{to}"``.
+2. The receiver's ``wait`` loads the sender agent's metadata once per sender, then ``claim``\\ s
+   the key (a long-poll: the sender answers when the key is there or the hold ends): the sender
+   leases the entry to one transfer id and answers with its size and address.
+3. The receiver reserves a slot in its own registered pool and READs the bytes with NIXL, the
+   transfer id as notification; the sender frees the entry when the notification arrives.
+
+Failures: a sender that answered before and falls silent for ``peer_timeout_seconds`` is
+:class:`~omnikv.errors.PeerGoneError`; a receive slot whose READ may still run when the receiver
+gives up is quarantined until NIXL reports it finished (then it is a late arrival for the next
+``wait`` of that key) or cancelled. See :mod:`~omnikv.connectors.nixl_sender` and
+:mod:`~omnikv.connectors.nixl_receiver` for the two sides; the role is chosen once, here.
+
+Trust model: the control plane can be authenticated (``auth_secret``); the data plane is NIXL's
+(UCX): an agent that holds the sender's metadata can READ its registered pool, and that metadata
+is handed out only over the (authenticated, when configured) control plane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer, Endpoint
+from omnikv.connectors._pool import HostPool
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    Writer,
+    get_result,
+    matches_request,
+)
+from omnikv.connectors.nixl_agent import NixlAgent, import_nixl
+from omnikv.connectors.nixl_protocol import MAX_MESSAGE_BYTES, SCHEMA, Counters, NixlSettings
+from omnikv.connectors.nixl_receiver import NixlReceiverSide
+from omnikv.connectors.nixl_sender import NixlSenderSide
+from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
+
+__all__ = ["NixlConnector"]
+
+logger = logging.getLogger(__name__)
+
+import_nixl()  # a missing NIXL is an ImportError naming the extra (factory, ``omnikv doctor``)
+
+
+class NixlConnector(OmniConnectorBase):
+    """Cross-node KV hand-off over NIXL (pull model, consume-once).
+
+    Built by the factory as ``NixlConnector(config)``; the manager injects ``role``,
+    ``zmq_port``, ``from_stage`` and ``to_stage`` per rank. Config keys: ``host`` (default
+    ``127.0.0.1``; bound and advertised as is, ``"auto"`` detects), ``zmq_port``, ``role``
+    (``"sender"`` binds the control socket; ``"receiver"`` binds nothing), ``backends``
+    (``["UCX"]``), ``memory_pool_size`` (bytes or "512MB", default 1 GiB),
+    ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
+    (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
+    (60), ``close_timeout_seconds`` (30).
+    """
+
+    supports_raw_data: ClassVar[bool] = True
+    supports_zero_copy_put: ClassVar[bool] = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self._closed = True  # until fully built: a failed constructor leaves nothing to close
+        cfg = dict(config or {})
+        self.settings = s = NixlSettings.from_config(cfg)
+        self.role = s.role
+        self._default_sender = s.default_sender
+        self._counters = Counters()
+        self._lock = threading.Lock()
+        self._agent: NixlAgent | None = None
+        self._pool: HostPool | None = None
+        self._ctx: Any = None
+        self._server: ControlServer | None = None
+        self._client: ControlClient | None = None
+        self._sender: NixlSenderSide | None = None
+        self._receiver: NixlReceiverSide | None = None
+        try:
+            self._build(s)
+        except BaseException:
+            self._teardown()
+            raise
+        self._closed = False
+        logger.info(
+            "NixlConnector %s on %s (agent %s, zmq %s, backends %s, pool %d bytes)",
+            s.role,
+            s.host,
+            self.agent_name,
+            s.zmq_port,
+            ",".join(s.backends),
+            s.pool_size,
+        )
+
+    def _build(self, s: NixlSettings) -> None:
+        import zmq
+
+        self.agent_name = f"omnikv-nixl-{s.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._agent = NixlAgent(self.agent_name, s.backends)
+        self._pool = HostPool(s.pool_size)
+        self._agent.register(self._pool.address, self._pool.size)
+        self._ctx = zmq.Context()
+        codec = ControlCodec(SCHEMA, s.secret, max_message_bytes=MAX_MESSAGE_BYTES)
+        if s.role == "sender":
+            assert s.zmq_port is not None
+            side = NixlSenderSide(s, self._agent, self._pool, self._counters, self._lock)
+            self._server = ControlServer(
+                self._ctx,
+                codec,
+                (s.host, s.zmq_port),
+                side.handle,
+                tick=side.tick,
+                name="omnikv-nixl",
+            )
+            side.attach(self._server)
+            self._sender = side
+            self._server.start()
+        else:
+            self._client = ControlClient(self._ctx, codec, {"agent": self.agent_name})
+            self._receiver = NixlReceiverSide(
+                s, self._agent, self._pool, self._client, self._counters, self._lock
+            )
+
+    # == sender ===================================================================================
+    def _sending_side(self) -> NixlSenderSide:
+        if self._closed:
+            raise ConnectorClosedError("NixlConnector is closed")
+        if self._sender is None:
+            raise ConnectorError("only a NixlConnector with role='sender' serves puts")
+        return self._sender
+
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        """Sender hot path: ``write`` encodes straight into a registered pool slot.
+
+        Waits for pool space until ``deadline`` (absolute monotonic) and then raises
+        :class:`~omnikv.errors.PoolExhaustedError`; if ``write`` raises, the slot is freed and
+        nothing is published.
+        """
+        side = self._sending_side()
+        key = self._make_key(put_key, from_stage, to_stage)
+        return True, nbytes, side.put_packed(key, nbytes, write, deadline)
+
+    # == receiver =================================================================================
+    def update_sender_info(self, host: str, port: int) -> None:
+        """Default sender endpoint for gets without per-call metadata (called by the manager)."""
+        self._default_sender = (str(host), int(port))
+
+    def _endpoint(self, metadata: Mapping[str, Any] | None) -> Endpoint:
+        if metadata:
+            host = metadata.get("source_host")
+            port = metadata.get("source_port")
+            if host and port is not None:
+                return str(host), int(port)
+        if self._default_sender is None:
+            raise ConnectorUnavailableError(
+                "no sender endpoint: call update_sender_info() or pass source_host/source_port"
+            )
+        return self._default_sender
+
+    def _receiving_side(self) -> NixlReceiverSide:
+        if self._closed:
+            raise ConnectorClosedError("NixlConnector is closed")
+        if self._receiver is None:
+            raise ConnectorError("only a NixlConnector with role='receiver' receives")
+        return self._receiver
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> ManagedBuffer | None:
+        """Block until the payload is in hand or ``deadline`` passes (then ``None``).
+
+        Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
+        Raises ``PeerGoneError`` when the sender dies mid-transfer, ``PoolExhaustedError`` when
+        no receive slot frees up before the deadline, ``ConnectorUnavailableError`` for a failed
+        transfer or a missing endpoint.
+        """
+        side = self._receiving_side()
+        key = self._make_key(get_key, from_stage, to_stage)
+        with _zmq_errors(key):
+            return side.wait(key, self._endpoint(metadata), deadline)
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Reference-shaped get: one claim (no hold), READ if present; ``None`` otherwise.
+
+        Returns ``(ManagedBuffer, size)`` (the caller releases it) or ``(obj, size)`` for an
+        object put. Errors are logged and give ``None``.
+        """
+        side = self._receiving_side()
+        key = self._make_key(get_key, from_stage, to_stage)
+        try:
+            with _zmq_errors(key):
+                buf = side.try_get(key, self._endpoint(metadata))
+        except ConnectorError as exc:
+            logger.error("get of %s failed: %s", key, exc)
+            return None
+        return None if buf is None else get_result(buf)
+
+    # == common ===================================================================================
+    def cleanup(self, request_id: str) -> None:
+        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
+        if self._sender is not None:
+            self._sender.cleanup(request_id)
+        if self._receiver is not None:
+            keys = [k for k in self._receiver.late_keys() if matches_request(k, request_id)]
+            self._receiver.drop_late(keys)
+
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait up to ``timeout`` seconds (``None``: ``close_timeout_seconds``) until every
+        published payload was consumed; returns the keys still unconsumed (sender; a receiver
+        publishes nothing).
+        """
+        if self._sender is None or self._closed:
+            return []
+        limit = self.settings.close_timeout_s if timeout is None else max(0.0, float(timeout))
+        return self._sender.wait_consumed(limit)
+
+    def pending_keys(self) -> list[str]:
+        """Keys published by this sender and not yet consumed (tests, diagnostics)."""
+        return self._sender.pending_keys() if self._sender is not None else []
+
+    def health(self) -> dict[str, Any]:
+        """Status, endpoints, pool use, registrations, threads and counters. Never raises."""
+        pool, agent = self._pool, self._agent
+        side_stats: dict[str, int] = {}
+        if self._sender is not None:
+            side_stats.update(self._sender.stats())
+        if self._receiver is not None:
+            side_stats.update(self._receiver.stats())
+        return {
+            "status": "closed" if self._closed else "healthy",
+            "type": type(self).__name__,
+            "role": self.role,
+            "host": self.settings.host,
+            "zmq_port": self.settings.zmq_port,
+            "agent": getattr(self, "agent_name", None),
+            "backends": list(self.settings.backends),
+            "authenticated": self.settings.secret is not None,
+            "pool_size": pool.size if pool is not None else 0,
+            "pool_used": pool.allocator.used_bytes if pool is not None and not pool.closed else 0,
+            "registered_regions": agent.registered_regions if agent is not None else 0,
+            "threads": [t.name for t in self._threads() if t.is_alive()],
+            **side_stats,
+            **self._counters.snapshot(),
+        }
+
+    def _threads(self) -> Iterator[threading.Thread]:
+        for t in (
+            self._server.thread if self._server is not None else None,
+            self._receiver.reaper if self._receiver is not None else None,
+        ):
+            if t is not None:
+                yield t
+
+    def close(self) -> None:
+        """Stop threads, wait (bounded) for running READs, deregister, unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        timeout = self.settings.close_timeout_s
+        if self._server is not None:
+            self._server.close()
+        quiet = True
+        if self._sender is not None:
+            quiet = self._sender.drain(timeout)
+            if not quiet:
+                logger.warning("closing with READs of this sender's pool unconfirmed")
+            self._sender.forget_all()
+        if self._receiver is not None:
+            quiet = self._receiver.close(timeout)
+        if self._client is not None:
+            self._client.close()
+        if self._agent is not None:
+            self._agent.close()  # deregisters: NIXL refuses any later access to the pool
+            self._agent = None
+        if self._ctx is not None:
+            with contextlib.suppress(Exception):
+                self._ctx.term()
+            self._ctx = None
+        if self._pool is not None:
+            if not quiet:
+                logger.error("a NIXL READ may still be running at close; leaving the pool mapped")
+                return
+            self._pool.close()
+            self._pool = None
+
+
+@contextlib.contextmanager
+def _zmq_errors(key: str) -> Iterator[None]:
+    """Control-socket failures as ``ConnectorUnavailableError`` (the zmq half of the mapping)."""
+    import zmq
+
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        raise ConnectorUnavailableError(f"control channel for {key}: {exc}") from exc

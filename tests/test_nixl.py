@@ -1,0 +1,428 @@
+"""NixlConnector against real NIXL agents (UCX over loopback) in separate processes.
+
+Every networked case runs as a ``scenario_*`` function in an isolated child (``unshare -n``
+where possible, see ``mooncake_helpers.run_scenario``) with ``UCX_NET_DEVICES=lo``; the sender
+is a spawned peer driven over a queue, stopped by PID. The manager cases (224 MiB end to end,
+TP 2 -> 4) reuse the Mooncake manager tests' peers and checks with a NIXL connector config.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_helpers import (
+    crc,
+    free_ports,
+    omnikv_threads,
+    pattern,
+    peers,
+    queue,
+    run_scenario,
+    spawn,
+    tcp_sockets,
+)
+from omnikv.connectors.nixl_agent import unavailable_reason
+from test_mooncake_manager import (
+    QWEN,
+    SMALL,
+    _check_closed_sender,
+    _check_receiver,
+    _check_sent_224,
+    _collect,
+    _free_base_port,
+    peer_receiver,
+    receive_and_check,
+)
+from test_mooncake_manager import peer_sender as manager_sender
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
+]
+
+MiB = 1 << 20
+
+
+def _loopback_env() -> None:
+    """UCX on loopback only (inherited by the spawned peers)."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+# -- the sender peer ----------------------------------------------------------------------------
+def _kill_after_grant(delay_s: float) -> None:
+    """Failure injection: this process dies ``delay_s`` after its first grant (mid-READ)."""
+    from omnikv.connectors import nixl_sender
+
+    original = nixl_sender.NixlSenderSide._try_grant
+
+    def grant_then_die(self: Any, req: Any) -> bool:
+        granted = original(self, req)
+        if granted:
+            timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.start()
+        return granted
+
+    nixl_sender.NixlSenderSide._try_grant = grant_then_die  # type: ignore[method-assign]
+
+
+def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
+    from omnikv.connectors.nixl import NixlConnector
+    from omnikv.errors import PoolExhaustedError
+
+    conn = NixlConnector(cfg)
+    out_q.put(("ready", conn.health()["agent"]))
+    while True:
+        cmd = in_q.get()
+        op = cmd[0]
+        try:
+            if op == "put":
+                _, key, nbytes, seed, deadline_s = cmd
+                data = pattern(nbytes, seed)
+
+                def write(dst: Any, data: np.ndarray = data) -> None:
+                    dst.numpy()[:] = data
+
+                t0 = time.monotonic()
+                try:
+                    ok, size, _meta = conn.put_packed(
+                        "0", "1", key, nbytes, write, deadline=t0 + deadline_s
+                    )
+                except PoolExhaustedError:
+                    out_q.put(("put", "PoolExhaustedError", time.monotonic() - t0, 0))
+                    continue
+                out_q.put(("put", ok, size, crc(data)))
+            elif op == "put_obj":
+                out_q.put(("put", *conn.put("0", "1", cmd[1], cmd[2])[:2], 0))
+            elif op == "kill_after_grant":
+                _kill_after_grant(cmd[1])
+                out_q.put(("armed",))
+            elif op == "health":
+                out_q.put(("health", conn.health()))
+            elif op == "close":
+                conn.close()
+                conn.close()
+                out_q.put(("closed", conn.health(), omnikv_threads(), tcp_sockets()))
+                return
+        except Exception as exc:
+            out_q.put(("error", type(exc).__name__, str(exc)))
+
+
+def _sender(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
+    out_q, in_q = queue(), queue()
+    proc = spawn(peer_sender, cfg, out_q, in_q)
+    msg = out_q.get(timeout=30)
+    assert msg[0] == "ready", msg
+    return proc, out_q, in_q
+
+
+def _cfg(**extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"host": "127.0.0.1", "memory_pool_size": 64 * MiB}
+    cfg.update(extra)
+    return cfg
+
+
+def _ask(out_q: Any, in_q: Any, *cmd: Any) -> Any:
+    in_q.put(cmd)
+    msg = out_q.get(timeout=30)
+    assert msg[0] != "error", msg
+    return msg
+
+
+# -- scenarios (run isolated) -------------------------------------------------------------------
+def scenario_roundtrip() -> dict[str, Any]:
+    _loopback_env()
+    from omnikv.connectors.base import ManagedBuffer
+    from omnikv.connectors.nixl import NixlConnector
+    from omnikv.errors import ConnectorClosedError
+
+    (zport,) = free_ports(1)
+    res: dict[str, Any] = {}
+    proc, out_q, in_q = _sender(_cfg(role="sender", zmq_port=zport, auth_secret="s3cret"))
+    with peers(proc):
+        recv = NixlConnector(_cfg(role="receiver", auth_secret="s3cret", peer_timeout_seconds=2))
+        recv.update_sender_info("127.0.0.1", zport)
+        t0 = time.monotonic()
+        res["miss"] = recv.get("0", "1", "absent") is None
+        res["miss_s"] = time.monotonic() - t0
+        # long-poll: wait first, put while it waits
+        got: dict[str, Any] = {}
+
+        def waiter() -> None:
+            got["r"] = recv.wait("0", "1", "k1", deadline=time.monotonic() + 20)
+            got["t"] = time.monotonic()
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        _, ok, size, sent_crc = _ask(out_q, in_q, "put", "k1", 20 * MiB + 123, 7, 5.0)
+        t_put = time.monotonic()
+        th.join(timeout=25)
+        buf = got["r"]
+        res["put_ok"] = ok and size == 20 * MiB + 123
+        res["managed"] = isinstance(buf, ManagedBuffer)
+        res["size"] = buf.size
+        res["crc_ok"] = crc(buf.tensor.numpy()) == sent_crc
+        res["lag_s"] = got["t"] - t_put
+        buf.release()
+        # consume-once: the sender freed the entry on the READ's notification
+        meta = {"source_host": "127.0.0.1", "source_port": zport}
+        res["second_wait_none"] = (
+            recv.wait("0", "1", "k1", deadline=time.monotonic() + 0.5, metadata=meta) is None
+        )
+        _ask(out_q, in_q, "put_obj", "obj", {"a": [1, 2], "b": "x"})
+        res["obj"] = recv.get("0", "1", "obj", metadata=meta)
+        # a receiver with the wrong secret gets no answer and times out within its deadline
+        bad = NixlConnector(_cfg(role="receiver", auth_secret="wrong"))
+        _ask(out_q, in_q, "put", "k2", MiB, 3, 5.0)
+        t0 = time.monotonic()
+        res["bad_secret_none"] = bad.wait("0", "1", "k2", deadline=t0 + 1.0, metadata=meta) is None
+        res["bad_secret_s"] = time.monotonic() - t0
+        bad.close()
+        res["sender_health"] = _ask(out_q, in_q, "health")[1]
+        b2 = recv.wait("0", "1", "k2", deadline=time.monotonic() + 10)
+        res["k2_ok"] = b2 is not None and crc(b2.tensor.numpy()) == crc(pattern(MiB, 3))
+        view = b2.adopt() if b2 is not None else None
+        res["recv_health"] = recv.health()
+        del view
+        recv.close()
+        recv.close()
+        try:
+            recv.wait("0", "1", "k2", deadline=time.monotonic() + 1)
+            res["closed_raises"] = False
+        except ConnectorClosedError:
+            res["closed_raises"] = True
+        res["recv_closed"] = recv.health()
+        res["recv_threads"] = omnikv_threads()
+        res["recv_tcp"] = tcp_sockets()
+        _, sh, alive, res["sender_tcp"] = _ask(out_q, in_q, "close")
+        res["sender_closed"] = sh
+        res["sender_threads"] = alive
+    return res
+
+
+def scenario_failures() -> dict[str, Any]:
+    _loopback_env()
+    from omnikv.connectors.nixl import NixlConnector
+    from omnikv.errors import PeerGoneError, PoolExhaustedError
+
+    (zport,) = free_ports(1)
+    res: dict[str, Any] = {}
+    proc, out_q, in_q = _sender(
+        _cfg(role="sender", zmq_port=zport, memory_pool_size=256 * MiB, buffer_ttl_seconds=60)
+    )
+    with peers(proc):
+        recv = NixlConnector(
+            _cfg(
+                role="receiver",
+                memory_pool_size=136 * MiB,
+                peer_timeout_seconds=1.0,
+                sender_host="127.0.0.1",
+                sender_zmq_port=zport,
+            )
+        )
+        # key never put: None within the deadline, quickly for get
+        t0 = time.monotonic()
+        res["never_none"] = recv.wait("0", "1", "never", deadline=t0 + 0.8) is None
+        res["never_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        res["never_get_none"] = recv.get("0", "1", "never") is None
+        res["never_get_s"] = time.monotonic() - t0
+        # receiver pool exhausted: 140 MiB do not fit its 136 MiB; the lease is given back
+        assert _ask(out_q, in_q, "put", "big", 140 * MiB, 1, 1.0)[1] is True
+        try:
+            recv.wait("0", "1", "big", deadline=time.monotonic() + 0.5)
+            res["recv_pool"] = "no error"
+        except PoolExhaustedError:
+            res["recv_pool"] = "PoolExhaustedError"
+        # sender pool exhausted: 120 more MiB do not fit 256; put_packed raises at its deadline
+        _, res["sender_pool"], res["sender_pool_s"], _ = _ask(
+            out_q, in_q, "put", "x", 120 * MiB, 1, 0.3
+        )
+        h = _ask(out_q, in_q, "health")[1]
+        res["after_exhaustion"] = {k: h[k] for k in ("entries", "leases", "aborted")}
+        # sender killed mid-transfer: PeerGoneError within peer_timeout (+ a ping), nothing leaks
+        assert _ask(out_q, in_q, "put", "doomed", 100 * MiB, 2, 1.0)[1] is True
+        _ask(out_q, in_q, "kill_after_grant", 0.003)
+        killed_t: dict[str, float] = {}
+        t0 = time.monotonic()
+        try:
+            r = recv.wait("0", "1", "doomed", deadline=time.monotonic() + 20)
+            res["killed"] = f"no error ({r})"
+        except PeerGoneError as exc:
+            res["killed"] = "PeerGoneError"
+            res["killed_msg"] = str(exc)
+        killed_t["detect"] = time.monotonic() - t0
+        res["killed_detect_s"] = killed_t["detect"]
+        proc.join(timeout=10)
+        res["sender_exit"] = proc.exitcode
+        end = time.monotonic() + 10
+        while recv.health()["quarantined"] and time.monotonic() < end:
+            time.sleep(0.05)
+        h = recv.health()
+        res["recv_after_kill"] = {k: h[k] for k in ("pool_used", "quarantined", "peer_gone")}
+        recv.close()
+        res["recv_closed"] = recv.health()
+        res["threads"] = omnikv_threads()
+        res["tcp"] = tcp_sockets()
+    return res
+
+
+def nixl_kv_config(role: str, base_port: int, from_tp: int, to_tp: int) -> dict[str, Any]:
+    """The ``omni_kv_config`` of one stage, built as a user writes it."""
+    pool = 256 * MiB if from_tp == to_tp == 1 else 16 * MiB
+    cfg: dict[str, Any] = {
+        "connector_config": {
+            "type": "NixlConnector",
+            "host": "127.0.0.1",
+            "zmq_port": base_port,
+            "backends": ["UCX"],
+            "memory_pool_size": pool,
+            "auth_secret": "job-secret",
+        },
+        "rank_mapping": {"from_tp": from_tp, "to_tp": to_tp},
+        "recv_timeout": 60.0,
+    }
+    if role == "sender":
+        cfg.update(omni_from_stage="0", omni_to_stage="1", need_send_cache=True, stage_id=0)
+    else:
+        cfg.update(stage_id=1, engine_input_source=[0], need_recv_cache=True)
+    return cfg
+
+
+def scenario_manager_224() -> dict[str, Any]:
+    _loopback_env()
+    base = _free_base_port(1)
+    out_q, in_q = queue(), queue()
+    proc = spawn(manager_sender, nixl_kv_config("sender", base, 1, 1), 0, 1, QWEN, out_q, in_q)
+    res: dict[str, Any] = {}
+    with peers(proc, timeout=30):
+        # the receiver starts waiting before the sender has sent: it is woken by the put
+        res["recv"] = receive_and_check(
+            nixl_kv_config("receiver", base, 1, 1),
+            0,
+            1,
+            QWEN,
+            {"0": {"host": "127.0.0.1", "zmq_port": base + 100}},
+        )
+        res["sent"] = _collect(out_q, 1, 60)[0][2]
+        in_q.put("close")
+        res["closed"] = _collect(out_q, 1, 60)[0][2]
+    return res
+
+
+def scenario_manager_tp(s: int, t: int) -> dict[str, Any]:
+    _loopback_env()
+    base = _free_base_port(s)
+    out_q, in_q = queue(), queue()
+    info = {"host": "127.0.0.1", "zmq_port": base + 100}
+    procs = [
+        spawn(manager_sender, nixl_kv_config("sender", base, s, t), r, s, SMALL, out_q, in_q)
+        for r in range(s)
+    ]
+    procs += [
+        spawn(peer_receiver, nixl_kv_config("receiver", base, s, t), r, t, SMALL, info, out_q)
+        for r in range(t)
+    ]
+    res: dict[str, Any] = {"sent": {}, "received": {}, "closed": {}}
+    with peers(*procs, timeout=30):
+        for kind, rank, body in _collect(out_q, s + t, 90):
+            res[kind][str(rank)] = body
+        for _ in range(s):
+            in_q.put("close")
+        for _kind, rank, body in _collect(out_q, s, 60):
+            res["closed"][str(rank)] = body
+    return res
+
+
+def scenario_bench_small(path: str) -> dict[str, Any]:
+    _loopback_env()
+    import json
+
+    from omnikv.bench.nixl import main
+
+    rc = main(["--size-mib", "8", "--repeat", "2", "--warmup", "1", "--json", path])
+    with open(path, encoding="utf-8") as fh:
+        return {"rc": rc, "report": json.load(fh), "threads": omnikv_threads()}
+
+
+# -- tests --------------------------------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_bench_nixl_small_run_verifies(tmp_path: Any) -> None:
+    r = run_scenario(__file__, "scenario_bench_small", {"path": str(tmp_path / "n.json")}, 80)
+    rep = r["report"]
+    assert r["rc"] == 0 and rep["verified"] and rep["failures"] == [], rep
+    assert rep["samples_checked"] == 6 and rep["samples_decoded"] == 4
+    assert set(rep["results"]) == {"raw", "wait", "e2e", "writer"}
+    assert all(len(v["samples_s"]) == 2 for v in rep["results"].values())
+    assert rep["ratios"]["nixl"] > 0 and r["threads"] == []
+
+
+@pytest.mark.timeout(150)
+def test_manager_224mib_end_to_end_every_tensor() -> None:
+    r = run_scenario(__file__, "scenario_manager_224", timeout=140)
+    _check_sent_224(r["sent"])
+    _check_receiver(r["recv"], QWEN, QWEN["heads"])
+    _check_closed_sender(r["closed"])
+
+
+@pytest.mark.timeout(150)
+def test_manager_heterogeneous_tp_2_to_4() -> None:
+    r = run_scenario(__file__, "scenario_manager_tp", {"s": 2, "t": 4}, timeout=140)
+    assert sorted(r["sent"]) == ["0", "1"]
+    for rank, body in r["sent"].items():
+        assert body["status"] == "sent", body
+        first = 2 * int(rank)  # sender rank r slices its heads for receivers 2r and 2r + 1
+        assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
+    assert sorted(r["received"]) == ["0", "1", "2", "3"]
+    for body in r["received"].values():
+        _check_receiver(body, SMALL, SMALL["heads"] // 4)
+    for body in r["closed"].values():
+        _check_closed_sender(body)
+
+
+@pytest.mark.timeout(90)
+def test_roundtrip_long_poll_auth_consume_once_and_clean_close() -> None:
+    r = run_scenario(__file__, "scenario_roundtrip", timeout=80)
+    assert r["miss"] and r["miss_s"] < 3
+    assert r["put_ok"] and r["managed"] and r["size"] == 20 * MiB + 123 and r["crc_ok"]
+    assert r["lag_s"] < 2.0, r["lag_s"]  # woken by the put, not by a poll period
+    assert r["second_wait_none"]
+    assert r["obj"] == [{"a": [1, 2], "b": "x"}, r["obj"][1]]
+    assert r["bad_secret_none"] and r["bad_secret_s"] < 1.6
+    sh = r["sender_health"]
+    assert sh["entries"] == 1 and sh["consumed"] == 2 and sh["leases"] == 0, sh
+    assert r["k2_ok"]
+    h = r["recv_health"]
+    assert h["gets"] == 3 and h["quarantined"] == 0 and h["remote_agents"] == 1, h
+    assert r["closed_raises"] and r["recv_threads"] == []
+    closed = r["recv_closed"]
+    assert closed["status"] == "closed" and closed["registered_regions"] == 0, closed
+    assert r["recv_tcp"] == [] and r["sender_tcp"] == [], (r["recv_tcp"], r["sender_tcp"])
+    sc = r["sender_closed"]
+    assert sc["status"] == "closed" and sc["registered_regions"] == 0 and sc["pool_size"] == 0
+    assert r["sender_threads"] == []
+
+
+@pytest.mark.timeout(90)
+def test_failures_are_explicit_bounded_and_leak_nothing() -> None:
+    r = run_scenario(__file__, "scenario_failures", timeout=80)
+    assert r["never_none"] and 0.7 < r["never_s"] < 1.5, r["never_s"]
+    assert r["never_get_none"] and r["never_get_s"] < 1.0
+    assert r["recv_pool"] == "PoolExhaustedError"
+    assert r["sender_pool"] == "PoolExhaustedError" and 0.25 < r["sender_pool_s"] < 2
+    assert r["after_exhaustion"] == {"entries": 1, "leases": 0, "aborted": 1}
+    assert r["killed"] == "PeerGoneError", r
+    assert r["killed_detect_s"] < 4.0, r["killed_detect_s"]
+    assert r["sender_exit"] == -signal.SIGKILL
+    assert r["recv_after_kill"]["pool_used"] == 0 and r["recv_after_kill"]["quarantined"] == 0
+    assert r["recv_after_kill"]["peer_gone"] >= 1
+    assert r["recv_closed"]["registered_regions"] == 0
+    assert r["threads"] == [] and r["tcp"] == [], (r["threads"], r["tcp"])
