@@ -38,22 +38,23 @@ def _prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from vllm_helpers import shm_config, start_engines
-    from vllm_scripts.tiny_model import build
+    from omnikv.bench.vllm import build_tiny_llama, shm_omni_kv_config
+    from vllm_helpers import start_test_engines
 
     root = tmp_path_factory.mktemp("vllm")
     namespace = f"omnikv-vllm-test-{os.getpid()}"
     configs, logs, models = [], [], {}
     for dtype in DTYPES:
-        models[dtype] = build(root / f"model-{dtype}", dtype)
+        models[dtype] = build_tiny_llama(root / f"model-{dtype}", dtype)
         ns = f"{namespace}-{dtype}"
         for role in ("kv_producer", "kv_consumer"):
-            omni = shm_config(ns, role, recv_timeout=4.0, slow=role == "kv_producer")
+            slow = "SlowSharedMemoryConnector" if role == "kv_producer" else "SharedMemoryConnector"
+            omni = shm_omni_kv_config(ns, role, recv_timeout=4.0, connector=slow)
             configs.append(
                 {"model": str(models[dtype]), "dtype": dtype, "role": role, "omni_kv_config": omni}
             )
             logs.append(root / f"{role}-{dtype}.log")
-    engines = start_engines(configs, logs, timeout=600)
+    engines = start_test_engines(configs, logs, timeout=600)
     pairs = {dtype: (engines[2 * i], engines[2 * i + 1]) for i, dtype in enumerate(DTYPES)}
     try:
         yield {"pairs": pairs, "models": models, "namespace": namespace, "root": root}
@@ -167,14 +168,14 @@ def test_vllm_producer_to_transformers_consumer(setup: dict[str, Any]) -> None:
     import torch
     from transformers import DynamicCache, LlamaForCausalLM
 
+    from omnikv.bench.vllm import shm_omni_kv_config
     from omnikv.config import config_from_dict, options_from_dict
     from omnikv.manager import OmniKVTransferManager
-    from vllm_helpers import shm_config
 
     producer, _ = setup["pairs"]["float32"]
     (prompt,) = _prompts(4, (77,))
     (params,) = _send(producer, [prompt])
-    cfg = shm_config(f"{setup['namespace']}-float32", "kv_consumer", recv_timeout=10.0)
+    cfg = shm_omni_kv_config(f"{setup['namespace']}-float32", "kv_consumer", recv_timeout=10.0)
     with OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)) as manager:
         result = manager.receive_kv_cache_result(params["omnikv_transfer_id"])
         assert result.ok, result.reason

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-BENCHES = ("codec", "shm", "dist", "prefetch", "mooncake")
+BENCHES = ("codec", "shm", "dist", "prefetch", "mooncake", "vllm")
 
 
 def _bench(argv: Sequence[str]) -> int:
