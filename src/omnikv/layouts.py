@@ -28,12 +28,19 @@ from omnikv.errors import OmniKVError
 
 __all__ = [
     "LAYOUTS",
+    "VLLM_BHNC_LAYOUT",
+    "VLLM_CPU_LAYOUT",
+    "VLLM_LAYOUTS",
     "BlockGather",
     "ExtractionError",
     "KVLayout",
     "normalize_layer_kv",
     "plan_request_kv",
+    "scatter_tokens",
     "split_layer_kv",
+    "vllm_bhnc_kv_views",
+    "vllm_cpu_kv_views",
+    "vllm_layer_kv_views",
 ]
 
 logger = logging.getLogger(__name__)
@@ -236,3 +243,113 @@ def plan_request_kv(
     if not any(g is not None for g in keys):
         raise ExtractionError(f"request {rid}: no layer has a KV cache")
     return keys, values
+
+
+# -- vLLM paged caches (omnikv.integrations.vllm) --------------------------------------------------
+#: vLLM's CPU attention backend (``CPU_ATTN``): one tensor per layer,
+#: ``[num_blocks, kv_heads, block_size, 2 * head_size]``; per block and head the first
+#: ``block_size * head_size`` elements are K stored transposed (``[head_size, block_size]``, token
+#: index fastest), the next ``block_size * head_size`` are V as ``[block_size, head_size]``.
+VLLM_CPU_LAYOUT = "vllm_cpu"
+#: vLLM >= 0.32 GPU backends (``FLASH_ATTN``, ``TRITON_ATTN``): logical per-layer shape
+#: ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (any physical stride order), K in the
+#: first ``head_size`` channels, V in the last ``head_size``.
+VLLM_BHNC_LAYOUT = "vllm_bhnc"
+#: Every layout :func:`vllm_layer_kv_views` reads.
+VLLM_LAYOUTS: tuple[str, ...] = (VLLM_CPU_LAYOUT, VLLM_BHNC_LAYOUT, "kv_first", "blocks_first")
+
+
+def vllm_cpu_kv_views(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` views ``[num_blocks, block_size, heads, head_size]`` of a CPU_ATTN layer.
+
+    The views alias ``layer`` (no copy): :class:`BlockGather` reads a request's tokens out of them
+    and :func:`scatter_tokens` writes tokens into them. Raises :class:`ExtractionError` for a
+    tensor that is not a contiguous ``[blocks, heads, block_size, 2 * head_size]`` cache.
+    """
+    shape = tuple(layer.shape)
+    if layer.dim() != 4 or shape[3] % 2 or not layer.is_contiguous():
+        raise ExtractionError(
+            "vLLM CPU cache: expected a contiguous [num_blocks, kv_heads, block_size, "
+            f"2 * head_size] tensor, got shape {shape}"
+        )
+    blocks, heads, block_size, two_d = shape
+    head_size = two_d // 2
+    halves = layer.view(blocks, heads, 2, block_size * head_size)
+    k = halves[:, :, 0].view(blocks, heads, head_size, block_size).permute(0, 3, 1, 2)
+    v = halves[:, :, 1].view(blocks, heads, block_size, head_size).permute(0, 2, 1, 3)
+    return k, v
+
+
+def vllm_bhnc_kv_views(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` views ``[num_blocks, block_size, heads, head_size]`` of a vLLM >= 0.32 GPU layer.
+
+    ``layer`` is the logical ``[num_blocks, kv_heads, block_size, 2 * head_size]`` tensor vLLM
+    registers (strides follow its physical layout; the views keep them).
+    """
+    shape = tuple(layer.shape)
+    if layer.dim() != 4 or shape[3] % 2:
+        raise ExtractionError(
+            "vLLM GPU cache: expected [num_blocks, kv_heads, block_size, 2 * head_size], "
+            f"got shape {shape}"
+        )
+    head_size = shape[3] // 2
+    both = layer.transpose(1, 2)
+    return both[..., :head_size], both[..., head_size:]
+
+
+def vllm_layer_kv_views(layer: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` block views ``[num_blocks, block_size, heads, dim]`` of one vLLM layer.
+
+    ``layout`` comes from the attention backend, never from the shape (the CPU and the GPU
+    layouts of vLLM 0.32 have the same shape): ``"vllm_cpu"`` (:data:`VLLM_CPU_LAYOUT`),
+    ``"vllm_bhnc"`` (:data:`VLLM_BHNC_LAYOUT`), or the stacked layouts of older vLLM releases,
+    ``"kv_first"`` (FlashAttention, ``[2, blocks, bs, heads, dim]``) and ``"blocks_first"``
+    (FlashInfer, ``[blocks, 2, bs, heads, dim]``).
+    """
+    if layout == VLLM_CPU_LAYOUT:
+        return vllm_cpu_kv_views(layer)
+    if layout == VLLM_BHNC_LAYOUT:
+        return vllm_bhnc_kv_views(layer)
+    if layout not in VLLM_LAYOUTS:
+        raise ExtractionError(
+            f"unknown vLLM cache layout {layout!r}; expected one of {VLLM_LAYOUTS}"
+        )
+    k, v = split_layer_kv(layer, layout=layout, where="vLLM layer")
+    if k.dim() != 4:
+        raise ExtractionError(
+            f"vLLM layer: expected K blocks [blocks, block_size, heads, dim], got {tuple(k.shape)}"
+        )
+    return k, v
+
+
+def scatter_tokens(
+    blocks: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor, start: int = 0
+) -> None:
+    """Write ``src`` (``[n, *tail]``) as tokens ``[start, start + n)`` of a request's blocks.
+
+    The inverse of :meth:`BlockGather.write_into`: ``blocks`` is ``[num_blocks, block_size, *tail]``
+    (any strides; a view such as :func:`vllm_cpu_kv_views` is written through), ``block_ids`` lists
+    the request's blocks in token order. ``src`` is cast to the cache dtype and device. Raises
+    :class:`ExtractionError` (nothing written) for a shape mismatch, too few blocks or a block id
+    outside the cache.
+    """
+    bs = int(blocks.shape[1])
+    n = int(src.shape[0])
+    tail = tuple(blocks.shape[2:])
+    if tuple(src.shape[1:]) != tail:
+        raise ExtractionError(f"scatter: token shape {tuple(src.shape[1:])} != cache {tail}")
+    if start < 0 or start + n > len(block_ids) * bs:
+        raise ExtractionError(
+            f"scatter: tokens [{start}, {start + n}) do not fit {len(block_ids)} blocks of {bs}"
+        )
+    first, last = start // bs, -(-(start + n) // bs)
+    ids = [int(b) for b in block_ids[first:last]]
+    bad = [b for b in ids if b < 0 or b >= int(blocks.shape[0])]
+    if bad:
+        raise ExtractionError(f"scatter: block ids {bad[:8]} outside a cache of {blocks.shape[0]}")
+    pos = 0
+    for i, block in enumerate(ids):
+        lo = (start + pos) % bs if i == 0 else 0
+        take = min(bs - lo, n - pos)
+        blocks[block, lo : lo + take].copy_(src[pos : pos + take])
+        pos += take

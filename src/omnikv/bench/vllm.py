@@ -1,0 +1,397 @@
+"""``omnikv bench vllm``: one vLLM engine hands its prefill to another through OmniKVConnector.
+
+Runs where vLLM is installed (``make test-vllm`` builds ``.venv-vllm``; elsewhere the benchmark
+says it is skipped). Two engine processes on this node, each ``LLM(enforce_eager=True,
+block_size=32, enable_prefix_caching=False)`` with vLLM's default engine-core process (its engine
+loop steps by itself, as in a server), a tiny random-weight Llama (2 layers, 4 KV heads of 64,
+saved with ``save_pretrained``; no hub), connected by SharedMemoryConnector:
+
+* **transfer**: the producer prefills a prompt (``max_tokens=1``, ``do_remote_decode``); from the
+  moment its ``generate`` returns (the request has finished) to the moment the consumer, given the
+  returned ``kv_transfer_params``, has produced its first token. This covers the send (extract +
+  encode into shared memory, on the producer's background thread), the receive, the write into
+  the consumer's blocks and the consumer's one-token step.
+* **recompute**: the consumer prefills the same prompt itself until its first token.
+
+The first token of both paths is compared (they must agree). Times come from ``CLOCK_MONOTONIC``,
+one clock for every process of the node. Control messages are JSON lines over pipes (no pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from omnikv.bench.common import Stats, print_table, write_json
+
+__all__ = [
+    "RESULT_PREFIX",
+    "EngineProcess",
+    "build_tiny_llama",
+    "engine_env",
+    "main",
+    "serve",
+    "shm_omni_kv_config",
+]
+
+RESULT_PREFIX = "OMNIKV-RESULT "
+Op = Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+def build_tiny_llama(folder: str | Path, dtype: str = "float32", max_positions: int = 8192) -> Path:
+    """A random-weight Llama and a locally trained tokenizer, written with ``save_pretrained``.
+
+    8 query heads, 4 KV heads (not 2, the K/V axis), head size 64 (one vLLM's CPU backend
+    supports), 2 layers, vocabulary 512. Needs ``transformers`` and ``tokenizers``.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=max_positions,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    trainer = trainers.WordLevelTrainer(vocab_size=512, special_tokens=special)
+    tok.train_from_iterator([" ".join(f"w{i}" for i in range(1024))], trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(out)
+    return out
+
+
+def shm_omni_kv_config(
+    namespace: str,
+    role: str,
+    *,
+    recv_timeout: float = 30.0,
+    connector: str = "SharedMemoryConnector",
+) -> dict[str, Any]:
+    """The ``omni_kv_config`` of a producer (stage 0) or a consumer (stage 1) over shared memory."""
+    conn = {"type": connector, "namespace": namespace, "pool_size_bytes": 256 << 20}
+    if role == "kv_producer":
+        return {
+            "need_send_cache": True,
+            "omni_from_stage": 0,
+            "omni_to_stage": 1,
+            "connector_config": conn,
+        }
+    return {
+        "need_recv_cache": True,
+        "stage_id": 1,
+        "omni_from_stage": 0,
+        "recv_timeout": recv_timeout,
+        "connector_config": conn,
+    }
+
+
+def engine_env(*, in_process: bool = False) -> dict[str, str]:
+    """The environment of an engine process: offline, 1 GiB of CPU KV cache, no usage stats."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class EngineProcess:
+    """Parent side of one engine process: :meth:`call` sends a command and waits for the reply.
+
+    ``argv`` starts the child (``serve`` behind it); its stderr goes to ``log``. Stopped by
+    :meth:`stop`: a ``quit`` command, then a kill of its PID if it does not exit in time.
+    """
+
+    def __init__(self, argv: Sequence[str], *, log: Path, in_process: bool = False) -> None:
+        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=engine_env(in_process=in_process),
+        )
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                self._replies.put(json.loads(line[len(RESULT_PREFIX) :]))
+        self._replies.put(None)
+
+    def next_reply(self, timeout: float) -> dict[str, Any]:
+        try:
+            got = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"engine {self.proc.pid}: no reply within {timeout}s") from None
+        if got is None:
+            raise RuntimeError(f"engine {self.proc.pid} exited (rc={self.proc.poll()})")
+        if "error" in got:
+            raise RuntimeError(f"engine {self.proc.pid}: {got['error']}")
+        return got
+
+    def call(self, op: str, timeout: float = 120.0, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self.next_reply(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            self.proc.wait(timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        finally:
+            self._log.close()
+
+
+def start_engines(
+    argvs: Sequence[Sequence[str]], logs: Sequence[Path], *, timeout: float, in_process: bool
+) -> list[EngineProcess]:
+    """Start engines in parallel; all ready, or all stopped and the error raised."""
+    engines = [
+        EngineProcess(a, log=p, in_process=in_process) for a, p in zip(argvs, logs, strict=True)
+    ]
+    try:
+        deadline = time.monotonic() + timeout
+        for e in engines:
+            e.next_reply(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for e in engines:
+            e.stop(timeout=5)
+        raise
+    return engines
+
+
+# -- child side ------------------------------------------------------------------------------------
+def _make_llm(cfg: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if cfg.get("role"):
+        ktc = KVTransferConfig(
+            kv_connector="OmniKVConnector",
+            kv_connector_module_path="omnikv.integrations.vllm",
+            kv_role=cfg["role"],
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"omni_kv_config": cfg["omni_kv_config"]},
+        )
+    max_len = int(cfg.get("max_model_len", 512))
+    return LLM(
+        model=cfg["model"],
+        dtype=cfg.get("dtype", "float32"),
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        enable_prefix_caching=False,
+        kv_transfer_config=ktc,
+        seed=0,
+    )
+
+
+def op_generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Greedy generation of token-id prompts; optional per-prompt ``kv_transfer_params``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+    n = len(prompts)
+    max_tokens = cmd.get("max_tokens", 8)
+    max_tokens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
+    kv_params = cmd.get("kv_transfer_params") or [None] * n
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=int(m),
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": kp} if kp else None,
+        )
+        for m, kp in zip(max_tokens, kv_params, strict=True)
+    ]
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    t1 = time.monotonic()
+    return {
+        "t_start": t0,
+        "t_end": t1,
+        "outputs": [
+            {"tokens": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
+            for o in outs
+        ],
+    }
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(RESULT_PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve(cfg: dict[str, Any], extra_ops: dict[str, Op] | None = None) -> None:
+    """Child loop: build the engine, say ready, answer JSON-line commands until ``quit``/EOF."""
+    ops: dict[str, Op] = {"generate": op_generate, **(extra_ops or {})}
+    llm = _make_llm(cfg)
+    _reply({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            _reply({"bye": True})
+            return
+        try:
+            _reply(ops[cmd["op"]](llm, cmd))
+        except Exception as exc:  # reported to the parent, which raises it
+            _reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def _one_round(
+    producer: EngineProcess, consumer: EngineProcess, prompt: list[int]
+) -> tuple[float, float, bool]:
+    """(transfer seconds, recompute seconds, first tokens agree) for one prompt."""
+    sent = producer.call(
+        "generate", prompts=[prompt], max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}]
+    )
+    params = sent["outputs"][0]["kv_transfer_params"]
+    got = consumer.call("generate", prompts=[prompt], max_tokens=1, kv_transfer_params=[params])
+    ref = consumer.call("generate", prompts=[prompt], max_tokens=1)
+    transfer = got["t_end"] - sent["t_end"]
+    recompute = ref["t_end"] - ref["t_start"]
+    return transfer, recompute, got["outputs"][0]["tokens"] == ref["outputs"][0]["tokens"]
+
+
+def _bench_size(
+    producer: EngineProcess, consumer: EngineProcess, tokens: int, repeat: int
+) -> tuple[Stats, Stats, int]:
+    rnd = random.Random(tokens)
+    samples: tuple[list[float], list[float]] = ([], [])
+    mismatches = 0
+    for i in range(repeat + 1):  # the first round warms both engines up
+        prompt = [rnd.randrange(4, 500) for _ in range(tokens)]
+        transfer, recompute, same = _one_round(producer, consumer, prompt)
+        mismatches += not same
+        if i:
+            samples[0].append(transfer)
+            samples[1].append(recompute)
+    return (
+        Stats(f"{tokens} tok: transfer (finish -> 1st token)", samples[0]),
+        Stats(f"{tokens} tok: recompute prefill (1st token)", samples[1]),
+        mismatches,
+    )
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="omnikv bench vllm", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="1024,4096", help="prompt lengths, comma-separated")
+    p.add_argument("--repeat", type=int, default=5, help="measured rounds per prompt length")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    return p.parse_args(list(argv))
+
+
+def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    sizes = [int(t) for t in ns.tokens.split(",") if t]
+    model = build_tiny_llama(workdir / "model", ns.dtype)
+    namespace = f"omnikv-bench-vllm-{os.getpid()}"
+    argvs, logs = [], []
+    for role in ("kv_producer", "kv_consumer"):
+        cfg = {
+            "model": str(model),
+            "dtype": ns.dtype,
+            "role": role,
+            "max_model_len": max(sizes) + 64,
+            "omni_kv_config": shm_omni_kv_config(namespace, role),
+        }
+        argvs.append([sys.executable, "-m", "omnikv.bench.vllm", "serve", json.dumps(cfg)])
+        logs.append(workdir / f"{role}.log")
+    producer, consumer = start_engines(argvs, logs, timeout=900, in_process=False)
+    results: dict[str, Any] = {"dtype": ns.dtype, "repeat": ns.repeat, "cases": []}
+    try:
+        for tokens in sizes:
+            transfer, recompute, mismatches = _bench_size(producer, consumer, tokens, ns.repeat)
+            # layers x (K, V) x tokens x KV heads x head size x element size
+            mib = 2 * 2 * tokens * 4 * 64 * (2 if ns.dtype == "bfloat16" else 4) / (1 << 20)
+            title = f"{tokens} tokens ({mib:.1f} MiB of KV)"
+            print_table([transfer, recompute], baseline=recompute, title=title)
+            print(f"first tokens differing between the paths: {mismatches}")
+            results["cases"].append(
+                {"tokens": tokens, "kv_mib": mib, "mismatches": mismatches}
+                | {"transfer": transfer.as_dict(), "recompute": recompute.as_dict()}
+            )
+    finally:
+        producer.stop()
+        consumer.stop()
+    return results
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    argv = list(argv)
+    if argv[:1] == ["serve"]:
+        serve(json.loads(argv[1]))
+        return 0
+    ns = _parse(argv)
+    if find_spec("vllm") is None:
+        print("bench vllm: skipped, vLLM is not installed (make test-vllm builds .venv-vllm)")
+        return 0
+    print(
+        f"bench vllm: tiny Llama (2 layers, 4 KV heads x 64), {ns.dtype}, block_size 32, "
+        f"SharedMemoryConnector, {ns.repeat} rounds + 1 warm-up, cores {os.cpu_count()}"
+    )
+    with tempfile.TemporaryDirectory(prefix="omnikv-bench-vllm-") as tmp:
+        results = _run(ns, Path(tmp))
+    if ns.json:
+        write_json(ns.json, results)
+    return 0 if all(c["mismatches"] == 0 for c in results["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
