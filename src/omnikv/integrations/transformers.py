@@ -164,12 +164,14 @@ def receive_hf_cache(
     """
     target = torch.device(device) if device is not None else None
     result = manager.receive_kv_cache_result(str(request_id), target)
-    if not result.ok or result.data is None:
+    kv = result.kv
+    if not result.ok or kv is None:
         return None, result
-    cache = _dynamic_cache(result.data, config)
+    cache = _dynamic_cache(kv.to_dict(), config)
     # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
-    rest = {k: v for k, v in result.data.items() if k != "layer_blocks"}
-    return cache, dataclasses.replace(result, data=rest)
+    bare = dataclasses.replace(kv, key_cache=[], value_cache=[])
+    kv.release()
+    return cache, dataclasses.replace(result, kv=bare)
 
 
 def _dynamic_cache(data: Mapping[str, Any], config: Any) -> Any:
