@@ -159,7 +159,7 @@ def receive_hf_cache(
     and reason say why). ``config`` (the model's config) lets transformers pick each layer's
     cache type; ``device`` moves the KV there (default: where it arrived, the host).
     ``result.metadata`` is the payload's metadata, ``custom_metadata`` keys included;
-    ``result.data`` keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
+    ``result.kv`` keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
     so nothing received stays pinned once this returns.
     """
     target = torch.device(device) if device is not None else None
