@@ -41,6 +41,7 @@ __all__ = [
     "parse_positive",
     "parse_ratio",
     "parse_secret",
+    "parse_size",
     "receiver_pool_on_device",
     "resolve_async_prefetch",
     "vllm_omni_kv_dict",
@@ -167,6 +168,45 @@ def parse_ratio(key: str, value: Any, default: float) -> float:
     if out > 1:
         raise ConfigError(f"{key} must be in [0, 1], got {out}")
     return out
+
+
+_SIZE_SUFFIXES = (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40))
+
+
+def parse_size(key: str, value: Any, default: int) -> int:
+    """A positive byte count: an ``int`` or a string with an optional K/M/G/T suffix
+    (``"512MB"``, ``"1GiB"``, ``"1.5G"``; binary multiples); ``None`` gives ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = value
+    elif isinstance(value, str):
+        out = _size_from_text(key, value)
+    else:
+        raise ConfigError(
+            f"{key} must be a byte count (e.g. 1073741824 or '1GB'), got {value!r:.60}"
+        )
+    if out <= 0:
+        raise ConfigError(f"{key} must be > 0 bytes, got {value!r:.60}")
+    return out
+
+
+def _size_from_text(key: str, value: str) -> int:
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, factor in _SIZE_SUFFIXES:
+        if text.endswith(suffix):
+            text, mult = text[:-1], factor
+            break
+    try:
+        number = float(text) * mult
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or not number.is_integer():
+        raise ConfigError(
+            f"{key} must be a byte count (e.g. 1073741824 or '1GB'), got {value!r:.60}"
+        )
+    return int(number)
 
 
 def parse_port(key: str, value: Any, default: int, *, allow_zero: bool = False) -> int:
