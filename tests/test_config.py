@@ -207,7 +207,7 @@ def test_parse_bool() -> None:
 def test_parse_numbers() -> None:
     assert parse_int("n", "12", 1) == 12 and parse_int("n", None, 7) == 7
     assert parse_int("n", 0, 1, minimum=0) == 0
-    for bad in (True, 1.5, "1.5", "x", [3]):
+    for bad in (True, 1.5, "1.5", "x", [3], "+-5", "1_0", "9" * 5000):
         with pytest.raises(ConfigError, match=r"^n must be an integer"):
             parse_int("n", bad, 1)
     assert parse_number("t", "2.5", 1.0) == 2.5 and parse_number("t", None, 3) == 3.0

@@ -19,6 +19,7 @@ that rule is written: connectors parse their own keys with them.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,7 @@ class RetryPolicy:
 # Typed value parsing: every omnikv key and every connector key goes through these
 # --------------------------------------------------------------------------------------------
 _TRUE_FALSE = {"true": True, "false": False}
+_INT_TEXT = re.compile(r"[+-]?[0-9]{1,18}")
 
 
 def parse_bool(key: str, value: Any, default: bool = False) -> bool:
@@ -126,7 +128,7 @@ def parse_int(key: str, value: Any, default: int, *, minimum: int = 1) -> int:
     out: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         out = value
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdecimal():
+    elif isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
         out = int(value.strip())
     if out is None:
         raise ConfigError(f"{key} must be an integer, got {value!r:.60}")
