@@ -20,6 +20,7 @@ from omnikv.config import (
     parse_positive,
     parse_ratio,
     parse_secret,
+    parse_size,
 )
 from omnikv.deadline import deadline_after, remaining, validate_timeout
 
@@ -206,7 +207,7 @@ def test_parse_bool() -> None:
 def test_parse_numbers() -> None:
     assert parse_int("n", "12", 1) == 12 and parse_int("n", None, 7) == 7
     assert parse_int("n", 0, 1, minimum=0) == 0
-    for bad in (True, 1.5, "1.5", "x", [3]):
+    for bad in (True, 1.5, "1.5", "x", [3], "+-5", "1_0", "9" * 5000):
         with pytest.raises(ConfigError, match=r"^n must be an integer"):
             parse_int("n", bad, 1)
     assert parse_number("t", "2.5", 1.0) == 2.5 and parse_number("t", None, 3) == 3.0
@@ -248,3 +249,14 @@ def test_deadlines() -> None:
     for bad in (-1, float("nan"), "x"):
         with pytest.raises(ValueError, match="recv_timeout"):
             validate_timeout(bad, "recv_timeout")  # type: ignore[arg-type]
+
+
+def test_parse_size() -> None:
+    assert parse_size("memory_pool_size", None, 7) == 7
+    assert parse_size("memory_pool_size", 4096, 1) == 4096
+    assert parse_size("memory_pool_size", "512MB", 1) == 512 << 20
+    assert parse_size("memory_pool_size", "1GiB", 1) == 1 << 30
+    assert parse_size("memory_pool_size", "1.5g", 1) == 3 << 29
+    for bad in (0, -1, "-1K", "0.3", True, 1.5, "lots", "nanGB", "infG", ""):
+        with pytest.raises(ConfigError, match=r"^memory_pool_size must be"):
+            parse_size("memory_pool_size", bad, 1)

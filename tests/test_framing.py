@@ -85,6 +85,7 @@ def test_nesting_up_to_the_bound_decodes() -> None:
     assert value == 1
 
 
+@pytest.mark.slow
 def test_deep_extension_nesting_is_a_decode_error_not_a_crash(tmp_path: Path) -> None:
     # The reported attack: a ~1 KB message of 200 nested tuple extensions crashed the
     # interpreter (C recursion). Decode it in a child so a crash fails this test, not the suite.

@@ -33,7 +33,7 @@ SEEDS = [
     ref_to_bytes("ref", [torch.ones(2, 1, 3)], [torch.zeros(2, 1, 3)], [5], {"m": [1]}),
 ]
 FUZZ = settings(
-    max_examples=600,
+    max_examples=400,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

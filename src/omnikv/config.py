@@ -19,6 +19,7 @@ that rule is written: connectors parse their own keys with them.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "parse_positive",
     "parse_ratio",
     "parse_secret",
+    "parse_size",
     "receiver_pool_on_device",
     "resolve_async_prefetch",
     "vllm_omni_kv_dict",
@@ -101,6 +103,7 @@ class RetryPolicy:
 # Typed value parsing: every omnikv key and every connector key goes through these
 # --------------------------------------------------------------------------------------------
 _TRUE_FALSE = {"true": True, "false": False}
+_INT_TEXT = re.compile(r"[+-]?[0-9]{1,18}")
 
 
 def parse_bool(key: str, value: Any, default: bool = False) -> bool:
@@ -125,7 +128,7 @@ def parse_int(key: str, value: Any, default: int, *, minimum: int = 1) -> int:
     out: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         out = value
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdecimal():
+    elif isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
         out = int(value.strip())
     if out is None:
         raise ConfigError(f"{key} must be an integer, got {value!r:.60}")
@@ -167,6 +170,45 @@ def parse_ratio(key: str, value: Any, default: float) -> float:
     if out > 1:
         raise ConfigError(f"{key} must be in [0, 1], got {out}")
     return out
+
+
+_SIZE_SUFFIXES = (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40))
+
+
+def parse_size(key: str, value: Any, default: int) -> int:
+    """A positive byte count: an ``int`` or a string with an optional K/M/G/T suffix
+    (``"512MB"``, ``"1GiB"``, ``"1.5G"``; binary multiples); ``None`` gives ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = value
+    elif isinstance(value, str):
+        out = _size_from_text(key, value)
+    else:
+        raise ConfigError(
+            f"{key} must be a byte count (e.g. 1073741824 or '1GB'), got {value!r:.60}"
+        )
+    if out <= 0:
+        raise ConfigError(f"{key} must be > 0 bytes, got {value!r:.60}")
+    return out
+
+
+def _size_from_text(key: str, value: str) -> int:
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, factor in _SIZE_SUFFIXES:
+        if text.endswith(suffix):
+            text, mult = text[:-1], factor
+            break
+    try:
+        number = float(text) * mult
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or not number.is_integer():
+        raise ConfigError(
+            f"{key} must be a byte count (e.g. 1073741824 or '1GB'), got {value!r:.60}"
+        )
+    return int(number)
 
 
 def parse_port(key: str, value: Any, default: int, *, allow_zero: bool = False) -> int:

@@ -14,6 +14,11 @@ stored once. The structure is msgpack with three extension types of our own sche
 ``1`` tensor reference (its index), ``2`` ``SimpleNamespace`` (a map of its attributes), ``3``
 tuple. Anything else that msgpack cannot write natively is an :class:`EncodeError`; decoding
 validates everything and raises :class:`DecodeError`. Decoded tensors are views into the buffer.
+
+Bounds (a message comes from another rank, but is still input): the structure is at most 64 MiB,
+nesting at most 32 levels when encoding and 32 nested extensions when decoding (each extension is
+unpacked by a nested ``unpackb`` call, so without the bound a 1 KB message could exhaust the C
+stack), and the tensor region goes through :func:`omnikv.payload.decode_kv` with all its checks.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Every result is verified against the source tensors before timings are reported.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -51,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = plan.nbytes
     print(f"payload: {args.model}, {args.tokens} tokens, {n / 2**20:.1f} MiB, "
           f"{2 * len(payload.layer_blocks['key_cache'])} tensors; torch threads "
-          f"{torch.get_num_threads()}")  # fmt: skip
+          f"{torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
 
     dst = torch.empty(n, dtype=torch.uint8)
     dst.fill_(1)  # pre-fault
