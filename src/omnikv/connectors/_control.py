@@ -93,6 +93,7 @@ MAC_BYTES = 32
 MAX_STR_CHARS = 1024
 MAX_REPLAY_ENTRIES = 1 << 17
 MAX_PEERS = 4096
+_LOUD_REJECTS = 10
 
 Fields = Mapping[str, type | tuple[type, ...]]
 Endpoint = tuple[str, int]
@@ -454,7 +455,13 @@ class ControlServer:
 
     def _reject(self, why: str) -> None:
         self.rejected += 1
-        logger.warning("%s rejected a control message: %s", self._name, why)
+        # the first few at WARNING, then one in a thousand: a flood must not flood the log
+        if self.rejected <= _LOUD_REJECTS or self.rejected % 1000 == 0:
+            logger.warning(
+                "%s rejected a control message (%d so far): %s", self._name, self.rejected, why
+            )
+        else:
+            logger.debug("%s rejected a control message: %s", self._name, why)
 
     def _handle(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
