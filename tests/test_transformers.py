@@ -206,7 +206,9 @@ def test_a_static_cache_sends_only_the_tokens_it_holds(
         cache, got = receive_hf_cache(receiver, "static", config=model.config)
     assert got.ok and cache.get_seq_length() == 12
     assert torch.equal(cache.layers[0].keys, static.layers[0].keys[:, :, :12])
-    assert "layer_blocks" not in (got.data or {})  # nothing received stays pinned
+    blocks = (got.data or {}).get("layer_blocks") or {}
+    assert not any(blocks.get(name) for name in ("key_cache", "value_cache"))  # nothing pinned
+    assert got.metadata["seq_len"] == 12
 
 
 def test_a_config_with_fewer_layers_than_received_is_refused(

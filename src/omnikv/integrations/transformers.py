@@ -159,25 +159,45 @@ def receive_hf_cache(
     and reason say why). ``config`` (the model's config) lets transformers pick each layer's
     cache type; ``device`` moves the KV there (default: where it arrived, the host).
     ``result.metadata`` is the payload's metadata, ``custom_metadata`` keys included;
-    ``result.data`` keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
+    the result keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
     so nothing received stays pinned once this returns.
     """
     target = torch.device(device) if device is not None else None
     result = manager.receive_kv_cache_result(str(request_id), target)
-    if not result.ok or result.data is None:
+    layers = _received_layers(result)
+    if not result.ok or layers is None:
         return None, result
-    cache = _dynamic_cache(result.data, config)
+    cache = _dynamic_cache(*layers, config)
     # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
-    rest = {k: v for k, v in result.data.items() if k != "layer_blocks"}
-    return cache, dataclasses.replace(result, data=rest)
+    return cache, _without_tensors(result)
 
 
-def _dynamic_cache(data: Mapping[str, Any], config: Any) -> Any:
+def _received_layers(result: ReceiveResult) -> tuple[Sequence[Any], Sequence[Any]] | None:
+    """Per-layer K and V ``[seq, heads, dim]`` of a result, typed (``kv``) or dict (``data``)."""
+    kv = getattr(result, "kv", None)  # merge: the typed ReceivedKV once the facade lands
+    if kv is not None:
+        return list(kv.key_cache), list(kv.value_cache)
+    data = result.data
+    if not isinstance(data, Mapping):
+        return None
+    blocks = data.get("layer_blocks") or {}
+    return list(blocks.get("key_cache") or []), list(blocks.get("value_cache") or [])
+
+
+def _without_tensors(result: ReceiveResult) -> ReceiveResult:
+    """``result`` with its metadata but no K/V tensors."""
+    kv = getattr(result, "kv", None)  # merge: the typed ReceivedKV once the facade lands
+    if kv is not None:
+        stripped = dataclasses.replace(kv, key_cache=[], value_cache=[])
+        return dataclasses.replace(result, kv=stripped)  # type: ignore[call-arg, unused-ignore]
+    data = result.data or {}
+    rest = {k: v for k, v in data.items() if k != "layer_blocks"}
+    return dataclasses.replace(result, data=rest)  # type: ignore[call-arg, unused-ignore]
+
+
+def _dynamic_cache(keys: Sequence[Any], values: Sequence[Any], config: Any) -> Any:
     from transformers import DynamicCache
 
-    blocks = data.get("layer_blocks") or {}
-    keys: Sequence[torch.Tensor | None] = blocks.get("key_cache") or []
-    values: Sequence[torch.Tensor | None] = blocks.get("value_cache") or []
     pairs = [
         (_from_tokens(k), _from_tokens(v))
         for k, v in zip(keys, values, strict=True)
