@@ -125,8 +125,9 @@ def test_legacy_tuple_of_pairs_and_kv_that_requires_grad_are_sent(
     sender, receiver = _pair(namespace)
     with sender, receiver:
         assert send_hf_cache(sender, "legacy", legacy).ok
-        cache, got = receive_hf_cache(receiver, "legacy")
+        cache, got = receive_hf_cache(receiver, "legacy", device="cpu")
         assert got.ok, got.reason
+        assert cache.layers[0].keys.device == torch.device("cpu")
         assert isinstance(cache, transformers.DynamicCache)
         assert cache.get_seq_length() == 9
         assert torch.equal(cache.layers[1].values, legacy[1][1].detach())
