@@ -229,11 +229,13 @@ def _receive(mgr: OmniKVTransferManager, rid: str) -> dict[str, Any]:
     }
 
 
-# world size, TP groups (None: no vLLM in the host), CFG groups, SP groups
+# world size, TP groups (None: no vLLM in the host), CFG groups, SP groups; "plain2" has no
+# host framework at all (only an initialised torch.distributed world)
 LAYOUTS: dict[str, tuple[int, Any, Any, Any]] = {
     "tp2xcfg2": (4, [[0, 1], [2, 3]], [[0, 2], [1, 3]], None),
     "tp2xsp2": (4, [[0, 1], [2, 3]], None, [[0, 2], [1, 3]]),
     "sp2": (2, None, None, [[0, 1]]),
+    "plain2": (2, None, None, None),
 }
 
 
@@ -265,10 +267,13 @@ def _receiver(ns: str, ctx: ParallelContext | None, tp: int) -> OmniKVTransferMa
 
 def _injected(omni_state: Any, vllm_state: Any, tp_rank: int, tp: int) -> ParallelContext:
     """The context a launcher would inject for the same groups."""
+    import torch.distributed as dist
 
     def group(coordinator: Any) -> Any:
         return coordinator.cpu_group if coordinator is not None else None
 
+    if omni_state is None:
+        return ParallelContext(world_group=dist.group.WORLD, local_rank=tp_rank, tp_size=tp)
     return ParallelContext(
         world_group=group(omni_state._WORLD),
         cfg_group=group(omni_state._CFG),
@@ -294,8 +299,10 @@ def _worker(layout: str, rank: int, init: str, host: str, ns: str, out: Any) -> 
         if tp_groups is not None:  # the host runs vLLM: its TP group exists
             vllm_state = importlib.import_module("vllm.distributed.parallel_state")
             vllm_state.initialize(tp_groups)
-        omni_state = importlib.import_module("vllm_omni.diffusion.distributed.parallel_state")
-        omni_state.initialize(cfg_groups, sp_groups)
+        omni_state = None
+        if layout != "plain2":
+            omni_state = importlib.import_module("vllm_omni.diffusion.distributed.parallel_state")
+            omni_state.initialize(cfg_groups, sp_groups)
         tp = 2 if tp_groups is not None else 1
         tp_rank = rank % tp
         _send_shards(ns, tp_rank, tp)
@@ -369,3 +376,12 @@ def test_sp2_without_vllm_discovered_receive_equals_injected(
     results = _run("sp2", tmp_path, namespace)
     _check(results, ["leader", "follower"], "groups: vllm-omni; tp: default", 1)
     assert [r["found"]["sp"] for r in results] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_an_initialised_torch_distributed_world_without_a_host_framework(
+    tmp_path: Path, namespace: str
+) -> None:
+    results = _run("plain2", tmp_path, namespace)
+    _check(results, ["leader", "follower"], "groups: torch.distributed; tp: default", 1)

@@ -125,8 +125,9 @@ def test_legacy_tuple_of_pairs_and_kv_that_requires_grad_are_sent(
     sender, receiver = _pair(namespace)
     with sender, receiver:
         assert send_hf_cache(sender, "legacy", legacy).ok
-        cache, got = receive_hf_cache(receiver, "legacy")
+        cache, got = receive_hf_cache(receiver, "legacy", device="cpu")
         assert got.ok, got.reason
+        assert cache.layers[0].keys.device == torch.device("cpu")
         assert isinstance(cache, transformers.DynamicCache)
         assert cache.get_seq_length() == 9
         assert torch.equal(cache.layers[1].values, legacy[1][1].detach())
@@ -207,6 +208,7 @@ def test_a_static_cache_sends_only_the_tokens_it_holds(
     assert got.ok and cache.get_seq_length() == 12
     assert torch.equal(cache.layers[0].keys, static.layers[0].keys[:, :, :12])
     assert got.kv is not None and got.kv.key_cache == got.kv.value_cache == []  # none pinned
+    assert got.metadata["seq_len"] == 12
 
 
 def test_a_config_with_fewer_layers_than_received_is_refused(

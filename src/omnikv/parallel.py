@@ -2,7 +2,9 @@
 
 Who uses it: the manager builds a :class:`TopoConfig` from a :class:`ParallelContext` on first
 use (``OmniKVTransferManager.topo_config``) and :mod:`omnikv.distribution` moves KV over the
-groups it names. Guarantees:
+groups it names. Without an injected context, :meth:`ParallelContext.default` takes the groups
+from the host framework, else the ``torch.distributed`` world, else one rank
+(:mod:`omnikv.parallel_discovery`). Guarantees:
 
 * every group operation here is bounded by an absolute monotonic deadline (gloo per-operation
   timeouts), so no rank waits on a dead or hung peer past its deadline;

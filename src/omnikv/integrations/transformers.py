@@ -167,19 +167,16 @@ def receive_hf_cache(
     kv = result.kv
     if not result.ok or kv is None:
         return None, result
-    cache = _dynamic_cache(kv.to_dict(), config)
+    cache = _dynamic_cache(kv.key_cache, kv.value_cache, config)
     # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
     bare = dataclasses.replace(kv, key_cache=[], value_cache=[])
     kv.release()
     return cache, dataclasses.replace(result, kv=bare)
 
 
-def _dynamic_cache(data: Mapping[str, Any], config: Any) -> Any:
+def _dynamic_cache(keys: Sequence[Any], values: Sequence[Any], config: Any) -> Any:
     from transformers import DynamicCache
 
-    blocks = data.get("layer_blocks") or {}
-    keys: Sequence[torch.Tensor | None] = blocks.get("key_cache") or []
-    values: Sequence[torch.Tensor | None] = blocks.get("value_cache") or []
     pairs = [
         (_from_tokens(k), _from_tokens(v))
         for k, v in zip(keys, values, strict=True)
