@@ -256,7 +256,7 @@ class _SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or not block_ids:
             return False, None
-        if "ABORTED" in str(getattr(request, "status", "")):
+        if getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED":
             return False, None
         prompt = list(request.prompt_token_ids or ())
         num = min(len(prompt), int(request.num_computed_tokens))
@@ -296,6 +296,8 @@ class _WorkerSide:
         self._send_pool = ThreadPoolExecutor(1, thread_name_prefix="omnikv-vllm-send")
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="omnikv-vllm-load")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0
         self._sending: set[str] = set()
         self._released: set[str] = set()
         self._sent: set[str] = set()
@@ -317,14 +319,25 @@ class _WorkerSide:
         logger.info("OmniKVConnector: %d layers, layout %s", len(self.views), layout)
 
     def submit(self, meta: OmniKVConnectorMetadata) -> None:
+        with self._lock:
+            self._sending.update(send.req_id for send in meta.sends)
+            self._running += len(meta.sends) + len(meta.loads)
         for send in meta.sends:
-            with self._lock:
-                self._sending.add(send.req_id)
             self.counters.record(send.transfer_id, req_id=send.req_id, submitted=time.monotonic())
             self._send_pool.submit(self._send, send)
         for load in meta.loads:
             self.counters.record(load.transfer_id, req_id=load.req_id, submitted=time.monotonic())
             self._load_pool.submit(self._load, load)
+
+    def _done(self) -> None:
+        """One submitted transfer ended (called with the lock held)."""
+        self._running -= 1
+        if self._running == 0:
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._running == 0, timeout=timeout)
 
     def results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
         with self._lock:
@@ -349,9 +362,6 @@ class _WorkerSide:
         except Exception as exc:  # the thread must always report, or the blocks stay held
             logger.exception("OmniKVConnector: send of %s raised", spec.transfer_id)
             reason = f"{type(exc).__name__}: {exc}"
-        finally:
-            with self._lock:
-                self._sent.add(spec.req_id)
         ok = reason is None
         self.counters.add("sends_ok" if ok else "sends_failed")
         self.counters.record(
@@ -363,6 +373,9 @@ class _WorkerSide:
             ok=ok,
             reason=reason,
         )
+        with self._lock:
+            self._sent.add(spec.req_id)
+            self._done()
         if not ok:
             logger.error("OmniKVConnector: send of %s failed: %s", spec.transfer_id, reason)
 
@@ -398,10 +411,6 @@ class _WorkerSide:
             logger.exception("OmniKVConnector: load of %s raised", spec.transfer_id)
             reason = f"{type(exc).__name__}: {exc}"
         ok = reason is None
-        with self._lock:
-            self._loaded.add(spec.req_id)
-            if not ok:
-                self._failed.add(spec.req_id)
         self.counters.record(
             spec.transfer_id,
             block_ids=list(spec.block_ids),
@@ -415,14 +424,20 @@ class _WorkerSide:
         if ok:
             self.counters.add("loads_ok")
             self.counters.add("tokens_loaded", spec.end - spec.start)
-            return
-        self.counters.add("loads_fallback")
-        logger.warning(
-            "OmniKVConnector: KV of %s (request %s) not loaded, recomputing the prefill: %s",
-            spec.transfer_id,
-            spec.req_id,
-            reason,
-        )
+        else:
+            self.counters.add("loads_fallback")
+        with self._lock:
+            self._loaded.add(spec.req_id)
+            if not ok:
+                self._failed.add(spec.req_id)
+            self._done()
+        if not ok:
+            logger.warning(
+                "OmniKVConnector: KV of %s (request %s) not loaded, recomputing the prefill: %s",
+                spec.transfer_id,
+                spec.req_id,
+                reason,
+            )
 
     def _receive_into_blocks(self, spec: _LoadSpec) -> str | None:
         result = self.manager.receive_kv_cache_result(spec.transfer_id)
@@ -584,6 +599,10 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def transfer_record(self, transfer_id: str) -> dict[str, Any] | None:
         """What this worker did for a transfer: block ids, tokens, monotonic start/end, outcome."""
         return self._worker.counters.get(transfer_id) if self._worker is not None else None
+
+    def wait_transfers(self, timeout: float) -> bool:
+        """Block until no send or load of this worker is in flight; False at ``timeout``."""
+        return self._worker.wait_idle(timeout) if self._worker is not None else True
 
     def layer_kv_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(K, V)`` block views ``[num_blocks, block_size, heads, dim]`` (aliases)."""
