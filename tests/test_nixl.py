@@ -107,6 +107,10 @@ def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
                 out_q.put(("armed",))
             elif op == "health":
                 out_q.put(("health", conn.health()))
+            elif op == "flush":
+                t0 = time.monotonic()
+                left = conn.flush(cmd[1])
+                out_q.put(("flushed", left, time.monotonic() - t0))
             elif op == "close":
                 conn.close()
                 conn.close()
@@ -187,7 +191,9 @@ def scenario_roundtrip() -> dict[str, Any]:
         res["bad_secret_s"] = time.monotonic() - t0
         bad.close()
         res["sender_health"] = _ask(out_q, in_q, "health")[1]
+        res["flush_pending"] = _ask(out_q, in_q, "flush", 0.2)[1:]
         b2 = recv.wait("0", "1", "k2", deadline=time.monotonic() + 10)
+        res["flush_done"] = _ask(out_q, in_q, "flush", 10.0)[1:]
         res["k2_ok"] = b2 is not None and crc(b2.tensor.numpy()) == crc(pattern(MiB, 3))
         view = b2.adopt() if b2 is not None else None
         res["recv_health"] = recv.health()
@@ -400,6 +406,9 @@ def test_roundtrip_long_poll_auth_consume_once_and_clean_close() -> None:
     sh = r["sender_health"]
     assert sh["entries"] == 1 and sh["consumed"] == 2 and sh["leases"] == 0, sh
     assert r["k2_ok"]
+    # flush: bounded while k2 is unconsumed, returns at once (nothing left) once it was read
+    assert r["flush_pending"][0] == ["k2@0_1"] and 0.15 < r["flush_pending"][1] < 1.0
+    assert r["flush_done"][0] == [] and r["flush_done"][1] < 5.0
     h = r["recv_health"]
     assert h["gets"] == 3 and h["quarantined"] == 0 and h["remote_agents"] == 1, h
     assert r["closed_raises"] and r["recv_threads"] == []
