@@ -214,6 +214,43 @@ def scenario_roundtrip() -> dict[str, Any]:
     return res
 
 
+def _late_arrival(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
+    """Hold the receiver's view of its READ at "running" past the wait's deadline, then let go."""
+    from omnikv.connectors import nixl_agent
+
+    gate = threading.Event()
+    real_state = nixl_agent.Transfer.state
+
+    def held_state(self: Any) -> str:
+        return real_state(self) if gate.is_set() else "PROC"
+
+    res: dict[str, Any] = {}
+    _, _, _, sent_crc = _ask(out_q, in_q, "put", "late", 8 * MiB, 9, 1.0)
+    nixl_agent.Transfer.state = held_state  # type: ignore[method-assign]
+    try:
+        t0 = time.monotonic()
+        res["first_none"] = recv.wait("0", "1", "late", deadline=t0 + 0.5) is None
+        res["first_s"] = time.monotonic() - t0
+        h = recv.health()
+        res["parked"] = [h["quarantined"], h["pool_used"] >= 8 * MiB]
+    finally:
+        gate.set()
+        nixl_agent.Transfer.state = real_state  # type: ignore[method-assign]
+    end = time.monotonic() + 10
+    while recv.health()["late_arrivals_held"] == 0 and time.monotonic() < end:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    buf = recv.wait("0", "1", "late", deadline=t0 + 5)
+    res["second_s"] = time.monotonic() - t0
+    res["crc_ok"] = buf is not None and crc(buf.tensor.numpy()) == sent_crc
+    if buf is not None:
+        buf.release()
+    h = recv.health()
+    res["after"] = [h["late_arrivals"], h["quarantined"], h["late_arrivals_held"], h["pool_used"]]
+    res["sender_entries"] = _ask(out_q, in_q, "health")[1]["entries"]
+    return res
+
+
 def scenario_failures() -> dict[str, Any]:
     _loopback_env()
     from omnikv.connectors.nixl import NixlConnector
@@ -254,6 +291,9 @@ def scenario_failures() -> dict[str, Any]:
         )
         h = _ask(out_q, in_q, "health")[1]
         res["after_exhaustion"] = {k: h[k] for k in ("entries", "leases", "aborted")}
+        # the receiver gives up while its READ runs: the slot is parked; the READ completes and
+        # is handed to the next wait of the key (the sender consumed it on the notification)
+        res["late"] = _late_arrival(recv, out_q, in_q)
         # sender killed mid-transfer: PeerGoneError within peer_timeout (+ a ping), nothing leaks
         assert _ask(out_q, in_q, "put", "doomed", 100 * MiB, 2, 1.0)[1] is True
         _ask(out_q, in_q, "kill_after_grant", 0.003)
@@ -428,6 +468,10 @@ def test_failures_are_explicit_bounded_and_leak_nothing() -> None:
     assert r["recv_pool"] == "PoolExhaustedError"
     assert r["sender_pool"] == "PoolExhaustedError" and 0.25 < r["sender_pool_s"] < 2
     assert r["after_exhaustion"] == {"entries": 1, "leases": 0, "aborted": 1}
+    late = r["late"]
+    assert late["first_none"] and late["first_s"] < 1.0 and late["parked"] == [1, True], late
+    assert late["crc_ok"] and late["second_s"] < 1.0 and late["after"] == [1, 0, 0, 0], late
+    assert late["sender_entries"] == 1  # only "big" (aborted earlier) is left at the sender
     assert r["killed"] == "PeerGoneError", r
     assert r["killed_detect_s"] < 4.0, r["killed_detect_s"]
     assert r["sender_exit"] == -signal.SIGKILL
