@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer, Endpoint
+from omnikv.connectors._mooncake_common import warn_unauthenticated
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors.base import (
     GetResult,
@@ -64,8 +65,9 @@ class NixlConnector(OmniConnectorBase):
     """Cross-node KV hand-off over NIXL (pull model, consume-once).
 
     Built by the factory as ``NixlConnector(config)``; the manager injects ``role``,
-    ``zmq_port``, ``from_stage`` and ``to_stage`` per rank. Config keys: ``host`` (default
-    ``127.0.0.1``; bound and advertised as is, ``"auto"`` detects), ``zmq_port``, ``role``
+    ``zmq_port``, ``from_stage`` and ``to_stage`` per rank. Config keys: ``host`` (bound and
+    advertised as is; missing, empty, ``"auto"`` or a wildcard: the detected local address, as
+    for the Transfer Engine connector), ``zmq_port``, ``role``
     (``"sender"`` binds the control socket; ``"receiver"`` binds nothing), ``backends``
     (``["UCX"]``), ``memory_pool_size`` (bytes or "512MB", default 1 GiB),
     ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
@@ -119,6 +121,8 @@ class NixlConnector(OmniConnectorBase):
         codec = ControlCodec(SCHEMA, s.secret, max_message_bytes=MAX_MESSAGE_BYTES)
         if s.role == "sender":
             assert s.zmq_port is not None
+            if s.secret is None:
+                warn_unauthenticated(s.host, "NIXL sender")
             side = NixlSenderSide(s, self._agent, self._pool, self._counters, self._lock)
             self._server = ControlServer(
                 self._ctx,

@@ -170,7 +170,7 @@ class NixlSettings:
             default_sender = (str(cfg["sender_host"]), sender_port)
         return cls(
             role=str(role),
-            host=resolve_host(cfg.get("host", "127.0.0.1")),
+            host=resolve_host(cfg.get("host")),
             zmq_port=zmq_port,
             backends=_backends(cfg.get("backends", ["UCX"])),
             pool_size=parse_size(cfg.get("memory_pool_size", 1 << 30), "memory_pool_size"),
