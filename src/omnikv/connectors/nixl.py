@@ -300,13 +300,18 @@ class NixlConnector(OmniConnectorBase):
         self._teardown()
 
     def _teardown(self) -> None:
+        """Listener, leases, receive side, sockets, agent (deregisters), then the pool.
+
+        A sender's pool is only ever read by peers: once its agent is gone nothing can reach
+        it, so it is unmapped after a bounded wait for running READs. A receiver's pool is
+        written by its own READs: it stays mapped if one could not be cancelled.
+        """
         timeout = self.settings.close_timeout_s
         if self._server is not None:
             self._server.close()
         quiet = True
         if self._sender is not None:
-            quiet = self._sender.drain(timeout)
-            if not quiet:
+            if not self._sender.drain(timeout):
                 logger.warning("closing with READs of this sender's pool unconfirmed")
             self._sender.forget_all()
         if self._receiver is not None:
