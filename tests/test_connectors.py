@@ -41,6 +41,7 @@ def test_factory_wraps_constructor_failures() -> None:
         OmniConnectorFactory.create_connector(ConnectorSpec("Boom"))
 
 
+@pytest.mark.slow
 def test_import_omnikv_needs_no_optional_backend() -> None:
     import subprocess
     import sys

@@ -364,19 +364,23 @@ def scenario_te_tp(s: int, t: int) -> dict[str, Any]:
     return res
 
 
-# -- tests ------------------------------------------------------------------------------------
-def _check_receiver(
-    r: dict[str, Any], spec: dict[str, Any], heads: int, metadata_port: int = 0
-) -> None:
+# -- tests (each scenario runs once per module; each test checks one behaviour) -----------------
+def _check_received(r: dict[str, Any], spec: dict[str, Any], heads: int) -> None:
     assert r["status"] == "ok", r
     assert r["mismatches"] == [], r["mismatches"][:5]
     assert r["layers"] == [spec["layers"], spec["layers"]]
     assert r["block_ids"] and r["seq_len"] == spec["seq_len"]
     per_token = 2 * spec["layers"] * heads * spec["dim"] * 2
     assert r["size"] >= per_token * spec["seq_len"]
-    # consume-once: the second receive is a (None, 0) timeout within its 1 s deadline
+
+
+def _check_consumed_once(r: dict[str, Any]) -> None:
+    # the second receive is a (None, 0) timeout within its 1 s deadline
     assert r["again"][:2] == [True, 0] and r["again"][2] < 2.0, r["again"]
     assert r["again_status"] == "timeout"
+
+
+def _check_receiver_closed(r: dict[str, Any], metadata_port: int = 0) -> None:
     assert r["pool_used"] == 0, "received views released: the receive slot is free again"
     assert r["threads"] == [], r["threads"]
     assert [c for c in r["tcp"] if c[1] != metadata_port] == [], r["tcp"]
@@ -395,39 +399,97 @@ def _check_closed_sender(c: dict[str, Any]) -> None:
     assert c["threads"] == [] and c["tcp"] == [], c
 
 
-@pytest.mark.timeout(200)
-def test_manager_224mib_over_transfer_engine() -> None:
-    r = run_scenario(__file__, "scenario_te_224", timeout=180)
-    _check_sent_224(r["sent"])
-    _check_receiver(r["recv"], QWEN, QWEN["heads"])
-    _check_closed_sender(r["closed"])
+@pytest.fixture(scope="module")
+def te_224() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_te_224", timeout=180)
+
+
+@pytest.fixture(scope="module")
+def store_224() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_store_224", timeout=180)
+
+
+@pytest.fixture(scope="module")
+def te_tp() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_te_tp", {"s": 2, "t": 4}, timeout=180)
 
 
 @pytest.mark.timeout(200)
-def test_manager_224mib_over_mooncake_store() -> None:
-    r = run_scenario(__file__, "scenario_store_224", timeout=180)
-    _check_sent_224(r["sent"])
-    _check_receiver(r["recv"], QWEN, QWEN["heads"], r["metadata_port"])
-    closed = r["closed"]
+def test_te_sender_reports_the_224mib_kv_sent(te_224: dict[str, Any]) -> None:
+    _check_sent_224(te_224["sent"])
+
+
+@pytest.mark.timeout(200)
+def test_te_receiver_gets_every_tensor_intact(te_224: dict[str, Any]) -> None:
+    _check_received(te_224["recv"], QWEN, QWEN["heads"])
+
+
+@pytest.mark.timeout(200)
+def test_te_kv_is_consumed_once(te_224: dict[str, Any]) -> None:
+    _check_consumed_once(te_224["recv"])
+
+
+@pytest.mark.timeout(200)
+def test_te_receiver_leaves_nothing_after_close(te_224: dict[str, Any]) -> None:
+    _check_receiver_closed(te_224["recv"])
+
+
+@pytest.mark.timeout(200)
+def test_te_sender_leaves_nothing_after_close(te_224: dict[str, Any]) -> None:
+    _check_closed_sender(te_224["closed"])
+
+
+@pytest.mark.timeout(200)
+def test_store_sender_reports_the_224mib_kv_sent(store_224: dict[str, Any]) -> None:
+    _check_sent_224(store_224["sent"])
+
+
+@pytest.mark.timeout(200)
+def test_store_receiver_gets_every_tensor_intact(store_224: dict[str, Any]) -> None:
+    _check_received(store_224["recv"], QWEN, QWEN["heads"])
+
+
+@pytest.mark.timeout(200)
+def test_store_kv_is_consumed_once(store_224: dict[str, Any]) -> None:
+    _check_consumed_once(store_224["recv"])
+    assert store_224["left_in_store"] != 1, "the consumed object must be removed from the store"
+
+
+@pytest.mark.timeout(200)
+def test_store_receiver_leaves_nothing_after_close(store_224: dict[str, Any]) -> None:
+    _check_receiver_closed(store_224["recv"], store_224["metadata_port"])
+
+
+@pytest.mark.timeout(200)
+def test_store_sender_leaves_nothing_after_close(store_224: dict[str, Any]) -> None:
+    closed = store_224["closed"]
     # the sender still remembers its put (it learns of consumption lazily, see _track)
     assert closed["pool_used"] == 0 and closed["entries"] == 1, closed
     assert closed["threads"] == [], closed
-    assert [c for c in closed["tcp"] if c[1] != r["metadata_port"]] == [], closed
-    assert r["left_in_store"] != 1, "the consumed object must be removed from the store"
+    assert [c for c in closed["tcp"] if c[1] != store_224["metadata_port"]] == [], closed
 
 
 @pytest.mark.timeout(200)
-def test_heterogeneous_tp_2_to_4_over_transfer_engine() -> None:
-    r = run_scenario(__file__, "scenario_te_tp", {"s": 2, "t": 4}, timeout=180)
-    sent = r["sent"]
+def test_tp2_senders_slice_heads_for_their_tp4_receivers(te_tp: dict[str, Any]) -> None:
+    sent = te_tp["sent"]
     assert sorted(sent) == ["0", "1"]
     for rank, body in sent.items():
         assert body["status"] == "sent", body
         # sender rank r slices its heads for receivers 2r and 2r + 1: one key each
         first = 2 * int(rank)
         assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
-    assert sorted(r["received"]) == ["0", "1", "2", "3"]
-    for body in r["received"].values():
-        _check_receiver(body, SMALL, SMALL["heads"] // 4)
-    for body in r["closed"].values():
+
+
+@pytest.mark.timeout(200)
+def test_every_tp4_receiver_gets_its_heads_intact(te_tp: dict[str, Any]) -> None:
+    assert sorted(te_tp["received"]) == ["0", "1", "2", "3"]
+    for body in te_tp["received"].values():
+        _check_received(body, SMALL, SMALL["heads"] // 4)
+        _check_consumed_once(body)
+        _check_receiver_closed(body)
+
+
+@pytest.mark.timeout(200)
+def test_tp2_senders_leave_nothing_after_close(te_tp: dict[str, Any]) -> None:
+    for body in te_tp["closed"].values():
         _check_closed_sender(body)

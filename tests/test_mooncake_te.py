@@ -450,6 +450,18 @@ def scenario_replay() -> dict[str, Any]:
         res["pulls_served"] = after["pulls_served"] - before["pulls_served"]
         res["entries"] = after["entries"]
         res["rejected"] = after["rejected_messages"] - before["rejected_messages"]
+        # an authenticated receiver cannot direct a write outside the pool it declared
+        bad_pull = {
+            "op": "pull",
+            "key": "k@0_1",
+            "dst": 1,
+            "cap": 4 * MiB,
+            "xid": "x",
+            "budget_ms": 5000,
+        }
+        reply = chan.request(bad_pull, 5.0)
+        res["outside_pool"] = None if reply is None else reply.get("reason")
+        res["entries_after_outside"] = _ask(in_q, out_q, "health")[1]["entries"]
         held.release()
         got = recv.wait("0", "1", "k", deadline=time.monotonic() + 20)
         res["genuine_ok"] = got is not None and crc(got.tensor.numpy()) == crc(pattern(4 * MiB, 2))
@@ -483,6 +495,10 @@ def test_a_replayed_pull_changes_no_memory(replay: dict[str, Any]) -> None:
 
 def test_replays_are_counted_as_rejected(replay: dict[str, Any]) -> None:
     assert replay["rejected"] == 3
+
+
+def test_a_pull_outside_the_declared_pool_is_refused(replay: dict[str, Any]) -> None:
+    assert replay["outside_pool"] == "outside_pool" and replay["entries_after_outside"] == 1
 
 
 def test_the_genuine_receiver_is_still_served(replay: dict[str, Any]) -> None:

@@ -28,6 +28,23 @@ another socket or the same one, is dropped without an answer and changes nothing
 server restart the old channel tokens are unknown, so captured requests fail there too.
 
 Rejected messages are counted (``rejected``) and logged at WARNING; nothing is answered to them.
+
+Using it (an engine connector)::
+
+    SCHEMA = Schema(requests={"query": {"key": str, "wait_ms": int}, ...},
+                    replies={"info": {"found": bool, "size": int}, ...},
+                    hello={"agent": str, "md": bytes})          # what a receiver declares
+    codec = ControlCodec(SCHEMA, secret, window_s=30.0, max_message_bytes=64 << 10)
+    # sender: handler(req) runs on the listener thread; answer from any thread
+    server = ControlServer(zmq_ctx, codec, (host, port), handler, tick=tick, name="omnikv-x")
+    server.start(); ...; server.answer(req, {"op": "info", "found": True, "size": n})
+    # receiver: one channel per thread and sender, opened with the hello
+    client = ControlClient(zmq_ctx, codec, {"agent": name, "md": metadata})
+    chan = client.channel((host, port), timeout_s)   # None: no welcome (wrong secret, down)
+    reply = chan.request({"op": "query", "key": k, "wait_ms": 0}, timeout_s)
+    # close: server.close(); client.close(); zmq_ctx.destroy(linger=0)
+
+``req.peer`` is what that receiver declared in its hello: check every request against it.
 """
 
 from __future__ import annotations
@@ -76,6 +93,7 @@ MAC_BYTES = 32
 MAX_STR_CHARS = 1024
 MAX_REPLAY_ENTRIES = 1 << 17
 MAX_PEERS = 4096
+_LOUD_REJECTS = 10
 
 Fields = Mapping[str, type | tuple[type, ...]]
 Endpoint = tuple[str, int]
@@ -437,7 +455,13 @@ class ControlServer:
 
     def _reject(self, why: str) -> None:
         self.rejected += 1
-        logger.warning("%s rejected a control message: %s", self._name, why)
+        # the first few at WARNING, then one in a thousand: a flood must not flood the log
+        if self.rejected <= _LOUD_REJECTS or self.rejected % 1000 == 0:
+            logger.warning(
+                "%s rejected a control message (%d so far): %s", self._name, self.rejected, why
+            )
+        else:
+            logger.debug("%s rejected a control message: %s", self._name, why)
 
     def _handle(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

@@ -10,7 +10,8 @@
 * :func:`parse_size`, :func:`set_tcp_bind_address`.
 
 Objects, cleanup keys and raw views are the connectors' common helpers (``connectors.base``,
-``omnikv.serialization``), not Mooncake's.
+``omnikv.serialization``), not Mooncake's; ``as_host_bytes``, ``matches_request`` and
+``encode_object`` are re-exported here for code written against the earlier layout.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ import socket
 import threading
 from typing import Any
 
+from omnikv.connectors.base import as_host_bytes, matches_request
 from omnikv.errors import ConfigError
+from omnikv.serialization import encode_object
 
 __all__ = [
     "WILDCARDS",
+    "as_host_bytes",
+    "encode_object",
+    "matches_request",
     "detect_local_address",
     "import_mooncake_engine",
     "import_mooncake_store",
