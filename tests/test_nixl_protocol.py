@@ -43,6 +43,8 @@ def test_receiver_needs_no_port_and_takes_a_default_sender() -> None:
         ("peer_timeout_seconds", 0),
         ("peer_timeout_seconds", "nan"),
         ("quarantine_dead_seconds", True),
+        ("auth_window_seconds", 0),
+        ("put_timeout_s", -1),
     ],
 )
 def test_bad_values_are_config_errors(key: str, value: Any) -> None:

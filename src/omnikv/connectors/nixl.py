@@ -72,7 +72,8 @@ class NixlConnector(OmniConnectorBase):
     (``["UCX"]``), ``memory_pool_size`` (bytes or "512MB", default 1 GiB),
     ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
-    (60), ``close_timeout_seconds`` (30).
+    (60), ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30: the replay window),
+    ``put_timeout_s`` (0: the reference-shaped ``put`` tries once).
     """
 
     supports_raw_data: ClassVar[bool] = True
@@ -84,6 +85,7 @@ class NixlConnector(OmniConnectorBase):
         cfg = dict(config or {})
         self.settings = s = NixlSettings.from_config(cfg)
         self.role = s.role
+        self.put_timeout_s = s.put_timeout_s
         self._default_sender = s.default_sender
         self._counters = Counters()
         self._lock = threading.Lock()
@@ -118,7 +120,9 @@ class NixlConnector(OmniConnectorBase):
         self._pool = HostPool(s.pool_size)
         self._agent.register(self._pool.address, self._pool.size)
         self._ctx = zmq.Context()
-        codec = ControlCodec(SCHEMA, s.secret, max_message_bytes=MAX_MESSAGE_BYTES)
+        codec = ControlCodec(
+            SCHEMA, s.secret, window_s=s.window_s, max_message_bytes=MAX_MESSAGE_BYTES
+        )
         if s.role == "sender":
             assert s.zmq_port is not None
             if s.secret is None:

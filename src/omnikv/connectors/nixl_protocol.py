@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnikv.connectors._control import Schema
+from omnikv.connectors._control import DEFAULT_WINDOW_S, Schema
 from omnikv.connectors._mooncake_common import parse_size, resolve_host
 from omnikv.errors import ConfigError
 
@@ -98,6 +98,10 @@ class Counters:
 
 
 def _positive_seconds(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    return _seconds(cfg, key, default, allow_zero=False)
+
+
+def _seconds(cfg: Mapping[str, Any], key: str, default: float, *, allow_zero: bool) -> float:
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{key} must be a number of seconds, got {value!r}")
@@ -105,8 +109,9 @@ def _positive_seconds(cfg: Mapping[str, Any], key: str, default: float) -> float
         seconds = float(value)
     except ValueError as exc:
         raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from exc
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+    if not ((seconds > 0 or (allow_zero and seconds == 0)) and math.isfinite(seconds)):
+        kind = "non-negative" if allow_zero else "positive"
+        raise ConfigError(f"{key} must be a {kind} number of seconds, got {value!r}")
     return seconds
 
 
@@ -152,6 +157,8 @@ class NixlSettings:
     peer_timeout_s: float
     quarantine_dead_s: float
     close_timeout_s: float
+    window_s: float
+    put_timeout_s: float
     secret: bytes | None
     default_sender: tuple[str, int] | None
 
@@ -178,6 +185,8 @@ class NixlSettings:
             peer_timeout_s=_positive_seconds(cfg, "peer_timeout_seconds", 5.0),
             quarantine_dead_s=_positive_seconds(cfg, "quarantine_dead_seconds", 60.0),
             close_timeout_s=_positive_seconds(cfg, "close_timeout_seconds", 30.0),
+            window_s=_positive_seconds(cfg, "auth_window_seconds", DEFAULT_WINDOW_S),
+            put_timeout_s=_seconds(cfg, "put_timeout_s", 0.0, allow_zero=True),
             secret=_secret(cfg.get("auth_secret")),
             default_sender=default_sender,
         )
