@@ -253,6 +253,31 @@ def _late_arrival(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
     return res
 
 
+def _orphaned_lease(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
+    """The receiver's READ step vanishes after a grant (as if it died): the lease expires."""
+    from omnikv.connectors import nixl_receiver
+
+    real_read = nixl_receiver.NixlReceiverSide._read
+    res: dict[str, Any] = {}
+    _, _, _, sent_crc = _ask(out_q, in_q, "put", "orphan", MiB, 4, 1.0)
+    nixl_receiver.NixlReceiverSide._read = (  # type: ignore[method-assign]
+        lambda self, chan, endpoint, grant, deadline: None
+    )
+    try:
+        res["dead_none"] = recv.wait("0", "1", "orphan", deadline=time.monotonic() + 0.6) is None
+    finally:
+        nixl_receiver.NixlReceiverSide._read = real_read  # type: ignore[method-assign]
+    res["leased"] = _ask(out_q, in_q, "health")[1]["leases"]
+    t0 = time.monotonic()
+    buf = recv.wait("0", "1", "orphan", deadline=t0 + 10)
+    res["served_after_s"] = time.monotonic() - t0
+    res["crc_ok"] = buf is not None and crc(buf.tensor.numpy()) == sent_crc
+    if buf is not None:
+        buf.release()
+    res["lease_expired"] = _ask(out_q, in_q, "health")[1]["lease_expired"]
+    return res
+
+
 def scenario_failures() -> dict[str, Any]:
     _loopback_env()
     from omnikv.connectors.nixl import NixlConnector
@@ -261,7 +286,13 @@ def scenario_failures() -> dict[str, Any]:
     (zport,) = free_ports(1)
     res: dict[str, Any] = {}
     proc, out_q, in_q = _sender(
-        _cfg(role="sender", zmq_port=zport, memory_pool_size=256 * MiB, buffer_ttl_seconds=60)
+        _cfg(
+            role="sender",
+            zmq_port=zport,
+            memory_pool_size=256 * MiB,
+            buffer_ttl_seconds=60,
+            peer_timeout_seconds=1.0,
+        )
     )
     with peers(proc):
         recv = NixlConnector(
@@ -296,6 +327,8 @@ def scenario_failures() -> dict[str, Any]:
         # the receiver gives up while its READ runs: the slot is parked; the READ completes and
         # is handed to the next wait of the key (the sender consumed it on the notification)
         res["late"] = _late_arrival(recv, out_q, in_q)
+        # a receiver that dies between grant and READ: the lease ends, the key is served again
+        res["orphan"] = _orphaned_lease(recv, out_q, in_q)
         # sender killed mid-transfer: PeerGoneError within peer_timeout (+ a ping), nothing leaks
         assert _ask(out_q, in_q, "put", "doomed", 100 * MiB, 2, 1.0)[1] is True
         _ask(out_q, in_q, "kill_after_grant", 0.003)
@@ -503,6 +536,14 @@ def test_a_read_given_up_is_parked_then_handed_over(failures: dict[str, Any]) ->
     assert late["first_none"] and late["first_s"] < 1.0 and late["parked"] == [1, True], late
     assert late["crc_ok"] and late["second_s"] < 1.0 and late["after"] == [1, 0, 0, 0], late
     assert late["sender_entries"] == 1  # only "big" (aborted earlier) is left at the sender
+
+
+@pytest.mark.timeout(90)
+def test_a_lease_whose_reader_vanished_expires(failures: dict[str, Any]) -> None:
+    o = failures["orphan"]
+    assert o["dead_none"] and o["leased"] >= 1, o
+    # lease = the claim's budget (0.6 s) + the sender's peer timeout (1 s), then served again
+    assert o["crc_ok"] and 0.3 < o["served_after_s"] < 5.0 and o["lease_expired"] >= 1, o
 
 
 @pytest.mark.timeout(90)

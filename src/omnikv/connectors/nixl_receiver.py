@@ -289,8 +289,10 @@ class NixlReceiverSide:
             if state == "DONE":
                 return state
             if state == "ERR":
-                xfer.release()
-                self._pool.allocator.free(offset)
+                if xfer.release():
+                    self._pool.allocator.free(offset)
+                else:  # NIXL kept the handle: the slot waits for the reaper
+                    self._quarantine_slot(grant.key, xfer, offset)
                 self._check_alive(chan, endpoint, f"reading {grant.key}")
                 raise ConnectorUnavailableError(f"the NIXL READ of {grant.key} failed")
             if silent:
