@@ -68,3 +68,23 @@ def test_sizes_accept_suffixes(text: object, expected: int) -> None:
 def test_bad_sizes_are_config_errors_naming_the_key(bad: object) -> None:
     with pytest.raises(ConfigError, match="memory_pool_size"):
         common.parse_size(bad, "memory_pool_size")
+
+
+def test_config_values_are_strict_and_name_their_key() -> None:
+    with pytest.raises(ConfigError, match="peer_timeout_seconds"):
+        common.config_seconds({"peer_timeout_seconds": 0}, "peer_timeout_seconds", 5.0)
+    with pytest.raises(ConfigError, match="buffer_ttl_seconds"):
+        common.config_seconds({"buffer_ttl_seconds": -1}, "buffer_ttl_seconds", 300.0)
+    with pytest.raises(ConfigError, match="workers"):
+        common.config_count({"workers": 0}, "workers", 4)
+    with pytest.raises(ConfigError, match="zmq_port"):
+        common.config_port(70000, "zmq_port")
+    with pytest.raises(ConfigError, match="remove_after_get"):
+        common.config_flag({"remove_after_get": "no"}, "remove_after_get", True)
+
+
+def test_flags_accept_booleans_and_their_names() -> None:
+    assert common.config_flag({"f": "False"}, "f", True) is False
+    assert common.config_flag({"f": True}, "f", False) is True
+    assert common.config_flag({}, "f", True) is True
+    assert common.config_port("50051", "zmq_port") == 50051

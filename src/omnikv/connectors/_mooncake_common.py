@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from omnikv.connectors.base import as_host_bytes, matches_request
@@ -32,6 +33,10 @@ __all__ = [
     "as_host_bytes",
     "encode_object",
     "matches_request",
+    "config_count",
+    "config_flag",
+    "config_port",
+    "config_seconds",
     "detect_local_address",
     "import_mooncake_engine",
     "import_mooncake_store",
@@ -182,3 +187,46 @@ def parse_size(value: Any, name: str) -> int:
     if n <= 0:
         raise ConfigError(f"{name} must be > 0 bytes, got {value!r}")
     return n
+
+
+def config_seconds(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    """``cfg[key]`` as a positive, finite number of seconds; ``ConfigError`` naming the key."""
+    value = cfg.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < float("inf")
+    ):
+        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def config_count(cfg: Mapping[str, Any], key: str, default: int) -> int:
+    """``cfg[key]`` as an integer >= 1; ``ConfigError`` naming the key."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def config_flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+    """``cfg[key]`` as a boolean: ``True``/``False`` or case-insensitive ``"true"``/``"false"``."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"true", "false"}:
+        return value.strip().lower() == "true"
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
+def config_port(value: Any, key: str) -> int:
+    """A TCP port in 1..65535 (int or digit string); ``ConfigError`` naming the key."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{key} must be a port number, got {value!r}")
+    try:
+        port = int(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key} must be a port number, got {value!r}") from exc
+    if not 0 < port < 65536:
+        raise ConfigError(f"{key} must be in 1..65535, got {value!r}")
+    return port

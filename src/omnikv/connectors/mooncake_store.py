@@ -21,6 +21,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from omnikv.connectors._mooncake_common import (
+    config_count,
+    config_flag,
+    config_seconds,
     import_mooncake_store,
     parse_size,
     resolve_host,
@@ -111,15 +114,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
         segment = parse_size(cfg.get("global_segment_size", 512 << 20), "global_segment_size")
         local_buf = parse_size(cfg.get("local_buffer_size", 64 << 20), "local_buffer_size")
         pool_size = parse_size(cfg.get("memory_pool_size", 512 << 20), "memory_pool_size")
-        self.remove_after_get = bool(cfg.get("remove_after_get", True))
-        replicas = int(cfg.get("replica_num", 1))
-        if replicas < 1:
-            raise ConfigError(f"replica_num must be >= 1, got {replicas}")
-        probe_s = float(cfg.get("master_probe_timeout_s", 3.0))
+        self.remove_after_get = config_flag(cfg, "remove_after_get", True)
+        replicas = config_count(cfg, "replica_num", 1)
+        probe_s = config_seconds(cfg, "master_probe_timeout_s", 3.0)
         self.put_timeout_s = float(cfg.get("put_timeout_s", 0.0))
-        self.max_tracked_keys = int(cfg.get("max_tracked_keys", 4096))
-        if self.max_tracked_keys < 1:
-            raise ConfigError(f"max_tracked_keys must be >= 1, got {self.max_tracked_keys}")
+        self.max_tracked_keys = config_count(cfg, "max_tracked_keys", 4096)
         store_cls, replicate_cls = import_mooncake_store()
         _probe_master(self.master, probe_s)
         set_tcp_bind_address(self.host)

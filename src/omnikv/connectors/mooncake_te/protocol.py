@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnikv.connectors._control import DEFAULT_WINDOW_S, Schema
-from omnikv.connectors._mooncake_common import parse_size, resolve_host
+from omnikv.connectors._mooncake_common import (
+    config_count,
+    config_port,
+    config_seconds,
+    parse_size,
+    resolve_host,
+)
 from omnikv.errors import ConfigError, ConnectorError, ConnectorUnavailableError
 
 __all__ = [
@@ -67,30 +73,6 @@ def te_errors(what: str) -> Iterator[None]:
         raise ConnectorUnavailableError(f"{what}: Transfer Engine failed: {exc}") from exc
 
 
-def _positive(cfg: Mapping[str, Any], key: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _count(cfg: Mapping[str, Any], key: str, default: int) -> int:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _port(value: Any, key: str) -> int:
-    try:
-        port = int(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key} must be a port number, got {value!r}") from exc
-    if isinstance(value, bool) or not 0 < port < 65536:
-        raise ConfigError(f"{key} must be in 1..65535, got {value!r}")
-    return port
-
-
 def _secret(value: Any) -> bytes | None:
     if value is None:
         return None
@@ -129,26 +111,30 @@ class TEConfig:
             raise ConfigError(
                 "memory_pool_device must be 'cpu' (device pools are not supported yet)"
             )
-        port = cfg.get("zmq_port")
-        zmq_port = _port(port, "zmq_port") if port is not None else None
-        if role == "sender" and zmq_port is None:
-            raise ConfigError("a sender needs zmq_port")
+        zmq_port = None  # a receiver binds nothing; its configured port is not used
+        if role == "sender":
+            if cfg.get("zmq_port") is None:
+                raise ConfigError("a sender needs zmq_port")
+            zmq_port = config_port(cfg["zmq_port"], "zmq_port")
         sender: tuple[str, int] | None = None
         if cfg.get("sender_host") and cfg.get("sender_zmq_port") is not None:
-            sender = (str(cfg["sender_host"]), _port(cfg["sender_zmq_port"], "sender_zmq_port"))
+            sender = (
+                str(cfg["sender_host"]),
+                config_port(cfg["sender_zmq_port"], "sender_zmq_port"),
+            )
         return cls(
             host=resolve_host(cfg.get("host")),
             role=role,
             protocol=str(cfg.get("protocol", "tcp")),
             device_name=str(cfg.get("device_name", "") or ""),
             pool_size=parse_size(cfg.get("memory_pool_size", 1 << 30), "memory_pool_size"),
-            ttl_s=_positive(cfg, "buffer_ttl_seconds", 300.0),
-            peer_timeout_s=_positive(cfg, "peer_timeout_seconds", 5.0),
-            quarantine_dead_s=_positive(cfg, "quarantine_dead_seconds", 60.0),
-            close_timeout_s=_positive(cfg, "close_timeout_seconds", 30.0),
+            ttl_s=config_seconds(cfg, "buffer_ttl_seconds", 300.0),
+            peer_timeout_s=config_seconds(cfg, "peer_timeout_seconds", 5.0),
+            quarantine_dead_s=config_seconds(cfg, "quarantine_dead_seconds", 60.0),
+            close_timeout_s=config_seconds(cfg, "close_timeout_seconds", 30.0),
             put_timeout_s=float(cfg.get("put_timeout_s", 0.0)),
-            window_s=_positive(cfg, "auth_window_seconds", DEFAULT_WINDOW_S),
-            workers=_count(cfg, "workers", 4),
+            window_s=config_seconds(cfg, "auth_window_seconds", DEFAULT_WINDOW_S),
+            workers=config_count(cfg, "workers", 4),
             secret=_secret(cfg.get("auth_secret")),
             zmq_port=zmq_port,
             default_sender=sender,

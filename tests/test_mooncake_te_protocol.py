@@ -1,0 +1,72 @@
+"""connectors/mooncake_te/protocol.py: the TE connector's configuration and message schema
+(pure: no engine, no sockets).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omnikv.connectors._control import ControlCodec, ProtocolError
+from omnikv.connectors._mooncake_common import detect_local_address
+from omnikv.connectors.mooncake_te.protocol import SCHEMA, TEConfig, transfer_budget_s
+from omnikv.errors import ConfigError
+
+
+def _sender(**extra: object) -> dict[str, object]:
+    return {"role": "sender", "zmq_port": 50151, "host": "127.0.0.1", **extra}
+
+
+def test_defaults_follow_the_reference() -> None:
+    cfg = TEConfig.parse(_sender())
+    assert (cfg.workers, cfg.ttl_s, cfg.peer_timeout_s, cfg.window_s) == (4, 300.0, 5.0, 30.0)
+    assert cfg.pool_size == 1 << 30 and cfg.secret is None and cfg.protocol == "tcp"
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"workers": 0}, "workers"),
+        ({"workers": 2.5}, "workers"),
+        ({"auth_secret": ""}, "auth_secret"),
+        ({"zmq_port": 70000}, "zmq_port"),
+        ({"zmq_port": None}, "zmq_port"),
+        ({"peer_timeout_seconds": 0}, "peer_timeout_seconds"),
+        ({"buffer_ttl_seconds": -1}, "buffer_ttl_seconds"),
+        ({"role": "both"}, "role"),
+        ({"memory_pool_size": 0}, "memory_pool_size"),
+        ({"memory_pool_device": "cuda"}, "memory_pool_device"),
+    ],
+)
+def test_bad_values_are_config_errors_naming_the_key(extra: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        TEConfig.parse(_sender(**extra))
+
+
+def test_a_receiver_binds_nothing_so_its_port_is_not_used() -> None:
+    cfg = TEConfig.parse({"role": "receiver", "zmq_port": "${UNSET}", "host": "127.0.0.1"})
+    assert cfg.zmq_port is None
+
+
+@pytest.mark.parametrize("host", [None, "", "auto", "0.0.0.0"])
+def test_an_unset_or_wildcard_host_is_the_detected_address(host: object) -> None:
+    extra = {} if host is None else {"host": host}
+    cfg = TEConfig.parse({"role": "sender", "zmq_port": 50151, **extra})
+    assert cfg.host == detect_local_address()
+
+
+def test_the_transfer_budget_is_the_references() -> None:
+    assert transfer_budget_s(1) == 30.0 and transfer_budget_s(250 << 20) == 40.0
+
+
+def test_a_pull_must_name_its_destination_and_capacity() -> None:
+    codec = ControlCodec(SCHEMA, None)
+    _, frames = codec.encode({"op": "pull", "key": "k", "xid": "x", "budget_ms": 1})
+    with pytest.raises(ProtocolError, match="dst"):
+        codec.decode_request(frames)
+
+
+def test_a_hello_must_declare_session_and_pool() -> None:
+    codec = ControlCodec(SCHEMA, None)
+    _, frames = codec.encode({"op": "hello", "peer": {"sess": "h:1", "base": 4096}})
+    with pytest.raises(ProtocolError, match="len"):
+        codec.decode_request(frames)
