@@ -33,7 +33,9 @@ from test_mooncake_manager import (
     QWEN,
     SMALL,
     _check_closed_sender,
-    _check_receiver,
+    _check_consumed_once,
+    _check_received,
+    _check_receiver_closed,
     _check_sent_224,
     _collect,
     _free_base_port,
@@ -107,6 +109,10 @@ def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
                 out_q.put(("armed",))
             elif op == "health":
                 out_q.put(("health", conn.health()))
+            elif op == "flush":
+                t0 = time.monotonic()
+                left = conn.flush(cmd[1])
+                out_q.put(("flushed", left, time.monotonic() - t0))
             elif op == "close":
                 conn.close()
                 conn.close()
@@ -187,7 +193,9 @@ def scenario_roundtrip() -> dict[str, Any]:
         res["bad_secret_s"] = time.monotonic() - t0
         bad.close()
         res["sender_health"] = _ask(out_q, in_q, "health")[1]
+        res["flush_pending"] = _ask(out_q, in_q, "flush", 0.2)[1:]
         b2 = recv.wait("0", "1", "k2", deadline=time.monotonic() + 10)
+        res["flush_done"] = _ask(out_q, in_q, "flush", 10.0)[1:]
         res["k2_ok"] = b2 is not None and crc(b2.tensor.numpy()) == crc(pattern(MiB, 3))
         view = b2.adopt() if b2 is not None else None
         res["recv_health"] = recv.health()
@@ -208,6 +216,68 @@ def scenario_roundtrip() -> dict[str, Any]:
     return res
 
 
+def _late_arrival(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
+    """Hold the receiver's view of its READ at "running" past the wait's deadline, then let go."""
+    from omnikv.connectors import nixl_agent
+
+    gate = threading.Event()
+    real_state = nixl_agent.Transfer.state
+
+    def held_state(self: Any) -> str:
+        return real_state(self) if gate.is_set() else "PROC"
+
+    res: dict[str, Any] = {}
+    _, _, _, sent_crc = _ask(out_q, in_q, "put", "late", 8 * MiB, 9, 1.0)
+    nixl_agent.Transfer.state = held_state  # type: ignore[method-assign]
+    try:
+        t0 = time.monotonic()
+        res["first_none"] = recv.wait("0", "1", "late", deadline=t0 + 0.5) is None
+        res["first_s"] = time.monotonic() - t0
+        h = recv.health()
+        res["parked"] = [h["quarantined"], h["pool_used"] >= 8 * MiB]
+    finally:
+        gate.set()
+        nixl_agent.Transfer.state = real_state  # type: ignore[method-assign]
+    end = time.monotonic() + 10
+    while recv.health()["late_arrivals_held"] == 0 and time.monotonic() < end:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    buf = recv.wait("0", "1", "late", deadline=t0 + 5)
+    res["second_s"] = time.monotonic() - t0
+    res["crc_ok"] = buf is not None and crc(buf.tensor.numpy()) == sent_crc
+    if buf is not None:
+        buf.release()
+    h = recv.health()
+    res["after"] = [h["late_arrivals"], h["quarantined"], h["late_arrivals_held"], h["pool_used"]]
+    res["sender_entries"] = _ask(out_q, in_q, "health")[1]["entries"]
+    return res
+
+
+def _orphaned_lease(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
+    """The receiver's READ step vanishes after a grant (as if it died): the lease expires."""
+    from omnikv.connectors import nixl_receiver
+
+    real_read = nixl_receiver.NixlReceiverSide._read
+    res: dict[str, Any] = {}
+    _, _, _, sent_crc = _ask(out_q, in_q, "put", "orphan", MiB, 4, 1.0)
+    nixl_receiver.NixlReceiverSide._read = (  # type: ignore[method-assign]
+        lambda self, chan, endpoint, grant, deadline: None
+    )
+    try:
+        res["dead_none"] = recv.wait("0", "1", "orphan", deadline=time.monotonic() + 0.6) is None
+    finally:
+        nixl_receiver.NixlReceiverSide._read = real_read  # type: ignore[method-assign]
+    res["leased"] = _ask(out_q, in_q, "health")[1]["leases"]
+    t0 = time.monotonic()
+    buf = recv.wait("0", "1", "orphan", deadline=t0 + 10)
+    res["served_after_s"] = time.monotonic() - t0
+    res["crc_ok"] = buf is not None and crc(buf.tensor.numpy()) == sent_crc
+    if buf is not None:
+        buf.release()
+    res["lease_expired"] = _ask(out_q, in_q, "health")[1]["lease_expired"]
+    return res
+
+
 def scenario_failures() -> dict[str, Any]:
     _loopback_env()
     from omnikv.connectors.nixl import NixlConnector
@@ -216,7 +286,13 @@ def scenario_failures() -> dict[str, Any]:
     (zport,) = free_ports(1)
     res: dict[str, Any] = {}
     proc, out_q, in_q = _sender(
-        _cfg(role="sender", zmq_port=zport, memory_pool_size=256 * MiB, buffer_ttl_seconds=60)
+        _cfg(
+            role="sender",
+            zmq_port=zport,
+            memory_pool_size=256 * MiB,
+            buffer_ttl_seconds=60,
+            peer_timeout_seconds=1.0,
+        )
     )
     with peers(proc):
         recv = NixlConnector(
@@ -248,6 +324,11 @@ def scenario_failures() -> dict[str, Any]:
         )
         h = _ask(out_q, in_q, "health")[1]
         res["after_exhaustion"] = {k: h[k] for k in ("entries", "leases", "aborted")}
+        # the receiver gives up while its READ runs: the slot is parked; the READ completes and
+        # is handed to the next wait of the key (the sender consumed it on the notification)
+        res["late"] = _late_arrival(recv, out_q, in_q)
+        # a receiver that dies between grant and READ: the lease ends, the key is served again
+        res["orphan"] = _orphaned_lease(recv, out_q, in_q)
         # sender killed mid-transfer: PeerGoneError within peer_timeout (+ a ping), nothing leaks
         assert _ask(out_q, in_q, "put", "doomed", 100 * MiB, 2, 1.0)[1] is True
         _ask(out_q, in_q, "kill_after_grant", 0.003)
@@ -353,7 +434,174 @@ def scenario_bench_small(path: str) -> dict[str, Any]:
         return {"rc": rc, "report": json.load(fh), "threads": omnikv_threads()}
 
 
-# -- tests --------------------------------------------------------------------------------------
+# -- tests (each scenario runs once per module; each test checks one behaviour) -----------------
+@pytest.fixture(scope="module")
+def roundtrip() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_roundtrip", timeout=80)
+
+
+@pytest.fixture(scope="module")
+def failures() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_failures", timeout=80)
+
+
+@pytest.fixture(scope="module")
+def manager_224() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_manager_224", timeout=140)
+
+
+@pytest.fixture(scope="module")
+def manager_tp() -> dict[str, Any]:
+    return run_scenario(__file__, "scenario_manager_tp", {"s": 2, "t": 4}, timeout=140)
+
+
+@pytest.mark.timeout(90)
+def test_a_miss_is_none_and_quick(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["miss"] and roundtrip["miss_s"] < 3
+
+
+@pytest.mark.timeout(90)
+def test_wait_is_woken_by_the_put_and_gets_the_bytes(roundtrip: dict[str, Any]) -> None:
+    r = roundtrip
+    assert r["put_ok"] and r["managed"] and r["size"] == 20 * MiB + 123 and r["crc_ok"]
+    assert r["lag_s"] < 2.0, r["lag_s"]  # woken by the put, not by a poll period
+
+
+@pytest.mark.timeout(90)
+def test_payloads_are_consumed_once(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["second_wait_none"]
+    sh = roundtrip["sender_health"]
+    assert sh["entries"] == 1 and sh["consumed"] == 2 and sh["leases"] == 0, sh
+
+
+@pytest.mark.timeout(90)
+def test_objects_travel_through_the_reference_put_and_get(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["obj"] == [{"a": [1, 2], "b": "x"}, roundtrip["obj"][1]]
+
+
+@pytest.mark.timeout(90)
+def test_a_wrong_secret_gets_nothing_within_the_deadline(roundtrip: dict[str, Any]) -> None:
+    assert roundtrip["bad_secret_none"] and roundtrip["bad_secret_s"] < 1.6
+    assert roundtrip["k2_ok"]  # and the right receiver still gets the key afterwards
+
+
+@pytest.mark.timeout(90)
+def test_flush_waits_for_consumption_boundedly(roundtrip: dict[str, Any]) -> None:
+    pending, done = roundtrip["flush_pending"], roundtrip["flush_done"]
+    assert pending[0] == ["k2@0_1"] and 0.15 < pending[1] < 1.0, pending
+    assert done[0] == [] and done[1] < 5.0, done
+
+
+@pytest.mark.timeout(90)
+def test_metadata_is_loaded_once_per_sender(roundtrip: dict[str, Any]) -> None:
+    h = roundtrip["recv_health"]
+    assert h["gets"] == 3 and h["quarantined"] == 0 and h["remote_agents"] == 1, h
+
+
+@pytest.mark.timeout(90)
+def test_receiver_close_leaves_nothing_registered_and_no_thread(roundtrip: dict[str, Any]) -> None:
+    r = roundtrip
+    assert r["closed_raises"] and r["recv_threads"] == [] and r["recv_tcp"] == []
+    assert r["recv_closed"]["status"] == "closed" and r["recv_closed"]["registered_regions"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_sender_close_leaves_nothing_registered_and_no_thread(roundtrip: dict[str, Any]) -> None:
+    sc = roundtrip["sender_closed"]
+    assert sc["status"] == "closed" and sc["registered_regions"] == 0 and sc["pool_size"] == 0
+    assert roundtrip["sender_threads"] == [] and roundtrip["sender_tcp"] == []
+
+
+@pytest.mark.timeout(90)
+def test_a_key_never_put_is_a_bounded_miss(failures: dict[str, Any]) -> None:
+    assert failures["never_none"] and 0.7 < failures["never_s"] < 1.5, failures["never_s"]
+    assert failures["never_get_none"] and failures["never_get_s"] < 1.0
+
+
+@pytest.mark.timeout(90)
+def test_receiver_pool_exhausted_gives_the_lease_back(failures: dict[str, Any]) -> None:
+    assert failures["recv_pool"] == "PoolExhaustedError"
+    assert failures["after_exhaustion"] == {"entries": 1, "leases": 0, "aborted": 1}
+
+
+@pytest.mark.timeout(90)
+def test_sender_pool_exhausted_raises_at_the_put_deadline(failures: dict[str, Any]) -> None:
+    assert failures["sender_pool"] == "PoolExhaustedError"
+    assert 0.25 < failures["sender_pool_s"] < 2, failures["sender_pool_s"]
+
+
+@pytest.mark.timeout(90)
+def test_a_read_given_up_is_parked_then_handed_over(failures: dict[str, Any]) -> None:
+    late = failures["late"]
+    assert late["first_none"] and late["first_s"] < 1.0 and late["parked"] == [1, True], late
+    assert late["crc_ok"] and late["second_s"] < 1.0 and late["after"] == [1, 0, 0, 0], late
+    assert late["sender_entries"] == 1  # only "big" (aborted earlier) is left at the sender
+
+
+@pytest.mark.timeout(90)
+def test_a_lease_whose_reader_vanished_expires(failures: dict[str, Any]) -> None:
+    o = failures["orphan"]
+    assert o["dead_none"] and o["leased"] >= 1, o
+    # lease = the claim's budget (0.6 s) + the sender's peer timeout (1 s), then served again
+    assert o["crc_ok"] and 0.3 < o["served_after_s"] < 5.0 and o["lease_expired"] >= 1, o
+
+
+@pytest.mark.timeout(90)
+def test_sender_killed_mid_read_is_peer_gone_and_leaks_nothing(failures: dict[str, Any]) -> None:
+    r = failures
+    assert r["killed"] == "PeerGoneError" and r["killed_detect_s"] < 4.0, r
+    assert r["sender_exit"] == -signal.SIGKILL
+    after = r["recv_after_kill"]
+    assert after["pool_used"] == 0 and after["quarantined"] == 0 and after["peer_gone"] >= 1
+    assert r["recv_closed"]["registered_regions"] == 0
+    assert r["threads"] == [] and r["tcp"] == [], (r["threads"], r["tcp"])
+
+
+@pytest.mark.timeout(150)
+def test_manager_sends_the_224mib_kv(manager_224: dict[str, Any]) -> None:
+    _check_sent_224(manager_224["sent"])
+
+
+@pytest.mark.timeout(150)
+def test_manager_receives_every_tensor_intact(manager_224: dict[str, Any]) -> None:
+    _check_received(manager_224["recv"], QWEN, QWEN["heads"])
+
+
+@pytest.mark.timeout(150)
+def test_manager_kv_is_consumed_once(manager_224: dict[str, Any]) -> None:
+    _check_consumed_once(manager_224["recv"])
+
+
+@pytest.mark.timeout(150)
+def test_managers_leave_nothing_after_close(manager_224: dict[str, Any]) -> None:
+    _check_receiver_closed(manager_224["recv"])
+    _check_closed_sender(manager_224["closed"])
+
+
+@pytest.mark.timeout(150)
+def test_tp2_senders_slice_heads_for_their_tp4_receivers(manager_tp: dict[str, Any]) -> None:
+    assert sorted(manager_tp["sent"]) == ["0", "1"]
+    for rank, body in manager_tp["sent"].items():
+        assert body["status"] == "sent", body
+        first = 2 * int(rank)  # sender rank r slices its heads for receivers 2r and 2r + 1
+        assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
+
+
+@pytest.mark.timeout(150)
+def test_every_tp4_receiver_gets_its_heads_intact(manager_tp: dict[str, Any]) -> None:
+    assert sorted(manager_tp["received"]) == ["0", "1", "2", "3"]
+    for body in manager_tp["received"].values():
+        _check_received(body, SMALL, SMALL["heads"] // 4)
+        _check_consumed_once(body)
+        _check_receiver_closed(body)
+
+
+@pytest.mark.timeout(150)
+def test_tp2_senders_leave_nothing_after_close(manager_tp: dict[str, Any]) -> None:
+    for body in manager_tp["closed"].values():
+        _check_closed_sender(body)
+
+
 @pytest.mark.timeout(90)
 def test_bench_nixl_small_run_verifies(tmp_path: Any) -> None:
     r = run_scenario(__file__, "scenario_bench_small", {"path": str(tmp_path / "n.json")}, 80)
@@ -363,66 +611,3 @@ def test_bench_nixl_small_run_verifies(tmp_path: Any) -> None:
     assert set(rep["results"]) == {"raw", "wait", "e2e", "writer"}
     assert all(len(v["samples_s"]) == 2 for v in rep["results"].values())
     assert rep["ratios"]["nixl"] > 0 and r["threads"] == []
-
-
-@pytest.mark.timeout(150)
-def test_manager_224mib_end_to_end_every_tensor() -> None:
-    r = run_scenario(__file__, "scenario_manager_224", timeout=140)
-    _check_sent_224(r["sent"])
-    _check_receiver(r["recv"], QWEN, QWEN["heads"])
-    _check_closed_sender(r["closed"])
-
-
-@pytest.mark.timeout(150)
-def test_manager_heterogeneous_tp_2_to_4() -> None:
-    r = run_scenario(__file__, "scenario_manager_tp", {"s": 2, "t": 4}, timeout=140)
-    assert sorted(r["sent"]) == ["0", "1"]
-    for rank, body in r["sent"].items():
-        assert body["status"] == "sent", body
-        first = 2 * int(rank)  # sender rank r slices its heads for receivers 2r and 2r + 1
-        assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
-    assert sorted(r["received"]) == ["0", "1", "2", "3"]
-    for body in r["received"].values():
-        _check_receiver(body, SMALL, SMALL["heads"] // 4)
-    for body in r["closed"].values():
-        _check_closed_sender(body)
-
-
-@pytest.mark.timeout(90)
-def test_roundtrip_long_poll_auth_consume_once_and_clean_close() -> None:
-    r = run_scenario(__file__, "scenario_roundtrip", timeout=80)
-    assert r["miss"] and r["miss_s"] < 3
-    assert r["put_ok"] and r["managed"] and r["size"] == 20 * MiB + 123 and r["crc_ok"]
-    assert r["lag_s"] < 2.0, r["lag_s"]  # woken by the put, not by a poll period
-    assert r["second_wait_none"]
-    assert r["obj"] == [{"a": [1, 2], "b": "x"}, r["obj"][1]]
-    assert r["bad_secret_none"] and r["bad_secret_s"] < 1.6
-    sh = r["sender_health"]
-    assert sh["entries"] == 1 and sh["consumed"] == 2 and sh["leases"] == 0, sh
-    assert r["k2_ok"]
-    h = r["recv_health"]
-    assert h["gets"] == 3 and h["quarantined"] == 0 and h["remote_agents"] == 1, h
-    assert r["closed_raises"] and r["recv_threads"] == []
-    closed = r["recv_closed"]
-    assert closed["status"] == "closed" and closed["registered_regions"] == 0, closed
-    assert r["recv_tcp"] == [] and r["sender_tcp"] == [], (r["recv_tcp"], r["sender_tcp"])
-    sc = r["sender_closed"]
-    assert sc["status"] == "closed" and sc["registered_regions"] == 0 and sc["pool_size"] == 0
-    assert r["sender_threads"] == []
-
-
-@pytest.mark.timeout(90)
-def test_failures_are_explicit_bounded_and_leak_nothing() -> None:
-    r = run_scenario(__file__, "scenario_failures", timeout=80)
-    assert r["never_none"] and 0.7 < r["never_s"] < 1.5, r["never_s"]
-    assert r["never_get_none"] and r["never_get_s"] < 1.0
-    assert r["recv_pool"] == "PoolExhaustedError"
-    assert r["sender_pool"] == "PoolExhaustedError" and 0.25 < r["sender_pool_s"] < 2
-    assert r["after_exhaustion"] == {"entries": 1, "leases": 0, "aborted": 1}
-    assert r["killed"] == "PeerGoneError", r
-    assert r["killed_detect_s"] < 4.0, r["killed_detect_s"]
-    assert r["sender_exit"] == -signal.SIGKILL
-    assert r["recv_after_kill"]["pool_used"] == 0 and r["recv_after_kill"]["quarantined"] == 0
-    assert r["recv_after_kill"]["peer_gone"] >= 1
-    assert r["recv_closed"]["registered_regions"] == 0
-    assert r["threads"] == [] and r["tcp"] == [], (r["threads"], r["tcp"])

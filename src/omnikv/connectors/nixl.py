@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer, Endpoint
+from omnikv.connectors._mooncake_common import warn_unauthenticated
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors.base import (
     GetResult,
@@ -64,13 +65,15 @@ class NixlConnector(OmniConnectorBase):
     """Cross-node KV hand-off over NIXL (pull model, consume-once).
 
     Built by the factory as ``NixlConnector(config)``; the manager injects ``role``,
-    ``zmq_port``, ``from_stage`` and ``to_stage`` per rank. Config keys: ``host`` (default
-    ``127.0.0.1``; bound and advertised as is, ``"auto"`` detects), ``zmq_port``, ``role``
+    ``zmq_port``, ``from_stage`` and ``to_stage`` per rank. Config keys: ``host`` (bound and
+    advertised as is; missing, empty, ``"auto"`` or a wildcard: the detected local address, as
+    for the Transfer Engine connector), ``zmq_port``, ``role``
     (``"sender"`` binds the control socket; ``"receiver"`` binds nothing), ``backends``
     (``["UCX"]``), ``memory_pool_size`` (bytes or "512MB", default 1 GiB),
     ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
-    (60), ``close_timeout_seconds`` (30).
+    (60), ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30: the replay window),
+    ``put_timeout_s`` (0: the reference-shaped ``put`` tries once).
     """
 
     supports_raw_data: ClassVar[bool] = True
@@ -82,6 +85,7 @@ class NixlConnector(OmniConnectorBase):
         cfg = dict(config or {})
         self.settings = s = NixlSettings.from_config(cfg)
         self.role = s.role
+        self.put_timeout_s = s.put_timeout_s
         self._default_sender = s.default_sender
         self._counters = Counters()
         self._lock = threading.Lock()
@@ -116,9 +120,13 @@ class NixlConnector(OmniConnectorBase):
         self._pool = HostPool(s.pool_size)
         self._agent.register(self._pool.address, self._pool.size)
         self._ctx = zmq.Context()
-        codec = ControlCodec(SCHEMA, s.secret, max_message_bytes=MAX_MESSAGE_BYTES)
+        codec = ControlCodec(
+            SCHEMA, s.secret, window_s=s.window_s, max_message_bytes=MAX_MESSAGE_BYTES
+        )
         if s.role == "sender":
             assert s.zmq_port is not None
+            if s.secret is None:
+                warn_unauthenticated(s.host, "NIXL sender")
             side = NixlSenderSide(s, self._agent, self._pool, self._counters, self._lock)
             self._server = ControlServer(
                 self._ctx,
@@ -296,13 +304,18 @@ class NixlConnector(OmniConnectorBase):
         self._teardown()
 
     def _teardown(self) -> None:
+        """Listener, leases, receive side, sockets, agent (deregisters), then the pool.
+
+        A sender's pool is only ever read by peers: once its agent is gone nothing can reach
+        it, so it is unmapped after a bounded wait for running READs. A receiver's pool is
+        written by its own READs: it stays mapped if one could not be cancelled.
+        """
         timeout = self.settings.close_timeout_s
         if self._server is not None:
             self._server.close()
         quiet = True
         if self._sender is not None:
-            quiet = self._sender.drain(timeout)
-            if not quiet:
+            if not self._sender.drain(timeout):
                 logger.warning("closing with READs of this sender's pool unconfirmed")
             self._sender.forget_all()
         if self._receiver is not None:

@@ -19,6 +19,7 @@ unloaded (``UCX_MODULES=^ib*``): they could not be used there anyway.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -79,8 +80,9 @@ def ucx_defaults() -> None:
     os.environ["UCX_MODULES"] = "^ib*"
 
 
+@functools.cache
 def _bindings_errors(api: Any) -> tuple[type[BaseException], tuple[type[BaseException], ...]]:
-    """``(remote_disconnect_error, every NIXL error class)`` of the loaded bindings."""
+    """``(remote_disconnect_error, every NIXL error class)`` of the loaded bindings (once)."""
     bindings = getattr(api, "nixlBind", None)
     classes = tuple(
         obj

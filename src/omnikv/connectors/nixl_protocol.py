@@ -24,8 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnikv.connectors._control import Schema
-from omnikv.connectors._mooncake_common import parse_size, resolve_host
+from omnikv.connectors._control import DEFAULT_WINDOW_S, Schema
+from omnikv.connectors._mooncake_common import (
+    config_port,
+    config_seconds,
+    parse_size,
+    resolve_host,
+)
 from omnikv.errors import ConfigError
 
 __all__ = [
@@ -97,29 +102,11 @@ class Counters:
             return dict(self.values)
 
 
-def _positive_seconds(cfg: Mapping[str, Any], key: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{key} must be a number of seconds, got {value!r}")
-    try:
-        seconds = float(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from exc
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
-    return seconds
-
-
-def _port(value: Any, key: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} must be a port number, got {value!r}")
-    try:
-        port = int(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key} must be a port number, got {value!r}") from exc
-    if not 0 < port < 65536:
-        raise ConfigError(f"{key} must be in 1..65535, got {value!r}")
-    return port
+def _put_timeout(value: Any) -> float:
+    """``put_timeout_s``: seconds >= 0 (0: the reference-shaped ``put`` tries once)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(f"put_timeout_s must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _backends(value: Any) -> tuple[str, ...]:
@@ -152,6 +139,8 @@ class NixlSettings:
     peer_timeout_s: float
     quarantine_dead_s: float
     close_timeout_s: float
+    window_s: float
+    put_timeout_s: float
     secret: bytes | None
     default_sender: tuple[str, int] | None
 
@@ -160,24 +149,27 @@ class NixlSettings:
         role = cfg.get("role", "sender")
         if role not in {"sender", "receiver"}:
             raise ConfigError(f"role must be 'sender' or 'receiver', got {role!r}")
-        port = cfg.get("zmq_port")
-        zmq_port = _port(port, "zmq_port") if port is not None else None
-        if role == "sender" and zmq_port is None:
-            raise ConfigError("a sender needs zmq_port")
+        zmq_port = None  # a receiver binds nothing: its zmq_port (if any) is not used
+        if role == "sender":
+            if cfg.get("zmq_port") is None:
+                raise ConfigError("a sender needs zmq_port")
+            zmq_port = config_port(cfg["zmq_port"], "zmq_port")
         default_sender = None
         if cfg.get("sender_host") and cfg.get("sender_zmq_port") is not None:
-            sender_port = _port(cfg["sender_zmq_port"], "sender_zmq_port")
+            sender_port = config_port(cfg["sender_zmq_port"], "sender_zmq_port")
             default_sender = (str(cfg["sender_host"]), sender_port)
         return cls(
             role=str(role),
-            host=resolve_host(cfg.get("host", "127.0.0.1")),
+            host=resolve_host(cfg.get("host")),
             zmq_port=zmq_port,
             backends=_backends(cfg.get("backends", ["UCX"])),
             pool_size=parse_size(cfg.get("memory_pool_size", 1 << 30), "memory_pool_size"),
-            ttl_s=_positive_seconds(cfg, "buffer_ttl_seconds", 300.0),
-            peer_timeout_s=_positive_seconds(cfg, "peer_timeout_seconds", 5.0),
-            quarantine_dead_s=_positive_seconds(cfg, "quarantine_dead_seconds", 60.0),
-            close_timeout_s=_positive_seconds(cfg, "close_timeout_seconds", 30.0),
+            ttl_s=config_seconds(cfg, "buffer_ttl_seconds", 300.0),
+            peer_timeout_s=config_seconds(cfg, "peer_timeout_seconds", 5.0),
+            quarantine_dead_s=config_seconds(cfg, "quarantine_dead_seconds", 60.0),
+            close_timeout_s=config_seconds(cfg, "close_timeout_seconds", 30.0),
+            window_s=config_seconds(cfg, "auth_window_seconds", DEFAULT_WINDOW_S),
+            put_timeout_s=_put_timeout(cfg.get("put_timeout_s", 0.0)),
             secret=_secret(cfg.get("auth_secret")),
             default_sender=default_sender,
         )

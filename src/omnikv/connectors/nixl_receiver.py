@@ -54,6 +54,8 @@ POLL_FIRST_S = 0.00002
 POLL_CAP_S = 0.0005
 _MAX_LATE = 1024
 _MAX_BUDGET_S = 3600.0
+#: The claim's hold while an earlier READ of the same key is parked (it may become a late arrival).
+_PARKED_HOLD_S = 0.25
 #: How long a pong may take to be read once pinged (the socket poll's own granularity is 1 ms).
 _PONG_POLL_S = 0.0001
 
@@ -112,7 +114,10 @@ class NixlReceiverSide:
             if remaining(deadline) <= 0:
                 self._counters.add("misses")
                 return None
-            got = self._attempt(key, endpoint, deadline, hold=True)
+            with self._lock:
+                parked = any(q.key == key for q in self._quarantine.values())
+            # a parked READ of this key may finish any moment: hold the claim briefly only
+            got = self._attempt(key, endpoint, deadline, _PARKED_HOLD_S if parked else math.inf)
             if got is not None:
                 return got
             late = self.take_late(key)
@@ -124,21 +129,22 @@ class NixlReceiverSide:
         late = self.take_late(key)
         if late is not None:
             return late
-        got = self._attempt(key, endpoint, time.monotonic() + self._s.peer_timeout_s, hold=False)
+        got = self._attempt(key, endpoint, time.monotonic() + self._s.peer_timeout_s, 0.0)
         if got is None:
             self._counters.add("misses")
         return got
 
     def _attempt(
-        self, key: str, endpoint: Endpoint, deadline: float, *, hold: bool
+        self, key: str, endpoint: Endpoint, deadline: float, hold_s: float
     ) -> ManagedBuffer | None:
+        """One claim (held at most ``hold_s`` and the long-poll cap) and, if granted, the READ."""
         chan = self._client.channel(endpoint, min(remaining(deadline), self._s.peer_timeout_s))
         if chan is None:  # the sender is not (yet) listening: retry until the deadline
             return None
         remote = self._remote(endpoint, chan, deadline)
         if remote is None:
             return None
-        grant = self._claim(chan, endpoint, key, deadline, hold=hold)
+        grant = self._claim(chan, endpoint, key, deadline, hold_s)
         if grant is None:
             return None
         if grant.agent != remote:  # the sender restarted since we loaded its metadata
@@ -177,10 +183,10 @@ class NixlReceiverSide:
 
     # -- claim -------------------------------------------------------------------------------
     def _claim(
-        self, chan: Channel, endpoint: Endpoint, key: str, deadline: float, *, hold: bool
+        self, chan: Channel, endpoint: Endpoint, key: str, deadline: float, hold_s: float
     ) -> _Grant | None:
         left = remaining(deadline)
-        wait_s = min(max(0.0, left - 0.02), LONG_POLL_CAP_S) if hold else 0.0
+        wait_s = min(max(0.0, left - 0.02), LONG_POLL_CAP_S, hold_s)
         xid = uuid.uuid4().hex
         msg = {
             "op": "claim",
@@ -190,7 +196,8 @@ class NixlReceiverSide:
             "budget_ms": int(min(left, _MAX_BUDGET_S) * 1000),
         }
         reply = self._await(chan, endpoint, chan.send(msg), min(left, wait_s + 0.5), key)
-        if reply is None:
+        if reply is None:  # a grant may still come: end its lease now, nobody will read it
+            chan.send({"op": "abort", "xid": xid})
             return None
         if reply["op"] == "error":
             raise ConnectorUnavailableError(f"sender refused the claim of {key}: {reply['reason']}")
@@ -282,8 +289,10 @@ class NixlReceiverSide:
             if state == "DONE":
                 return state
             if state == "ERR":
-                xfer.release()
-                self._pool.allocator.free(offset)
+                if xfer.release():
+                    self._pool.allocator.free(offset)
+                else:  # NIXL kept the handle: the slot waits for the reaper
+                    self._quarantine_slot(grant.key, xfer, offset)
                 self._check_alive(chan, endpoint, f"reading {grant.key}")
                 raise ConnectorUnavailableError(f"the NIXL READ of {grant.key} failed")
             if silent:
