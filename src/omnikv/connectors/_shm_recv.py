@@ -132,7 +132,6 @@ class RecvSide:
         """The caller's view of an accepted offer; the slot is released with the buffer."""
         release = functools.partial(self._release, offer.link, offer.token)
         with self._lock:
-            self._holding[(offer.link, offer.token)] = (offer, offer.region)
             self.counters["gets"] += 1
             self.counters["bytes_got"] += offer.nbytes
         return ManagedBuffer(offer.view, release)
@@ -156,6 +155,8 @@ class RecvSide:
             want = self._wants.get(wid)
             if want is not None and want.offer is None:
                 want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
+                # held from now on, so an evict that overtakes the waiter's wake-up is served
+                self._holding[(link, token)] = (want.offer, region)
                 want.event.set()
                 accepted = True
         if not accepted:
