@@ -17,7 +17,8 @@ Design (one page; the parts live in ``_shm_*`` modules):
   size) before it is mapped. The ``local`` link makes a ``get`` on the instance that did the
   ``put`` work the same way.
 * **Lifetime.** A reader may keep what it received as long as it likes: when the sender's pool
-  is full, holders migrate their spans to private memory (one copy) and give the slots back. A
+  is full, holders migrate their spans to private memory (one copy) and give the slots back; a
+  receiver that closes migrates what it still holds first (senders reuse those slots). A
   sender that closes or exits normally lingers up to ``linger_s`` for unconsumed payloads, then
   logs a WARNING naming what it dropped; :meth:`flush` waits explicitly. SIGKILL drops at once
   (nothing leaks: memfds and abstract names die with their process).
