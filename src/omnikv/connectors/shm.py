@@ -95,6 +95,11 @@ _KNOWN_CONFIG = {
 }
 
 
+# leading non-negative int arguments of each control message
+_INT_ARGS = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
+_INT_ARGS.update({"want": 1, "pool": 2})
+
+
 def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
     value = cfg.get(key, default)
     if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -249,9 +254,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def on_message(self, link: Link, msg: list[Any]) -> None:
         """Validate and dispatch one control message (``ValueError`` drops the peer)."""
         kind, args = msg[0], msg[1:]
-        want_ints = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
-        want_ints.update({"want": 1, "pool": 2})
-        n = want_ints.get(kind, 0)
+        n = _INT_ARGS.get(kind, 0)
         if len(args) < n or any(
             not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in args[:n]
         ):
