@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +40,13 @@ if mode == "close":
     print("closed", flush=True)
 # mode "return": fall off the end of main, interpreter exit
 """
+
+
+def _mp_sender(conn: Any, namespace: str) -> None:
+    """A multiprocessing child stage: put, say so, return from its target (no close)."""
+    c = SharedMemoryConnector({"namespace": namespace, "linger_s": 30, "pool_size_bytes": 1 << 20})
+    assert c.put("0", "1", "from-child", b"kv" * 100)[0]
+    conn.send("sent")
 
 
 @pytest.fixture
@@ -72,6 +81,8 @@ def test_an_exiting_sender_lingers_until_its_payloads_are_consumed(
 ) -> None:
     proc = _start_sender(namespace, 30.0, mode)
     try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # done with main (or close() called), lingering for its reader
         rx = SharedMemoryConnector({"namespace": namespace})
         try:
             for key in ("first", "second"):
@@ -147,3 +158,26 @@ def test_a_receiver_holding_everything_never_stalls_the_sender(
         for buf in held:
             buf.release()
         rx.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_multiprocessing_child_that_returns_lingers_too(namespace: str) -> None:
+    ctx = mp.get_context("forkserver")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_mp_sender, args=(child, namespace))
+    proc.start()
+    rx = SharedMemoryConnector({"namespace": namespace})
+    try:
+        assert parent.poll(60) and parent.recv() == "sent"
+        proc.join(1.0)
+        assert proc.is_alive()  # returned from its target, lingering for its reader
+        got = rx.wait("0", "1", "from-child", deadline=time.monotonic() + 20)
+        assert got is not None and got.to_bytes() == b"kv" * 100
+        got.release()
+        proc.join(20)
+        assert proc.exitcode == 0
+    finally:
+        rx.close()
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, 9)
+            proc.join(10)

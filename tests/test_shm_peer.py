@@ -181,12 +181,15 @@ def start_peer(started: list[Peer], namespace: str, **config: Any) -> Peer:
 
 
 def shm_listing() -> set[str]:
-    """Names in /dev/shm that a shared-memory transport of ours (or the reference) could leave."""
+    """Names in /dev/shm that a shared-memory transport of ours (or the reference) could leave.
+
+    Not torch's ``psm_*`` segments: other processes on the machine make those at any time, and
+    this transport never uses torch's shared-memory allocator."""
     try:
         names = os.listdir("/dev/shm")
     except FileNotFoundError:
         return set()
-    return {n for n in names if n.startswith(("omnikv", "omni_", "psm_", "shm_"))}
+    return {n for n in names if n.startswith(("omnikv", "omni_", "shm_"))}
 
 
 def abstract_names(namespace: str) -> set[str]:

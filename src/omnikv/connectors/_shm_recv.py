@@ -31,6 +31,7 @@ __all__ = ["KINDS", "Offer", "RecvSide"]
 logger = logging.getLogger(__name__)
 
 KINDS = ("raw", "bytes", "msgpack")
+MAX_EARLY_EVICTS = 4096
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RecvSide:
         self._lock = threading.Lock()
         self._wants: dict[int, _Want] = {}
         self._holding: dict[tuple[Link, int], tuple[Offer, MappedRegion]] = {}
+        self._early_evicts: dict[tuple[Link, int], None] = {}
         self._next_wid = 1
         self.closed = False
         self.counters = dict.fromkeys(("gets", "misses", "bytes_got", "migrated"), 0)
@@ -132,7 +134,6 @@ class RecvSide:
         """The caller's view of an accepted offer; the slot is released with the buffer."""
         release = functools.partial(self._release, offer.link, offer.token)
         with self._lock:
-            self._holding[(offer.link, offer.token)] = (offer, offer.region)
             self.counters["gets"] += 1
             self.counters["bytes_got"] += offer.nbytes
         return ManagedBuffer(offer.view, release)
@@ -153,13 +154,18 @@ class RecvSide:
         view = region.view(offset, nbytes)  # ValueError (the peer is dropped) if out of bounds
         accepted = False
         with self._lock:
+            early = self._early_evicts.pop((link, token), None) is not None
             want = self._wants.get(wid)
             if want is not None and want.offer is None:
                 want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
+                # held from now on, so an evict that overtakes the waiter's wake-up is served
+                self._holding[(link, token)] = (want.offer, region)
                 want.event.set()
                 accepted = True
         if not accepted:
             self._mesh.send(link, [["return", token]])
+        elif early:
+            self.on_evict(link, token)
 
     def on_miss(self, link: Link, wid: int) -> None:
         with self._lock:
@@ -172,8 +178,13 @@ class RecvSide:
         """The sender needs the slot back: move our view to private memory, then release."""
         with self._lock:
             held = self._holding.pop((link, token), None)
-        if held is None:
-            return
+            if held is None:
+                # the sender's evict overtook its own offer (sent from another of its threads):
+                # serve it when the offer arrives; bounded, oldest forgotten first
+                self._early_evicts[(link, token)] = None
+                while len(self._early_evicts) > MAX_EARLY_EVICTS:
+                    del self._early_evicts[next(iter(self._early_evicts))]
+                return
         try:
             held[1].migrate(held[0].offset, held[0].nbytes)
         except (OSError, ValueError) as exc:
@@ -189,6 +200,8 @@ class RecvSide:
         with self._lock:
             for k in [k for k in self._holding if k[0] is link]:
                 del self._holding[k]  # the views stay valid: the mapping pins the memory
+            for k in [k for k in self._early_evicts if k[0] is link]:
+                del self._early_evicts[k]
             for want in self._wants.values():
                 if link in want.pending:
                     want.pending.discard(link)

@@ -46,6 +46,7 @@ MAX_FRAME = 64 * 1024
 MAX_KEY_CHARS = 1024
 _LEN = struct.Struct("<I")
 _SAFE = re.compile(r"[A-Za-z0-9_.:=+-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_.:=+-]*")
 
 
 def escape_key(part: str) -> str:
@@ -57,6 +58,8 @@ def escape_key(part: str) -> str:
     """
     if not isinstance(part, str):
         raise ValueError(f"key components must be str, got {type(part).__name__}")
+    if _ALL_SAFE.fullmatch(part):
+        return part  # the common case, without a per-character loop
     out: list[str] = []
     for ch in part:
         if _SAFE.fullmatch(ch):

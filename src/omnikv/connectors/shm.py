@@ -17,7 +17,8 @@ Design (one page; the parts live in ``_shm_*`` modules):
   size) before it is mapped. The ``local`` link makes a ``get`` on the instance that did the
   ``put`` work the same way.
 * **Lifetime.** A reader may keep what it received as long as it likes: when the sender's pool
-  is full, holders migrate their spans to private memory (one copy) and give the slots back. A
+  is full, holders migrate their spans to private memory (one copy) and give the slots back; a
+  receiver that closes migrates what it still holds first (senders reuse those slots). A
   sender that closes or exits normally lingers up to ``linger_s`` for unconsumed payloads, then
   logs a WARNING naming what it dropped; :meth:`flush` waits explicitly. SIGKILL drops at once
   (nothing leaks: memfds and abstract names die with their process).
@@ -92,6 +93,11 @@ _KNOWN_CONFIG = {
     "shm_threshold_bytes",
     "inline_small_payloads",
 }
+
+
+# leading non-negative int arguments of each control message
+_INT_ARGS = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
+_INT_ARGS.update({"want": 1, "pool": 2})
 
 
 def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -248,9 +254,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def on_message(self, link: Link, msg: list[Any]) -> None:
         """Validate and dispatch one control message (``ValueError`` drops the peer)."""
         kind, args = msg[0], msg[1:]
-        want_ints = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
-        want_ints.update({"want": 1, "pool": 2})
-        n = want_ints.get(kind, 0)
+        n = _INT_ARGS.get(kind, 0)
         if len(args) < n or any(
             not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in args[:n]
         ):
