@@ -129,6 +129,9 @@ class KVPrefetchJob:
         if not isinstance(value, Mapping):
             return None
         rid = value.get("request_id")
+        ids = value.get("request_ids")
+        if (rid is None or rid == "") and isinstance(ids, list | tuple) and ids:
+            rid = ids[0]  # the diffusion request shape
         if rid is None or rid == "":
             return None
         info = value.get("kv_sender_info")
