@@ -371,3 +371,11 @@ def test_int_and_string_stage_ids_name_the_same_stage(namespace: str) -> None:
         {"s": {"block_ids": [0], "seq_len": 2}}, make_paged_caches(), 8, "float32"
     )
     assert receiver.receive_kv_cache_for_request("s")[0] is not None
+
+
+def test_recv_timeout_is_read_at_each_receive(manager_pair: PairFactory) -> None:
+    _, receiver = manager_pair(recv_timeout=5.0)
+    receiver.config.recv_timeout = 0.1  # a runner may shorten it after construction
+    t0 = time.monotonic()
+    assert receiver.receive_kv_cache_for_request("never") == (None, 0)
+    assert time.monotonic() - t0 < 1.0
