@@ -200,13 +200,14 @@ def test_receive_multi_kv_cache_fetches_companions_concurrently(
     assert req.past_key_values.key_cache[0].shape == (3, 4, 16)
 
 
-def test_update_sender_info_nested_and_flat() -> None:
-    conn: dict[str, Any] = {"type": "LocalConnector"}
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=conn, stage_id=2, engine_input_source=[1], need_recv_cache=True
-        )
-    )
+def _from_od(omni_kv: dict[str, Any]) -> OmniKVTransferManager:
+    return OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv))
+
+
+def test_update_sender_info_nested_and_flat(omni_kv: Callable[..., dict]) -> None:
+    kv_config = omni_kv("receiver", stage_id=2, engine_input_source=[1])
+    conn = kv_config["connector_config"]
+    mgr = _from_od(kv_config)
     mgr.update_sender_info(
         {1: {"host": "10.0.0.1", "zmq_port": 5000}, 0: {"host": "x", "zmq_port": 1}}
     )
@@ -218,19 +219,13 @@ def test_update_sender_info_nested_and_flat() -> None:
     assert conn["sender_host"] == "h"
 
 
-def test_update_sender_info_rank_offset(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_update_sender_info_rank_offset(
+    omni_kv: Callable[..., dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
-    conn: dict[str, Any] = {"type": "LocalConnector"}
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=conn,
-            from_stage="0",
-            stage_id="1",
-            need_recv_cache=True,
-            from_tp=2,
-            to_tp=2,
-        )
-    )
+    kv_config = omni_kv("receiver", rank_mapping={"from_tp": 2, "to_tp": 2})
+    conn = kv_config["connector_config"]
+    mgr = _from_od(kv_config)
     mgr.update_sender_info({"host": "h", "zmq_port": 7000})
     assert conn["sender_zmq_port"] == 7016 and mgr.sender_endpoint == ("h", 7000)
 
