@@ -137,6 +137,12 @@ def _batch(
         ({"block_ids": [0, "1"], "seq_len": 10}, "block_ids must be ints"),
         ({"block_ids": [0, torch.tensor(1)], "seq_len": 10}, "Tensor"),
         ({"block_ids": "12", "seq_len": 10}, "list of ints"),
+        ({"block_ids": torch.tensor([0, 1]), "seq_len": 10}, "list of ints"),
+        ({"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"x": object()}}, "JSON"),
+        (
+            {"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"seq_len": torch.ones(2)}},
+            "Tensor",
+        ),
         ({"block_ids": [0, 1], "seq_len": 10.0}, "seq_len"),
         ({"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"seq_len": 99}}, "seq_len"),
         ({"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"block_size": 4}}, "block_size"),

@@ -299,13 +299,20 @@ class KVSender:
             return [self._fail(str(rid), str(exc)) for rid in finished_reqs]
         layers = [_detached(layer) for layer in kv_caches]
         batch = _Batch(layers, int(block_size), cache_dtype, want, request_id_resolver, deadline)
-        return [self.send(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+        return [self._send_one(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+
+    def _send_one(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
+        try:
+            return self.send(request_id, entry, batch)
+        except Exception as exc:  # input nobody foresaw: this request fails, the batch goes on
+            logger.debug("sending %s raised", request_id, exc_info=True)
+            return self._fail(request_id, f"{type(exc).__name__}: {exc}")
 
     def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         """Validate, extract, encode and publish one request."""
         t0 = time.perf_counter()
         block_ids = entry.get("block_ids") if isinstance(entry, Mapping) else None
-        if not block_ids and not isinstance(block_ids, np.ndarray | torch.Tensor):
+        if not isinstance(block_ids, np.ndarray | torch.Tensor) and not block_ids:
             logger.warning("Request %s has no block_ids; nothing sent", request_id)
             return SendResult(request_id, SendStatus.SKIPPED, reason="no block_ids")
         from_stage, to_stage = self.stages
