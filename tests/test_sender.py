@@ -244,3 +244,11 @@ def test_a_layout_error_names_the_shape_and_the_layouts_accepted(
     sender.handle_finished_requests_kv_transfer({"l": dict(GOOD)}, seq_first, 8, "float32")
     reason = sender.get_send_result("l").reason or ""
     assert "(1, 4, 16, 16)" in reason and "kv_first" in reason and "blocks_first" in reason
+
+
+def test_finished_reqs_that_is_not_a_dict_fails_each_id(manager_pair: PairFactory) -> None:
+    sender, _ = manager_pair()
+    not_a_dict: Any = ["a", "b"]
+    ids = sender.handle_finished_requests_kv_transfer(not_a_dict, make_paged_caches(), 8, "f")
+    assert ids == ["a", "b"]
+    assert all("must be a dict" in (r.reason or "") for r in sender.last_send_results)

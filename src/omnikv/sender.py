@@ -289,6 +289,9 @@ class KVSender:
         Not sending at all (``need_send_cache`` false, no connector) is recorded per request:
         ``not_configured`` when the manager neither sends nor receives, else skipped/failed.
         """
+        if not isinstance(finished_reqs, Mapping):
+            why = f"finished_reqs must be a dict of request entries, got {type(finished_reqs)}"
+            return [self._fail(str(rid), why) for rid in finished_reqs]
         if not self.enabled or self.connector.get() is None:
             if self.enabled:
                 logger.warning("No connector available, skipping KV transfer but freeing resources")
