@@ -78,6 +78,13 @@ def test_refused_and_transient_puts_are_retried_with_backoff(namespace: str, err
     assert slept == pytest.approx([0.1, 0.2])
 
 
+def test_a_put_refused_every_time_fails_after_the_policys_attempts(namespace: str) -> None:
+    conn = _Scripted([False, False, False], namespace)
+    (ok, size, reason), slept = _put(conn)
+    assert (ok, size, reason) == (False, 0, "connector refused the put")
+    assert len(conn.deadlines) == 3 and slept == pytest.approx([0.1, 0.2])
+
+
 @pytest.mark.parametrize(
     "error",
     [ConnectorClosedError("closed"), PeerGoneError("gone"), RuntimeError("bug"), ValueError("x")],
