@@ -210,10 +210,10 @@ def _check_kv(
         kb, vb = k.blocks, v.blocks
         if kb.dtype != vb.dtype:
             raise _Refused(f"layer {i}: K dtype {kb.dtype} != V dtype {vb.dtype}")
-        if kb.shape[2:3] != vb.shape[2:3]:
-            raise _Refused(
-                f"layer {i}: K has {tuple(kb.shape[2:3])} heads, V has {tuple(vb.shape[2:3])}"
-            )
+        k_heads = kb.shape[2] if kb.dim() > 2 else 1
+        v_heads = vb.shape[2] if vb.dim() > 2 else 1
+        if k_heads != v_heads:
+            raise _Refused(f"layer {i}: K has {k_heads} heads, V has {v_heads}")
         if want is not None and kb.dtype != want:
             raise _Refused(f"layer {i}: cache dtype {kb.dtype} does not match cache_dtype {want}")
 
