@@ -21,7 +21,9 @@ from omnikv import (
     ReceiveStatus,
     SendStatus,
 )
+from omnikv.config import config_from_dict
 from omnikv.connectors.local import LocalConnector
+from omnikv.parallel import ParallelContext
 
 
 def test_send_receive_round_trip_legacy_key(manager_pair: PairFactory) -> None:
@@ -204,6 +206,10 @@ def _from_od(omni_kv: dict[str, Any]) -> OmniKVTransferManager:
     return OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv))
 
 
+def _config_of(omni_kv: dict[str, Any]) -> OmniKVCacheConfig:
+    return config_from_dict(omni_kv)
+
+
 def test_update_sender_info_nested_and_flat(omni_kv: Callable[..., dict]) -> None:
     kv_config = omni_kv("receiver", stage_id=2, engine_input_source=[1])
     conn = kv_config["connector_config"]
@@ -374,3 +380,32 @@ def test_recv_timeout_is_read_at_each_receive(manager_pair: PairFactory) -> None
     t0 = time.monotonic()
     assert receiver.receive_kv_cache_for_request("never") == (None, 0)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_reference_merger_gets_the_shards_of_every_sender_rank(
+    omni_kv: Callable[..., dict],
+) -> None:
+    """TP 2 -> 1 in one process: the one-argument merger gets both ranks' payload dicts."""
+    tp = {"rank_mapping": {"from_tp": 2, "to_tp": 1}}
+    senders = [
+        OmniKVTransferManager(
+            _config_of(omni_kv("sender", **tp)), parallel_context=ParallelContext(local_rank=r)
+        )
+        for r in (0, 1)
+    ]
+    receiver = _from_od(omni_kv("receiver", **tp))
+    merged: list[list[dict]] = []
+
+    def merger(payloads: list[dict]) -> dict:  # as the reference calls kv_payload_merger
+        merged.append(payloads)
+        return payloads[1]
+
+    receiver.kv_payload_merger = merger
+    caches = make_paged_caches()
+    for rank, sender in enumerate(senders):
+        sender.handle_finished_requests_kv_transfer(
+            {"m": {"block_ids": [rank], "seq_len": 4}}, caches, 8, "float32"
+        )
+    data, _ = receiver.receive_kv_cache_for_request("m")
+    assert data is not None and len(merged) == 1 and len(merged[0]) == 2
+    assert [p["block_ids"] for p in merged[0]] == [[0], [1]] and data["block_ids"] == [1]
