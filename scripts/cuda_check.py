@@ -210,19 +210,21 @@ def check_shm_from_device_caches(device: torch.device) -> str:
 def check_stager_chunks(device: torch.device) -> str:
     _need_cuda(device)
     from omnikv.prefetch import PinnedStager
+    from omnikv.received import ReceivedKV
 
     stager = PinnedStager(chunk_bytes=1 << 20)
     src = torch.randn(5 << 18, dtype=torch.float32)  # 5 MiB: 5 chunks, both reused
     pinned_src = torch.randn(1 << 10).pin_memory()
-    data = {"layer_blocks": {"key_cache": [src, pinned_src], "value_cache": [src]}}
+    data = ReceivedKV("r", [], {}, [src, pinned_src], [src])
     stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         out = stager.to_device(data, device, stream)
-    keys, values = out["layer_blocks"]["key_cache"], out["layer_blocks"]["value_cache"]
+    keys, values = out.key_cache, out.value_cache
+    assert keys[0] is not None and keys[1] is not None
     assert keys[0].device.type == "cuda" and torch.equal(keys[0].cpu(), src)
     assert torch.equal(keys[1].cpu(), pinned_src)
     assert values[0] is keys[0], "one host tensor named twice is copied once"
-    assert len(stager._chunks) == 2 and all(c.is_pinned() for c in stager._chunks)
+    assert stager.pinned_bytes == 2 << 20 and all(c.is_pinned() for c in stager._chunks)
     return "5 chunks through 2 pinned buffers"
 
 
@@ -272,7 +274,7 @@ def check_prefetch_side_stream(device: torch.device) -> str:
             return "host dry run (no stream, no record_stream)"
         res = mgr.get_receive_result("pf-rid")
         assert res is not None and res.ok
-        assert prefetcher._streams, "no side stream was made"
+        assert prefetcher.side_streams, "no side stream was made"
         assert recorded and recorded[-1] == 6, f"record_stream on {recorded} tensors, want 6"
         if seen:
             assert seen["thread"] == "kv-prefetch", seen

@@ -21,7 +21,9 @@ from omnikv import (
     ReceiveStatus,
     SendStatus,
 )
+from omnikv.config import config_from_dict
 from omnikv.connectors.local import LocalConnector
+from omnikv.parallel import ParallelContext
 
 
 def test_send_receive_round_trip_legacy_key(manager_pair: PairFactory) -> None:
@@ -200,13 +202,18 @@ def test_receive_multi_kv_cache_fetches_companions_concurrently(
     assert req.past_key_values.key_cache[0].shape == (3, 4, 16)
 
 
-def test_update_sender_info_nested_and_flat() -> None:
-    conn: dict[str, Any] = {"type": "LocalConnector"}
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=conn, stage_id=2, engine_input_source=[1], need_recv_cache=True
-        )
-    )
+def _from_od(omni_kv: dict[str, Any]) -> OmniKVTransferManager:
+    return OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv))
+
+
+def _config_of(omni_kv: dict[str, Any]) -> OmniKVCacheConfig:
+    return config_from_dict(omni_kv)
+
+
+def test_update_sender_info_nested_and_flat(omni_kv: Callable[..., dict]) -> None:
+    kv_config = omni_kv("receiver", stage_id=2, engine_input_source=[1])
+    conn = kv_config["connector_config"]
+    mgr = _from_od(kv_config)
     mgr.update_sender_info(
         {1: {"host": "10.0.0.1", "zmq_port": 5000}, 0: {"host": "x", "zmq_port": 1}}
     )
@@ -218,19 +225,13 @@ def test_update_sender_info_nested_and_flat() -> None:
     assert conn["sender_host"] == "h"
 
 
-def test_update_sender_info_rank_offset(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_update_sender_info_rank_offset(
+    omni_kv: Callable[..., dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
-    conn: dict[str, Any] = {"type": "LocalConnector"}
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=conn,
-            from_stage="0",
-            stage_id="1",
-            need_recv_cache=True,
-            from_tp=2,
-            to_tp=2,
-        )
-    )
+    kv_config = omni_kv("receiver", rank_mapping={"from_tp": 2, "to_tp": 2})
+    conn = kv_config["connector_config"]
+    mgr = _from_od(kv_config)
     mgr.update_sender_info({"host": "h", "zmq_port": 7000})
     assert conn["sender_zmq_port"] == 7016 and mgr.sender_endpoint == ("h", 7000)
 
@@ -369,3 +370,40 @@ def test_int_and_string_stage_ids_name_the_same_stage(namespace: str) -> None:
         {"s": {"block_ids": [0], "seq_len": 2}}, make_paged_caches(), 8, "float32"
     )
     assert receiver.receive_kv_cache_for_request("s")[0] is not None
+
+
+def test_recv_timeout_is_read_at_each_receive(manager_pair: PairFactory) -> None:
+    _, receiver = manager_pair(recv_timeout=5.0)
+    receiver.config.recv_timeout = 0.1  # a runner may shorten it after construction
+    t0 = time.monotonic()
+    assert receiver.receive_kv_cache_for_request("never") == (None, 0)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_reference_merger_gets_the_shards_of_every_sender_rank(
+    omni_kv: Callable[..., dict],
+) -> None:
+    """TP 2 -> 1 in one process: the one-argument merger gets both ranks' payload dicts."""
+    tp = {"rank_mapping": {"from_tp": 2, "to_tp": 1}}
+    senders = [
+        OmniKVTransferManager(
+            _config_of(omni_kv("sender", **tp)), parallel_context=ParallelContext(local_rank=r)
+        )
+        for r in (0, 1)
+    ]
+    receiver = _from_od(omni_kv("receiver", **tp))
+    merged: list[list[dict]] = []
+
+    def merger(payloads: list[dict]) -> dict:  # as the reference calls kv_payload_merger
+        merged.append(payloads)
+        return payloads[1]
+
+    receiver.kv_payload_merger = merger
+    caches = make_paged_caches()
+    for rank, sender in enumerate(senders):
+        sender.handle_finished_requests_kv_transfer(
+            {"m": {"block_ids": [rank], "seq_len": 4}}, caches, 8, "float32"
+        )
+    data, _ = receiver.receive_kv_cache_for_request("m")
+    assert data is not None and len(merged) == 1 and len(merged[0]) == 2
+    assert [p["block_ids"] for p in merged[0]] == [[0], [1]] and data["block_ids"] == [1]

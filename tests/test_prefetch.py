@@ -526,3 +526,9 @@ def test_follower_skips_receive_and_takes_distributed_payload(
     assert mgr.consume_and_distribute_kv_cache(req)
     assert req.past_key_values is kv and req.kv_metadata == {"seq_len": 3}
     assert mgr.get_receive_result("A") is None  # never touched the connector
+
+
+def test_a_job_with_request_ids_prefetches_its_first_id() -> None:
+    job = KVPrefetchJob.from_value({"request_ids": ["d1", "d2"], "kv_sender_info": SENDER})
+    assert job is not None and job.request_id == "d1"
+    assert KVPrefetchJob.from_value({"request_ids": [], "kv_sender_info": SENDER}) is None

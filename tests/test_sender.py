@@ -78,6 +78,13 @@ def test_refused_and_transient_puts_are_retried_with_backoff(namespace: str, err
     assert slept == pytest.approx([0.1, 0.2])
 
 
+def test_a_put_refused_every_time_fails_after_the_policys_attempts(namespace: str) -> None:
+    conn = _Scripted([False, False, False], namespace)
+    (ok, size, reason), slept = _put(conn)
+    assert (ok, size, reason) == (False, 0, "connector refused the put")
+    assert len(conn.deadlines) == 3 and slept == pytest.approx([0.1, 0.2])
+
+
 @pytest.mark.parametrize(
     "error",
     [ConnectorClosedError("closed"), PeerGoneError("gone"), RuntimeError("bug"), ValueError("x")],
@@ -137,6 +144,12 @@ def _batch(
         ({"block_ids": [0, "1"], "seq_len": 10}, "block_ids must be ints"),
         ({"block_ids": [0, torch.tensor(1)], "seq_len": 10}, "Tensor"),
         ({"block_ids": "12", "seq_len": 10}, "list of ints"),
+        ({"block_ids": torch.tensor([0, 1]), "seq_len": 10}, "list of ints"),
+        ({"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"x": object()}}, "JSON"),
+        (
+            {"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"seq_len": torch.ones(2)}},
+            "Tensor",
+        ),
         ({"block_ids": [0, 1], "seq_len": 10.0}, "seq_len"),
         ({"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"seq_len": 99}}, "seq_len"),
         ({"block_ids": [0, 1], "seq_len": 10, "custom_metadata": {"block_size": 4}}, "block_size"),
@@ -238,3 +251,11 @@ def test_a_layout_error_names_the_shape_and_the_layouts_accepted(
     sender.handle_finished_requests_kv_transfer({"l": dict(GOOD)}, seq_first, 8, "float32")
     reason = sender.get_send_result("l").reason or ""
     assert "(1, 4, 16, 16)" in reason and "kv_first" in reason and "blocks_first" in reason
+
+
+def test_finished_reqs_that_is_not_a_dict_fails_each_id(manager_pair: PairFactory) -> None:
+    sender, _ = manager_pair()
+    not_a_dict: Any = ["a", "b"]
+    ids = sender.handle_finished_requests_kv_transfer(not_a_dict, make_paged_caches(), 8, "f")
+    assert ids == ["a", "b"]
+    assert all("must be a dict" in (r.reason or "") for r in sender.last_send_results)

@@ -450,9 +450,9 @@ def consume_or_receive(
 class StageRanks:
     """A manager's view of its stage's ranks: the role snapshot, built on first use from the
     injected context (a :class:`ParallelContext`) or a default one, and the deadline of a
-    distribution (the receive timeout plus the context's grace)."""
+    distribution (the receive timeout, read when needed, plus the context's grace)."""
 
-    def __init__(self, context: Any, tp: KVTPTopology, recv_timeout: float) -> None:
+    def __init__(self, context: Any, tp: KVTPTopology, recv_timeout: Callable[[], float]) -> None:
         self.context, self.tp, self.recv_timeout = context, tp, recv_timeout
         self._topo: TopoConfig | None = None
 
@@ -472,4 +472,4 @@ class StageRanks:
     def deadline(self) -> float:
         ctx = self.topo.context
         grace = ctx.grace_s if ctx is not None else 2.0
-        return deadline_after(self.recv_timeout + grace, "recv_timeout")
+        return deadline_after(self.recv_timeout() + grace, "recv_timeout")

@@ -76,14 +76,14 @@ class OmniKVTransferManager:
         self._receiver = KVReceiver(
             stages=self.recv_stages, enabled=receives, connector=lazy, **common
         )
-        self._receiver.recv_timeout = config.recv_timeout
         #: Outcome counters and phase histograms (``metrics.prometheus()`` for export).
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
-        self._prefetch = PrefetchSlot.of(config, self.receive_kv_cache_result, async_prefetch)
-        self._ranks = StageRanks(parallel_context, self.tp_topo, config.recv_timeout)
+        prefetch = bool(async_prefetch) and receives
+        self._prefetch = PrefetchSlot(self.receive_kv_cache_result, enabled=prefetch, config=config)
+        self._ranks = StageRanks(parallel_context, self.tp_topo, lambda: config.recv_timeout)
         for name in _HOOKS:
             setattr(self, name, None)
         if not ok:
@@ -204,6 +204,7 @@ class OmniKVTransferManager:
         """:meth:`receive_kv_cache_for_request` as a ReceiveResult; ``abort`` -> ``CANCELLED``."""
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
+        deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
         receive = partial(self._receiver.receive, deadline=deadline, per_call=per_call)
         result = receive(str(request_id), sender=sender, target_device=target_device, abort=abort)
         return self._log.received(result)

@@ -129,6 +129,9 @@ class KVPrefetchJob:
         if not isinstance(value, Mapping):
             return None
         rid = value.get("request_id")
+        ids = value.get("request_ids")
+        if (rid is None or rid == "") and isinstance(ids, list | tuple) and ids:
+            rid = ids[0]  # the diffusion request shape
         if rid is None or rid == "":
             return None
         info = value.get("kv_sender_info")
@@ -667,36 +670,18 @@ class PrefetchSlot:
     :meth:`shutdown` (a later start then makes no new worker). ``enabled`` is the resolved
     prefetch flag and ``need_recv_cache`` together; when false every method is a no-op.
     ``receive(request_id, target_device, *, sender_info, deadline, abort)`` is the manager's
-    typed receive."""
+    typed receive; ``config`` (an ``OmniKVCacheConfig``) gives ``recv_timeout`` and
+    ``kv_prefetch_min_free_mem_ratio`` when the prefetcher is made."""
 
     def __init__(
-        self,
-        receive: Callable[..., ReceiveResult],
-        *,
-        enabled: bool,
-        recv_timeout: float,
-        min_free_mem_ratio: float = 0.0,
+        self, receive: Callable[..., ReceiveResult], *, enabled: bool, config: Any
     ) -> None:
         self.enabled = enabled
         self._receive = receive
-        self._recv_timeout = recv_timeout
-        self._ratio = min_free_mem_ratio
+        self._config = config
         self._lock = threading.Lock()
         #: The prefetcher once made (tests, diagnostics).
         self.prefetcher: KVPrefetcher | None = None
-
-    @classmethod
-    def of(
-        cls, config: Any, receive: Callable[..., ReceiveResult], requested: bool
-    ) -> PrefetchSlot:
-        """For an ``OmniKVCacheConfig`` (``recv_timeout``, ``need_recv_cache``,
-        ``kv_prefetch_min_free_mem_ratio``) and the resolved prefetch flag ``requested``."""
-        return cls(
-            receive,
-            enabled=bool(requested) and bool(config.need_recv_cache),
-            recv_timeout=config.recv_timeout,
-            min_free_mem_ratio=config.kv_prefetch_min_free_mem_ratio,
-        )
 
     def _receive_job(
         self,
@@ -715,8 +700,8 @@ class PrefetchSlot:
             if self.prefetcher is None:
                 self.prefetcher = KVPrefetcher(
                     self._receive_job,
-                    recv_timeout=self._recv_timeout,
-                    min_free_mem_ratio=self._ratio,
+                    recv_timeout=self._config.recv_timeout,
+                    min_free_mem_ratio=self._config.kv_prefetch_min_free_mem_ratio,
                 )
             return self.prefetcher
 

@@ -210,10 +210,10 @@ def _check_kv(
         kb, vb = k.blocks, v.blocks
         if kb.dtype != vb.dtype:
             raise _Refused(f"layer {i}: K dtype {kb.dtype} != V dtype {vb.dtype}")
-        if kb.shape[2:3] != vb.shape[2:3]:
-            raise _Refused(
-                f"layer {i}: K has {tuple(kb.shape[2:3])} heads, V has {tuple(vb.shape[2:3])}"
-            )
+        k_heads = kb.shape[2] if kb.dim() > 2 else 1
+        v_heads = vb.shape[2] if vb.dim() > 2 else 1
+        if k_heads != v_heads:
+            raise _Refused(f"layer {i}: K has {k_heads} heads, V has {v_heads}")
         if want is not None and kb.dtype != want:
             raise _Refused(f"layer {i}: cache dtype {kb.dtype} does not match cache_dtype {want}")
 
@@ -289,6 +289,9 @@ class KVSender:
         Not sending at all (``need_send_cache`` false, no connector) is recorded per request:
         ``not_configured`` when the manager neither sends nor receives, else skipped/failed.
         """
+        if not isinstance(finished_reqs, Mapping):
+            why = f"finished_reqs must be a dict of request entries, got {type(finished_reqs)}"
+            return [self._fail(str(rid), why) for rid in finished_reqs]
         if not self.enabled or self.connector.get() is None:
             if self.enabled:
                 logger.warning("No connector available, skipping KV transfer but freeing resources")
@@ -299,13 +302,20 @@ class KVSender:
             return [self._fail(str(rid), str(exc)) for rid in finished_reqs]
         layers = [_detached(layer) for layer in kv_caches]
         batch = _Batch(layers, int(block_size), cache_dtype, want, request_id_resolver, deadline)
-        return [self.send(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+        return [self._send_one(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+
+    def _send_one(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
+        try:
+            return self.send(request_id, entry, batch)
+        except Exception as exc:  # input nobody foresaw: this request fails, the batch goes on
+            logger.debug("sending %s raised", request_id, exc_info=True)
+            return self._fail(request_id, f"{type(exc).__name__}: {exc}")
 
     def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         """Validate, extract, encode and publish one request."""
         t0 = time.perf_counter()
         block_ids = entry.get("block_ids") if isinstance(entry, Mapping) else None
-        if not block_ids and not isinstance(block_ids, np.ndarray | torch.Tensor):
+        if not isinstance(block_ids, np.ndarray | torch.Tensor) and not block_ids:
             logger.warning("Request %s has no block_ids; nothing sent", request_id)
             return SendResult(request_id, SendStatus.SKIPPED, reason="no block_ids")
         from_stage, to_stage = self.stages
