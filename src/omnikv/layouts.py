@@ -182,6 +182,27 @@ class BlockGather:
         return out
 
 
+def _check_blocks(
+    t: torch.Tensor, needed: Sequence[int], block_size: int, where: str, name: str
+) -> None:
+    """Raise :class:`ExtractionError` unless ``t`` is ``[blocks, block_size, ...]`` holding
+    the ``needed`` block ids."""
+    if t.dim() < 3:
+        raise ExtractionError(
+            f"{where}: {name} blocks need [blocks, block_size, ...], got {tuple(t.shape)}"
+        )
+    if int(t.shape[1]) != block_size:
+        raise ExtractionError(
+            f"{where}: {name} blocks have shape {tuple(t.shape)}, "
+            f"so block size {int(t.shape[1])} != block_size {block_size}; {ACCEPTED}"
+        )
+    bad = [b for b in needed if b < 0 or b >= int(t.shape[0])]
+    if bad:
+        raise ExtractionError(
+            f"{where}: block ids {bad[:8]} outside {name} cache of {int(t.shape[0])} blocks"
+        )
+
+
 def plan_request_kv(
     kv_caches: Sequence[Any],
     block_ids: Sequence[int],
@@ -222,22 +243,7 @@ def plan_request_kv(
             continue
         k, v = split_layer_kv(layer_kv, layout=layout, where=f"request {rid} layer {idx}")
         for name, t in (("K", k), ("V", v)):
-            if t.dim() < 3:
-                raise ExtractionError(
-                    f"request {rid} layer {idx}: {name} blocks need [blocks, block_size, ...], "
-                    f"got {tuple(t.shape)}"
-                )
-            if int(t.shape[1]) != block_size:
-                raise ExtractionError(
-                    f"request {rid} layer {idx}: {name} blocks have shape {tuple(t.shape)}, "
-                    f"so block size {int(t.shape[1])} != block_size {block_size}; {ACCEPTED}"
-                )
-            bad = [b for b in needed if b < 0 or b >= int(t.shape[0])]
-            if bad:
-                raise ExtractionError(
-                    f"request {rid} layer {idx}: block ids {bad[:8]} outside {name} cache of "
-                    f"{int(t.shape[0])} blocks"
-                )
+            _check_blocks(t, needed, block_size, f"request {rid} layer {idx}", name)
         keys.append(BlockGather(k, needed, seq_len))
         values.append(BlockGather(v, needed, seq_len))
     if not any(g is not None for g in keys):

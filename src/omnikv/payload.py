@@ -199,31 +199,7 @@ class PackedPayload:
     ) -> None:
         num_layers = len(key_cache)
         self._checksum = checksum
-        slots: list[_Slot] = []
-        td: list[dict[str, Any]] = []
-        cursor = 0
-        any_large = False
-        for cache, layers in zip(_CACHES, (key_cache, value_cache), strict=True):
-            for idx, src in enumerate(layers):
-                name = f"{cache}_{idx}"
-                if src is None:
-                    slots.append(_Slot(name, idx, None))
-                    td.append({"n": name, "x": True})
-                    continue
-                dtype = src.dtype
-                dname = _DTYPE_TO_NAME.get(dtype)
-                if dname is None:
-                    raise EncodeError(f"unsupported dtype {dtype} in {name}")
-                shape = tuple(int(d) for d in src.shape)
-                nbytes = math.prod(shape) * _ITEMSIZE[dname]
-                align = PAGE if nbytes >= LARGE_TENSOR_BYTES else ALIGN
-                any_large = any_large or align == PAGE
-                cursor = _round_up(cursor, align)
-                slots.append(_Slot(name, idx, src, dname, shape, cursor, nbytes))
-                td.append(
-                    {"n": name, "i": idx, "d": dname, "s": list(shape), "o": cursor, "b": nbytes}
-                )
-                cursor += nbytes
+        slots, td, cursor, any_large = _lay_out(key_cache, value_cache)
         self.data_nbytes = cursor
         self._slots = slots
         header: dict[str, Any] = {
@@ -302,6 +278,36 @@ class PackedPayload:
         result, view = fresh
         self.pack_into(view)
         return result
+
+
+def _lay_out(
+    key_cache: Sequence[TensorLike | None], value_cache: Sequence[TensorLike | None]
+) -> tuple[list[_Slot], list[dict[str, Any]], int, bool]:
+    """Place every tensor of a payload: its slot, its header descriptor, the data length, and
+    whether any tensor is large enough for page alignment. Called by :class:`PackedPayload`."""
+    slots: list[_Slot] = []
+    td: list[dict[str, Any]] = []
+    cursor = 0
+    any_large = False
+    for cache, layers in zip(_CACHES, (key_cache, value_cache), strict=True):
+        for idx, src in enumerate(layers):
+            name = f"{cache}_{idx}"
+            if src is None:
+                slots.append(_Slot(name, idx, None))
+                td.append({"n": name, "x": True})
+                continue
+            dname = _DTYPE_TO_NAME.get(src.dtype)
+            if dname is None:
+                raise EncodeError(f"unsupported dtype {src.dtype} in {name}")
+            shape = tuple(int(d) for d in src.shape)
+            nbytes = math.prod(shape) * _ITEMSIZE[dname]
+            align = PAGE if nbytes >= LARGE_TENSOR_BYTES else ALIGN
+            any_large = any_large or align == PAGE
+            cursor = _round_up(cursor, align)
+            slots.append(_Slot(name, idx, src, dname, shape, cursor, nbytes))
+            td.append({"n": name, "i": idx, "d": dname, "s": list(shape), "o": cursor, "b": nbytes})
+            cursor += nbytes
+    return slots, td, cursor, any_large
 
 
 def _write_tensor(slot: _Slot, dst_bytes: torch.Tensor) -> None:
