@@ -75,6 +75,7 @@ class SendStore:
         self._wanters: dict[str, list[tuple[Link, int]]] = {}
         self._want_count: dict[Link, int] = {}
         self._next_token = 1
+        self._waiting = 0  # puts waiting for space
         self.closed = False
         self.counters = dict.fromkeys(
             ("puts", "put_failures", "bytes_put", "put_waits", "put_timeouts", "releases",
@@ -116,8 +117,18 @@ class SendStore:
                 " raise pool_size_bytes"
             )
         t0 = time.monotonic()
+        waited = False
+
+        def on_wait(size: int) -> None:
+            nonlocal waited
+            waited = True
+            with self._lock:
+                self._waiting += 1
+                self.counters["put_waits"] += 1
+            self._evict(size)
+
         try:
-            offset, _ = alloc.alloc(max(nbytes, 1), deadline=deadline, on_wait=self._evict)
+            offset, _ = alloc.alloc(max(nbytes, 1), deadline=deadline, on_wait=on_wait)
         except PoolExhaustedError as exc:
             with self._lock:
                 self.counters["put_timeouts"] += 1
@@ -128,12 +139,18 @@ class SendStore:
                 f" {alloc.largest_free()}); {held} payload(s) held by readers that did not give"
                 f" them back, {published} published and unconsumed"
             ) from exc
+        finally:
+            if waited:
+                with self._lock:
+                    self._waiting -= 1
         return offset
 
     def _evict(self, size: int) -> None:
-        """The pool is full: ask every reader holding a slot to migrate it and release it."""
+        """The pool is full: ask every reader holding a slot to migrate it and release it.
+
+        Called when a put starts to wait, and after every offer while one waits (a payload
+        published while the pool was full is held only once a reader takes it)."""
         with self._lock:
-            self.counters["put_waits"] += 1
             targets = [e for e in self._held.values() if not e.evicting and e.holder is not None]
             for e in targets:
                 e.evicting = True
@@ -201,6 +218,7 @@ class SendStore:
             if target is None:
                 return
             if self._send(target[0], [target[1]], self.pool_handle()):
+                self._evict_if_waiting()
                 return
             self._take_back(entry)
 
@@ -232,9 +250,18 @@ class SendStore:
         if reply is None:
             return
         pool = self.pool_handle() if entry is not None else None
-        if not self._send(link, [reply], pool) and entry is not None:
+        if self._send(link, [reply], pool):
+            if entry is not None:
+                self._evict_if_waiting()
+        elif entry is not None:
             self._take_back(entry)
             self.deliver(entry)
+
+    def _evict_if_waiting(self) -> None:
+        with self._lock:
+            waiting = self._waiting
+        if waiting:
+            self._evict(0)
 
     def on_cancel(self, link: Link, wid: int) -> None:
         with self._lock:
