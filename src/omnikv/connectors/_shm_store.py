@@ -54,6 +54,7 @@ class Entry:
     token: int = 0
     holder: Link | None = None
     evicting: bool = False
+    sent: bool = False  # the offer to ``holder`` has left (until then it is not consumed)
 
 
 class SendStore:
@@ -184,8 +185,8 @@ class SendStore:
         self._next_token += 1
         entry.holder = link
         entry.evicting = False
+        entry.sent = False
         self._held[entry.token] = entry
-        self._changed.notify_all()
         return ["offer", wid, entry.token, entry.offset, entry.nbytes, entry.kind]
 
     def _next_target(self, entry: Entry) -> tuple[Link, list[Any]] | None:
@@ -218,7 +219,7 @@ class SendStore:
             if target is None:
                 return
             if self._send(target[0], [target[1]], self.pool_handle()):
-                self._evict_if_waiting()
+                self._offer_sent(entry)
                 return
             self._take_back(entry)
 
@@ -252,13 +253,17 @@ class SendStore:
         pool = self.pool_handle() if entry is not None else None
         if self._send(link, [reply], pool):
             if entry is not None:
-                self._evict_if_waiting()
+                self._offer_sent(entry)
         elif entry is not None:
             self._take_back(entry)
             self.deliver(entry)
 
-    def _evict_if_waiting(self) -> None:
+    def _offer_sent(self, entry: Entry) -> None:
+        """The offer of ``entry`` left: it counts as consumed (flush); a put waiting for space
+        asks its new holder to evict at once."""
         with self._lock:
+            entry.sent = True
+            self._changed.notify_all()
             waiting = self._waiting
         if waiting:
             self._evict(0)
@@ -316,12 +321,17 @@ class SendStore:
         """Wait until every published payload was taken by a reader, or ``deadline``; the
         labels still unconsumed."""
         with self._changed:
-            while self._published and not self.closed:
+            while self._unconsumed() and not self.closed:
                 left = remaining(deadline)
                 if left <= 0:
                     break
                 self._changed.wait(min(left, 3600.0))
-            return sorted(e.label for e in self._published.values())
+            return sorted(e.label for e in self._unconsumed())
+
+    def _unconsumed(self) -> list[Entry]:
+        """(lock held) Published entries and those whose offer has not left yet."""
+        in_flight = [e for e in self._held.values() if not e.sent]
+        return [*self._published.values(), *in_flight]
 
     def snapshot(self) -> dict[str, Any]:
         alloc = self.alloc
