@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
@@ -519,3 +520,37 @@ def test_views_held_after_the_receiver_closes_keep_their_bytes(
         time.sleep(0.01)  # bounded poll of a public view: the sender's I/O thread reclaims
     a.put_packed("0", "1", "k2", 40 * KIB, lambda t: t.fill_(2))  # ... and reuses it
     assert bool((view == 1).all())  # the held tensor was moved to private memory at close
+
+
+@pytest.mark.timeout(20)
+def test_wait_hands_back_every_kind_as_a_managed_buffer(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
+) -> None:
+    """Contract 1: ``wait`` -> ``ManagedBuffer | None``; objects come back as their encoding."""
+    a, b = pair
+    assert a.put("0", "1", "obj", {"x": 1})[0]
+    got = b.wait("0", "1", "obj", deadline=time.monotonic() + 5)
+    assert isinstance(got, ManagedBuffer)
+
+    assert msgpack.unpackb(got.to_bytes()) == {"x": 1}
+    got.release()
+
+
+@pytest.mark.timeout(20)
+def test_a_put_without_a_deadline_waits_put_timeout_s(namespace: str) -> None:
+    """Contract 2: the caller's deadline rules; ``math.inf`` (none given): ``put_timeout_s``."""
+    c = SharedMemoryConnector(
+        {"namespace": namespace, "pool_size_bytes": 8 * KIB, "put_timeout_s": 0.3, "linger_s": 0}
+    )
+    try:
+        c.put_packed("0", "1", "fill", 8 * KIB, lambda t: t.fill_(1))
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhaustedError):
+            c.put_packed("0", "1", "more", KIB, lambda t: t.fill_(2))
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhaustedError):  # a caller's deadline beyond put_timeout_s wins
+            c.put_packed("0", "1", "more", KIB, lambda t: t.fill_(2), deadline=t0 + 0.6)
+        assert 0.6 <= time.monotonic() - t0 < 1.3
+    finally:
+        c.close()

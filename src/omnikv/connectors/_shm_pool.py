@@ -80,6 +80,7 @@ class MappedRegion:
         self.address = int(arr.ctypes.data)
         self._tensor: torch.Tensor | None = torch.from_numpy(arr)
         self.tainted = False  # a span was migrated: new views must come from a fresh mapping
+        self._unmapped = False
 
     def view(self, offset: int, n: int) -> torch.Tensor:
         """A 1-D ``uint8`` view of ``[offset, offset + n)``; pins the mapping while alive."""
@@ -98,7 +99,8 @@ class MappedRegion:
         ``OSError`` if the kernel refuses (the span is then unchanged). Afterwards the mapping is
         ``tainted``: it no longer shows the pool everywhere, so new views use a fresh mapping.
         """
-        if self._tensor is None or offset % PAGE or offset < 0 or offset + n > self.size:
+        # a closed region is still mapped while views pin it (a holder's view does)
+        if self._unmapped or offset % PAGE or offset < 0 or offset + n > self.size:
             raise ValueError(f"cannot migrate [{offset}, {offset + n}) of this pool")
         span = min(_round_up(max(n, 1), PAGE), self.size - offset)
         addr = self.address + offset
@@ -120,8 +122,9 @@ class MappedRegion:
         self._tensor = None
         mm, self._mm = self._mm, None
         if mm is not None:
-            with contextlib.suppress(BufferError):
+            with contextlib.suppress(BufferError):  # views pin it: unmapped when they die
                 mm.close()
+                self._unmapped = True
 
 
 class SenderPool(MappedRegion):

@@ -54,6 +54,7 @@ class Entry:
     token: int = 0
     holder: Link | None = None
     evicting: bool = False
+    sent: bool = False  # the offer to ``holder`` has left (until then it is not consumed)
 
 
 class SendStore:
@@ -75,6 +76,7 @@ class SendStore:
         self._wanters: dict[str, list[tuple[Link, int]]] = {}
         self._want_count: dict[Link, int] = {}
         self._next_token = 1
+        self._waiting = 0  # puts waiting for space
         self.closed = False
         self.counters = dict.fromkeys(
             ("puts", "put_failures", "bytes_put", "put_waits", "put_timeouts", "releases",
@@ -116,8 +118,18 @@ class SendStore:
                 " raise pool_size_bytes"
             )
         t0 = time.monotonic()
+        waited = False
+
+        def on_wait(size: int) -> None:
+            nonlocal waited
+            waited = True
+            with self._lock:
+                self._waiting += 1
+                self.counters["put_waits"] += 1
+            self._evict(size)
+
         try:
-            offset, _ = alloc.alloc(max(nbytes, 1), deadline=deadline, on_wait=self._evict)
+            offset, _ = alloc.alloc(max(nbytes, 1), deadline=deadline, on_wait=on_wait)
         except PoolExhaustedError as exc:
             with self._lock:
                 self.counters["put_timeouts"] += 1
@@ -128,12 +140,18 @@ class SendStore:
                 f" {alloc.largest_free()}); {held} payload(s) held by readers that did not give"
                 f" them back, {published} published and unconsumed"
             ) from exc
+        finally:
+            if waited:
+                with self._lock:
+                    self._waiting -= 1
         return offset
 
     def _evict(self, size: int) -> None:
-        """The pool is full: ask every reader holding a slot to migrate it and release it."""
+        """The pool is full: ask every reader holding a slot to migrate it and release it.
+
+        Called when a put starts to wait, and after every offer while one waits (a payload
+        published while the pool was full is held only once a reader takes it)."""
         with self._lock:
-            self.counters["put_waits"] += 1
             targets = [e for e in self._held.values() if not e.evicting and e.holder is not None]
             for e in targets:
                 e.evicting = True
@@ -167,8 +185,8 @@ class SendStore:
         self._next_token += 1
         entry.holder = link
         entry.evicting = False
+        entry.sent = False
         self._held[entry.token] = entry
-        self._changed.notify_all()
         return ["offer", wid, entry.token, entry.offset, entry.nbytes, entry.kind]
 
     def _next_target(self, entry: Entry) -> tuple[Link, list[Any]] | None:
@@ -201,6 +219,7 @@ class SendStore:
             if target is None:
                 return
             if self._send(target[0], [target[1]], self.pool_handle()):
+                self._offer_sent(entry)
                 return
             self._take_back(entry)
 
@@ -232,9 +251,22 @@ class SendStore:
         if reply is None:
             return
         pool = self.pool_handle() if entry is not None else None
-        if not self._send(link, [reply], pool) and entry is not None:
+        if self._send(link, [reply], pool):
+            if entry is not None:
+                self._offer_sent(entry)
+        elif entry is not None:
             self._take_back(entry)
             self.deliver(entry)
+
+    def _offer_sent(self, entry: Entry) -> None:
+        """The offer of ``entry`` left: it counts as consumed (flush); a put waiting for space
+        asks its new holder to evict at once."""
+        with self._lock:
+            entry.sent = True
+            self._changed.notify_all()
+            waiting = self._waiting
+        if waiting:
+            self._evict(0)
 
     def on_cancel(self, link: Link, wid: int) -> None:
         with self._lock:
@@ -289,12 +321,17 @@ class SendStore:
         """Wait until every published payload was taken by a reader, or ``deadline``; the
         labels still unconsumed."""
         with self._changed:
-            while self._published and not self.closed:
+            while self._unconsumed() and not self.closed:
                 left = remaining(deadline)
                 if left <= 0:
                     break
                 self._changed.wait(min(left, 3600.0))
-            return sorted(e.label for e in self._published.values())
+            return sorted(e.label for e in self._unconsumed())
+
+    def _unconsumed(self) -> list[Entry]:
+        """(lock held) Published entries and those whose offer has not left yet."""
+        in_flight = [e for e in self._held.values() if not e.sent]
+        return [*self._published.values(), *in_flight]
 
     def snapshot(self) -> dict[str, Any]:
         alloc = self.alloc

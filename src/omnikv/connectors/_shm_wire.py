@@ -1,10 +1,12 @@
 """Control plane of :mod:`omnikv.connectors.shm`: names, keys, framing, discovery.
 
-Everything here lives in the Linux *abstract* Unix-socket namespace, which has no files: a name
-disappears with the last socket bound to it, so a SIGKILLed process leaves nothing behind and
-there is no runtime folder to sweep. Names are ``omnikv-shm/<uid>/<namespace hash>/<instance>``;
-peers find each other by listing ``/proc/net/unix`` and accept only peers of their own uid
-(``SO_PEERCRED``), since abstract sockets carry no file permissions.
+Listeners live in the Linux *abstract* Unix-socket namespace, which has no files: a name
+disappears with the last socket bound to it, so a SIGKILLed process leaves nothing behind. Names
+are ``omnikv-shm/<uid>/<namespace hash>/<instance>`` (a random instance, so nobody can take ours
+in advance); peers find each other by listing ``/proc/net/unix`` and accept only peers of their
+own uid (``SO_PEERCRED``), since abstract sockets carry no file permissions and any user can bind
+any name. The join lock is therefore an ``flock`` on a file in a directory only our uid can write
+(:func:`private_dir`), removed by its holder after use.
 
 Frames are ``<u32 little-endian length><msgpack array>``; the first element is the message type.
 Never pickled. Frames are bounded (:data:`MAX_FRAME`) and validated by the reader.
