@@ -20,17 +20,17 @@ from typing import Any
 
 import torch
 
+from omnikv.connectors._shm_codec import KINDS
 from omnikv.connectors._shm_mesh import Link, Mesh
 from omnikv.connectors._shm_pool import MappedRegion
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.deadline import remaining
 from omnikv.errors import PeerGoneError
 
-__all__ = ["KINDS", "Offer", "RecvSide"]
+__all__ = ["Offer", "RecvSide"]
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("raw", "bytes", "msgpack")
 MAX_EARLY_EVICTS = 4096
 
 

@@ -65,7 +65,14 @@ from omnikv.connectors._shm_pool import PeerPool, SenderPool
 from omnikv.connectors._shm_recv import Offer, RecvSide
 from omnikv.connectors._shm_store import Entry, SendStore
 from omnikv.connectors._shm_wire import escape_key, namespace_prefix, transport_key
-from omnikv.connectors.base import GetResult, ManagedBuffer, OmniConnectorBase, PutResult, Writer
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    Writer,
+    matches_request,
+)
 from omnikv.errors import (
     ConfigError,
     ConnectorClosedError,
@@ -207,8 +214,6 @@ class SharedMemoryConnector(OmniConnectorBase):
     """
 
     supports_raw_data = True
-    supports_notify = True
-    supports_zero_copy_put = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -216,6 +221,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self.config = ShmConfig.parse(config)
         self.namespace = self.config.namespace
         self.threshold = self.config.threshold
+        self.put_timeout_s = self.config.put_timeout_s
         self.instance = random_instance()
         self._mesh = Mesh(namespace_prefix(self.namespace), self.instance, self)
         self._store = SendStore(
@@ -334,13 +340,16 @@ class SharedMemoryConnector(OmniConnectorBase):
         failure (the reason is logged). Waits for space at most ``put_timeout_s``.
 
         Bytes-like data comes back from ``get`` as ``bytes``; a 1-D ``uint8`` tensor / array as
-        a :class:`ManagedBuffer`; anything msgpack can encode (tensors too) decoded. The
+        a :class:`ManagedBuffer`; anything else is framed by the one object encoder
+        (:func:`omnikv.serialization.encode_object`: tensors, arrays, dataclasses too) and comes
+        back decoded (from ``wait``: as that encoding, like every connector's). The
         metadata returned (``{"key", "size", "shm": {"name", "size"}}``) is accepted by ``get``.
         """
         try:
             key = transport_key(put_key, from_stage, to_stage)
             kind, nbytes, write = codec.prepare(data)
-            return self._put(key, put_key, nbytes, write, kind, math.inf)
+            deadline = time.monotonic() + self.put_timeout_s
+            return self._put(key, put_key, nbytes, write, kind, deadline)
         except (OmniKVError, ValueError, TypeError, OverflowError) as exc:
             logger.warning("SharedMemoryConnector put of %r failed: %s", put_key, exc)
             return False, 0, None
@@ -396,15 +405,14 @@ class SharedMemoryConnector(OmniConnectorBase):
                 return buf, offer.nbytes
             with buf:
                 raw = buf.to_bytes()
-            obj = raw if offer.kind == codec.KIND_BYTES else codec.decode_object(raw)
-            return obj, offer.nbytes
+            return codec.decode(offer.kind, raw), offer.nbytes
         except ConnectorClosedError:
             raise
-        except (ConnectorError, ValueError) as exc:
+        except (OmniKVError, ValueError) as exc:
             logger.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
             return None
 
-    def wait(  # type: ignore[override]  # merge: base.wait returns ManagedBuffer | None
+    def wait(
         self,
         from_stage: str,
         to_stage: str,
@@ -427,8 +435,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     def cleanup(self, request_id: str) -> None:
         """Drop unconsumed payloads of ``request_id`` here and at every peer of the namespace.
 
-        Matches transport keys whose key part equals the id, starts with ``id_`` or ends with
-        ``_id`` (like the reference). Payloads already held by readers are theirs to release.
+        Matches keys by :func:`~omnikv.connectors.base.matches_request` (the reference's rule:
+        the key equals the id, starts with ``id_`` or ends with ``_id``). Payloads already held
+        by readers are theirs to release.
         """
         self._cleanup_local(request_id)
         for link in self._mesh.links(local=False):
@@ -436,12 +445,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _cleanup_local(self, request_id: str) -> None:
         rid = escape_key(request_id)
-
-        def match(key: str) -> bool:
-            base = key.rsplit("@", 1)[0]
-            return base == rid or base.startswith(f"{rid}_") or base.endswith(f"_{rid}")
-
-        for label in self._store.drop_matching(match):
+        for label in self._store.drop_matching(lambda key: matches_request(key, rid)):
             logger.debug("cleanup dropped %s", label)
 
     # -- lifetime -----------------------------------------------------------------------------
