@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from omnikv.connectors._shm_config import ShmConfig
 from omnikv.connectors._shm_wire import namespace_prefix
 from omnikv.connectors.base import ManagedBuffer, get_result
 from omnikv.connectors.factory import ConnectorSpec, OmniConnectorFactory
@@ -503,6 +504,66 @@ def test_reference_config_keys_are_accepted(namespace: str) -> None:
     for bad in ({"prefault": "yes"}, {"linger_s": -1}, {"pool_size_bytes": "big"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SharedMemoryConnector({"namespace": namespace, **bad})
+
+
+_BAD_CONFIG_VALUES = [
+    ("prefault", "yes"),
+    ("prefault", -1),
+    ("prefault", 1.5),
+    ("prefault", [1]),
+    ("pool_size_bytes", "big"),
+    ("pool_size_bytes", 0),
+    ("pool_size_bytes", -4096),
+    ("pool_size_bytes", 1024),  # below the 4096-byte minimum
+    ("pool_size_bytes", True),
+    ("put_timeout_s", -1),
+    ("put_timeout_s", "soon"),
+    ("put_timeout_s", float("nan")),
+    ("get_timeout_s", 0),
+    ("get_timeout_s", -0.5),
+    ("join_timeout_s", 0),
+    ("join_timeout_s", float("inf")),
+    ("linger_s", -1),
+    ("linger_s", "forever"),
+    ("linger_s", False),
+    ("shm_threshold_bytes", -1),
+    ("shm_threshold_bytes", "64k?"),
+    ("shm_threshold_bytes", 1.5),
+    ("inline_small_payloads", "no"),
+    ("inline_small_payloads", 1),
+    ("namespace", ""),
+    ("namespace", "   "),
+    ("namespace", 7),
+    ("namespace", "a\x00b"),
+    ("namespace", "x" * 256),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), _BAD_CONFIG_VALUES)
+def test_a_bad_config_value_is_a_config_error_naming_its_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=rf"^{key} "):
+        ShmConfig.parse({key: value})
+
+
+def test_config_values_are_parsed_strictly_not_coerced() -> None:
+    assert ShmConfig.parse(None) == ShmConfig()
+    cfg = ShmConfig.parse(
+        {
+            "prefault": "64KiB",
+            "pool_size_bytes": "1MiB",
+            "put_timeout_s": 0,  # try once
+            "linger_s": "0",
+            "inline_small_payloads": "TRUE",
+            "shm_threshold_bytes": "0",
+            "namespace": "stage pipeline:1",
+        }
+    )
+    assert (cfg.prefault, cfg.prefault_bytes, cfg.pool_size) == (True, 64 * KIB, 1 << 20)
+    assert (cfg.put_timeout_s, cfg.linger_s, cfg.threshold) == (0.0, 0.0, 0)
+    assert cfg.inline_small_payloads and cfg.namespace == "stage pipeline:1"
+    assert ShmConfig.parse({}).prefault
+    for off in (False, "false", 0):
+        assert not ShmConfig.parse({"prefault": off}).prefault
 
 
 @pytest.mark.timeout(20)

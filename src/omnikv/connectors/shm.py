@@ -25,21 +25,26 @@ Design (one page; the parts live in ``_shm_*`` modules):
 
 Keys are ``"<key>@<from>_<to>"`` with every part escaped; at most 1024 characters.
 
-Config keys (``connector_config = {"type": "SharedMemoryConnector", ...}``; all optional):
+Config keys (``connector_config = {"type": "SharedMemoryConnector", ...}``; all optional; parsed
+strictly by :mod:`omnikv.connectors._shm_config`: a bad value is a ``ConfigError`` naming the key;
+booleans are ``True``/``False`` or ``"true"``/``"false"``):
 
 ========================  ===========  =====================================================
 key                       default      meaning
 ========================  ===========  =====================================================
-``namespace``             ``default``  connectors meet only within one namespace (per uid)
-``pool_size_bytes``       1 GiB        this connector's send pool (>= 4096); the most it keeps
-                                       unconsumed at once; a larger payload is refused
+``namespace``             ``default``  connectors meet only within one namespace (per uid);
+                                       1-255 printable characters
+``pool_size_bytes``       1 GiB        this connector's send pool (>= 4096; an int or ``"1GiB"``);
+                                       the most it keeps unconsumed; a larger payload is refused
 ``prefault``              ``True``     populate the pool ahead of use in the background; a
-                                       number of bytes: also populate that much at start-up
+                                       byte count: also populate that much at start-up
 ``put_timeout_s``         30           a put's wait for space when the caller gives no deadline
+                                       (>= 0; 0: try once)
 ``get_timeout_s``         0.1          how long a non-blocking ``get`` waits for peers' answers
 ``join_timeout_s``        10           longest the constructor waits for the namespace lock
 ``linger_s``              30           on close / exit, wait this long for unconsumed payloads
-``shm_threshold_bytes``   65536        accepted (reference); attribute ``threshold``; every
+                                       (>= 0; 0: drop at once)
+``shm_threshold_bytes``   65536        accepted (reference; >= 0); attribute ``threshold``; every
                                        payload goes through the pool (as the newest reference)
 ``inline_small_payloads`` ``False``    accepted (reference); equivalent: payloads are pooled
 ``type``, ``name``        (ignored)    accepted for the factory; unknown keys are logged
@@ -56,10 +61,10 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors import _shm_codec as codec
+from omnikv.connectors._shm_config import DEFAULT_POOL_SIZE, ShmConfig
 from omnikv.connectors._shm_mesh import Link, Mesh, random_instance
 from omnikv.connectors._shm_pool import PeerPool, SenderPool
 from omnikv.connectors._shm_recv import Offer, RecvSide
@@ -74,7 +79,6 @@ from omnikv.connectors.base import (
     matches_request,
 )
 from omnikv.errors import (
-    ConfigError,
     ConnectorClosedError,
     ConnectorError,
     ConnectorUnavailableError,
@@ -85,91 +89,9 @@ __all__ = ["DEFAULT_POOL_SIZE", "SharedMemoryConnector"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POOL_SIZE = 1 << 30
-DEFAULT_THRESHOLD = 65536
-_KNOWN_CONFIG = {
-    "type",
-    "name",
-    "namespace",
-    "pool_size_bytes",
-    "prefault",
-    "put_timeout_s",
-    "get_timeout_s",
-    "join_timeout_s",
-    "linger_s",
-    "shm_threshold_bytes",
-    "inline_small_payloads",
-}
-
-
 # leading non-negative int arguments of each control message
 _INT_ARGS = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
 _INT_ARGS.update({"want": 1, "pool": 2})
-
-
-def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = cfg.get(key, default)
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be a boolean, got {value!r}")
-    return value
-
-
-def _prefault(cfg: Mapping[str, Any]) -> int:
-    """``prefault``: a boolean (-1: grow with use, 0: off) or a byte count to populate at once."""
-    value = cfg.get("prefault", True)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return int(_number(cfg, "prefault", 0))
-    return -1 if _bool(cfg, "prefault", True) else 0
-
-
-def _number(cfg: Mapping[str, Any], key: str, default: float, low: float = 0.0) -> float:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    try:
-        out = float(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key} must be a number, got {value!r}") from exc
-    if math.isnan(out) or out < low:
-        raise ConfigError(f"{key} must be >= {low:g}, got {value!r}")
-    return out
-
-
-@dataclass(frozen=True)
-class ShmConfig:
-    """Parsed, validated ``SharedMemoryConnector`` config (see the module docstring)."""
-
-    namespace: str = "default"
-    pool_size: int = DEFAULT_POOL_SIZE
-    prefault: bool = True
-    prefault_bytes: int = 0
-    put_timeout_s: float = 30.0
-    get_timeout_s: float = 0.1
-    join_timeout_s: float = 10.0
-    linger_s: float = 30.0
-    threshold: int = DEFAULT_THRESHOLD
-    inline_small_payloads: bool = False
-
-    @classmethod
-    def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
-        cfg = dict(config or {})
-        unknown = sorted(set(cfg) - _KNOWN_CONFIG)
-        if unknown:
-            logger.info("SharedMemoryConnector ignores config keys %s", unknown)
-        return cls(
-            namespace=str(cfg.get("namespace", "default")),
-            pool_size=int(_number(cfg, "pool_size_bytes", DEFAULT_POOL_SIZE, 4096)),
-            prefault=_prefault(cfg) != 0,
-            prefault_bytes=max(0, _prefault(cfg)),
-            put_timeout_s=_number(cfg, "put_timeout_s", 30.0),
-            get_timeout_s=_number(cfg, "get_timeout_s", 0.1),
-            join_timeout_s=_number(cfg, "join_timeout_s", 10.0),
-            linger_s=_number(cfg, "linger_s", 30.0),
-            threshold=int(_number(cfg, "shm_threshold_bytes", DEFAULT_THRESHOLD)),
-            inline_small_payloads=_bool(cfg, "inline_small_payloads", False),
-        )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,111 @@
+"""The ``SharedMemoryConnector`` config (keys and meanings: :mod:`omnikv.connectors.shm`).
+
+Every key goes through the strict helpers of :mod:`omnikv.config`: a wrong value is a
+:class:`~omnikv.errors.ConfigError` naming the key, never coerced (``"no"`` is not ``False``,
+``-1`` is not a size).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omnikv.config import parse_bool, parse_int, parse_number, parse_positive, parse_size
+from omnikv.errors import ConfigError
+
+__all__ = ["DEFAULT_POOL_SIZE", "DEFAULT_THRESHOLD", "MIN_POOL_SIZE", "ShmConfig"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POOL_SIZE = 1 << 30
+DEFAULT_THRESHOLD = 65536
+MIN_POOL_SIZE = 4096
+MAX_NAMESPACE_CHARS = 255
+_KNOWN_CONFIG = frozenset(
+    {
+        "type",
+        "name",
+        "namespace",
+        "pool_size_bytes",
+        "prefault",
+        "put_timeout_s",
+        "get_timeout_s",
+        "join_timeout_s",
+        "linger_s",
+        "shm_threshold_bytes",
+        "inline_small_payloads",
+    }
+)
+
+
+def parse_namespace(value: Any) -> str:
+    """A non-empty printable string of at most 255 characters (``None``: ``"default"``)."""
+    if value is None:
+        return "default"
+    if not isinstance(value, str):
+        raise ConfigError(f"namespace must be a string, got {type(value).__name__}")
+    if not value.strip() or len(value) > MAX_NAMESPACE_CHARS or not value.isprintable():
+        raise ConfigError(
+            f"namespace must be 1-{MAX_NAMESPACE_CHARS} printable characters, got {value!r:.60}"
+        )
+    return value
+
+
+def parse_prefault(value: Any) -> tuple[bool, int]:
+    """``prefault``: a boolean, or a byte count (``int`` or ``"64MiB"``) also populated at start.
+
+    Returns (populate ahead of use, bytes to populate at start); ``0`` is the same as ``False``.
+    """
+    if value is None or isinstance(value, bool):
+        return parse_bool("prefault", value, True), 0
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return parse_bool("prefault", value, True), 0
+    if value == 0 and isinstance(value, int):
+        return False, 0
+    return True, parse_size("prefault", value, 0)
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    """Parsed, validated ``SharedMemoryConnector`` config (see :mod:`omnikv.connectors.shm`)."""
+
+    namespace: str = "default"
+    pool_size: int = DEFAULT_POOL_SIZE
+    prefault: bool = True
+    prefault_bytes: int = 0
+    put_timeout_s: float = 30.0
+    get_timeout_s: float = 0.1
+    join_timeout_s: float = 10.0
+    linger_s: float = 30.0
+    threshold: int = DEFAULT_THRESHOLD
+    inline_small_payloads: bool = False
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
+        """Validate ``config``; :class:`ConfigError` names the first bad key."""
+        cfg = dict(config or {})
+        unknown = sorted(set(cfg) - _KNOWN_CONFIG)
+        if unknown:
+            logger.info("SharedMemoryConnector ignores config keys %s", unknown)
+        pool_size = parse_size("pool_size_bytes", cfg.get("pool_size_bytes"), DEFAULT_POOL_SIZE)
+        if pool_size < MIN_POOL_SIZE:
+            raise ConfigError(f"pool_size_bytes must be >= {MIN_POOL_SIZE}, got {pool_size}")
+        prefault, prefault_bytes = parse_prefault(cfg.get("prefault"))
+        return cls(
+            namespace=parse_namespace(cfg.get("namespace")),
+            pool_size=pool_size,
+            prefault=prefault,
+            prefault_bytes=prefault_bytes,
+            put_timeout_s=parse_number("put_timeout_s", cfg.get("put_timeout_s"), 30.0),
+            get_timeout_s=parse_positive("get_timeout_s", cfg.get("get_timeout_s"), 0.1),
+            join_timeout_s=parse_positive("join_timeout_s", cfg.get("join_timeout_s"), 10.0),
+            linger_s=parse_number("linger_s", cfg.get("linger_s"), 30.0),
+            threshold=parse_int(
+                "shm_threshold_bytes", cfg.get("shm_threshold_bytes"), DEFAULT_THRESHOLD, minimum=0
+            ),
+            inline_small_payloads=parse_bool(
+                "inline_small_payloads", cfg.get("inline_small_payloads"), False
+            ),
+        )
