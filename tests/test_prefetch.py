@@ -23,7 +23,7 @@ from omnikv import (
     OmniKVTransferManager,
     ReceiveStatus,
 )
-from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
+from omnikv.connectors.base import GetResult, ManagedBuffer, OmniConnectorBase, PutResult
 from omnikv.connectors.local import LocalConnector
 from omnikv.prefetch import KVPrefetcher, PrefetchStart
 
@@ -391,7 +391,7 @@ class StuckConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
+    ) -> ManagedBuffer | None:
         self._log("wait")
         self.entered.set()
         self.unblock.wait(20)

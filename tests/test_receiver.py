@@ -138,8 +138,8 @@ def test_pool_buffer_release_never_corrupts_what_was_received(namespace: str, mo
         released.append(True)
 
     class _Pool(LocalConnector):
-        def wait(self, *a: Any, **kw: Any) -> Any:
-            return ManagedBuffer(raw, release=release), raw.numel()
+        def wait(self, *a: Any, **kw: Any) -> ManagedBuffer:
+            return ManagedBuffer(raw, release=release)
 
     rx = _receiver(_Pool({"namespace": namespace}), options=TransferOptions(receive_copy=mode))
     kv = rx.fetch("p1", deadline=deadline_after(1.0))

@@ -144,8 +144,8 @@ class OmniKVTransferManager:
 
     def flush(self, timeout: float | None = None) -> list[str]:
         """Wait up to ``timeout`` s for receivers to take what was sent; the keys left over."""
-        flush = getattr(self._lazy.current, "flush", None)  # merge: base flush (engines)
-        return list(flush(timeout)) if callable(flush) else []
+        connector = self._lazy.current
+        return [] if connector is None else list(connector.flush(timeout))
 
     def handle_finished_requests_kv_transfer(
         self,
@@ -158,8 +158,7 @@ class OmniKVTransferManager:
         """Send finished requests' KV, all puts under one ``send_timeout``; return every id."""
         if not finished_reqs:
             return []
-        timeout = getattr(self.options, "send_timeout", DEFAULT_SEND_TIMEOUT)  # merge: codec
-        deadline = deadline_after(timeout, "send_timeout")
+        deadline = deadline_after(self.options.send_timeout, "send_timeout")
         args = (finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver)
         self.last_send_results = self._log.sent(self._sender.send_batch(*args, deadline=deadline))
         return list(finished_reqs)
