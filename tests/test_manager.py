@@ -112,6 +112,47 @@ def test_request_id_resolver_changes_transfer_key(manager_pair: PairFactory) -> 
     assert data is not None and data["request_id"] == "global-7"
 
 
+def test_a_header_over_max_header_bytes_is_corrupt(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair(max_header_bytes=4096)
+    sender.handle_finished_requests_kv_transfer(
+        {
+            "small": {"block_ids": [0], "seq_len": 2},
+            "big": {"block_ids": [0], "seq_len": 2, "custom_metadata": {"note": "x" * 8192}},
+        },
+        make_paged_caches(),
+        8,
+        "f",
+    )
+    assert receiver.receive_kv_cache_for_request("small")[0] is not None
+    assert receiver.receive_kv_cache_for_request("big") == (None, 0)
+    res = receiver.get_receive_result("big")
+    assert res is not None and res.status is ReceiveStatus.CORRUPT
+    assert "exceeds the limit of 4096" in (res.reason or "")
+
+
+@pytest.mark.parametrize("mode", ["copy", "auto"])
+def test_receive_copy_copies_into_one_buffer_of_the_data_size(
+    manager_pair: PairFactory, mode: str
+) -> None:
+    """``copy``: every tensor in one fresh buffer of exactly their bytes (no per-tensor clone);
+    ``auto``: zero-copy views of the received payload (header included in their storage)."""
+    sender, receiver = manager_pair(receive_copy=mode)
+    caches = make_paged_caches()
+    sender.handle_finished_requests_kv_transfer(
+        {"c1": {"block_ids": [1, 2], "seq_len": 16}}, caches, 8, "f"
+    )
+    data, size = receiver.receive_kv_cache_for_request("c1")
+    assert data is not None
+    tensors = [*data["layer_blocks"]["key_cache"], *data["layer_blocks"]["value_cache"]]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    storage_bytes = tensors[0].untyped_storage().nbytes()
+    assert len(storages) == 1
+    assert storage_bytes == (tensor_bytes if mode == "copy" else size) and tensor_bytes < size
+    want = torch.cat([caches[1][1][i] for i in (1, 2)])
+    assert torch.equal(data["layer_blocks"]["value_cache"][1], want)
+
+
 def test_miss_returns_within_timeout_plus_50ms(manager_pair: PairFactory) -> None:
     _, receiver = manager_pair(recv_timeout=0.3)
     t0 = time.monotonic()
