@@ -168,6 +168,15 @@ def test_a_failed_device_copy_is_a_consume_error(
         _receiver(conn).receive("dev", target_device=torch.device("cpu"))
 
 
+@pytest.mark.parametrize("device", [torch.device("xla"), "no-such-device"])
+def test_a_device_that_cannot_be_reached_is_a_consume_error(namespace: str, device: Any) -> None:
+    conn = LocalConnector({"namespace": namespace})
+    _publish(conn, "far")
+    with pytest.raises(KVPrefetchConsumeError, match="payload already consumed"):
+        _receiver(conn).receive("far", target_device=device)
+    assert conn.get("0", "1", legacy_kv_key("0", "1", "far")) is None  # consumed
+
+
 def test_corrupt_bytes_are_corrupt(namespace: str) -> None:
     conn = LocalConnector({"namespace": namespace})
     conn.put("0", "1", legacy_kv_key("0", "1", "bad"), b"\x00\x00\x00\x09{garbage}")

@@ -157,6 +157,17 @@ def _wait_sliced(
             return got
 
 
+def _names_device(target: torch.device | str | None, device: torch.device) -> bool:
+    """Whether ``target`` is ``device`` (``None``: stay where it is). A name torch does not
+    know is not: the device move then fails, after the consume, as a consume error."""
+    if target is None:
+        return True
+    try:
+        return torch.device(target) == device
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
 _STATUS = (
     (PeerGoneError, ReceiveStatus.PEER_GONE),
     (ConnectorUnavailableError, ReceiveStatus.UNAVAILABLE),
@@ -378,7 +389,7 @@ class KVReceiver:
         if obj is not buf:
             return self._decode_object(obj, size)
         t = buf.tensor
-        own = target_device is None or torch.device(target_device) == t.device
+        own = _names_device(target_device, t.device)
         if own and t.device.type == "cpu" and self.options.receive_copy == "auto":
             adopted = buf.adopt()
             if adopted is not None:
