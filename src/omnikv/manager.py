@@ -204,8 +204,14 @@ class OmniKVTransferManager:
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
         deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
-        receive = partial(self._receiver.receive, deadline=deadline, per_call=per_call)
-        result = receive(str(request_id), sender=sender, target_device=target_device, abort=abort)
+        result = self._receiver.receive(
+            str(request_id),
+            deadline=deadline,
+            sender=sender,
+            per_call=per_call,
+            target_device=target_device,
+            abort=abort,
+        )
         return self._log.received(result)
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:
