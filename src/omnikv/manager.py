@@ -76,7 +76,7 @@ class OmniKVTransferManager:
         self._receiver = KVReceiver(
             stages=self.recv_stages, enabled=receives, connector=lazy, **common
         )
-        #: Outcome counters and phase histograms (``metrics.prometheus()`` for export).
+        #: Counters and phase histograms: `snapshot()`; exported by `omnikv.metrics.register()`.
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
