@@ -2,6 +2,8 @@
 
 * ``namespace``: a connector namespace unique to the test;
 * ``omni_kv``: the ``omni_kv_config`` dict of one stage, as a pipeline's YAML gives it;
+* ``make_manager``: one manager from ``omni_kv(role, **extra)``, built as ``from_od_config``
+  builds it (optionally with an injected connector or parallel context); closed at teardown;
 * ``manager_pair``: a sender and a receiver manager over a ``LocalConnector``, built through
   ``from_od_config`` exactly as a worker builds them;
 * ``paged_caches``: a paged KV cache (``[2, blocks, block_size, heads, dim]`` per layer).
@@ -19,12 +21,16 @@ import pytest
 import torch
 
 from omnikv import OmniKVTransferManager
+from omnikv.config import config_from_dict, options_from_dict, resolve_async_prefetch
+from omnikv.connectors.base import OmniConnectorBase
+from omnikv.topology import RankInfo
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 ManagerPair = tuple[OmniKVTransferManager, OmniKVTransferManager]
 PairFactory = Callable[..., ManagerPair]
+ManagerFactory = Callable[..., OmniKVTransferManager]
 
 
 @pytest.fixture
@@ -56,24 +62,61 @@ def omni_kv(namespace: str) -> Callable[..., dict[str, Any]]:
     return lambda role, **extra: omni_kv_config(namespace, role, **extra)
 
 
+def build_manager(
+    omni_kv_config: dict[str, Any],
+    *,
+    connector: OmniConnectorBase | None = None,
+    parallel_context: RankInfo | None = None,
+) -> OmniKVTransferManager:
+    """A manager from ``omni_kv_config``: ``from_od_config`` itself, or, with an injected
+    ``connector`` (the dict's ``connector_config`` is then dropped) or ``parallel_context``, the
+    same steps with those passed to the constructor."""
+    if connector is None and parallel_context is None:
+        return OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv_config))
+    if connector is not None:
+        omni_kv_config = {k: v for k, v in omni_kv_config.items() if k != "connector_config"}
+    prefetch = resolve_async_prefetch(omni_kv_config, has_companion=False)
+    return OmniKVTransferManager(
+        config_from_dict(omni_kv_config, async_prefetch=prefetch),
+        async_prefetch=prefetch,
+        options=options_from_dict(omni_kv_config),
+        parallel_context=parallel_context,
+        connector=connector,
+    )
+
+
 @pytest.fixture
-def manager_pair(omni_kv: Callable[..., dict[str, Any]]) -> Iterator[PairFactory]:
-    """``manager_pair(**receiver_extra)``: (sender, receiver) made by ``from_od_config``."""
+def make_manager(omni_kv: Callable[..., dict[str, Any]]) -> Iterator[ManagerFactory]:
+    """``make_manager(role, *, connector=None, parallel_context=None, **extra)``: a manager
+    from ``omni_kv(role, **extra)`` (see :func:`build_manager`); every one is closed at
+    teardown."""
     made: list[OmniKVTransferManager] = []
 
-    def make(**receiver_extra: Any) -> ManagerPair:
-        sender = OmniKVTransferManager.from_od_config(
-            SimpleNamespace(omni_kv_config=omni_kv("sender"))
-        )
-        receiver = OmniKVTransferManager.from_od_config(
-            SimpleNamespace(omni_kv_config=omni_kv("receiver", **receiver_extra))
-        )
-        made.extend((sender, receiver))
-        return sender, receiver
+    def make(
+        role: str,
+        *,
+        connector: OmniConnectorBase | None = None,
+        parallel_context: RankInfo | None = None,
+        **extra: Any,
+    ) -> OmniKVTransferManager:
+        conf = omni_kv(role, **extra)
+        mgr = build_manager(conf, connector=connector, parallel_context=parallel_context)
+        made.append(mgr)
+        return mgr
 
     yield make
     for mgr in made:
         mgr.close()
+
+
+@pytest.fixture
+def manager_pair(make_manager: ManagerFactory) -> PairFactory:
+    """``manager_pair(**receiver_extra)``: (sender, receiver) made by ``from_od_config``."""
+
+    def make(**receiver_extra: Any) -> ManagerPair:
+        return make_manager("sender"), make_manager("receiver", **receiver_extra)
+
+    return make
 
 
 def make_paged_caches(

@@ -14,14 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import PairFactory, make_paged_caches
+from conftest import ManagerFactory, PairFactory, build_manager, make_paged_caches
 from omnikv import (
     OmniKVCacheConfig,
     OmniKVTransferManager,
     ReceiveStatus,
     SendStatus,
 )
-from omnikv.config import config_from_dict
 from omnikv.connectors.local import LocalConnector
 from omnikv.parallel import ParallelContext
 
@@ -85,10 +84,8 @@ def test_failed_send_is_recorded_not_silent(manager_pair: PairFactory) -> None:
     assert "seq_len" in (sender.get_send_result("no_seq_len").reason or "")
 
 
-def test_no_connector_returns_ids_and_records_failure() -> None:
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True)
-    )
+def test_no_connector_returns_ids_and_records_failure(make_manager: ManagerFactory) -> None:
+    mgr = make_manager("sender", connector_config=None)
     ids = mgr.handle_finished_requests_kv_transfer(
         {"a": {"block_ids": [0], "seq_len": 1}}, make_paged_caches(), 8, "f"
     )
@@ -110,6 +107,47 @@ def test_request_id_resolver_changes_transfer_key(manager_pair: PairFactory) -> 
     )
     data, _ = receiver.receive_kv_cache_for_request("global-7")
     assert data is not None and data["request_id"] == "global-7"
+
+
+def test_a_header_over_max_header_bytes_is_corrupt(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair(max_header_bytes=4096)
+    sender.handle_finished_requests_kv_transfer(
+        {
+            "small": {"block_ids": [0], "seq_len": 2},
+            "big": {"block_ids": [0], "seq_len": 2, "custom_metadata": {"note": "x" * 8192}},
+        },
+        make_paged_caches(),
+        8,
+        "f",
+    )
+    assert receiver.receive_kv_cache_for_request("small")[0] is not None
+    assert receiver.receive_kv_cache_for_request("big") == (None, 0)
+    res = receiver.get_receive_result("big")
+    assert res is not None and res.status is ReceiveStatus.CORRUPT
+    assert "exceeds the limit of 4096" in (res.reason or "")
+
+
+@pytest.mark.parametrize("mode", ["copy", "auto"])
+def test_receive_copy_copies_into_one_buffer_of_the_data_size(
+    manager_pair: PairFactory, mode: str
+) -> None:
+    """``copy``: every tensor in one fresh buffer of exactly their bytes (no per-tensor clone);
+    ``auto``: zero-copy views of the received payload (header included in their storage)."""
+    sender, receiver = manager_pair(receive_copy=mode)
+    caches = make_paged_caches()
+    sender.handle_finished_requests_kv_transfer(
+        {"c1": {"block_ids": [1, 2], "seq_len": 16}}, caches, 8, "f"
+    )
+    data, size = receiver.receive_kv_cache_for_request("c1")
+    assert data is not None
+    tensors = [*data["layer_blocks"]["key_cache"], *data["layer_blocks"]["value_cache"]]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    storage_bytes = tensors[0].untyped_storage().nbytes()
+    assert len(storages) == 1
+    assert storage_bytes == (tensor_bytes if mode == "copy" else size) and tensor_bytes < size
+    want = torch.cat([caches[1][1][i] for i in (1, 2)])
+    assert torch.equal(data["layer_blocks"]["value_cache"][1], want)
 
 
 def test_miss_returns_within_timeout_plus_50ms(manager_pair: PairFactory) -> None:
@@ -202,18 +240,10 @@ def test_receive_multi_kv_cache_fetches_companions_concurrently(
     assert req.past_key_values.key_cache[0].shape == (3, 4, 16)
 
 
-def _from_od(omni_kv: dict[str, Any]) -> OmniKVTransferManager:
-    return OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv))
-
-
-def _config_of(omni_kv: dict[str, Any]) -> OmniKVCacheConfig:
-    return config_from_dict(omni_kv)
-
-
 def test_update_sender_info_nested_and_flat(omni_kv: Callable[..., dict]) -> None:
     kv_config = omni_kv("receiver", stage_id=2, engine_input_source=[1])
     conn = kv_config["connector_config"]
-    mgr = _from_od(kv_config)
+    mgr = build_manager(kv_config)
     mgr.update_sender_info(
         {1: {"host": "10.0.0.1", "zmq_port": 5000}, 0: {"host": "x", "zmq_port": 1}}
     )
@@ -231,7 +261,7 @@ def test_update_sender_info_rank_offset(
     monkeypatch.setenv("LOCAL_RANK", "1")
     kv_config = omni_kv("receiver", rank_mapping={"from_tp": 2, "to_tp": 2})
     conn = kv_config["connector_config"]
-    mgr = _from_od(kv_config)
+    mgr = build_manager(kv_config)
     mgr.update_sender_info({"host": "h", "zmq_port": 7000})
     assert conn["sender_zmq_port"] == 7016 and mgr.sender_endpoint == ("h", 7000)
 
@@ -296,15 +326,14 @@ def test_a_configured_manager_does_not_warn(
     assert not [r for r in caplog.records if "neither" in r.getMessage()]
 
 
-def test_flush_returns_what_the_connector_still_holds(namespace: str) -> None:
+def test_flush_returns_what_the_connector_still_holds(
+    make_manager: ManagerFactory, namespace: str
+) -> None:
     class _Lingering(LocalConnector):
         def flush(self, timeout: float | None = None) -> list[str]:
             return [f"k@{timeout}"]
 
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(from_stage="0", to_stage="1", need_send_cache=True),
-        connector=_Lingering({"namespace": namespace}),
-    )
+    mgr = make_manager("sender", connector=_Lingering({"namespace": namespace}))
     assert mgr.flush(0.5) == ["k@0.5"]
     assert OmniKVTransferManager(OmniKVCacheConfig()).flush() == []
 
@@ -355,16 +384,10 @@ def test_reference_style_hooks_are_called_as_the_reference_calls_them(
     assert calls == ["slicer"]  # one shard: nothing to merge
 
 
-def test_int_and_string_stage_ids_name_the_same_stage(namespace: str) -> None:
-    conn = {"type": "LocalConnector", "namespace": namespace}
-    sender = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config={
-        "connector_config": dict(conn), "omni_from_stage": 1, "omni_to_stage": 2,
-        "need_send_cache": True,
-    }))  # fmt: skip
-    receiver = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config={
-        "connector_config": dict(conn), "stage_id": "2", "need_recv_cache": True,
-        "recv_timeout": 1.0,
-    }))  # fmt: skip
+def test_int_and_string_stage_ids_name_the_same_stage(make_manager: ManagerFactory) -> None:
+    sender = make_manager("sender", omni_from_stage=1, omni_to_stage=2)
+    # the receiver names only its own stage, as a string: its predecessor is stage 1
+    receiver = make_manager("receiver", omni_from_stage=None, stage_id="2")
     assert receiver.recv_stages == sender.send_stages == ("1", "2")
     sender.handle_finished_requests_kv_transfer(
         {"s": {"block_ids": [0], "seq_len": 2}}, make_paged_caches(), 8, "float32"
@@ -381,17 +404,14 @@ def test_recv_timeout_is_read_at_each_receive(manager_pair: PairFactory) -> None
 
 
 def test_a_reference_merger_gets_the_shards_of_every_sender_rank(
-    omni_kv: Callable[..., dict],
+    make_manager: ManagerFactory,
 ) -> None:
     """TP 2 -> 1 in one process: the one-argument merger gets both ranks' payload dicts."""
     tp = {"rank_mapping": {"from_tp": 2, "to_tp": 1}}
     senders = [
-        OmniKVTransferManager(
-            _config_of(omni_kv("sender", **tp)), parallel_context=ParallelContext(local_rank=r)
-        )
-        for r in (0, 1)
+        make_manager("sender", parallel_context=ParallelContext(local_rank=r), **tp) for r in (0, 1)
     ]
-    receiver = _from_od(omni_kv("receiver", **tp))
+    receiver = make_manager("receiver", **tp)
     merged: list[list[dict]] = []
 
     def merger(payloads: list[dict]) -> dict:  # as the reference calls kv_payload_merger

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from conftest import ManagerFactory
 from omnikv import (
     KVPrefetchConsumeError,
     KVPrefetchJob,
@@ -23,7 +25,7 @@ from omnikv import (
     OmniKVTransferManager,
     ReceiveStatus,
 )
-from omnikv.connectors.base import GetResult, OmniConnectorBase, PutResult
+from omnikv.connectors.base import GetResult, ManagedBuffer, OmniConnectorBase, PutResult
 from omnikv.connectors.local import LocalConnector
 from omnikv.prefetch import KVPrefetcher, PrefetchStart
 
@@ -33,37 +35,28 @@ KEY = "omni_stage1_to_stage2_kv_cache_{}"
 pytestmark = pytest.mark.timeout(30)
 
 
-def _sender(namespace: str) -> OmniKVTransferManager:
-    return OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config={"type": "LocalConnector", "namespace": namespace},
-            from_stage="stage1",
-            to_stage="stage2",
-            need_send_cache=True,
-        )
-    )
+@pytest.fixture
+def new_sender(make_manager: ManagerFactory) -> Callable[[], OmniKVTransferManager]:
+    """A sender manager over this test's LocalConnector namespace."""
+    return lambda: make_manager("sender")
 
 
-def _receiver(
-    namespace: str | None = None,
-    *,
-    timeout: float = 5.0,
-    prefetch: bool = True,
-    connector: OmniConnectorBase | None = None,
-) -> OmniKVTransferManager:
-    conn = None if namespace is None else {"type": "LocalConnector", "namespace": namespace}
-    return OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config=conn,
-            from_stage="stage1",
-            stage_id="stage2",
-            need_recv_cache=True,
+@pytest.fixture
+def new_receiver(make_manager: ManagerFactory) -> Callable[..., OmniKVTransferManager]:
+    """``new_receiver(timeout=5.0, prefetch=True, connector=None)``: a receiver manager with
+    async prefetch (``connector``: injected instead of the LocalConnector)."""
+
+    def make(
+        *, timeout: float = 5.0, prefetch: bool = True, connector: OmniConnectorBase | None = None
+    ) -> OmniKVTransferManager:
+        return make_manager(
+            "receiver",
+            connector=connector,
             recv_timeout=timeout,
             enable_kv_async_prefetch=prefetch,
-        ),
-        async_prefetch=prefetch,
-        connector=connector,
-    )
+        )
+
+    return make
 
 
 def _send(sender: OmniKVTransferManager, rid: str, seq_len: int = 10, fill: float = 0.0) -> None:
@@ -143,8 +136,10 @@ def test_from_vllm_config_never_enables_prefetch() -> None:
     assert not OmniKVTransferManager.from_vllm_config(SimpleNamespace(), model).prefetch_enabled
 
 
-def test_start_prefetch_noop_when_disabled(namespace: str) -> None:
-    mgr = _receiver(namespace, prefetch=False)
+def test_start_prefetch_noop_when_disabled(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    mgr = new_receiver(prefetch=False)
     mgr.start_prefetch(_job("r1"))
     assert mgr.prefetcher is None
 
@@ -158,8 +153,11 @@ def test_start_prefetch_noop_without_recv_cache(namespace: str) -> None:
 
 
 # -- round trip and table (reference tests 7-13) ----------------------------------------------
-def test_round_trip_and_consume_once(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_round_trip_and_consume_once(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     _send(sender, "r1")
     mgr.start_prefetch(_job("r1"))
     assert mgr.prefetcher is not None and "r1" in mgr.prefetcher.tracked()
@@ -172,13 +170,17 @@ def test_round_trip_and_consume_once(namespace: str) -> None:
     mgr.close()
 
 
-def test_consume_without_prefetch_is_a_miss(namespace: str) -> None:
-    mgr = _receiver(namespace)
+def test_consume_without_prefetch_is_a_miss(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    mgr = new_receiver()
     assert mgr.consume_prefetched_kv(_req("nothing")) == (None, 0)
 
 
-def test_start_same_request_twice_keeps_one_entry(namespace: str) -> None:
-    mgr = _receiver(namespace)
+def test_start_same_request_twice_keeps_one_entry(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    mgr = new_receiver()
     mgr.start_prefetch(_job("r1"))
     pf = mgr.prefetcher
     assert pf is not None
@@ -188,16 +190,21 @@ def test_start_same_request_twice_keeps_one_entry(namespace: str) -> None:
 
 
 @pytest.mark.parametrize("job", [{"request_id": "r1"}, {"kv_sender_info": SENDER}, {}, None])
-def test_job_without_sender_info_or_id_submits_nothing(namespace: str, job: Any) -> None:
-    mgr = _receiver(namespace)
+def test_job_without_sender_info_or_id_submits_nothing(
+    new_receiver: Callable[..., OmniKVTransferManager], job: Any
+) -> None:
+    mgr = new_receiver()
     mgr.start_prefetch(job)
     assert mgr.prefetcher is None or mgr.prefetcher.tracked() == {}
     assert _prefetch_threads() == [] or mgr.prefetcher is not None
 
 
-def test_consuming_another_request_keeps_finished_prefetch(namespace: str) -> None:
+def test_consuming_another_request_keeps_finished_prefetch(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
     """Reference test 11 swept (and lost) A here; omnikv keeps A's result for A's consume."""
-    sender, mgr = _sender(namespace), _receiver(namespace)
+    sender, mgr = new_sender(), new_receiver()
     _send(sender, "A", seq_len=10)
     mgr.start_prefetch(_job("A"))
     assert mgr.prefetcher is not None
@@ -208,9 +215,12 @@ def test_consuming_another_request_keeps_finished_prefetch(namespace: str) -> No
     mgr.close()
 
 
-def test_superseded_finished_prefetch_keeps_its_kv(namespace: str) -> None:
+def test_superseded_finished_prefetch_keeps_its_kv(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
     """Prefetch A, then B: consuming A later still gets A's KV (reference test 12 lost it)."""
-    sender, mgr = _sender(namespace), _receiver(namespace)
+    sender, mgr = new_sender(), new_receiver()
     _send(sender, "A", seq_len=10, fill=1.0)
     _send(sender, "B", seq_len=12, fill=2.0)
     mgr.start_prefetch(_job("A"))
@@ -227,8 +237,11 @@ def test_superseded_finished_prefetch_keeps_its_kv(namespace: str) -> None:
     mgr.close()
 
 
-def test_superseded_running_prefetch_finishes_into_the_table(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_superseded_running_prefetch_finishes_into_the_table(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     mgr.start_prefetch(_job("A"))  # A's KV is not there yet: the worker waits for it
     pf = mgr.prefetcher
     assert pf is not None
@@ -243,10 +256,14 @@ def test_superseded_running_prefetch_finishes_into_the_table(namespace: str) -> 
     mgr.close()
 
 
-def test_superseded_queued_prefetch_leaves_payload_at_source(namespace: str) -> None:
+def test_superseded_queued_prefetch_leaves_payload_at_source(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+    namespace: str,
+) -> None:
     """A queued prefetch that is superseded consumes nothing; the request, scheduled later,
     still gets its KV from the source."""
-    sender, mgr = _sender(namespace), _receiver(namespace)
+    sender, mgr = new_sender(), new_receiver()
     probe = LocalConnector({"namespace": namespace})
     mgr.start_prefetch(_job("A"))  # blocks the single worker (A not sent yet)
     pf = mgr.prefetcher
@@ -264,8 +281,11 @@ def test_superseded_queued_prefetch_leaves_payload_at_source(namespace: str) -> 
     mgr.close()
 
 
-def test_consume_of_queued_prefetch_receives_synchronously(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_consume_of_queued_prefetch_receives_synchronously(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     mgr.start_prefetch(_job("A"))
     pf = mgr.prefetcher
     assert pf is not None
@@ -278,8 +298,11 @@ def test_consume_of_queued_prefetch_receives_synchronously(namespace: str) -> No
     mgr.close()
 
 
-def test_shutdown_empties_table_and_stops_worker(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_shutdown_empties_table_and_stops_worker(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     _send(sender, "A")
     mgr.start_prefetch(_job("A"))
     mgr.start_prefetch(_job("B"))
@@ -293,8 +316,11 @@ def test_shutdown_empties_table_and_stops_worker(namespace: str) -> None:
     mgr.close()
 
 
-def test_per_call_sender_info_keeps_base_endpoint(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_per_call_sender_info_keeps_base_endpoint(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     mgr.update_sender_info({"host": "10.0.0.1", "zmq_port": 6000})
     _send(sender, "A")
     mgr.start_prefetch({"request_id": "A", "kv_sender_info": {"host": "10.9.9.9", "zmq_port": 1}})
@@ -309,23 +335,30 @@ def _with_role(monkeypatch: pytest.MonkeyPatch, follower: bool) -> None:
     monkeypatch.setattr(OmniKVTransferManager, "topo_config", property(lambda self: topo), False)
 
 
-def test_follower_does_not_prefetch(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_follower_does_not_prefetch(
+    new_receiver: Callable[..., OmniKVTransferManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _with_role(monkeypatch, follower=True)
-    mgr = _receiver(namespace)
+    mgr = new_receiver()
     mgr.start_prefetch(_job("A"))
     assert mgr.prefetcher is None
 
 
-def test_leader_prefetches(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leader_prefetches(
+    new_receiver: Callable[..., OmniKVTransferManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _with_role(monkeypatch, follower=False)
-    mgr = _receiver(namespace)
+    mgr = new_receiver()
     mgr.start_prefetch(_job("A"))
     assert mgr.prefetcher is not None and "A" in mgr.prefetcher.tracked()
     mgr.close()
 
 
-def test_consume_and_distribute_applies_kv(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_consume_and_distribute_applies_kv(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     _send(sender, "A")
     mgr.start_prefetch(_job("A"))
     req = _req("A")
@@ -336,8 +369,11 @@ def test_consume_and_distribute_applies_kv(namespace: str) -> None:
     mgr.close()
 
 
-def test_consume_and_distribute_sync_on_miss(namespace: str) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace)
+def test_consume_and_distribute_sync_on_miss(
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    sender, mgr = new_sender(), new_receiver()
     _send(sender, "A")
     req = _req("A")
     assert mgr.consume_and_distribute_kv_cache(req)
@@ -345,8 +381,10 @@ def test_consume_and_distribute_sync_on_miss(namespace: str) -> None:
 
 
 # -- bounded waits ----------------------------------------------------------------------------
-def test_prefetch_timeout_is_not_followed_by_a_second_full_wait(namespace: str) -> None:
-    mgr = _receiver(namespace, timeout=0.3)
+def test_prefetch_timeout_is_not_followed_by_a_second_full_wait(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    mgr = new_receiver(timeout=0.3)
     mgr.start_prefetch(_job("never"))
     t0 = time.monotonic()
     assert not mgr.consume_and_distribute_kv_cache(_req("never"))
@@ -391,7 +429,7 @@ class StuckConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
+    ) -> ManagedBuffer | None:
         self._log("wait")
         self.entered.set()
         self.unblock.wait(20)
@@ -401,9 +439,11 @@ class StuckConnector(OmniConnectorBase):
         self._closed = True
 
 
-def test_consume_waits_at_most_the_deadline_with_a_stuck_connector() -> None:
+def test_consume_waits_at_most_the_deadline_with_a_stuck_connector(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
     conn = StuckConnector()
-    mgr = _receiver(timeout=0.3, connector=conn)
+    mgr = new_receiver(timeout=0.3, connector=conn)
     mgr.start_prefetch(_job("A"))
     assert conn.entered.wait(5)
     t0 = time.monotonic()
@@ -416,8 +456,10 @@ def test_consume_waits_at_most_the_deadline_with_a_stuck_connector() -> None:
     mgr.close()
 
 
-def test_shutdown_is_prompt_while_waiting_on_a_sender_that_never_puts(namespace: str) -> None:
-    mgr = _receiver(namespace, timeout=60.0)
+def test_shutdown_is_prompt_while_waiting_on_a_sender_that_never_puts(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
+    mgr = new_receiver(timeout=60.0)
     mgr.start_prefetch(_job("never"))
     pf = mgr.prefetcher
     assert pf is not None
@@ -429,9 +471,11 @@ def test_shutdown_is_prompt_while_waiting_on_a_sender_that_never_puts(namespace:
     mgr.close()
 
 
-def test_shutdown_with_uninterruptible_connector_is_bounded_and_worker_stops_touching_it() -> None:
+def test_shutdown_with_uninterruptible_connector_is_bounded_and_worker_stops_touching_it(
+    new_receiver: Callable[..., OmniKVTransferManager],
+) -> None:
     conn = StuckConnector()
-    mgr = _receiver(timeout=60.0, connector=conn)
+    mgr = new_receiver(timeout=60.0, connector=conn)
     mgr.start_prefetch(_job("A"))
     assert conn.entered.wait(5)
     pf = mgr.prefetcher
@@ -448,8 +492,8 @@ def test_shutdown_with_uninterruptible_connector_is_bounded_and_worker_stops_tou
     mgr.close()
 
 
-def test_close_calls_shutdown_prefetch(namespace: str) -> None:
-    mgr = _receiver(namespace, timeout=60.0)
+def test_close_calls_shutdown_prefetch(new_receiver: Callable[..., OmniKVTransferManager]) -> None:
+    mgr = new_receiver(timeout=60.0)
     mgr.start_prefetch(_job("never"))
     pf = mgr.prefetcher
     assert pf is not None
@@ -461,21 +505,24 @@ def test_close_calls_shutdown_prefetch(namespace: str) -> None:
 
 
 # -- consume errors ---------------------------------------------------------------------------
-def _fail_finish(*args: Any, **kwargs: Any) -> Any:
-    raise KVPrefetchConsumeError("device copy failed; payload already consumed")
+#: A device torch knows by name but cannot copy to in this build: the post-get device copy fails
+#: after the payload was consumed, as an out-of-memory copy would.
+UNUSABLE_DEVICE = torch.device("xla")
 
 
 def test_consume_error_raised_and_no_sync_retry(
-    namespace: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    new_sender: Callable[[], OmniKVTransferManager],
+    new_receiver: Callable[..., OmniKVTransferManager],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    sender, mgr = _sender(namespace), _receiver(namespace, timeout=5.0)
+    sender, mgr = new_sender(), new_receiver(timeout=5.0)
     _send(sender, "A")
     _send(sender, "B")
-    monkeypatch.setattr(mgr._receiver, "_finish", _fail_finish)
-    mgr.start_prefetch(_job("A"))
+    mgr.start_prefetch(_job("A"), target_device=UNUSABLE_DEVICE)
     with pytest.raises(KVPrefetchConsumeError):
         mgr.consume_prefetched_kv("A")
-    mgr.start_prefetch(_job("B"))
+    mgr.start_prefetch(_job("B"), target_device=UNUSABLE_DEVICE)
     calls: list[bool] = []
 
     def distribute(req: Any, target_device: Any = None, *, received: bool = False) -> None:
@@ -492,9 +539,9 @@ def test_consume_error_raised_and_no_sync_retry(
 
 
 def test_unexpected_error_still_distributes_then_raises(
-    namespace: str, monkeypatch: pytest.MonkeyPatch
+    new_receiver: Callable[..., OmniKVTransferManager], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mgr = _receiver(namespace)
+    mgr = new_receiver()
     calls: list[bool] = []
 
     def boom(*args: Any, **kwargs: Any) -> Any:
@@ -511,10 +558,10 @@ def test_unexpected_error_still_distributes_then_raises(
 
 
 def test_follower_skips_receive_and_takes_distributed_payload(
-    namespace: str, monkeypatch: pytest.MonkeyPatch
+    new_receiver: Callable[..., OmniKVTransferManager], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _with_role(monkeypatch, follower=True)
-    mgr = _receiver(namespace)
+    mgr = new_receiver()
     kv = SimpleNamespace(key_cache=[torch.ones(2)], value_cache=[torch.ones(2)])
 
     def distribute(req: Any, target_device: Any = None, *, received: bool = False) -> Any:

@@ -1,10 +1,10 @@
 """A LEADER's prefetch consume error does not strand its follower (real gloo, two processes).
 
-Rank 0 (LEADER) prefetches request A; its payload is taken from the connector but the
-post-get step fails, so consuming it raises :class:`KVPrefetchConsumeError` inside
-``consume_and_distribute_kv_cache``. The leader must still enter distribution, so rank 1
-(FOLLOWER) returns ``False`` promptly instead of hanging. Process group: gloo over
-``file://`` on loopback; both processes are killed by PID at the end.
+Rank 0 (LEADER) prefetches request A to a device this torch cannot copy to; its payload is
+taken from the connector but the post-get device copy fails, so consuming it raises
+:class:`KVPrefetchConsumeError` inside ``consume_and_distribute_kv_cache``. The leader must
+still enter distribution, so rank 1 (FOLLOWER) returns ``False`` promptly instead of hanging.
+Process group: gloo over ``file://`` on loopback; both processes are killed by PID at the end.
 """
 
 from __future__ import annotations
@@ -92,13 +92,9 @@ def rank_main(rank: int, init_file: str, namespace: str, conn: Connection) -> No
         sender.handle_finished_requests_kv_transfer(
             {"A": {"block_ids": [0, 1], "seq_len": 10}}, caches, 8, "torch.float32"
         )
-
-        def fail(*args: Any, **kwargs: Any) -> Any:
-            raise KVPrefetchConsumeError("post-get failed; payload already consumed")
-
-        mgr._receiver._finish = fail  # type: ignore[method-assign]
         pf_consume = None
-        mgr.start_prefetch(job)
+        # A device this torch cannot copy to: the post-get copy fails after the payload was taken.
+        mgr.start_prefetch(job, target_device=torch.device("xla"))
         pf = mgr.prefetcher
         if pf is not None:
             pf_consume = pf.consume

@@ -138,8 +138,8 @@ def test_pool_buffer_release_never_corrupts_what_was_received(namespace: str, mo
         released.append(True)
 
     class _Pool(LocalConnector):
-        def wait(self, *a: Any, **kw: Any) -> Any:
-            return ManagedBuffer(raw, release=release), raw.numel()
+        def wait(self, *a: Any, **kw: Any) -> ManagedBuffer:
+            return ManagedBuffer(raw, release=release)
 
     rx = _receiver(_Pool({"namespace": namespace}), options=TransferOptions(receive_copy=mode))
     kv = rx.fetch("p1", deadline=deadline_after(1.0))
@@ -166,6 +166,15 @@ def test_a_failed_device_copy_is_a_consume_error(
     monkeypatch.setattr(omnikv.receiver, "move_kv", oom)
     with pytest.raises(KVPrefetchConsumeError, match="payload already consumed"):
         _receiver(conn).receive("dev", target_device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("device", [torch.device("xla"), "no-such-device"])
+def test_a_device_that_cannot_be_reached_is_a_consume_error(namespace: str, device: Any) -> None:
+    conn = LocalConnector({"namespace": namespace})
+    _publish(conn, "far")
+    with pytest.raises(KVPrefetchConsumeError, match="payload already consumed"):
+        _receiver(conn).receive("far", target_device=device)
+    assert conn.get("0", "1", legacy_kv_key("0", "1", "far")) is None  # consumed
 
 
 def test_corrupt_bytes_are_corrupt(namespace: str) -> None:

@@ -11,6 +11,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +118,16 @@ def test_every_put_of_a_call_gets_the_same_send_deadline(
     assert t0 + 29.0 < conn.deadlines[0] <= time.monotonic() + 30.0  # send_timeout default
 
 
+def test_numpy_integer_block_ids_are_block_ids(manager_pair: PairFactory) -> None:
+    sender, receiver = manager_pair()
+    ids = [np.int64(1), np.int32(2)]
+    sender.handle_finished_requests_kv_transfer(
+        {"np": {"block_ids": ids, "seq_len": 16}}, make_paged_caches(), 8, "float32"
+    )
+    data, _ = receiver.receive_kv_cache_for_request("np")
+    assert data is not None and data["block_ids"] == [1, 2]
+
+
 # -- one bad request fails alone ------------------------------------------------------------------
 GOOD = {"block_ids": [0, 1], "seq_len": 10}
 
@@ -141,6 +152,7 @@ def _batch(
     [
         ({"block_ids": [0, None], "seq_len": 10}, "block_ids must be ints"),
         ({"block_ids": [0, 1.7], "seq_len": 10}, "1.7"),
+        ({"block_ids": [0, True], "seq_len": 10}, "block_ids must be ints"),
         ({"block_ids": [0, "1"], "seq_len": 10}, "block_ids must be ints"),
         ({"block_ids": [0, torch.tensor(1)], "seq_len": 10}, "Tensor"),
         ({"block_ids": "12", "seq_len": 10}, "list of ints"),

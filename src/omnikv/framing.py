@@ -24,7 +24,7 @@ stack), and the tensor region goes through :func:`omnikv.payload.decode_kv` with
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -125,12 +125,6 @@ class Frame:
         buf[: len(raw)].copy_(torch.frombuffer(raw, dtype=torch.uint8))
         self._packed.pack_into(buf, self.region_offset)
         return self.nbytes
-
-    # merge: delete once distribution.py calls pack_into (facade); the message was always
-    # packed whole before it left (one chunk), so this only keeps today's caller working.
-    def pack_steps(self, buf: torch.Tensor) -> Iterator[int]:
-        """Deprecated: :meth:`pack_into`, then yields ``nbytes`` once."""
-        yield self.pack_into(buf)
 
 
 def encode_frame(payload: Mapping[str, Any]) -> Frame:

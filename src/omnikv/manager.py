@@ -76,7 +76,7 @@ class OmniKVTransferManager:
         self._receiver = KVReceiver(
             stages=self.recv_stages, enabled=receives, connector=lazy, **common
         )
-        #: Outcome counters and phase histograms (``metrics.prometheus()`` for export).
+        #: Counters and phase histograms: `snapshot()`; exported by `omnikv.metrics.register()`.
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
@@ -144,8 +144,8 @@ class OmniKVTransferManager:
 
     def flush(self, timeout: float | None = None) -> list[str]:
         """Wait up to ``timeout`` s for receivers to take what was sent; the keys left over."""
-        flush = getattr(self._lazy.current, "flush", None)  # merge: base flush (engines)
-        return list(flush(timeout)) if callable(flush) else []
+        connector = self._lazy.current
+        return [] if connector is None else list(connector.flush(timeout))
 
     def handle_finished_requests_kv_transfer(
         self,
@@ -158,8 +158,7 @@ class OmniKVTransferManager:
         """Send finished requests' KV, all puts under one ``send_timeout``; return every id."""
         if not finished_reqs:
             return []
-        timeout = getattr(self.options, "send_timeout", DEFAULT_SEND_TIMEOUT)  # merge: codec
-        deadline = deadline_after(timeout, "send_timeout")
+        deadline = deadline_after(self.options.send_timeout, "send_timeout")
         args = (finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver)
         self.last_send_results = self._log.sent(self._sender.send_batch(*args, deadline=deadline))
         return list(finished_reqs)
@@ -205,8 +204,14 @@ class OmniKVTransferManager:
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
         deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
-        receive = partial(self._receiver.receive, deadline=deadline, per_call=per_call)
-        result = receive(str(request_id), sender=sender, target_device=target_device, abort=abort)
+        result = self._receiver.receive(
+            str(request_id),
+            deadline=deadline,
+            sender=sender,
+            per_call=per_call,
+            target_device=target_device,
+            abort=abort,
+        )
         return self._log.received(result)
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:

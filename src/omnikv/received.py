@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from omnikv.errors import DecodeError
+from omnikv.payload import DecodedKV
 
 __all__ = ["CACHES", "ReceivedKV", "move_kv"]
 
@@ -76,19 +77,14 @@ class ReceivedKV:
         )
 
     @classmethod
-    def from_decoded(cls, data: dict[str, Any], nbytes: int) -> ReceivedKV:
-        """From :func:`omnikv.payload.decode`'s dict, whose shape the decoder guarantees (no
-        re-validation on the hot path; anything else goes through :meth:`from_dict`).
-
-        merge: build from payload.decode_kv's DecodedKV once codec lands (PLAN contract 8).
-        """
-        blocks = data["layer_blocks"]
+    def from_decoded(cls, decoded: DecodedKV, nbytes: int) -> ReceivedKV:
+        """From :func:`omnikv.payload.decode_kv`'s result (the one place a receive builds it)."""
         return cls(
-            data["request_id"],
-            data["block_ids"],
-            data["metadata"],
-            blocks["key_cache"],
-            blocks["value_cache"],
+            decoded.request_id,
+            decoded.block_ids,
+            decoded.metadata,
+            decoded.key_cache,
+            decoded.value_cache,
             nbytes,
         )
 

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -44,8 +44,9 @@ from omnikv.errors import (
     PeerGoneError,
     ReceiveTimeout,
 )
-from omnikv.payload import decode, decode_device
+from omnikv.payload import decode_kv
 from omnikv.received import ReceivedKV, move_kv
+from omnikv.serialization import is_object
 from omnikv.topology import (
     KVTPTopology,
     SenderEndpoint,
@@ -140,7 +141,7 @@ def _wait_sliced(
     deadline: float,
     metadata: dict[str, Any] | None,
     abort: threading.Event | None,
-) -> Any:
+) -> ManagedBuffer | None:
     """``connector.wait`` until ``deadline``, cut into abortable slices when ``abort`` is given.
 
     A wait that returns ``None`` at its (slice) deadline consumes nothing (connector contract),
@@ -157,17 +158,15 @@ def _wait_sliced(
             return got
 
 
-def _normalise(got: Any) -> tuple[Any, int]:
-    """``(payload object, size)`` of one wait result.
-
-    merge: drop once every wait returns ManagedBuffer (PLAN contract 1); today connectors return
-    ``(obj, size)`` with ``obj`` a ManagedBuffer, bytes-like, a uint8 tensor or a decoded dict.
-    """
-    if isinstance(got, ManagedBuffer):
-        obj, size = get_result(got)
-        return obj, int(size)
-    obj, size = got
-    return obj, int(size)
+def _names_device(target: torch.device | str | None, device: torch.device) -> bool:
+    """Whether ``target`` is ``device`` (``None``: stay where it is). A name torch does not
+    know is not: the device move then fails, after the consume, as a consume error."""
+    if target is None:
+        return True
+    try:
+        return torch.device(target) == device
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 _STATUS = (
@@ -328,15 +327,14 @@ class KVReceiver:
             connector, stages, pairs, deadline, (sender, per_call), abort, request_id, t0
         )
         t_wait = time.monotonic()
-        held = [obj for obj, _ in raws if isinstance(obj, ManagedBuffer)]
         try:
-            shards = [self._decode(obj, size, target_device) for obj, size in raws]
+            shards = [self._decode(buf, target_device) for buf in raws]
             t_decode = time.monotonic()
             kv = self._combine(shards)
-            aliased = any(not b.released for b in held)
+            aliased = any(not buf.released for buf in raws)
             kv = self._finish(request_id, kv, target_device, aliased)
         finally:
-            for buf in held:
+            for buf in raws:
                 buf.release()
         if trace is not None:
             trace.phases(t0, t_wait, t_decode, time.monotonic())
@@ -359,9 +357,9 @@ class KVReceiver:
         abort: threading.Event | None,
         request_id: str,
         t0: float,
-    ) -> list[tuple[Any, int]]:
+    ) -> list[ManagedBuffer]:
         """One wait per key, in order; on any failure the shards taken so far are released."""
-        raws: list[tuple[Any, int]] = []
+        raws: list[ManagedBuffer] = []
         try:
             for key, from_rank in pairs:
                 meta = source_metadata(endpoint[0], from_rank, endpoint[1])
@@ -371,42 +369,44 @@ class KVReceiver:
                     if raws:
                         detail += f"; {len(raws)} shard(s) already taken were dropped"
                     raise ReceiveTimeout(request_id, time.monotonic() - t0, detail)
-                raws.append(_normalise(got))
+                raws.append(got)
         except BaseException:
-            for obj, _ in raws:
-                if isinstance(obj, ManagedBuffer):
-                    obj.release()
+            for buf in raws:
+                buf.release()
             raise
         return raws
 
-    def _decode(self, obj: Any, size: int, target_device: torch.device | str | None) -> ReceivedKV:
-        """One shard as :class:`ReceivedKV` (views of ``obj`` where possible).
+    def _decode(self, buf: ManagedBuffer, target_device: torch.device | str | None) -> ReceivedKV:
+        """One shard as :class:`ReceivedKV`: views of ``buf`` where they may stay, else copied.
 
-        merge: adapt to payload.decode_kv -> DecodedKV once codec lands (PLAN contract 8).
+        Host memory with ``receive_copy="auto"`` and no target device is adopted (the views keep
+        it); otherwise, when the tensors would alias ``buf`` past its release (no target device,
+        or one on ``buf``'s device), they are decoded into one fresh buffer no larger than the
+        data section and ``buf`` is released at once. A payload published as an object (the
+        reference-shaped ``put``) is decoded from that object.
         """
-        if isinstance(obj, dict):
+        size, t = buf.size, buf.tensor
+        if t.device.type == "cpu" and is_object(t.numpy().data):  # a view: cheaper than a slice
+            return self._decode_object(get_result(buf)[0], size)
+        own = _names_device(target_device, t.device)
+        if own and t.device.type == "cpu" and self.options.receive_copy == "auto":
+            adopted = buf.adopt()
+            if adopted is not None:
+                t, own = adopted, False
+        limit = self.options.max_header_bytes
+        decoded = decode_kv(t, copy=own, max_header_bytes=limit)
+        if own:
+            buf.release()
+        return ReceivedKV.from_decoded(decoded, size)
+
+    def _decode_object(self, obj: Any, size: int) -> ReceivedKV:
+        """A payload that travelled as an encoded object: the seed's dict, or packed bytes."""
+        if isinstance(obj, Mapping):
             return ReceivedKV.from_dict(obj, size)
-        if isinstance(obj, ManagedBuffer):
-            t = obj.tensor
-            if (
-                t.device.type == "cpu"
-                and target_device is None
-                and self.options.receive_copy == "auto"
-            ):
-                owned = obj.adopt()
-                if owned is not None:
-                    t = owned
-            obj = t
-        if isinstance(obj, torch.Tensor):
-            if obj.dtype != torch.uint8 or obj.dim() != 1:
-                raise DecodeError(
-                    f"corrupt KV payload: tensor payload must be 1-D uint8, got {obj.dtype}"
-                )
-            if obj.device.type != "cpu":
-                return ReceivedKV.from_decoded(decode_device(obj, copy=True), size)
-        elif not isinstance(obj, bytes | bytearray | memoryview):
-            raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
-        return ReceivedKV.from_decoded(decode(obj), size)
+        if isinstance(obj, bytes | bytearray | memoryview):
+            limit = self.options.max_header_bytes
+            return ReceivedKV.from_decoded(decode_kv(obj, max_header_bytes=limit), size)
+        raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
 
     def _combine(self, shards: list[ReceivedKV]) -> ReceivedKV:
         """Merge shards of several sender ranks and slice for this rank (hooks win)."""

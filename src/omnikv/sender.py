@@ -138,6 +138,10 @@ def put_with_retry(
     return False, 0, last_error
 
 
+#: What a block id may be (a tuple, built once: ``int | np.integer`` builds a union per test).
+_INTEGER = (int, np.integer)
+
+
 # -- validation (each returns the value to use or raises _Refused with the reason) ---------------
 def _is_cache_object(kv_caches: Any) -> bool:
     return not isinstance(kv_caches, list | tuple) and (
@@ -169,7 +173,9 @@ def _check_batch(kv_caches: Any, block_size: Any, cache_dtype: Any) -> torch.dty
 def _check_block_ids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list | tuple):
         raise _Refused(f"block_ids must be a list of ints, got {type(value).__name__}")
-    bad = [b for b in value if isinstance(b, bool) or not isinstance(b, int | np.integer)]
+    if all(type(b) is int for b in value):  # the common case, one pass (bool is not int here)
+        return tuple(value)
+    bad = [b for b in value if isinstance(b, bool) or not isinstance(b, _INTEGER)]
     if bad:
         raise _Refused(f"block_ids must be ints; got {bad[0]!r} ({type(bad[0]).__name__})")
     return tuple(int(b) for b in value)
