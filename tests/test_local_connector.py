@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from typing import Any
@@ -169,3 +170,20 @@ def test_closed_connector(namespace: str) -> None:
 def test_pool_size_must_be_positive(namespace: str) -> None:
     with pytest.raises(ConfigError, match="pool_size"):
         LocalConnector({"namespace": namespace, "pool_size": 0})
+
+
+def test_many_namespaces_cost_no_commit_and_the_process_can_still_fork() -> None:
+    # 32 pools of 1 GiB: more than this machine's memory. Their pages cost memory only once
+    # written, and their size is not charged to the process, so fork (subprocess with
+    # preexec_fn / another uid, multiprocessing's fork) still works.
+    names = [f"fork-probe-{os.getpid()}-{i}" for i in range(32)]
+    conns = [LocalConnector({"namespace": name}) for name in names]
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        for conn in conns:
+            conn.close()

@@ -17,6 +17,8 @@ first connector of a namespace; pages are touched only as payloads use them); ``
 from __future__ import annotations
 
 import logging
+import mmap
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -44,17 +46,27 @@ __all__ = ["LocalConnector"]
 logger = logging.getLogger(__name__)
 
 _DEFAULT_POOL = 1 << 30
+# Python < 3.13 lacks the constant; 0x4000 is its value on Linux.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 _ALIGN = 64
 
 
 class _Pool:
-    """Plain host memory with an allocator (never registered anywhere, never closed)."""
+    """Plain host memory with an allocator (never registered anywhere, never closed).
+
+    The memory is an anonymous ``MAP_NORESERVE`` mapping: pages cost memory only once written,
+    and the virtual size is not charged to the process's commit, so a process holding many
+    namespaces' pools can still ``fork`` (a private ``torch.empty`` of the same size is charged
+    in full, and adjacent ones merge into one mapping the kernel refuses to duplicate).
+    """
 
     closed = False
 
     def __init__(self, size: int) -> None:
         self.allocator = BufferAllocator(size, alignment=_ALIGN)
-        self.buffer = torch.empty(self.allocator.total, dtype=torch.uint8)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        self._map = mmap.mmap(-1, self.allocator.total, flags=flags)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def slot(self, offset: int, size: int) -> torch.Tensor:
         return self.buffer[offset : offset + size]
