@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "VLLM_CPU_LAYOUT",
     "VLLM_LAYOUTS",
     "BlockGather",
+    "BlockIndex",
     "ExtractionError",
     "KVLayout",
     "normalize_layer_kv",
@@ -140,18 +141,45 @@ def normalize_layer_kv(
         return None
 
 
+class BlockIndex:
+    """A request's full blocks, prepared once and shared by every layer's :class:`BlockGather`.
+
+    A run of consecutive ids (the common case for a fresh cache) is read with one slice; any
+    other order with ``index_select`` over an index tensor made once per device.
+    """
+
+    __slots__ = ("_tensors", "ids", "start")
+
+    def __init__(self, ids: tuple[int, ...]) -> None:
+        self.ids = ids
+        first = ids[0] if ids else 0
+        #: The first id when the ids are ``first, first + 1, ...``, else ``None``.
+        self.start: int | None = first if ids == tuple(range(first, first + len(ids))) else None
+        self._tensors: dict[torch.device, torch.Tensor] = {}
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """The ids as a ``long`` tensor on ``device`` (made on first use)."""
+        t = self._tensors.get(device)
+        if t is None:
+            t = self._tensors[device] = torch.tensor(self.ids, dtype=torch.long, device=device)
+        return t
+
+
 @dataclass(frozen=True)
 class BlockGather:
     """Writes tokens ``[0, seq_len)`` of a request's blocks into a ``[seq_len, ...]`` view.
 
     ``blocks`` is ``[num_blocks, block_size, *tail]`` (any strides); ``block_ids`` lists the
-    request's blocks in token order. Full blocks go in with one ``index_select`` into the
-    destination, the partial last block with one slice copy.
+    request's blocks in token order. Full blocks go in with one slice copy (consecutive ids) or
+    one ``index_select`` into the destination, the partial last block with one slice copy.
+    ``index`` (optional) is the full blocks' :class:`BlockIndex`, shared across layers by
+    :func:`plan_request_kv`; without it one is made per call.
     """
 
     blocks: torch.Tensor
     block_ids: tuple[int, ...]
     seq_len: int
+    index: BlockIndex | None = field(default=None, compare=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -162,16 +190,21 @@ class BlockGather:
         return (self.seq_len, *self.blocks.shape[2:])
 
     def write_into(self, dst: torch.Tensor) -> None:
-        bs = int(self.blocks.shape[1])
-        full, rest = divmod(self.seq_len, bs)
         src = self.blocks
+        bs = int(src.shape[1])
+        full, rest = divmod(self.seq_len, bs)
         if full:
-            ids = torch.tensor(self.block_ids[:full], dtype=torch.long, device=src.device)
-            out = dst[: full * bs].view(full, bs, *src.shape[2:])
-            if out.device == src.device:
-                torch.index_select(src, 0, ids, out=out)
+            index = self.index
+            if index is None or len(index.ids) != full:
+                index = BlockIndex(self.block_ids[:full])
+            out = dst if not rest else dst[: full * bs]
+            out = out.view(full, bs, *src.shape[2:])
+            if index.start is not None:
+                out.copy_(src[index.start : index.start + full])
+            elif out.device == src.device:
+                torch.index_select(src, 0, index.tensor(src.device), out=out)
             else:
-                out.copy_(torch.index_select(src, 0, ids))
+                out.copy_(torch.index_select(src, 0, index.tensor(src.device)))
         if rest:
             dst[full * bs :].copy_(src[self.block_ids[full], :rest])
 
@@ -234,6 +267,7 @@ def plan_request_kv(
             f"request {rid}: seq_len {seq_len} exceeds {len(ids)} blocks x {block_size} tokens"
         )
     needed = ids[: -(-seq_len // block_size)] if seq_len else ()
+    index = BlockIndex(needed[: seq_len // block_size])
     keys: list[BlockGather | None] = []
     values: list[BlockGather | None] = []
     for idx, layer_kv in enumerate(kv_caches):
@@ -244,8 +278,8 @@ def plan_request_kv(
         k, v = split_layer_kv(layer_kv, layout=layout, where=f"request {rid} layer {idx}")
         for name, t in (("K", k), ("V", v)):
             _check_blocks(t, needed, block_size, f"request {rid} layer {idx}", name)
-        keys.append(BlockGather(k, needed, seq_len))
-        values.append(BlockGather(v, needed, seq_len))
+        keys.append(BlockGather(k, needed, seq_len, index))
+        values.append(BlockGather(v, needed, seq_len, index))
     if not any(g is not None for g in keys):
         raise ExtractionError(f"request {rid}: no layer has a KV cache")
     return keys, values

@@ -168,6 +168,23 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable")
 
 
+_HEADER_ENCODER = msgspec.json.Encoder(enc_hook=_json_default)
+
+
+def _encode_header(header: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON of a payload header. msgspec first (several times faster); what it
+    cannot encode (non-string keys of odd types) goes through ``json`` as before."""
+    try:
+        return _HEADER_ENCODER.encode(header)
+    except (TypeError, ValueError, msgspec.EncodeError):
+        pass
+    try:
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise EncodeError(f"KV payload metadata is not JSON-serialisable: {exc}") from exc
+    return text.encode("utf-8")
+
+
 @dataclass(frozen=True)
 class _Slot:
     name: str
@@ -215,12 +232,7 @@ class PackedPayload:
         }
         if checksum:
             header["ck"] = _CK_PLACEHOLDER
-        try:
-            raw = json.dumps(
-                header, separators=(",", ":"), ensure_ascii=False, default=_json_default
-            ).encode("utf-8")
-        except (TypeError, ValueError) as exc:
-            raise EncodeError(f"KV payload metadata is not JSON-serialisable: {exc}") from exc
+        raw = _encode_header(header)
         if len(raw) > DEFAULT_MAX_HEADER_BYTES:
             raise EncodeError(
                 f"header of {len(raw)} bytes exceeds {DEFAULT_MAX_HEADER_BYTES} (what receivers "
@@ -250,6 +262,7 @@ class PackedPayload:
             )
         region = out[offset : offset + self.nbytes]
         data = region[self.data_start :]
+        typed = _TypedBases(data)
         prev_end = 0
         for slot in self._slots:
             if slot.source is None:
@@ -257,7 +270,7 @@ class PackedPayload:
             if slot.offset > prev_end:
                 data[prev_end : slot.offset].zero_()
             if slot.nbytes:
-                _write_tensor(slot, data[slot.offset : slot.offset + slot.nbytes])
+                _write_tensor(slot, data, typed)
             prev_end = slot.offset + slot.nbytes
         header = self.header_bytes
         if self._checksum:
@@ -310,12 +323,45 @@ def _lay_out(
     return slots, td, cursor, any_large
 
 
-def _write_tensor(slot: _Slot, dst_bytes: torch.Tensor) -> None:
-    dtype = DTYPE_ALLOWLIST[slot.dtype_name]
+class _TypedBases:
+    """Typed views of a payload's data section, one per dtype, made on first use by
+    :meth:`PackedPayload.pack_into`; a slot's destination is then one ``as_strided`` of it."""
+
+    __slots__ = ("_bases", "data")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self._bases: dict[str, tuple[torch.Tensor, int] | None] = {}
+
+    def dst(self, slot: _Slot) -> torch.Tensor | None:
+        """The slot's destination as a typed view, or ``None`` where the address is misaligned."""
+        name = slot.dtype_name
+        if name in self._bases:
+            base = self._bases[name]
+        else:
+            base = self._bases[name] = self._make(name)
+        if base is None:
+            return None
+        typed, origin = base
+        itemsize = _ITEMSIZE[name]
+        return typed.as_strided(slot.shape, _strides(slot.shape), origin + slot.offset // itemsize)
+
+    def _make(self, name: str) -> tuple[torch.Tensor, int] | None:
+        itemsize = _ITEMSIZE[name]
+        if self.data.data_ptr() % itemsize:
+            return None
+        usable = self.data.numel() // itemsize * itemsize
+        try:
+            typed = self.data[:usable].view(DTYPE_ALLOWLIST[name])
+        except RuntimeError:  # storage offset misaligned for the dtype: per-slot path
+            return None
+        return typed, int(typed.storage_offset())
+
+
+def _write_tensor(slot: _Slot, data: torch.Tensor, typed: _TypedBases) -> None:
     src = slot.source
-    itemsize = _ITEMSIZE[slot.dtype_name]
-    if dst_bytes.data_ptr() % itemsize == 0:
-        dst = dst_bytes.view(dtype).view(slot.shape)
+    dst = typed.dst(slot)
+    if dst is not None:
         if isinstance(src, torch.Tensor):
             if tuple(src.shape) != slot.shape:
                 raise EncodeError(f"{slot.name} changed shape while encoding")
@@ -325,6 +371,8 @@ def _write_tensor(slot: _Slot, dst_bytes: torch.Tensor) -> None:
             src.write_into(dst)
         return
     # Unaligned destination (caller passed an odd offset): go through a temporary.
+    dst_bytes = data[slot.offset : slot.offset + slot.nbytes]
+    dtype = DTYPE_ALLOWLIST[slot.dtype_name]
     if isinstance(src, torch.Tensor):
         tmp = src.detach().contiguous()
     else:
@@ -342,6 +390,9 @@ def _crc32(data: torch.Tensor) -> int:
 
 
 def _copy_bytes_in(region: torch.Tensor, header: bytes) -> None:
+    if region.device.type == "cpu":  # numpy: a fraction of torch's per-call overhead
+        region.numpy()[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        return
     src = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     region[: len(header)].copy_(src)
 

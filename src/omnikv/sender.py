@@ -228,7 +228,9 @@ def _slice_heads(
     gathers: Sequence[BlockGather | None], start: int, stop: int
 ) -> list[BlockGather | None]:
     return [
-        None if g is None else BlockGather(g.blocks[:, :, start:stop], g.block_ids, g.seq_len)
+        None
+        if g is None
+        else BlockGather(g.blocks[:, :, start:stop], g.block_ids, g.seq_len, g.index)
         for g in gathers
     ]
 

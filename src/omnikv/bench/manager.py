@@ -157,7 +157,12 @@ def _stats_text(prof: cProfile.Profile | None, top: int = 18) -> str:
     if prof is None:
         return ""
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    import os
+
+    st = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    st.print_stats(top)
+    if os.environ.get("OMNIKV_CALLEES"):
+        st.sort_stats("cumtime").print_callees(os.environ["OMNIKV_CALLEES"])
     return out.getvalue()
 
 
