@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnikv.layouts import ExtractionError, normalize_layer_kv, plan_request_kv, split_layer_kv
+from omnikv.layouts import (
+    BlockGather,
+    ExtractionError,
+    normalize_layer_kv,
+    plan_request_kv,
+    split_layer_kv,
+)
+from omnikv.payload import host_bits
 
 
 def _cache(num_blocks: int = 8, bs: int = 4, heads: int = 2, dim: int = 3) -> torch.Tensor:
@@ -103,3 +110,50 @@ def test_normalize_layer_kv_reference_cases() -> None:
 def test_zero_seq_len_gives_empty_tensors() -> None:
     keys, _ = plan_request_kv([_cache()], [2], 0, 4)
     assert keys[0] is not None and keys[0].materialize().shape == (0, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "ids", [[2, 3, 4], [5, 1, 6], [7]], ids=["consecutive", "scattered", "one"]
+)
+@pytest.mark.parametrize("seq", [4, 9, 12], ids=["one-block", "partial-last", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_host_bits_gather_equals_the_torch_gather(
+    ids: list[int], seq: int, dtype: torch.dtype
+) -> None:
+    """``write_bits`` (numpy, the sender's host fast path) writes exactly what ``write_into``
+    writes, for consecutive ids (one slice), scattered ids (one take) and a partial last block,
+    for dtypes numpy has no type for (bf16, fp8: copied as bits), and for a head slice."""
+    if seq > 4 * len(ids):
+        pytest.skip("more tokens than blocks")
+    kv = (torch.randn(2, 8, 4, 4, 3) * 8).to(dtype)
+    keys, _ = plan_request_kv([kv], ids, seq, 4)
+    g = keys[0]
+    assert g is not None and g.index is not None
+    full = list(ids[: seq // 4])
+    assert list(g.index.ids) == full
+    assert (g.index.start is not None) == (full == list(range(full[0], full[0] + len(full))))
+    for gather in (g, BlockGather(g.blocks[:, :, 1:3], g.block_ids, g.seq_len, g.index)):
+        want = torch.empty(gather.shape, dtype=dtype)
+        gather.write_into(want)
+        got = torch.empty(gather.shape, dtype=dtype)
+        bits = host_bits(got)
+        assert bits is not None and gather.write_bits(bits)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(want.float(), _expected(gather.blocks, ids, seq).float())
+
+
+def test_block_index_is_shared_by_every_layer_and_made_once_per_device() -> None:
+    caches = [_cache(), _cache()]
+    keys, values = plan_request_kv(caches, [6, 2, 0], 12, 4)
+    indexes = {id(g.index) for g in (*keys, *values) if g is not None}
+    assert len(indexes) == 1
+    index = keys[0].index if keys[0] is not None else None
+    assert index is not None and index.start is None
+    assert index.tensor(torch.device("cpu")) is index.tensor(torch.device("cpu"))
+    assert index.array().tolist() == [6, 2, 0]
+
+
+def test_host_bits_refuses_what_numpy_cannot_view() -> None:
+    assert host_bits(torch.zeros(3, dtype=torch.complex128)) is None  # no 16-byte integer
+    assert host_bits(torch.zeros(3).conj()) is not None  # real: conj is a no-op
+    assert host_bits(torch.zeros(3, dtype=torch.complex64).conj()) is None  # conjugate bit

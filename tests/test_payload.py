@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -431,3 +432,41 @@ def test_reference_payload_decodes_equal_to_the_reference_decoder() -> None:
     for cache in ("key_cache", "value_cache"):
         for a, b in zip(getattr(ours, cache), theirs["layer_blocks"][cache], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e5m2, torch.int8])
+def test_host_fast_path_and_torch_path_write_the_same_bytes(dtype: torch.dtype) -> None:
+    """pack_into copies host tensors through numpy (as same-size integer bits); at an offset
+    that misaligns the data for the dtype it takes the torch path. Both decode to the input."""
+    g = torch.Generator().manual_seed(3)
+    k = [(torch.randn(5, 2, 8, generator=g) * 4).to(dtype) for _ in range(2)]
+    v = [(torch.randn(5, 2, 8, generator=g) * 4).to(dtype)[:, :, ::2] for _ in range(2)]
+    plan = PackedPayload("r", k, v, [1], {"seq_len": 5})
+    fast = torch.empty(plan.nbytes, dtype=torch.uint8)
+    plan.pack_into(fast)
+    odd = torch.empty(plan.nbytes + 1, dtype=torch.uint8)
+    plan.pack_into(odd, 1)
+    assert torch.equal(fast, odd[1:])
+    out = decode_kv(fast)
+    for got, want in zip((*out.key_cache, *out.value_cache), (*k, *v), strict=True):
+        assert got is not None
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def test_header_metadata_msgspec_cannot_encode_goes_through_json() -> None:
+    """Metadata keys of odd types (booleans) are still written as JSON object keys, as before."""
+    plan = PackedPayload("r", [torch.ones(2)], [torch.ones(2)], [0], {"m": {True: 1, 2: "b"}})
+    meta = json.loads(plan.header_bytes[4:])["meta"]
+    assert meta == {"m": {"true": 1, "2": "b"}}
+    assert decode_kv(plan.to_bytes()).metadata == {"m": {"true": 1, "2": "b"}}
+
+
+def test_header_of_numpy_and_tensor_metadata_is_plain_json() -> None:
+    meta = {"a": np.int64(3), "b": torch.tensor([1, 2]), "c": np.arange(2), "d": {"x"}}
+    plan = PackedPayload("r", [torch.ones(2)], [torch.ones(2)], [0], meta)
+    assert json.loads(plan.header_bytes[4:])["meta"] == {
+        "a": 3,
+        "b": [1, 2],
+        "c": [0, 1],
+        "d": ["x"],
+    }

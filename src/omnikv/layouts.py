@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from omnikv.errors import OmniKVError
+from omnikv.payload import host_bits
 
 __all__ = [
     "LAYOUTS",
@@ -148,7 +150,7 @@ class BlockIndex:
     other order with ``index_select`` over an index tensor made once per device.
     """
 
-    __slots__ = ("_tensors", "ids", "start")
+    __slots__ = ("_array", "_tensors", "ids", "start")
 
     def __init__(self, ids: tuple[int, ...]) -> None:
         self.ids = ids
@@ -156,6 +158,13 @@ class BlockIndex:
         #: The first id when the ids are ``first, first + 1, ...``, else ``None``.
         self.start: int | None = first if ids == tuple(range(first, first + len(ids))) else None
         self._tensors: dict[torch.device, torch.Tensor] = {}
+        self._array: np.ndarray | None = None
+
+    def array(self) -> np.ndarray:
+        """The ids as an ``int64`` numpy array (made on first use)."""
+        if self._array is None:
+            self._array = np.array(self.ids, dtype=np.int64)
+        return self._array
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         """The ids as a ``long`` tensor on ``device`` (made on first use)."""
@@ -207,6 +216,29 @@ class BlockGather:
                 out.copy_(torch.index_select(src, 0, index.tensor(src.device)))
         if rest:
             dst[full * bs :].copy_(src[self.block_ids[full], :rest])
+
+    def write_bits(self, dst: np.ndarray) -> bool:
+        """:meth:`write_into` through numpy for host blocks: ``dst`` is the destination viewed as
+        same-size integers (:func:`omnikv.payload.host_bits`), ``[seq_len, ...]``. ``False``
+        (nothing written) when the blocks are not on the host. Called by ``pack_into``.
+        """
+        src = host_bits(self.blocks)
+        if src is None or src.dtype != dst.dtype:
+            return False
+        bs = src.shape[1]
+        full, rest = divmod(self.seq_len, bs)
+        if full:
+            index = self.index
+            if index is None or len(index.ids) != full:
+                index = BlockIndex(self.block_ids[:full])
+            out = (dst if not rest else dst[: full * bs]).reshape(full, bs, *src.shape[2:])
+            if index.start is not None:
+                np.copyto(out, src[index.start : index.start + full], casting="no")
+            else:
+                np.take(src, index.array(), axis=0, out=out)
+        if rest:
+            np.copyto(dst[full * bs :], src[self.block_ids[full], :rest], casting="no")
+        return True
 
     def materialize(self) -> torch.Tensor:
         """A fresh contiguous tensor with the gathered tokens (tests, non-packed transports)."""

@@ -151,6 +151,35 @@ class TensorWriter(Protocol):
 
 TensorLike = torch.Tensor | TensorWriter
 
+#: Same-size integer types: a host tensor of any allowed dtype is copied as these bits.
+_BITS_NP: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_BITS_TORCH: dict[int, torch.dtype] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+
+
+def host_bits(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a host tensor's elements as same-size integers, or ``None``.
+
+    Copies through numpy cost a fraction of torch's per-call overhead, which is what a small
+    payload's send time is made of; copying bits is exact for every dtype (bf16 and fp8 too).
+    ``None`` for device tensors and anything numpy cannot view (conjugate/negative bits).
+    Called by :meth:`PackedPayload.pack_into` and :meth:`omnikv.layouts.BlockGather.write_bits`.
+    """
+    if t.device.type != "cpu":
+        return None
+    size = t.element_size()
+    bits = _BITS_TORCH.get(size)
+    if bits is None:
+        return None
+    try:
+        return (t if t.dtype == bits else t.view(bits)).numpy()
+    except (RuntimeError, TypeError):
+        return None
+
 
 def _round_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
@@ -263,13 +292,14 @@ class PackedPayload:
         region = out[offset : offset + self.nbytes]
         data = region[self.data_start :]
         typed = _TypedBases(data)
+        host = data.numpy() if data.device.type == "cpu" else None
         prev_end = 0
         for slot in self._slots:
             if slot.source is None:
                 continue
             if slot.offset > prev_end:
                 data[prev_end : slot.offset].zero_()
-            if slot.nbytes:
+            if slot.nbytes and not (host is not None and _write_bits(slot, host)):
                 _write_tensor(slot, data, typed)
             prev_end = slot.offset + slot.nbytes
         header = self.header_bytes
@@ -356,6 +386,28 @@ class _TypedBases:
         except RuntimeError:  # storage offset misaligned for the dtype: per-slot path
             return None
         return typed, int(typed.storage_offset())
+
+
+def _write_bits(slot: _Slot, host: np.ndarray) -> bool:
+    """Host fast path of :meth:`PackedPayload.pack_into`: copy the slot's source into the host
+    data section ``host`` through numpy. ``False`` (nothing written) where it does not apply."""
+    src = slot.source
+    itemsize = _ITEMSIZE[slot.dtype_name]
+    np_bits = _BITS_NP.get(itemsize)
+    if np_bits is None or slot.offset % itemsize or host.ctypes.data % itemsize:
+        return False
+    dst = host[slot.offset : slot.offset + slot.nbytes].view(np_bits)
+    dst = dst.reshape(slot.shape)
+    if isinstance(src, torch.Tensor):
+        if tuple(src.shape) != slot.shape:
+            raise EncodeError(f"{slot.name} changed shape while encoding")
+        bits = host_bits(src.detach())
+        if bits is None:
+            return False
+        np.copyto(dst, bits, casting="no")
+        return True
+    write_bits = getattr(src, "write_bits", None)
+    return bool(write_bits(dst)) if write_bits is not None else False
 
 
 def _write_tensor(slot: _Slot, data: torch.Tensor, typed: _TypedBases) -> None:

@@ -4,6 +4,11 @@ The sender stage (this process) calls ``handle_finished_requests_kv_transfer`` o
 cache; the receiver stage (a child process started here, killed by PID at the end) is already
 blocked in ``receive_kv_cache_for_request`` for that request. A sample is the time from the send
 call to the moment the receiver holds the decoded KV, on ``CLOCK_MONOTONIC`` (one clock per node).
+The sender calls as soon as the receiver said it is waiting, as ``bench shm`` does (``--gap-ms``
+idles first); both processes freeze their start-up heap once set up, as vLLM's engine core does
+(``--no-gc-freeze`` does not). Per case it also prints the medians of the phases (the sender's
+call: extract, encode + put; the receiver's call after its wait) and the CPU time per request
+of each process.
 
 Cases, each on a *fresh* pair of managers (new namespace, new connectors), so the first request
 is a real first request (pool creation, connection, mapping):
@@ -23,7 +28,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
+import os
 import pstats
 import socket
 import subprocess
@@ -31,7 +38,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +49,35 @@ __all__ = ["main"]
 
 MIB = 1 << 20
 BLOCK = 16
-_SEND_CALL_S: list[float] = []  # duration of each handle_finished_requests_kv_transfer call
+
+
+@dataclass
+class _Phases:
+    """Per-sample phase figures of the current case (warm-up included; the report skips it)."""
+
+    send_call_s: list[float] = field(default_factory=list)  # handle_finished_... duration
+    extract_ms: list[float] = field(default_factory=list)  # sender: plan and gather set-up
+    encode_put_ms: list[float] = field(default_factory=list)  # sender: pack into the pool + put
+    after_wait_ms: list[float] = field(default_factory=list)  # receiver: its call after the wait
+
+    def clear(self) -> None:
+        for samples in (self.send_call_s, self.extract_ms, self.encode_put_ms, self.after_wait_ms):
+            samples.clear()
+
+    def summary(self, skip: int) -> str:
+        def med(xs: list[float], scale: float = 1.0) -> float:
+            kept = sorted(xs[skip:])
+            return kept[len(kept) // 2] * scale if kept else float("nan")
+
+        return (
+            f"sender's call {med(self.send_call_s, 1e3):.3f} ms (extract"
+            f" {med(self.extract_ms):.3f}, encode + put {med(self.encode_put_ms):.3f}), receiver"
+            f" after its wait {med(self.after_wait_ms):.3f} ms; the rest of a sample is the"
+            " receiver's wake-up"
+        )
+
+
+_PHASES = _Phases()
 
 
 @dataclass(frozen=True)
@@ -132,6 +167,7 @@ def _receiver(fd: int) -> int:
             caches = _caches(shape)
             mgr = OmniKVTransferManager(_config(msg[1], "receiver", int(msg[3])))
             _ = mgr.connector  # a started stage has its connector before any KV arrives
+            _settle_heap(bool(msg[4]))
             chan.send("ok")
         elif msg[0] == "profile":
             prof = cProfile.Profile() if msg[1] == "on" else prof
@@ -141,28 +177,49 @@ def _receiver(fd: int) -> int:
             chan.send("waiting")
             if prof is not None:
                 prof.enable()
+            t_call = time.monotonic()
             data, _size = mgr.receive_kv_cache_for_request(msg[1])
             t = time.monotonic()
             if prof is not None:
                 prof.disable()
             ok = _verify(data, caches, shape) if msg[2] else data is not None
             del data
-            chan.send(t, ok)
+            chan.send(t, ok, _after_wait_ms(mgr, msg[1], t - t_call))
     if mgr is not None:
         mgr.close()
     return 0
+
+
+def _settle_heap(freeze: bool) -> None:
+    """What a vLLM stage does once it has started (``freeze_gc_heap`` in its engine core):
+    collect, then freeze the start-up heap so that later collections do not walk it."""
+    if freeze:
+        gc.collect()
+        gc.freeze()
+
+
+def _after_wait_ms(mgr: Any, rid: str, call_s: float) -> float:
+    """How long the receiver's call ran after its connector wait ended (decode, the seed's dict,
+    bookkeeping): the call's duration minus the wait in the receive result's phase timings."""
+    result = mgr.get_receive_result(rid)
+    timings = getattr(result, "timings_ms", None) or {}
+    return call_s * 1e3 - float(timings.get("wait_ms", 0.0))
+
+
+def _cpu_s(child_pid: int) -> tuple[float, float]:
+    """CPU seconds used so far (user + system, every thread) by this process and the child."""
+    own = os.times()
+    with open(f"/proc/{child_pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    child = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own.user + own.system, child
 
 
 def _stats_text(prof: cProfile.Profile | None, top: int = 18) -> str:
     if prof is None:
         return ""
     out = io.StringIO()
-    import os
-
-    st = pstats.Stats(prof, stream=out).sort_stats("tottime")
-    st.print_stats(top)
-    if os.environ.get("OMNIKV_CALLEES"):
-        st.sort_stats("cumtime").print_callees(os.environ["OMNIKV_CALLEES"])
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
 
 
@@ -185,22 +242,23 @@ def _run_case(
     pool = args.pool_mib * MIB if key == "64KiB" else 2 * shape.nbytes + 16 * MIB
     namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
     caches = _caches(shape)
-    chan.send("new", namespace, key, pool)
+    chan.send("new", namespace, key, pool, not args.no_gc_freeze)
     chan.expect("ok")
     prefault: int | bool = True
     if key == "224MiB" and args.prefault_mib:
         prefault = args.prefault_mib * MIB
     mgr = OmniKVTransferManager(_config(namespace, "sender", pool, prefault))
+    _settle_heap(not args.no_gc_freeze)
     if key == "224MiB" and args.prefault_mib:
         time.sleep(args.settle_s)  # a stage starts well before its first request
     samples: list[float] = []
     failures: list[str] = []
     first, rss = 0.0, 0.0
-    _SEND_CALL_S.clear()
+    _PHASES.clear()
     try:
         for i in range(1 + args.warmup + iters):
             rss0 = _rss_mib()
-            t0, t_got, ok = _one(chan, mgr, caches, shape, f"{key}-{i}", i, iters)
+            t0, t_got, ok = _one(chan, mgr, caches, shape, f"{key}-{i}", i, iters, args.gap_ms)
             if not ok:
                 failures.append(f"{key} sample {i}")
             if i == 0:
@@ -209,21 +267,25 @@ def _run_case(
                 samples.append(t_got - t0)
     finally:
         mgr.close()
-    calls = sorted(_SEND_CALL_S[1 + args.warmup :])
-    if calls:
-        med = calls[len(calls) // 2] * 1e3
-        print(f"{shape.name}: the sender's call takes {med:.3f} ms (median); the rest of a"
-              " sample is the receiver's wake-up, decode and hand-back")  # fmt: skip
+    print(f"{shape.name}, medians: {_PHASES.summary(1 + args.warmup)}")
     return first, Stats(f"{shape.name}, steady", samples, shape.nbytes), rss, failures
 
 
 def _one(
-    chan: JsonChannel, mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str, i: int, n: int
+    chan: JsonChannel,
+    mgr: Any,
+    caches: list[torch.Tensor],
+    shape: Shape,
+    rid: str,
+    i: int,
+    n: int,
+    gap_ms: float = 0.0,
 ) -> tuple[float, float, bool]:
     verify = shape.nbytes <= MIB or i in (0, n)
     chan.send("recv", rid, verify)
     chan.expect("waiting")
-    time.sleep(0.002)  # let the receiver block in its wait (not part of the sample)
+    if gap_ms:
+        time.sleep(gap_ms / 1e3)  # idle time before the request (not part of the sample)
     t0 = time.monotonic()
     mgr.handle_finished_requests_kv_transfer(
         {rid: {"block_ids": list(range(shape.blocks)), "seq_len": shape.tokens}},
@@ -231,8 +293,13 @@ def _one(
         BLOCK,
         "torch.float16",
     )
-    _SEND_CALL_S.append(time.monotonic() - t0)
-    t_got, ok = chan.recv()
+    _PHASES.send_call_s.append(time.monotonic() - t0)
+    sent = mgr.get_send_result(rid)
+    timings = sent.timings_ms if sent is not None else {}
+    _PHASES.extract_ms.append(float(timings.get("extract_ms", "nan")))
+    _PHASES.encode_put_ms.append(float(timings.get("encode_put_ms", "nan")))
+    t_got, ok, after_wait_ms = chan.recv()
+    _PHASES.after_wait_ms.append(float(after_wait_ms))
     return t0, float(t_got), bool(ok)
 
 
@@ -255,7 +322,7 @@ def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, st
     shape = SHAPES["64KiB"]
     namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
     caches = _caches(shape)
-    chan.send("new", namespace, "64KiB", args.pool_mib * MIB)
+    chan.send("new", namespace, "64KiB", args.pool_mib * MIB, not args.no_gc_freeze)
     chan.expect("ok")
     mgr = OmniKVTransferManager(_config(namespace, "sender", args.pool_mib * MIB))
     prof = cProfile.Profile()
@@ -287,6 +354,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--settle-s", type=float, default=3.0, help=argparse.SUPPRESS)
     parser.add_argument("--skip-large", action="store_true", help="only the 64 KiB case")
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle time before each request, after the receiver said it waits (as bench shm: 0)",
+    )
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="do not freeze the start-up heap (vLLM's engine freezes it; so do we by default)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
@@ -303,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chan = JsonChannel(parent)
     try:
         chan.expect("ready")
-        return _sender(args, chan)
+        return _sender(args, chan, proc.pid)
     finally:
         with contextlib.suppress(OSError):
             chan.send("stop")
@@ -315,14 +393,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parent.close()
 
 
-def _sender(args: argparse.Namespace, chan: JsonChannel) -> int:
+def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
     cases = [("64KiB", args.small_iters)] + ([] if args.skip_large else [("224MiB", args.iters)])
     rows: list[Stats] = []
     out: dict[str, Any] = {"bench": "manager", "cases": {}}
     failures: list[str] = []
     targets: list[tuple[str, float, bool]] = []
     for key, iters in cases:
+        cpu0 = _cpu_s(child_pid)
         first, steady, rss, fails = _run_case(args, chan, key, iters)
+        cpu1, n = _cpu_s(child_pid), 1 + args.warmup + iters
+        print(f"{SHAPES[key].name}: CPU per request (every thread, bench overhead included):"
+              f" sender {(cpu1[0] - cpu0[0]) / n * 1e6:.0f} us,"
+              f" receiver {(cpu1[1] - cpu0[1]) / n * 1e6:.0f} us")  # fmt: skip
         failures += fails
         memcpy = _memcpy(SHAPES[key].nbytes, min(iters, 50))
         rows += [memcpy, steady]
