@@ -381,8 +381,8 @@ class KVReceiver:
 
         Host memory with ``receive_copy="auto"`` and no target device is adopted (the views keep
         it); otherwise, when the tensors would alias ``buf`` past its release (no target device,
-        or one on ``buf``'s device), they are decoded into one fresh buffer no larger than the
-        data section and ``buf`` is released at once. A payload published as an object (the
+        or one on ``buf``'s device), they are decoded into fresh memory (at most the data
+        section in all) and ``buf`` is released at once. A payload published as an object (the
         reference-shaped ``put``) is decoded from that object.
         """
         size, t = buf.size, buf.tensor
