@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,16 +43,27 @@ class _Histogram:
     def observe(self, value: float) -> None:
         self.count += 1
         self.total += value
-        for i, bound in enumerate(BUCKETS_MS):
-            if value <= bound:
-                self.buckets[i] += 1
-                return
-        self.buckets[-1] += 1
+        # the first bound >= value; past the last bound: the +Inf bucket
+        self.buckets[bisect_left(BUCKETS_MS, value)] += 1
 
     def copy(self) -> _Histogram:
         out = _Histogram()
         out.buckets, out.count, out.total = list(self.buckets), self.count, self.total
         return out
+
+
+_Phases = list[tuple[tuple[str, str], float]]
+_PHASE_KEYS: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def _phase_key(direction: str, phase: str) -> tuple[str, str]:
+    """``(direction, phase without "_ms")``, made once per name (a bounded set: the phases)."""
+    key = _PHASE_KEYS.get((direction, phase))
+    if key is None:
+        key = (direction, phase.removesuffix("_ms"))
+        if len(_PHASE_KEYS) < 1024:
+            _PHASE_KEYS[(direction, phase)] = key
+    return key
 
 
 class TransferMetrics:
@@ -69,18 +81,20 @@ class TransferMetrics:
         self, direction: str, status: str, nbytes: int, timings_ms: Mapping[str, float]
     ) -> None:
         """Called by the manager once per request; never raises."""
+        phases = [(_phase_key(direction, phase), float(ms)) for phase, ms in timings_ms.items()]
+        for target in (self, self._parent):
+            if target is not None:
+                target._add((direction, status), direction, int(nbytes), phases)
+
+    def _add(self, outcome: tuple[str, str], direction: str, nbytes: int, phases: _Phases) -> None:
         with self._lock:
-            key = (direction, status)
-            self._outcomes[key] = self._outcomes.get(key, 0) + 1
-            self._bytes[direction] = self._bytes.get(direction, 0) + int(nbytes)
-            for phase, ms in timings_ms.items():
-                pkey = (direction, phase.removesuffix("_ms"))
+            self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+            self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
+            for pkey, ms in phases:
                 hist = self._phases.get(pkey)
                 if hist is None:
                     hist = self._phases[pkey] = _Histogram()
-                hist.observe(float(ms))
-        if self._parent is not None:
-            self._parent.record(direction, status, nbytes, timings_ms)
+                hist.observe(ms)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-data copy: outcomes, bytes, and per-phase count / mean (ms)."""
