@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from omnikv import OmniKVCacheConfig, OmniKVTransferManager
 from omnikv.connectors._shm_config import AUTO_RESERVE, ShmConfig
 from omnikv.connectors.shm import SharedMemoryConnector
 from omnikv.errors import ConfigError
@@ -235,3 +236,29 @@ def test_a_put_during_population_proceeds_and_its_data_is_intact(
         health = tx.call("health")[1]
     assert health["pool_reserve_ready"] and health["pool_populated_bytes"] >= 512 * MIB
     assert health["puts"] == 2 and health["put_failures"] == 0
+
+
+# -- the manager tells its connector its role ------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_sending_manager_prepares_its_pool_before_the_first_request(namespace: str) -> None:
+    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": "16MiB"}
+    tx = OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config={**conn, "linger_s": 0}, from_stage="0", to_stage="1",
+            need_send_cache=True,
+        )
+    )  # fmt: skip
+    rx = OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config=dict(conn), from_stage="0", stage_id="1", need_recv_cache=True
+        )
+    )
+    try:
+        assert isinstance(tx.connector, SharedMemoryConnector)
+        assert isinstance(rx.connector, SharedMemoryConnector)
+        assert tx.connector.config.role == "sender" and rx.connector.config.role == "receiver"
+        assert _wait_ready(tx.connector)["pool_populated_bytes"] >= 16 * MIB
+        assert rx.connector.health()["pool_size_bytes"] == 0  # a receiver makes no pool
+    finally:
+        tx.close()
+        rx.close()
