@@ -394,7 +394,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         return self._store.flush(deadline)
 
     def health(self) -> dict[str, Any]:
-        """Status, pool occupancy and counters; cheap and never raising."""
+        """Status, pool occupancy, the pool's population (``pool_populated_bytes``,
+        ``pool_reserve_bytes``, ``pool_reserve_ready``, ``pool_reserve_s``, ``pool_prefault``:
+        a stage may poll ``pool_reserve_ready`` before its first request) and counters; cheap
+        and never raising."""
         return {
             "status": "closed" if self._closed else "healthy",
             "type": "SharedMemoryConnector",
