@@ -15,13 +15,16 @@ from typing import Any
 from omnikv.config import parse_bool, parse_int, parse_number, parse_positive, parse_size
 from omnikv.errors import ConfigError
 
-__all__ = ["DEFAULT_POOL_SIZE", "DEFAULT_THRESHOLD", "MIN_POOL_SIZE", "ShmConfig"]
+__all__ = ["AUTO_RESERVE", "DEFAULT_POOL_SIZE", "DEFAULT_THRESHOLD", "MIN_POOL_SIZE", "ShmConfig"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POOL_SIZE = 1 << 30
 DEFAULT_THRESHOLD = 65536
 MIN_POOL_SIZE = 4096
+#: ``prefault: "auto"``: a sending connector populates min(pool_size_bytes, this) at start.
+AUTO_RESERVE = 256 << 20
+ROLES = ("sender", "receiver")
 MAX_NAMESPACE_CHARS = 255
 _KNOWN_CONFIG = frozenset(
     {
@@ -30,6 +33,7 @@ _KNOWN_CONFIG = frozenset(
         "namespace",
         "pool_size_bytes",
         "prefault",
+        "role",
         "put_timeout_s",
         "get_timeout_s",
         "join_timeout_s",
@@ -53,18 +57,33 @@ def parse_namespace(value: Any) -> str:
     return value
 
 
-def parse_prefault(value: Any) -> tuple[bool, int]:
-    """``prefault``: a boolean, or a byte count (``int`` or ``"64MiB"``) also populated at start.
+def parse_prefault(value: Any) -> tuple[bool, int, bool]:
+    """``prefault``: ``"auto"`` (default), a boolean, or a byte count (``int`` or ``"64MiB"``).
 
-    Returns (populate ahead of use, bytes to populate at start); ``0`` is the same as ``False``.
+    Returns (populate ahead of use, explicit start-up reserve in bytes, automatic reserve);
+    ``0`` is the same as ``False``. Anything else is a :class:`ConfigError`.
     """
-    if value is None or isinstance(value, bool):
-        return parse_bool("prefault", value, True), 0
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return True, 0, True
+    if isinstance(value, bool):
+        return value, 0, False
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return parse_bool("prefault", value, True), 0
+        return parse_bool("prefault", value, True), 0, False
     if value == 0 and isinstance(value, int):
-        return False, 0
-    return True, parse_size("prefault", value, 0)
+        return False, 0, False
+    try:
+        return True, parse_size("prefault", value, 0), False
+    except ConfigError as exc:
+        raise ConfigError(
+            f"prefault must be 'auto', true, false or a byte count, got {value!r:.60}"
+        ) from exc
+
+
+def parse_role(value: Any) -> str | None:
+    """``role``: ``"sender"``, ``"receiver"`` or absent (``None``: not known)."""
+    if value is None or (isinstance(value, str) and value in ROLES):
+        return value
+    raise ConfigError(f"role must be one of {ROLES} or absent, got {value!r:.60}")
 
 
 @dataclass(frozen=True)
@@ -73,8 +92,10 @@ class ShmConfig:
 
     namespace: str = "default"
     pool_size: int = DEFAULT_POOL_SIZE
-    prefault: bool = True
-    prefault_bytes: int = 0
+    prefault: bool = True  # populate ahead of use (2x the high-water mark) in the background
+    prefault_bytes: int = 0  # an explicit start-up reserve
+    prefault_auto: bool = True  # reserve min(pool_size, AUTO_RESERVE) once the connector sends
+    role: str | None = None  # "sender" / "receiver" (the manager's factory says), None: unknown
     put_timeout_s: float = 30.0
     get_timeout_s: float = 0.1
     join_timeout_s: float = 10.0
@@ -92,12 +113,14 @@ class ShmConfig:
         pool_size = parse_size("pool_size_bytes", cfg.get("pool_size_bytes"), DEFAULT_POOL_SIZE)
         if pool_size < MIN_POOL_SIZE:
             raise ConfigError(f"pool_size_bytes must be >= {MIN_POOL_SIZE}, got {pool_size}")
-        prefault, prefault_bytes = parse_prefault(cfg.get("prefault"))
+        prefault, prefault_bytes, prefault_auto = parse_prefault(cfg.get("prefault"))
         return cls(
             namespace=parse_namespace(cfg.get("namespace")),
             pool_size=pool_size,
             prefault=prefault,
             prefault_bytes=prefault_bytes,
+            prefault_auto=prefault_auto,
+            role=parse_role(cfg.get("role")),
             put_timeout_s=parse_number("put_timeout_s", cfg.get("put_timeout_s"), 30.0),
             get_timeout_s=parse_positive("get_timeout_s", cfg.get("get_timeout_s"), 0.1),
             join_timeout_s=parse_positive("join_timeout_s", cfg.get("join_timeout_s"), 10.0),
@@ -109,3 +132,21 @@ class ShmConfig:
                 "inline_small_payloads", cfg.get("inline_small_payloads"), False
             ),
         )
+
+    @property
+    def reserve_bytes(self) -> int:
+        """The start-up reserve: how much of the pool is populated before it is used."""
+        if self.prefault_auto:
+            return min(self.pool_size, AUTO_RESERVE)
+        return min(self.prefault_bytes, self.pool_size)
+
+    @property
+    def reserve_at_start(self) -> bool:
+        """Create the pool and start the reserve in the constructor (else: on the first put).
+
+        A connector known to send does; one known to receive does not; one whose role is not
+        known does for an explicit byte count and waits for its first put with ``"auto"``.
+        """
+        if not self.reserve_bytes or self.role == "receiver":
+            return False
+        return self.role == "sender" or not self.prefault_auto

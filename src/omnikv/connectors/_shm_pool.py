@@ -5,8 +5,9 @@ anywhere else, so a SIGKILL cannot leak it: the kernel frees the memory when the
 and mapping are gone), owner-only (``0600``), sealed against growing and shrinking and against
 further seals (``F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``: a reader can never have the file
 truncated under it). It is mapped once and *not* populated: memory is committed as it is used
-(the allocator is first-fit from offset 0, so a small workload touches a small prefix), and a
-background thread pre-faults ahead of the high-water mark so steady-state puts do not fault.
+(the allocator is first-fit from offset 0, so a small workload touches a small prefix); a
+background thread populates a start-up reserve and then stays ahead of the high-water mark, so
+the first and the steady-state puts do not fault.
 
 A receiver maps a descriptor it was sent as a :class:`PeerPool` only after checking that it is a
 memfd with those three seals and exactly the announced size (``fstat``); anything else is
@@ -27,6 +28,8 @@ import logging
 import mmap
 import os
 import threading
+import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,9 +133,13 @@ class MappedRegion:
 class SenderPool(MappedRegion):
     """The sender's memfd pool: created, chmod 0600, sized, sealed, mapped (not populated).
 
-    ``note_used(end)`` tells the pool how far allocations reach; with ``prefault`` a background
-    thread then populates the mapping ahead of that mark (``MADV_POPULATE_WRITE``, in 8 MiB
-    steps), so memory grows with use and steady-state writes do not fault.
+    Population runs in one background thread (``MADV_POPULATE_WRITE`` in 8 MiB steps; ctypes
+    releases the GIL, so puts proceed meanwhile), started on the first request for it:
+    :meth:`reserve` populates a prefix at once (the start-up reserve), and with ``prefault``
+    ``note_used(end)`` keeps the populated prefix ahead of the allocations' high-water mark, so
+    memory grows with use and steady-state writes do not fault. Nothing ever waits for it: a
+    write to a page not populated yet faults it in. :meth:`close` stops the thread between
+    two steps.
     """
 
     def __init__(self, size: int, name: str, *, prefault: bool = True) -> None:
@@ -150,33 +157,70 @@ class SenderPool(MappedRegion):
             os.close(fd)
             raise
         self.fd: int | None = fd
+        self.prefault = prefault
         self._lock = threading.Lock()
         self._ready = 0  # populated up to here
         self._want = 0  # populate up to here
+        self._reserve = 0  # the start-up reserve: [0, _reserve)
+        self._reserve_t0 = 0.0
+        self._reserve_s: float | None = None  # how long the reserve took, once ready
+        self._failed = ""  # why population stopped (the kernel refused)
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        if prefault:
-            self._thread = threading.Thread(
-                target=self._prefault_loop, name="omnikv-shm-prefault", daemon=True
-            )
-            self._thread.start()
 
     def note_used(self, end: int) -> None:
-        """An allocation reaches ``end``: keep the populated prefix ahead of it."""
-        self.populate_to(2 * end + _PREFAULT_AHEAD)
+        """An allocation reaches ``end``: keep the populated prefix ahead of it (``prefault``)."""
+        if self.prefault:
+            self.populate_to(2 * end + _PREFAULT_AHEAD)
+
+    def reserve(self, nbytes: int) -> None:
+        """Populate ``[0, nbytes)`` (clamped to the pool) in the background, starting now.
+
+        Never blocks. :meth:`status` says when it is ready and how long it took."""
+        target = min(self.size, _round_up(nbytes, PAGE))
+        with self._lock:
+            if target <= self._reserve:
+                return
+            self._reserve, self._reserve_t0 = target, time.monotonic()
+            self._reserve_s = 0.0 if self._ready >= target else None
+        self.populate_to(target)
 
     def populate_to(self, end: int) -> None:
-        """Populate ``[0, end)`` in the background (no-op without ``prefault``)."""
+        """Populate ``[0, end)`` in the background (starts the thread on first use)."""
         target = min(self.size, _round_up(end, PAGE))
         with self._lock:
-            if self._thread is not None and target > self._want:
-                self._want = target
-                self._wake.notify()
+            if target <= self._want or self._tensor is None or self._failed:
+                return
+            self._want = target
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._prefault_loop, name="omnikv-shm-prefault", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
 
     @property
     def populated_bytes(self) -> int:
         with self._lock:
             return self._ready
+
+    def status(self) -> dict[str, Any]:
+        """Population as ``health()`` shows it: ``pool_populated_bytes``, ``pool_reserve_bytes``,
+        ``pool_reserve_ready``, ``pool_reserve_s`` (seconds it took; ``None`` until ready) and
+        ``pool_prefault`` (``off`` / ``idle`` / ``populating`` / ``failed: <reason>``)."""
+        with self._lock:
+            state = f"failed: {self._failed}" if self._failed else "idle"
+            if not self.prefault and not self._reserve:
+                state = "off"
+            if not self._failed and self._ready < self._want and self._tensor is not None:
+                state = "populating"
+            return {
+                "pool_populated_bytes": self._ready,
+                "pool_reserve_bytes": self._reserve,
+                "pool_reserve_ready": self._ready >= self._reserve,
+                "pool_reserve_s": self._reserve_s,
+                "pool_prefault": state,
+            }
 
     def _prefault_loop(self) -> None:
         while True:
@@ -188,13 +232,22 @@ class SenderPool(MappedRegion):
                 start, end = self._ready, min(self._want, self._ready + _PREFAULT_STEP)
             # ctypes releases the GIL: the kernel allocates and maps pages meanwhile
             if _libc.madvise(self.address + start, end - start, _MADV_POPULATE_WRITE):
-                logger.debug("MADV_POPULATE_WRITE unsupported; pool pages fault on first use")
+                err = ctypes.get_errno()
+                with self._lock:
+                    self._failed = os.strerror(err)
+                logger.info("MADV_POPULATE_WRITE failed (%s); pool pages fault on first use",
+                            self._failed)  # fmt: skip
                 return
             with self._lock:
                 self._ready = max(self._ready, end)
+                if self._reserve_s is None and self._ready >= self._reserve:
+                    self._reserve_s = time.monotonic() - self._reserve_t0
+                    logger.debug("pool reserve of %d bytes populated in %.3fs", self._reserve,
+                                 self._reserve_s)  # fmt: skip
 
     def close(self) -> None:
-        """Idempotent. Unmaps now if no view pins the mapping, else when the last view dies."""
+        """Idempotent. Stops population between two steps (bounded: one 8 MiB step); unmaps
+        now if no view pins the mapping, else when the last view dies."""
         with self._lock:
             self._tensor = None
             self._wake.notify_all()

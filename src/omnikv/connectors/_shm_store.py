@@ -60,9 +60,18 @@ class Entry:
 class SendStore:
     """Sender-side state of one connector; thread-safe (one lock, never held while sending)."""
 
-    def __init__(self, pool_size: int, prefault: bool, send: Send, drop: Callable[..., None]):
+    def __init__(
+        self,
+        pool_size: int,
+        prefault: bool,
+        send: Send,
+        drop: Callable[..., None],
+        *,
+        reserve: int = 0,
+    ) -> None:
         self.pool_size = pool_size
         self.prefault = prefault
+        self.reserve = reserve  # populated in the background as soon as the pool exists
         self._send = send
         self._drop = drop
         self._lock = threading.Lock()
@@ -86,7 +95,8 @@ class SendStore:
 
     # -- pool ---------------------------------------------------------------------------------
     def ensure_pool(self, on_create: Callable[[SenderPool], None]) -> BufferAllocator:
-        """The allocator of our pool, creating the pool on first use (cheap: not populated)."""
+        """The allocator of our pool, creating the pool on first use (cheap: not populated;
+        the start-up reserve, if any, starts populating in the background)."""
         alloc = self.alloc
         if alloc is not None:
             return alloc
@@ -101,6 +111,8 @@ class SendStore:
                 on_create(pool)
                 self.pool = pool
                 self.alloc = BufferAllocator(pool.size)
+                if self.reserve:
+                    pool.reserve(self.reserve)
             return self.alloc
 
     def pool_handle(self) -> tuple[int, int, int] | None:
@@ -341,12 +353,22 @@ class SendStore:
                 "pool_size_bytes": alloc.total if alloc else 0,
                 "pool_free_bytes": alloc.free_bytes() if alloc else 0,
                 "pool_largest_free": alloc.largest_free() if alloc else 0,
-                "pool_populated_bytes": pool.populated_bytes if pool else 0,
+                **(pool.status() if pool else self._no_pool_status()),
                 "published": len(self._published),
                 "held_by_readers": len(self._held),
                 "waiting_receivers": sum(len(q) for q in self._wanters.values()),
                 **self.counters,
             }
+
+    def _no_pool_status(self) -> dict[str, Any]:
+        """:meth:`SenderPool.status` before the pool exists (it is made by the first put)."""
+        return {
+            "pool_populated_bytes": 0,
+            "pool_reserve_bytes": self.reserve,
+            "pool_reserve_ready": not self.reserve,
+            "pool_reserve_s": None,
+            "pool_prefault": "on first put" if self.reserve or self.prefault else "off",
+        }
 
     def count_failure(self) -> None:
         with self._lock:

@@ -199,7 +199,8 @@ def spec_from_config(
     """What a stage's ``connector_config`` asks to build (``None`` without a ``type``).
 
     Every key but ``type`` is passed on; pull-model (transfer-engine) connectors also get their
-    role, stages and this rank's port (:func:`omnikv.topology.engine_connector_config`).
+    role, stages and this rank's port (:func:`omnikv.topology.engine_connector_config`), the
+    shared-memory connector its ``role`` (unless the config sets one).
     """
     if not connector_config or not connector_config.get("type"):
         return None
@@ -214,6 +215,9 @@ def spec_from_config(
             receives=receives,
             local_rank=local_rank,
         )
+    elif name == "SharedMemoryConnector" and (sends or receives):
+        # a sender prepares its pool while the stage starts (prefault "auto")
+        extra.setdefault("role", "sender" if sends else "receiver")
     return ConnectorSpec(name, extra)
 
 

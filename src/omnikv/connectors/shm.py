@@ -4,10 +4,13 @@ Design (one page; the parts live in ``_shm_*`` modules):
 
 * **Pool** (``_shm_pool``, ``_shm_store``). Every connector that puts owns one pool: an anonymous
   ``memfd`` (no name in ``/dev/shm``), ``0600``, sealed against resizing, sized by
-  ``pool_size_bytes`` (default 1 GiB), made on the first put in microseconds and *not* populated:
-  memory is committed as it is used and, with ``prefault``, a background thread populates ahead
-  of the high-water mark. Slots come from the one allocator (``_pool.BufferAllocator``); a put
-  waits on its condition until the caller's deadline, then raises :class:`PoolExhaustedError`.
+  ``pool_size_bytes`` (default 1 GiB), made in microseconds and *not* populated: memory is
+  committed as it is used. With ``prefault`` (``"auto"``) a background thread populates a
+  start-up reserve (min(pool, 256 MiB)) as soon as the connector is known to send (constructor
+  with ``role: "sender"``, which the manager's factory passes; else the first put), then stays
+  ahead of the high-water mark; nothing ever waits for it. Slots come from the one allocator
+  (``_pool.BufferAllocator``); a put waits on its condition until the caller's deadline, then
+  raises :class:`PoolExhaustedError`.
 * **Mesh** (``_shm_mesh``, ``_shm_wire``). Every connector binds a listener in the Linux
   *abstract* Unix namespace (random suffix) and connects to its namespace's peers (non-blocking,
   bounded) under a per-namespace ``flock`` in a directory only its uid can write; peers of
@@ -36,8 +39,13 @@ key                       default      meaning
                                        1-255 printable characters
 ``pool_size_bytes``       1 GiB        this connector's send pool (>= 4096; an int or ``"1GiB"``);
                                        the most it keeps unconsumed; a larger payload is refused
-``prefault``              ``True``     populate the pool ahead of use in the background; a
-                                       byte count: also populate that much at start-up
+``prefault``              ``"auto"``   ``"auto"``: populate min(pool, 256 MiB) in the background
+                                       once sending (see ``role``), then ahead of use;
+                                       ``True``: only ahead of use (2x the high-water mark);
+                                       a byte count: that reserve at start; ``False``: never
+``role``                  (unknown)    ``"sender"`` / ``"receiver"`` (the manager's factory
+                                       passes it): a sender makes its pool and starts the
+                                       ``"auto"`` reserve in the constructor, a receiver never
 ``put_timeout_s``         30           a put's wait for space when the caller gives no deadline
                                        (>= 0; 0: try once)
 ``get_timeout_s``         0.1          how long a non-blocking ``get`` waits for peers' answers
@@ -147,7 +155,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         self.instance = random_instance()
         self._mesh = Mesh(namespace_prefix(self.namespace), self.instance, self)
         self._store = SendStore(
-            self.config.pool_size, self.config.prefault, self._mesh.send, self._mesh.drop
+            self.config.pool_size,
+            self.config.prefault,
+            self._mesh.send,
+            self._mesh.drop,
+            reserve=self.config.reserve_bytes,
         )
         self._recv = RecvSide(self._mesh)
         try:
@@ -158,11 +170,15 @@ class SharedMemoryConnector(OmniConnectorBase):
                 f"cannot join shared-memory namespace {self.namespace!r}: {exc}"
             ) from exc
         self._closed = False
-        if self.config.prefault_bytes:
-            # a started stage populates up front what its first request will need
-            self._store.ensure_pool(self._on_pool_created)
-            assert self._store.pool is not None
-            self._store.pool.populate_to(self.config.prefault_bytes)
+        if self.config.reserve_at_start:
+            # a sending stage populates its reserve while it starts (model load, ...), so its
+            # first request does not pay for fresh pages
+            try:
+                with _boundary("pool creation"):
+                    self._store.ensure_pool(self._on_pool_created)
+            except ConnectorError:
+                self.close(linger=False)
+                raise
         multiprocessing.util.Finalize(self, _close_ref, (weakref.ref(self),), exitpriority=50)
         logger.debug(
             "SharedMemoryConnector %s joined namespace %r with %d peer(s)",
@@ -378,7 +394,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         return self._store.flush(deadline)
 
     def health(self) -> dict[str, Any]:
-        """Status, pool occupancy and counters; cheap and never raising."""
+        """Status, pool occupancy, the pool's population (``pool_populated_bytes``,
+        ``pool_reserve_bytes``, ``pool_reserve_ready``, ``pool_reserve_s``, ``pool_prefault``:
+        a stage may poll ``pool_reserve_ready`` before its first request) and counters; cheap
+        and never raising."""
         return {
             "status": "closed" if self._closed else "healthy",
             "type": "SharedMemoryConnector",
