@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -248,24 +248,36 @@ class BlockGather:
 
 
 def _check_blocks(
-    t: torch.Tensor, needed: Sequence[int], block_size: int, where: str, name: str
+    t: torch.Tensor, needed: _Needed, block_size: int, where: tuple[str, int], name: str
 ) -> None:
     """Raise :class:`ExtractionError` unless ``t`` is ``[blocks, block_size, ...]`` holding
-    the ``needed`` block ids."""
-    if t.dim() < 3:
+    the ``needed`` block ids; ``where`` is ``(request id, layer)`` for the message."""
+    shape = t.shape
+    if len(shape) < 3:
         raise ExtractionError(
-            f"{where}: {name} blocks need [blocks, block_size, ...], got {tuple(t.shape)}"
+            f"request {where[0]} layer {where[1]}: {name} blocks need [blocks, block_size, ...], "
+            f"got {tuple(shape)}"
         )
-    if int(t.shape[1]) != block_size:
+    if shape[1] != block_size:
         raise ExtractionError(
-            f"{where}: {name} blocks have shape {tuple(t.shape)}, "
-            f"so block size {int(t.shape[1])} != block_size {block_size}; {ACCEPTED}"
+            f"request {where[0]} layer {where[1]}: {name} blocks have shape {tuple(shape)}, "
+            f"so block size {int(shape[1])} != block_size {block_size}; {ACCEPTED}"
         )
-    bad = [b for b in needed if b < 0 or b >= int(t.shape[0])]
-    if bad:
+    count = int(shape[0])
+    if needed.low < 0 or needed.high >= count:
+        bad = [b for b in needed.ids if b < 0 or b >= count]
         raise ExtractionError(
-            f"{where}: block ids {bad[:8]} outside {name} cache of {int(t.shape[0])} blocks"
+            f"request {where[0]} layer {where[1]}: block ids {bad[:8]} outside {name} cache of "
+            f"{count} blocks"
         )
+
+
+class _Needed(NamedTuple):
+    """The block ids a request's tokens occupy, with their range (checked once per tensor)."""
+
+    ids: tuple[int, ...]
+    low: int
+    high: int
 
 
 def plan_request_kv(
@@ -300,6 +312,7 @@ def plan_request_kv(
         )
     needed = ids[: -(-seq_len // block_size)] if seq_len else ()
     index = BlockIndex(needed[: seq_len // block_size])
+    span = _Needed(needed, min(needed), max(needed)) if needed else _Needed((), 0, -1)
     keys: list[BlockGather | None] = []
     values: list[BlockGather | None] = []
     for idx, layer_kv in enumerate(kv_caches):
@@ -308,8 +321,8 @@ def plan_request_kv(
             values.append(None)
             continue
         k, v = split_layer_kv(layer_kv, layout=layout, where=f"request {rid} layer {idx}")
-        for name, t in (("K", k), ("V", v)):
-            _check_blocks(t, needed, block_size, f"request {rid} layer {idx}", name)
+        _check_blocks(k, span, block_size, (rid, idx), "K")
+        _check_blocks(v, span, block_size, (rid, idx), "V")
         keys.append(BlockGather(k, needed, seq_len, index))
         values.append(BlockGather(v, needed, seq_len, index))
     if not any(g is not None for g in keys):

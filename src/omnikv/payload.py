@@ -214,8 +214,9 @@ def _encode_header(header: dict[str, Any]) -> bytes:
     return text.encode("utf-8")
 
 
-@dataclass(frozen=True)
-class _Slot:
+class _Slot(NamedTuple):
+    """Where one tensor of a payload goes (a tuple: built per tensor per request)."""
+
     name: str
     layer: int
     source: TensorLike | None
@@ -292,7 +293,8 @@ class PackedPayload:
         region = out[offset : offset + self.nbytes]
         data = region[self.data_start :]
         typed = _TypedBases(data)
-        host = data.numpy() if data.device.type == "cpu" else None
+        whole = region.numpy() if region.device.type == "cpu" else None
+        host = whole[self.data_start :] if whole is not None else None
         prev_end = 0
         for slot in self._slots:
             if slot.source is None:
@@ -308,7 +310,10 @@ class PackedPayload:
             header = header.replace(
                 _CK_PLACEHOLDER.encode("ascii"), f"{_CK_PREFIX}{crc:08x}".encode("ascii"), 1
             )
-        _copy_bytes_in(region, header)
+        if whole is not None:  # numpy: a fraction of torch's per-call overhead
+            whole[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        else:
+            _copy_bytes_in(region, header)
         return self.nbytes
 
     def to_bytes(self) -> bytes:
@@ -342,7 +347,7 @@ def _lay_out(
             dname = _DTYPE_TO_NAME.get(src.dtype)
             if dname is None:
                 raise EncodeError(f"unsupported dtype {src.dtype} in {name}")
-            shape = tuple(int(d) for d in src.shape)
+            shape = tuple(map(int, src.shape))
             nbytes = math.prod(shape) * _ITEMSIZE[dname]
             align = PAGE if nbytes >= LARGE_TENSOR_BYTES else ALIGN
             any_large = any_large or align == PAGE
@@ -442,9 +447,6 @@ def _crc32(data: torch.Tensor) -> int:
 
 
 def _copy_bytes_in(region: torch.Tensor, header: bytes) -> None:
-    if region.device.type == "cpu":  # numpy: a fraction of torch's per-call overhead
-        region.numpy()[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        return
     src = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     region[: len(header)].copy_(src)
 
