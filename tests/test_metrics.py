@@ -79,3 +79,23 @@ def test_default_registry_and_unregister() -> None:
     finally:
         metrics.unregister()
     metrics.unregister()  # absent: no-op
+
+
+def test_histogram_buckets_are_upper_bounds_inclusive_and_overflow_to_inf() -> None:
+    """A value equal to a bound counts in that bound's bucket (Prometheus' ``le``); one above the
+    last bound goes to +Inf; the process totals see the same observations."""
+    h = metrics._Histogram()
+    for value in (0.0, 0.1, 0.1000001, 1.0, 5000.0, 5000.1, 1e9):
+        h.observe(value)
+    bounds = metrics.BUCKETS_MS
+    assert h.buckets[bounds.index(0.1)] == 2  # 0.0 and 0.1
+    assert h.buckets[bounds.index(0.5)] == 1  # just above 0.1
+    assert h.buckets[bounds.index(1)] == 1
+    assert h.buckets[bounds.index(5000)] == 1
+    assert h.buckets[-1] == 2  # +Inf
+    assert h.count == 7 and sum(h.buckets) == 7
+    parent_before = metrics._PROCESS.snapshot()["phases_ms"].get("recv.decode", {"count": 0})
+    m = TransferMetrics()
+    m.record("recv", "ok", 1, {"decode_ms": 0.2})
+    after = metrics._PROCESS.snapshot()["phases_ms"]["recv.decode"]
+    assert after["count"] == parent_before["count"] + 1
