@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer, Endpoint
 from omnikv.connectors._mooncake_common import warn_unauthenticated
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
@@ -49,7 +50,12 @@ from omnikv.connectors.base import (
     matches_request,
 )
 from omnikv.connectors.nixl_agent import NixlAgent, import_nixl
-from omnikv.connectors.nixl_protocol import MAX_MESSAGE_BYTES, SCHEMA, Counters, NixlSettings
+from omnikv.connectors.nixl_protocol import (
+    COUNTER_NAMES,
+    MAX_MESSAGE_BYTES,
+    SCHEMA,
+    NixlSettings,
+)
 from omnikv.connectors.nixl_receiver import NixlReceiverSide
 from omnikv.connectors.nixl_sender import NixlSenderSide
 from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
@@ -87,7 +93,7 @@ class NixlConnector(OmniConnectorBase):
         self.role = s.role
         self.put_timeout_s = s.put_timeout_s
         self._default_sender = s.default_sender
-        self._counters = Counters()
+        self._counters = Counters(COUNTER_NAMES)
         self._lock = threading.Lock()
         self._agent: NixlAgent | None = None
         self._pool: HostPool | None = None

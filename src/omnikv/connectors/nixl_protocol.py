@@ -19,9 +19,8 @@ notification ``xid``; the sender frees the entry when that notification arrives 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import DEFAULT_WINDOW_S, Schema
@@ -37,7 +36,7 @@ __all__ = [
     "LONG_POLL_CAP_S",
     "MAX_MESSAGE_BYTES",
     "SCHEMA",
-    "Counters",
+    "COUNTER_NAMES",
     "NixlSettings",
     "transfer_budget_s",
 ]
@@ -66,7 +65,8 @@ def transfer_budget_s(nbytes: int) -> float:
     return 30.0 + 5.0 * (nbytes // (100 << 20))
 
 
-_COUNTERS = (
+#: The events the two sides count (:class:`~omnikv.connectors._stats.Counters`).
+COUNTER_NAMES = (
     "puts",
     "put_bytes",
     "put_failures",
@@ -84,22 +84,6 @@ _COUNTERS = (
     "late_arrivals",
     "peer_gone",
 )
-
-
-@dataclass
-class Counters:
-    """Monotonic event counters of one connector (a snapshot goes into ``health()``)."""
-
-    values: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            self.values[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.values)
 
 
 def _put_timeout(value: Any) -> float:

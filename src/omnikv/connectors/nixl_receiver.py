@@ -27,11 +27,11 @@ from typing import Any, NoReturn
 
 from omnikv.connectors._control import Channel, ControlClient, Endpoint
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import ManagedBuffer, SlotRelease
 from omnikv.connectors.nixl_agent import NixlAgent, Transfer
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
-    Counters,
     NixlSettings,
     transfer_budget_s,
 )

@@ -23,11 +23,11 @@ from typing import Any
 
 from omnikv.connectors._control import ControlServer, Request
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import Writer, matches_request
 from omnikv.connectors.nixl_agent import NixlAgent
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
-    Counters,
     NixlSettings,
     transfer_budget_s,
 )

@@ -25,6 +25,7 @@ from omnikv.connectors._mooncake_common import (
     warn_unauthenticated,
 )
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
@@ -33,7 +34,7 @@ from omnikv.connectors.base import (
     Writer,
     get_result,
 )
-from omnikv.connectors.mooncake_te.protocol import SCHEMA, Counters, TEConfig, te_errors
+from omnikv.connectors.mooncake_te.protocol import COUNTER_NAMES, SCHEMA, TEConfig, te_errors
 from omnikv.connectors.mooncake_te.receiver import ReceiverSide
 from omnikv.connectors.mooncake_te.sender import SenderSide
 from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
@@ -77,7 +78,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         set_tcp_bind_address(cfg.host)
         if cfg.role == "sender" and cfg.secret is None:
             warn_unauthenticated(cfg.host, "Transfer Engine sender")
-        self._counters = Counters()
+        self._counters = Counters(COUNTER_NAMES)
         self._engine: Any = None
         self._pool: HostPool | None = None
         self._registered = False

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import DEFAULT_WINDOW_S, Schema
@@ -31,7 +30,7 @@ __all__ = [
     "LONG_POLL_CAP_S",
     "SCHEMA",
     "XFER_HISTORY",
-    "Counters",
+    "COUNTER_NAMES",
     "TEConfig",
     "te_errors",
     "transfer_budget_s",
@@ -141,7 +140,8 @@ class TEConfig:
         )
 
 
-_COUNTERS = (
+#: The events the two sides count (:class:`~omnikv.connectors._stats.Counters`).
+COUNTER_NAMES = (
     "puts",
     "put_bytes",
     "put_failures",
@@ -157,19 +157,3 @@ _COUNTERS = (
     "rejected_messages",
     "peer_gone",
 )
-
-
-@dataclass
-class Counters:
-    """Thread-safe event counters shared by the two sides (shown by ``health()``)."""
-
-    values: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            self.values[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.values)

@@ -26,10 +26,10 @@ from typing import Any
 
 from omnikv.connectors._control import Channel, ControlClient, ControlCodec
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import ManagedBuffer, SlotRelease, matches_request
 from omnikv.connectors.mooncake_te.protocol import (
     LONG_POLL_CAP_S,
-    Counters,
     TEConfig,
     te_errors,
     transfer_budget_s,

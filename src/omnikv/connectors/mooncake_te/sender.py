@@ -21,11 +21,11 @@ from typing import Any
 
 from omnikv.connectors._control import ControlCodec, ControlServer, Request
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import PutResult, Writer, matches_request
 from omnikv.connectors.mooncake_te.protocol import (
     LONG_POLL_CAP_S,
     XFER_HISTORY,
-    Counters,
     TEConfig,
 )
 
