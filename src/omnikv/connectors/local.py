@@ -36,6 +36,7 @@ from omnikv.connectors.base import (
     PutResult,
     SlotRelease,
     Writer,
+    fill_slot,
     get_result,
     matches_request,
 )
@@ -131,15 +132,8 @@ class LocalConnector(OmniConnectorBase):
     ) -> PutResult:
         """``write`` fills a pool slot; waits for space until ``deadline`` (PoolExhaustedError)."""
         self._check_open()
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
         pool = self._store.pool
-        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
-        try:
-            write(pool.slot(offset, nbytes))
-        except BaseException:
-            pool.allocator.free(offset)
-            raise
+        offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
         with self._store.cond:
             old = self._store.items.pop(key, None)

@@ -38,6 +38,7 @@ from omnikv.connectors.base import (
     PutResult,
     SlotRelease,
     Writer,
+    fill_slot,
     get_result,
     matches_request,
 )
@@ -188,12 +189,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         ``put_from`` raises ``ConnectorUnavailableError``. The slot is freed before returning.
         """
         store, pool = self._live()
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
+        offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
         try:
-            write(pool.slot(offset, nbytes))
             with store_errors(f"put of {key}"):
                 rc = store.put_from(key, pool.address + offset, nbytes, self._rcfg)
         finally:

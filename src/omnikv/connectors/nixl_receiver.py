@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from omnikv.connectors._control import Channel, ControlClient, Endpoint
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._stats import Counters
-from omnikv.connectors.base import ManagedBuffer, SlotRelease
+from omnikv.connectors.base import ManagedBuffer, SlotRelease, matches_request
 from omnikv.connectors.nixl_agent import NixlAgent, Transfer
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
@@ -124,7 +124,7 @@ class NixlReceiverSide:
             if late is not None:
                 return late
 
-    def try_get(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
+    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
         """One claim without holding; READ if the key is there. ``None`` otherwise."""
         late = self.take_late(key)
         if late is not None:
@@ -380,15 +380,13 @@ class NixlReceiverSide:
             late = self._late.pop(key, None)
         return None if late is None else self._deliver(*late)
 
-    def drop_late(self, keys: list[str]) -> None:
+    def cleanup(self, request_id: str) -> None:
+        """Drop the late arrivals of ``request_id`` (:func:`matches_request`)."""
         with self._lock:
-            items = [self._late.pop(k) for k in keys if k in self._late]
+            keys = [k for k in self._late if matches_request(k, request_id)]
+            items = [self._late.pop(k) for k in keys]
         for offset, _ in items:
             self._pool.allocator.free(offset)
-
-    def late_keys(self) -> list[str]:
-        with self._lock:
-            return list(self._late)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any
 from omnikv.connectors._control import ControlServer, Request
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._stats import Counters
-from omnikv.connectors.base import Writer, matches_request
+from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.nixl_agent import NixlAgent
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
@@ -91,14 +91,7 @@ class NixlSenderSide:
     # -- puts (caller's thread) --------------------------------------------------------------
     def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
         """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``."""
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        offset, _ = self._pool.allocator.alloc(nbytes, deadline=max(0.0, deadline))
-        try:
-            write(self._pool.slot(offset, nbytes))
-        except BaseException:
-            self._pool.allocator.free(offset)
-            raise
+        offset = fill_slot(self._pool, nbytes, write, max(0.0, deadline))
         return self._publish(key, offset, nbytes)
 
     def _publish(self, key: str, offset: int, size: int) -> dict[str, Any]:
@@ -285,7 +278,7 @@ class NixlSenderSide:
         with self._lock:
             return list(self._entries)
 
-    def wait_consumed(self, timeout_s: float) -> list[str]:
+    def flush(self, timeout_s: float) -> list[str]:
         """Block until no entry is left or ``timeout_s`` passes; the keys still unconsumed."""
         end = time.monotonic() + timeout_s
         with self._consumed_cond:

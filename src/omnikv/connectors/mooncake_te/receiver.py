@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,26 +89,11 @@ class ReceiverSide:
         self._counters = counters
         hello = {"sess": session_id, "base": pool.address, "len": pool.size}
         self._client = ControlClient(ctx, codec, hello)
-        self._default_sender = cfg.default_sender
         self._lock = threading.Lock()
         self._quarantine: dict[str, _Quarantined] = {}
         self._late: dict[str, _Late] = {}
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-
-    def set_default_sender(self, host: str, port: int) -> None:
-        self._default_sender = (str(host), int(port))
-
-    def endpoint(self, metadata: Mapping[str, Any] | None) -> Endpoint:
-        if metadata:
-            host, port = metadata.get("source_host"), metadata.get("source_port")
-            if host and port is not None:
-                return str(host), int(port)
-        if self._default_sender is None:
-            raise ConnectorUnavailableError(
-                "no sender endpoint: call update_sender_info() or pass source_host/source_port"
-            )
-        return self._default_sender
 
     # -- one receive -------------------------------------------------------------------------------
     def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
