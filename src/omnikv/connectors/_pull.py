@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from abc import abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from omnikv.connectors._control import Endpoint
+from omnikv.connectors._control import DEFAULT_WINDOW_S, Endpoint
+from omnikv.connectors._mooncake_common import (
+    config_port,
+    config_seconds,
+    parse_size,
+    resolve_host,
+)
 from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
@@ -25,11 +33,108 @@ from omnikv.connectors.base import (
     Writer,
     get_result,
 )
-from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
+from omnikv.errors import (
+    ConfigError,
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorUnavailableError,
+)
 
-__all__ = ["PullConnector", "ReceivingSide", "SendingSide", "sender_endpoint"]
+__all__ = [
+    "PullConnector",
+    "PullSettings",
+    "ReceivingSide",
+    "SendingSide",
+    "published",
+    "sender_endpoint",
+]
 
 logger = logging.getLogger(__name__)
+
+
+def _secret(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | bytes) or not value:
+        raise ConfigError("auth_secret must be a non-empty string or bytes (or unset)")
+    return value.encode() if isinstance(value, str) else value
+
+
+def _put_timeout(value: Any) -> float:
+    """``put_timeout_s``: seconds >= 0 (0: the reference-shaped ``put`` tries once)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(f"put_timeout_s must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PullSettings:
+    """The configuration keys both pull connectors read, checked once (``ConfigError`` names
+    the key). Each connector's settings class adds its own keys (see :meth:`common`)."""
+
+    role: str
+    host: str
+    zmq_port: int | None
+    pool_size: int
+    ttl_s: float
+    peer_timeout_s: float
+    quarantine_dead_s: float
+    close_timeout_s: float
+    window_s: float
+    put_timeout_s: float
+    secret: bytes | None
+    default_sender: tuple[str, int] | None
+
+    @staticmethod
+    def common(cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The shared fields parsed from ``cfg``: keyword arguments for a subclass.
+
+        ``role`` ("sender" binds ``zmq_port``, required then; "receiver" binds nothing),
+        ``host``, ``memory_pool_size`` (1 GiB), ``buffer_ttl_seconds`` (300),
+        ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
+        ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30), ``put_timeout_s`` (0),
+        ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender).
+        """
+        role = cfg.get("role", "sender")
+        if role not in {"sender", "receiver"}:
+            raise ConfigError(f"role must be 'sender' or 'receiver', got {role!r}")
+        zmq_port = None  # a receiver binds nothing: its zmq_port (if any) is not used
+        if role == "sender":
+            if cfg.get("zmq_port") is None:
+                raise ConfigError("a sender needs zmq_port")
+            zmq_port = config_port(cfg["zmq_port"], "zmq_port")
+        default_sender = None
+        if cfg.get("sender_host") and cfg.get("sender_zmq_port") is not None:
+            sender_port = config_port(cfg["sender_zmq_port"], "sender_zmq_port")
+            default_sender = (str(cfg["sender_host"]), sender_port)
+        return {
+            "role": str(role),
+            "host": resolve_host(cfg.get("host")),
+            "zmq_port": zmq_port,
+            "pool_size": parse_size(cfg.get("memory_pool_size", 1 << 30), "memory_pool_size"),
+            "ttl_s": config_seconds(cfg, "buffer_ttl_seconds", 300.0),
+            "peer_timeout_s": config_seconds(cfg, "peer_timeout_seconds", 5.0),
+            "quarantine_dead_s": config_seconds(cfg, "quarantine_dead_seconds", 60.0),
+            "close_timeout_s": config_seconds(cfg, "close_timeout_seconds", 30.0),
+            "window_s": config_seconds(cfg, "auth_window_seconds", DEFAULT_WINDOW_S),
+            "put_timeout_s": _put_timeout(cfg.get("put_timeout_s", 0.0)),
+            "secret": _secret(cfg.get("auth_secret")),
+            "default_sender": default_sender,
+        }
+
+
+def published(settings: PullSettings, counters: Counters, key: str, size: int) -> dict[str, Any]:
+    """Count a publication of ``size`` bytes under ``key`` (called by a sending side once the
+    entry is visible); the metadata a receiver can fetch it with."""
+    counters.add("puts")
+    counters.add("put_bytes", size)
+    logger.debug("published %s (%d bytes)", key, size)
+    return {
+        "source_host": settings.host,
+        "source_port": settings.zmq_port,
+        "data_size": size,
+        "is_fast_path": True,
+    }
 
 
 class SendingSide(Protocol):

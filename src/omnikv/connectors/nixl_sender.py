@@ -23,6 +23,7 @@ from typing import Any
 
 from omnikv.connectors._control import ControlServer, Request
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._pull import published
 from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.nixl_agent import NixlAgent
@@ -104,15 +105,7 @@ class NixlSenderSide:
             self._pool.allocator.free(old.offset)
         if self.server is not None:
             self.server.wake()
-        self._counters.add("puts")
-        self._counters.add("put_bytes", size)
-        logger.debug("published %s (%d bytes)", key, size)
-        return {
-            "source_host": self._s.host,
-            "source_port": self._s.zmq_port,
-            "data_size": size,
-            "is_fast_path": True,
-        }
+        return published(self._s, self._counters, key, size)
 
     def _drop_locked(self, entry: _Entry) -> bool:
         """Retire ``entry`` (no more claims); True when its slot can be freed now."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from omnikv.connectors._control import ControlCodec, ControlServer, Request
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._pull import published
 from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.mooncake_te.protocol import (
@@ -116,15 +117,7 @@ class SenderSide:
         if old is not None and not old.inflight:
             self._pool.allocator.free(old.offset)
         self._server.wake()
-        self._counters.add("puts")
-        self._counters.add("put_bytes", size)
-        logger.debug("published %s (%d bytes)", key, size)
-        return {
-            "source_host": self._cfg.host,
-            "source_port": self._cfg.zmq_port,
-            "data_size": size,
-            "is_fast_path": True,
-        }
+        return published(self._cfg, self._counters, key, size)
 
     def cleanup(self, request_id: str) -> None:
         with self._lock:
