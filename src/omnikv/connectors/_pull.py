@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,14 +25,17 @@ from omnikv.connectors._mooncake_common import (
     parse_size,
     resolve_host,
 )
+from omnikv.connectors._pool import HostPool
 from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
     OmniConnectorBase,
     PutResult,
+    SlotRelease,
     Writer,
     get_result,
+    matches_request,
 )
 from omnikv.errors import (
     ConfigError,
@@ -41,6 +45,8 @@ from omnikv.errors import (
 )
 
 __all__ = [
+    "LateArrivals",
+    "deliver",
     "PullConnector",
     "PullSettings",
     "ReceivingSide",
@@ -135,6 +141,66 @@ def published(settings: PullSettings, counters: Counters, key: str, size: int) -
         "data_size": size,
         "is_fast_path": True,
     }
+
+
+def deliver(pool: HostPool, counters: Counters, offset: int, size: int) -> ManagedBuffer:
+    """Hand a filled receive slot to the caller (counted as a get); released, it is freed."""
+    counters.add("gets")
+    counters.add("get_bytes", size)
+    return ManagedBuffer(pool.slot(offset, size), SlotRelease(pool, offset))
+
+
+class LateArrivals:
+    r"""Receive slots whose transfer finished after their receiver gave up on them.
+
+    A receiving side quarantines a slot whose transfer may still be writing; when its reaper
+    learns that the transfer completed, it :meth:`keep`\ s the slot under its key, and the next
+    ``wait`` / ``get`` of that key :meth:`take`\ s it without a new transfer (the sender
+    consumed the entry already). Thread-safe; ``cleanup`` and ``clear`` free what is held.
+    """
+
+    def __init__(self, pool: HostPool, counters: Counters, limit: int | None = None) -> None:
+        self._pool = pool
+        self._counters = counters
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, int]] = {}
+
+    def keep(self, key: str, offset: int, size: int) -> bool:
+        """Hold the slot for ``key`` (one held earlier for it is freed); False, holding
+        nothing, when ``limit`` slots are held already (the caller frees the slot)."""
+        with self._lock:
+            if self._limit is not None and len(self._held) >= self._limit:
+                return False
+            old = self._held.pop(key, None)
+            self._held[key] = (offset, size)
+        if old is not None:
+            self._pool.allocator.free(old[0])
+        self._counters.add("late_arrivals")
+        return True
+
+    def take(self, key: str) -> ManagedBuffer | None:
+        """The slot held for ``key`` as a buffer (counted as a get), or ``None``."""
+        with self._lock:
+            late = self._held.pop(key, None)
+        return None if late is None else deliver(self._pool, self._counters, *late)
+
+    def cleanup(self, request_id: str) -> None:
+        """Free the slots held for ``request_id`` (:func:`matches_request`)."""
+        with self._lock:
+            keys = [k for k in self._held if matches_request(k, request_id)]
+            dropped = [self._held.pop(k) for k in keys]
+        for offset, _ in dropped:
+            self._pool.allocator.free(offset)
+
+    def clear(self) -> None:
+        """Forget everything held (at close: the pool goes with the connector)."""
+        with self._lock:
+            self._held.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
 
 
 class SendingSide(Protocol):
