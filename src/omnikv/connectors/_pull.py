@@ -45,6 +45,8 @@ from omnikv.errors import (
 )
 
 __all__ = [
+    "PULL_COUNTER_NAMES",
+    "transfer_budget_s",
     "LateArrivals",
     "deliver",
     "PullConnector",
@@ -56,6 +58,28 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+#: The events every pull connector counts (each adds its own; see its protocol module).
+PULL_COUNTER_NAMES = (
+    "puts",
+    "put_bytes",
+    "put_failures",
+    "gets",
+    "get_bytes",
+    "misses",
+    "ttl_reaped",
+    "quarantine_events",
+    "quarantine_freed",
+    "late_arrivals",
+    "peer_gone",
+)
+
+
+def transfer_budget_s(nbytes: int) -> float:
+    """How long one transfer of ``nbytes`` may take: the reference's pull timeout, 30 s + 5 s
+    per full 100 MiB (both pull connectors)."""
+    return 30.0 + 5.0 * (nbytes // (100 << 20))
 
 
 def _secret(value: Any) -> bytes | None:

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import Schema
-from omnikv.connectors._pull import PullSettings
+from omnikv.connectors._pull import (
+    PULL_COUNTER_NAMES,
+    PullSettings,
+    transfer_budget_s,
+)
 from omnikv.errors import ConfigError
 
 __all__ = [
@@ -54,29 +58,14 @@ SCHEMA = Schema(
 )
 
 
-def transfer_budget_s(nbytes: int) -> float:
-    """How long one READ may take: 30 s + 5 s per full 100 MiB (the TE connector's rule)."""
-    return 30.0 + 5.0 * (nbytes // (100 << 20))
-
-
 #: The events the two sides count (:class:`~omnikv.connectors._stats.Counters`).
 COUNTER_NAMES = (
-    "puts",
-    "put_bytes",
-    "put_failures",
-    "gets",
-    "get_bytes",
-    "misses",
+    *PULL_COUNTER_NAMES,
     "grants",
     "consumed",
     "lease_expired",
     "aborted",
     "foreign_notifications",
-    "ttl_reaped",
-    "quarantine_events",
-    "quarantine_freed",
-    "late_arrivals",
-    "peer_gone",
 )
 
 

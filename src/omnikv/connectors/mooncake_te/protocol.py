@@ -20,7 +20,11 @@ from omnikv.connectors._control import Schema
 from omnikv.connectors._mooncake_common import (
     config_count,
 )
-from omnikv.connectors._pull import PullSettings
+from omnikv.connectors._pull import (
+    PULL_COUNTER_NAMES,
+    PullSettings,
+    transfer_budget_s,
+)
 from omnikv.errors import ConfigError, ConnectorError, ConnectorUnavailableError
 
 __all__ = [
@@ -47,11 +51,6 @@ SCHEMA = Schema(
     replies={"info": {"found": bool, "size": int}, "done": {"size": int}, "xstate": {"state": str}},
     hello={"sess": str, "base": int, "len": int},
 )
-
-
-def transfer_budget_s(nbytes: int) -> float:
-    """The reference's pull timeout: 30 s + 5 s per full 100 MiB."""
-    return 30.0 + 5.0 * (nbytes // (100 << 20))
 
 
 @contextlib.contextmanager
@@ -96,18 +95,8 @@ class TEConfig(PullSettings):
 
 #: The events the two sides count (:class:`~omnikv.connectors._stats.Counters`).
 COUNTER_NAMES = (
-    "puts",
-    "put_bytes",
-    "put_failures",
-    "gets",
-    "get_bytes",
-    "misses",
+    *PULL_COUNTER_NAMES,
     "pulls_served",
     "pull_failures",
-    "ttl_reaped",
-    "quarantine_events",
-    "quarantine_freed",
-    "late_arrivals",
     "rejected_messages",
-    "peer_gone",
 )
