@@ -24,9 +24,9 @@ from mooncake_helpers import (
     peers,
     queue,
     run_scenario,
-    spawn,
     tcp_sockets,
 )
+from pull_engine_helpers import ask, long_poll, serve_sender, start_sender
 
 pytestmark = [
     pytest.mark.engine,
@@ -56,52 +56,22 @@ class _HeldEngine:
         return getattr(self._engine, name)
 
 
-def _sender_put(conn: Any, key: str, nbytes: int, seed: int, deadline_s: float) -> tuple[Any, ...]:
-    data = pattern(nbytes, seed)
-
-    def write(dst: Any) -> None:
-        dst.numpy()[:] = data
-
-    ok, size, _ = conn.put_packed(
-        "0", "1", key, nbytes, write, deadline=time.monotonic() + deadline_s
-    )
-    return ("put", ok, size, crc(data))
-
-
 def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any, hold_q: Any) -> None:
     from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
 
     conn = MooncakeTransferEngineConnector(cfg)
-    out_q.put(("ready", conn.health()["session_id"]))
-    while True:
-        cmd = in_q.get()
-        op = cmd[0]
-        try:
-            if op == "put":
-                out_q.put(_sender_put(conn, *cmd[1:]))
-            elif op == "put_obj":
-                out_q.put(("put", *conn.put("0", "1", cmd[1], cmd[2])[:2], 0))
-            elif op == "hold":  # test hook: the sender side's engine handle
-                side = conn._sender
-                side._engine = _HeldEngine(side._engine, out_q, hold_q)
-                out_q.put(("held",))
-            elif op == "health":
-                out_q.put(("health", conn.health()))
-            elif op == "close":
-                conn.close()
-                conn.close()
-                out_q.put(("closed", conn.health(), omnikv_threads(), tcp_sockets()))
-                return
-        except Exception as exc:
-            out_q.put(("error", type(exc).__name__, str(exc)))
+
+    def hold() -> tuple[Any, ...]:  # test hook: the sender side's engine handle
+        side = conn._sender
+        side._engine = _HeldEngine(side._engine, out_q, hold_q)
+        return ("held",)
+
+    serve_sender(conn, out_q, in_q, {"hold": hold})
 
 
 def _sender(cfg: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    out_q, in_q, hold_q = queue(), queue(), queue()
-    proc = spawn(peer_sender, cfg, out_q, in_q, hold_q)
-    msg = out_q.get(timeout=30)
-    assert msg[0] == "ready", msg
-    return proc, out_q, in_q, hold_q
+    hold_q = queue()
+    return (*start_sender(peer_sender, cfg, hold_q), hold_q)
 
 
 def _base_cfg(**extra: Any) -> dict[str, Any]:
@@ -110,33 +80,7 @@ def _base_cfg(**extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def _ask(in_q: Any, out_q: Any, *cmd: Any) -> Any:
-    in_q.put(cmd)
-    return out_q.get(timeout=30)
-
-
 # -- scenario: round trip, auth, close ------------------------------------------------------------
-def _long_poll(recv: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> None:
-    got: dict[str, Any] = {}
-
-    def waiter() -> None:
-        got["r"] = recv.wait("0", "1", "k1", deadline=time.monotonic() + 20)
-        got["t"] = time.monotonic()
-
-    th = threading.Thread(target=waiter)
-    th.start()
-    _, ok, size, sent_crc = _ask(in_q, out_q, "put", "k1", 20 * MiB + 123, 7, 5.0)
-    t_put = time.monotonic()
-    th.join(timeout=25)
-    buf = got["r"]
-    res["put_ok"] = ok and size == 20 * MiB + 123
-    res["wait_type"] = type(buf).__name__
-    res["size"] = buf.size
-    res["crc_ok"] = crc(buf.tensor.numpy()) == sent_crc
-    res["lag_s"] = got["t"] - t_put
-    buf.release()
-
-
 def scenario_roundtrip() -> dict[str, Any]:
     from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
     from omnikv.errors import ConnectorClosedError
@@ -154,18 +98,18 @@ def scenario_roundtrip() -> dict[str, Any]:
         t0 = time.monotonic()
         res["miss"] = recv.get("0", "1", "absent") is None
         res["miss_s"] = time.monotonic() - t0
-        _long_poll(recv, in_q, out_q, res)
+        long_poll(recv, in_q, out_q, res)
         meta = {"source_host": "127.0.0.1", "source_port": zport}
         res["second_get_none"] = recv.get("0", "1", "k1", metadata=meta) is None
-        _ask(in_q, out_q, "put_obj", "obj", {"a": [1, 2], "b": "x"})
+        ask(in_q, out_q, "put_obj", "obj", {"a": [1, 2], "b": "x"})
         res["obj"] = recv.get("0", "1", "obj", metadata=meta)[0]
         bad = MooncakeTransferEngineConnector(_base_cfg(role="receiver", auth_secret="wrong"))
-        _ask(in_q, out_q, "put", "k2", MiB, 3, 5.0)
+        ask(in_q, out_q, "put", "k2", MiB, 3, 5.0)
         t0 = time.monotonic()
         res["bad_secret_none"] = bad.wait("0", "1", "k2", deadline=t0 + 1.0, metadata=meta) is None
         res["bad_secret_s"] = time.monotonic() - t0
         bad.close()
-        h = _ask(in_q, out_q, "health")[1]
+        h = ask(in_q, out_q, "health")[1]
         res["rejected"], res["still_pending"] = h["rejected_messages"], h["entries"]
         r2 = recv.wait("0", "1", "k2", deadline=time.monotonic() + 10)
         res["k2_ok"] = r2 is not None and crc(r2.tensor.numpy()) == crc(pattern(MiB, 3))
@@ -181,7 +125,7 @@ def scenario_roundtrip() -> dict[str, Any]:
             res["closed_raises"] = True
         res["recv_threads"] = omnikv_threads()
         res["recv_tcp"] = tcp_sockets()
-        _, sh, res["sender_threads"], res["sender_tcp"] = _ask(in_q, out_q, "close")
+        _, sh, res["sender_threads"], res["sender_tcp"] = ask(in_q, out_q, "close")
         res["sender_closed"], res["sender_pool"] = sh["status"], sh["pool_size"]
     return res
 
@@ -237,9 +181,9 @@ def test_close_leaves_no_thread_or_socket(roundtrip: dict[str, Any]) -> None:
 def _pool_and_ttl(recv: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> dict[str, Any]:
     from omnikv.errors import PoolExhaustedError
 
-    assert _ask(in_q, out_q, "put", "k12", 12 * MiB, 1, 1.0)[1] is True
+    assert ask(in_q, out_q, "put", "k12", 12 * MiB, 1, 1.0)[1] is True
     t0 = time.monotonic()
-    res["sender_pool"] = _ask(in_q, out_q, "put", "x8", 8 * MiB, 1, 0.3)[1]
+    res["sender_pool"] = ask(in_q, out_q, "put", "x8", 8 * MiB, 1, 0.3)[1]
     res["sender_pool_s"] = time.monotonic() - t0
     try:
         recv.wait("0", "1", "k12", deadline=time.monotonic() + 0.5)
@@ -247,18 +191,18 @@ def _pool_and_ttl(recv: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> dict
     except PoolExhaustedError:
         res["recv_pool"] = "PoolExhaustedError"
     end = time.monotonic() + 10
-    h = _ask(in_q, out_q, "health")[1]
+    h = ask(in_q, out_q, "health")[1]
     while h["entries"] and time.monotonic() < end:
         time.sleep(0.1)  # polls the sender's TTL sweep (1 s); synchronises nothing
-        h = _ask(in_q, out_q, "health")[1]
+        h = ask(in_q, out_q, "health")[1]
     res["ttl_reaped"] = h["ttl_reaped"]
     return h
 
 
 def _late_arrival(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, Any]) -> None:
-    ttl_before = _ask(in_q, out_q, "health")[1]["ttl_reaped"]
-    assert _ask(in_q, out_q, "hold")[0] == "held"
-    assert _ask(in_q, out_q, "put", "late", 2 * MiB, 5, 1.0)[1] is True
+    ttl_before = ask(in_q, out_q, "health")[1]["ttl_reaped"]
+    assert ask(in_q, out_q, "hold")[0] == "held"
+    assert ask(in_q, out_q, "put", "late", 2 * MiB, 5, 1.0)[1] is True
     t0 = time.monotonic()
     res["late_first_none"] = recv.wait("0", "1", "late", deadline=t0 + 0.6) is None
     res["late_first_s"] = time.monotonic() - t0
@@ -267,7 +211,7 @@ def _late_arrival(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, 
     res["quarantined_during"] = recv.health()["quarantined"]
     # keep the write in flight past the 1 s TTL and its 0.5 s sweep: the reaper must skip it
     time.sleep(max(0.0, t_writing + 2.0 - time.monotonic()))  # lets the TTL elapse
-    res["ttl_reaped_inflight"] = _ask(in_q, out_q, "health")[1]["ttl_reaped"] - ttl_before
+    res["ttl_reaped_inflight"] = ask(in_q, out_q, "health")[1]["ttl_reaped"] - ttl_before
     hold_q.put("go")
     r = recv.wait("0", "1", "late", deadline=time.monotonic() + 10)
     res["late_ok"] = r is not None and crc(r.tensor.numpy()) == crc(pattern(2 * MiB, 5))
@@ -278,7 +222,7 @@ def _late_arrival(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, 
 def _sender_killed(recv: Any, proc: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> None:
     from omnikv.errors import PeerGoneError
 
-    assert _ask(in_q, out_q, "put", "doomed", 4 * MiB, 6, 1.0)[1] is True
+    assert ask(in_q, out_q, "put", "doomed", 4 * MiB, 6, 1.0)[1] is True
     killed: dict[str, float] = {}
 
     def killer() -> None:
@@ -430,7 +374,7 @@ def scenario_replay() -> dict[str, Any]:
                       sender_zmq_port=zport, peer_timeout_seconds=1.0)
         )  # fmt: skip
         wire = _tap_client(recv)
-        _, _, _, sent_crc = _ask(in_q, out_q, "put", "k", 4 * MiB, 1, 5.0)
+        _, _, _, sent_crc = ask(in_q, out_q, "put", "k", 4 * MiB, 1, 5.0)
         held = recv.wait("0", "1", "k", deadline=time.monotonic() + 20)
         assert held is not None and crc(held.tensor.numpy()) == sent_crc
         chan = recv._receiver._client.channel(("127.0.0.1", zport), 5.0)  # test hook
@@ -439,13 +383,13 @@ def scenario_replay() -> dict[str, Any]:
         captured = {_control_op(m): m for m in wire if _control_op(m) in wanted}
         # the same key is published again (other bytes): a served replay of the captured pull
         # would overwrite the slot the application still holds
-        _ask(in_q, out_q, "put", "k", 4 * MiB, 2, 5.0)
-        before = _ask(in_q, out_q, "health")[1]
+        ask(in_q, out_q, "put", "k", 4 * MiB, 2, 5.0)
+        before = ask(in_q, out_q, "health")[1]
         res["captured"] = sorted(captured)
         res["answers"] = _replayed_answers(
             zport, [captured[op] for op in ("query", "pull", "ping")]
         )
-        after = _ask(in_q, out_q, "health")[1]
+        after = ask(in_q, out_q, "health")[1]
         res["held_intact"] = crc(held.tensor.numpy()) == sent_crc
         res["pulls_served"] = after["pulls_served"] - before["pulls_served"]
         res["entries"] = after["entries"]
@@ -461,12 +405,12 @@ def scenario_replay() -> dict[str, Any]:
         }
         reply = chan.request(bad_pull, 5.0)
         res["outside_pool"] = None if reply is None else reply.get("reason")
-        res["entries_after_outside"] = _ask(in_q, out_q, "health")[1]["entries"]
+        res["entries_after_outside"] = ask(in_q, out_q, "health")[1]["entries"]
         held.release()
         got = recv.wait("0", "1", "k", deadline=time.monotonic() + 20)
         res["genuine_ok"] = got is not None and crc(got.tensor.numpy()) == crc(pattern(4 * MiB, 2))
         recv.close()
-        _ask(in_q, out_q, "close")
+        ask(in_q, out_q, "close")
     return res
 
 

@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 
 from mooncake_helpers import (
@@ -23,26 +22,25 @@ from mooncake_helpers import (
     omnikv_threads,
     pattern,
     peers,
-    queue,
     run_scenario,
-    spawn,
     tcp_sockets,
 )
 from omnikv.connectors.nixl_agent import unavailable_reason
-from test_mooncake_manager import (
+from pull_engine_helpers import (
     QWEN,
     SMALL,
-    _check_closed_sender,
-    _check_consumed_once,
-    _check_received,
-    _check_receiver_closed,
-    _check_sent_224,
-    _collect,
-    _free_base_port,
-    peer_receiver,
-    receive_and_check,
+    ask,
+    check_closed_sender,
+    check_consumed_once,
+    check_received,
+    check_receiver_closed,
+    check_sent_224,
+    long_poll,
+    scenario_224,
+    scenario_tp,
+    serve_sender,
+    start_sender,
 )
-from test_mooncake_manager import peer_sender as manager_sender
 
 pytestmark = [
     pytest.mark.engine,
@@ -78,56 +76,12 @@ def _kill_after_grant(delay_s: float) -> None:
 
 def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
     from omnikv.connectors.nixl import NixlConnector
-    from omnikv.errors import PoolExhaustedError
 
-    conn = NixlConnector(cfg)
-    out_q.put(("ready", conn.health()["agent"]))
-    while True:
-        cmd = in_q.get()
-        op = cmd[0]
-        try:
-            if op == "put":
-                _, key, nbytes, seed, deadline_s = cmd
-                data = pattern(nbytes, seed)
+    def kill_after_grant(delay_s: float) -> tuple[Any, ...]:
+        _kill_after_grant(delay_s)
+        return ("armed",)
 
-                def write(dst: Any, data: np.ndarray = data) -> None:
-                    dst.numpy()[:] = data
-
-                t0 = time.monotonic()
-                try:
-                    ok, size, _meta = conn.put_packed(
-                        "0", "1", key, nbytes, write, deadline=t0 + deadline_s
-                    )
-                except PoolExhaustedError:
-                    out_q.put(("put", "PoolExhaustedError", time.monotonic() - t0, 0))
-                    continue
-                out_q.put(("put", ok, size, crc(data)))
-            elif op == "put_obj":
-                out_q.put(("put", *conn.put("0", "1", cmd[1], cmd[2])[:2], 0))
-            elif op == "kill_after_grant":
-                _kill_after_grant(cmd[1])
-                out_q.put(("armed",))
-            elif op == "health":
-                out_q.put(("health", conn.health()))
-            elif op == "flush":
-                t0 = time.monotonic()
-                left = conn.flush(cmd[1])
-                out_q.put(("flushed", left, time.monotonic() - t0))
-            elif op == "close":
-                conn.close()
-                conn.close()
-                out_q.put(("closed", conn.health(), omnikv_threads(), tcp_sockets()))
-                return
-        except Exception as exc:
-            out_q.put(("error", type(exc).__name__, str(exc)))
-
-
-def _sender(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
-    out_q, in_q = queue(), queue()
-    proc = spawn(peer_sender, cfg, out_q, in_q)
-    msg = out_q.get(timeout=30)
-    assert msg[0] == "ready", msg
-    return proc, out_q, in_q
+    serve_sender(NixlConnector(cfg), out_q, in_q, {"kill_after_grant": kill_after_grant})
 
 
 def _cfg(**extra: Any) -> dict[str, Any]:
@@ -137,8 +91,7 @@ def _cfg(**extra: Any) -> dict[str, Any]:
 
 
 def _ask(out_q: Any, in_q: Any, *cmd: Any) -> Any:
-    in_q.put(cmd)
-    msg = out_q.get(timeout=30)
+    msg = ask(in_q, out_q, *cmd)
     assert msg[0] != "error", msg
     return msg
 
@@ -146,38 +99,21 @@ def _ask(out_q: Any, in_q: Any, *cmd: Any) -> Any:
 # -- scenarios (run isolated) -------------------------------------------------------------------
 def scenario_roundtrip() -> dict[str, Any]:
     _loopback_env()
-    from omnikv.connectors.base import ManagedBuffer
     from omnikv.connectors.nixl import NixlConnector
     from omnikv.errors import ConnectorClosedError
 
     (zport,) = free_ports(1)
     res: dict[str, Any] = {}
-    proc, out_q, in_q = _sender(_cfg(role="sender", zmq_port=zport, auth_secret="s3cret"))
+    proc, out_q, in_q = start_sender(
+        peer_sender, _cfg(role="sender", zmq_port=zport, auth_secret="s3cret")
+    )
     with peers(proc):
         recv = NixlConnector(_cfg(role="receiver", auth_secret="s3cret", peer_timeout_seconds=2))
         recv.update_sender_info("127.0.0.1", zport)
         t0 = time.monotonic()
         res["miss"] = recv.get("0", "1", "absent") is None
         res["miss_s"] = time.monotonic() - t0
-        # long-poll: wait first, put while it waits
-        got: dict[str, Any] = {}
-
-        def waiter() -> None:
-            got["r"] = recv.wait("0", "1", "k1", deadline=time.monotonic() + 20)
-            got["t"] = time.monotonic()
-
-        th = threading.Thread(target=waiter)
-        th.start()
-        _, ok, size, sent_crc = _ask(out_q, in_q, "put", "k1", 20 * MiB + 123, 7, 5.0)
-        t_put = time.monotonic()
-        th.join(timeout=25)
-        buf = got["r"]
-        res["put_ok"] = ok and size == 20 * MiB + 123
-        res["managed"] = isinstance(buf, ManagedBuffer)
-        res["size"] = buf.size
-        res["crc_ok"] = crc(buf.tensor.numpy()) == sent_crc
-        res["lag_s"] = got["t"] - t_put
-        buf.release()
+        long_poll(recv, in_q, out_q, res)  # wait first, put while it waits
         # consume-once: the sender freed the entry on the READ's notification
         meta = {"source_host": "127.0.0.1", "source_port": zport}
         res["second_wait_none"] = (
@@ -285,14 +221,15 @@ def scenario_failures() -> dict[str, Any]:
 
     (zport,) = free_ports(1)
     res: dict[str, Any] = {}
-    proc, out_q, in_q = _sender(
+    proc, out_q, in_q = start_sender(
+        peer_sender,
         _cfg(
             role="sender",
             zmq_port=zport,
             memory_pool_size=256 * MiB,
             buffer_ttl_seconds=60,
             peer_timeout_seconds=1.0,
-        )
+        ),
     )
     with peers(proc):
         recv = NixlConnector(
@@ -356,71 +293,17 @@ def scenario_failures() -> dict[str, Any]:
     return res
 
 
-def nixl_kv_config(role: str, base_port: int, from_tp: int, to_tp: int) -> dict[str, Any]:
-    """The ``omni_kv_config`` of one stage, built as a user writes it."""
-    pool = 256 * MiB if from_tp == to_tp == 1 else 16 * MiB
-    cfg: dict[str, Any] = {
-        "connector_config": {
-            "type": "NixlConnector",
-            "host": "127.0.0.1",
-            "zmq_port": base_port,
-            "backends": ["UCX"],
-            "memory_pool_size": pool,
-            "auth_secret": "job-secret",
-        },
-        "rank_mapping": {"from_tp": from_tp, "to_tp": to_tp},
-        "recv_timeout": 60.0,
-    }
-    if role == "sender":
-        cfg.update(omni_from_stage="0", omni_to_stage="1", need_send_cache=True, stage_id=0)
-    else:
-        cfg.update(stage_id=1, engine_input_source=[0], need_recv_cache=True)
-    return cfg
+NIXL = {"type": "NixlConnector", "backends": ["UCX"]}
 
 
 def scenario_manager_224() -> dict[str, Any]:
     _loopback_env()
-    base = _free_base_port(1)
-    out_q, in_q = queue(), queue()
-    proc = spawn(manager_sender, nixl_kv_config("sender", base, 1, 1), 0, 1, QWEN, out_q, in_q)
-    res: dict[str, Any] = {}
-    with peers(proc, timeout=30):
-        # the receiver starts waiting before the sender has sent: it is woken by the put
-        res["recv"] = receive_and_check(
-            nixl_kv_config("receiver", base, 1, 1),
-            0,
-            1,
-            QWEN,
-            {"0": {"host": "127.0.0.1", "zmq_port": base + 100}},
-        )
-        res["sent"] = _collect(out_q, 1, 60)[0][2]
-        in_q.put("close")
-        res["closed"] = _collect(out_q, 1, 60)[0][2]
-    return res
+    return scenario_224(NIXL)
 
 
 def scenario_manager_tp(s: int, t: int) -> dict[str, Any]:
     _loopback_env()
-    base = _free_base_port(s)
-    out_q, in_q = queue(), queue()
-    info = {"host": "127.0.0.1", "zmq_port": base + 100}
-    procs = [
-        spawn(manager_sender, nixl_kv_config("sender", base, s, t), r, s, SMALL, out_q, in_q)
-        for r in range(s)
-    ]
-    procs += [
-        spawn(peer_receiver, nixl_kv_config("receiver", base, s, t), r, t, SMALL, info, out_q)
-        for r in range(t)
-    ]
-    res: dict[str, Any] = {"sent": {}, "received": {}, "closed": {}}
-    with peers(*procs, timeout=30):
-        for kind, rank, body in _collect(out_q, s + t, 90):
-            res[kind][str(rank)] = body
-        for _ in range(s):
-            in_q.put("close")
-        for _kind, rank, body in _collect(out_q, s, 60):
-            res["closed"][str(rank)] = body
-    return res
+    return scenario_tp(NIXL, s, t)
 
 
 def scenario_bench_small(path: str) -> dict[str, Any]:
@@ -463,7 +346,12 @@ def test_a_miss_is_none_and_quick(roundtrip: dict[str, Any]) -> None:
 @pytest.mark.timeout(90)
 def test_wait_is_woken_by_the_put_and_gets_the_bytes(roundtrip: dict[str, Any]) -> None:
     r = roundtrip
-    assert r["put_ok"] and r["managed"] and r["size"] == 20 * MiB + 123 and r["crc_ok"]
+    assert (
+        r["put_ok"]
+        and r["wait_type"] == "ManagedBuffer"
+        and r["size"] == 20 * MiB + 123
+        and r["crc_ok"]
+    )
     assert r["lag_s"] < 2.0, r["lag_s"]  # woken by the put, not by a poll period
 
 
@@ -559,23 +447,23 @@ def test_sender_killed_mid_read_is_peer_gone_and_leaks_nothing(failures: dict[st
 
 @pytest.mark.timeout(150)
 def test_manager_sends_the_224mib_kv(manager_224: dict[str, Any]) -> None:
-    _check_sent_224(manager_224["sent"])
+    check_sent_224(manager_224["sent"])
 
 
 @pytest.mark.timeout(150)
 def test_manager_receives_every_tensor_intact(manager_224: dict[str, Any]) -> None:
-    _check_received(manager_224["recv"], QWEN, QWEN["heads"])
+    check_received(manager_224["recv"], QWEN, QWEN["heads"])
 
 
 @pytest.mark.timeout(150)
 def test_manager_kv_is_consumed_once(manager_224: dict[str, Any]) -> None:
-    _check_consumed_once(manager_224["recv"])
+    check_consumed_once(manager_224["recv"])
 
 
 @pytest.mark.timeout(150)
 def test_managers_leave_nothing_after_close(manager_224: dict[str, Any]) -> None:
-    _check_receiver_closed(manager_224["recv"])
-    _check_closed_sender(manager_224["closed"])
+    check_receiver_closed(manager_224["recv"])
+    check_closed_sender(manager_224["closed"])
 
 
 @pytest.mark.timeout(150)
@@ -591,15 +479,15 @@ def test_tp2_senders_slice_heads_for_their_tp4_receivers(manager_tp: dict[str, A
 def test_every_tp4_receiver_gets_its_heads_intact(manager_tp: dict[str, Any]) -> None:
     assert sorted(manager_tp["received"]) == ["0", "1", "2", "3"]
     for body in manager_tp["received"].values():
-        _check_received(body, SMALL, SMALL["heads"] // 4)
-        _check_consumed_once(body)
-        _check_receiver_closed(body)
+        check_received(body, SMALL, SMALL["heads"] // 4)
+        check_consumed_once(body)
+        check_receiver_closed(body)
 
 
 @pytest.mark.timeout(150)
 def test_tp2_senders_leave_nothing_after_close(manager_tp: dict[str, Any]) -> None:
     for body in manager_tp["closed"].values():
-        _check_closed_sender(body)
+        check_closed_sender(body)
 
 
 @pytest.mark.timeout(90)

@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from omnikv import OmniKVCacheConfig, OmniKVTransferManager  # noqa: E402
+from omnikv.demo.hf import DTYPES, greedy, tiny_llama  # noqa: E402
 from omnikv.integrations.transformers import (  # noqa: E402
     HFCacheError,
     receive_hf_cache,
@@ -27,31 +28,17 @@ from omnikv.integrations.transformers import (  # noqa: E402
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 NEW_TOKENS = 3
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def tiny_llama(dtype: torch.dtype) -> Any:
-    """A 2-layer Llama with 4 query heads over 2 KV heads (GQA), seeded weights."""
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,  # greedy runs never stop early
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+def _tiny(dtype: torch.dtype) -> Any:
+    """The demo's model shrunk: 2 layers, vocabulary 96 (4 query heads over 2 KV heads)."""
+    return tiny_llama(dtype, vocab_size=96, hidden_size=32, num_layers=2, max_positions=256, seed=0)
 
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {name: tiny_llama(dtype) for name, dtype in DTYPES.items()}
+    return {name: _tiny(dtype) for name, dtype in DTYPES.items()}
 
 
 def _pair(namespace: str) -> tuple[OmniKVTransferManager, OmniKVTransferManager]:
@@ -74,18 +61,6 @@ def _pair(namespace: str) -> tuple[OmniKVTransferManager, OmniKVTransferManager]
 def _prompt(n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
     return torch.randint(0, 96, (1, n), generator=g)
-
-
-def _greedy(model: Any, ids: torch.Tensor, n: int, cache: Any = None) -> list[int]:
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        cache=cache,
-        max_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, ids.shape[1] :]]
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 100])
@@ -111,8 +86,8 @@ def test_local_roundtrip_is_bit_identical_and_continues_like_generate(
             assert torch.equal(want.keys, have.keys) and torch.equal(want.values, have.values)
         ids = torch.cat([prompt, torch.tensor([[first]])], dim=1)
         with torch.no_grad():
-            tokens = [first, *_greedy(model, ids, NEW_TOKENS, cache)]
-            assert tokens == _greedy(model, prompt, NEW_TOKENS + 1)
+            tokens = [first, *greedy(model, ids, NEW_TOKENS, cache)]
+            assert tokens == greedy(model, prompt, NEW_TOKENS + 1)
 
 
 def test_legacy_tuple_of_pairs_and_kv_that_requires_grad_are_sent(

@@ -63,84 +63,52 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from omnikv.bench._alternate import (
+    MIB,
+    SETUP_TIMEOUT_S,
+    STAGES,
+    TARGET,
+    TARGET_MIB,
+    BenchError,
+    Check,
+    Rounds,
+    Source,
+    TransportSamples,
+    add_common_args,
+    encode_check,
+    omni_wait,
+    pool_size,
+    reap,
+    serve,
+    spawn_sender,
+    tokens_of,
+)
 from omnikv.bench.common import (
-    MODELS,
     ChannelError,
     JsonChannel,
     Stats,
-    describe_payload,
     print_table,
-    realistic_payload,
     write_json,
 )
 from omnikv.bench.mooncake_master import HOST, MooncakeMaster, free_ports
 from omnikv.connectors._mooncake_common import unavailable_reason
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import ManagedBuffer
-from omnikv.payload import decode
 
 __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 
-MIB = 1 << 20
-TARGET = 0.85
-TARGET_MIB = 224
 MIN_SEGMENT = 16 * MIB  # Mooncake Store's smallest global segment ("must be at least 16777216")
-SETUP_TIMEOUT_S = 300.0
-WAIT_BUDGET_S = 60.0
-_STAGES = ("0", "1")
-
-
-class BenchError(RuntimeError):
-    """A benchmark step failed (set-up, a transfer, the control channel); reported, exit 1."""
-
-
-# -- helpers shared by both processes ------------------------------------------------------------
-def _crc(t: torch.Tensor) -> int:
-    """crc32 (zlib) of a contiguous 1-D uint8 host tensor, read through numpy (no torch threads)."""
-    return zlib.crc32(t.numpy().data)
-
-
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view (a copy only if ``t`` is not contiguous) of a host tensor."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _same(data: dict[str, Any], source: dict[str, list[torch.Tensor]]) -> bool:
-    """Every decoded tensor equals its source tensor (dtype, shape, bytes).
-
-    Compared with numpy, single-threaded: a parallel torch op would leave OpenMP workers
-    spinning into the next timed sample.
-    """
-    for cache in ("key_cache", "value_cache"):
-        for got, want in zip(data["layer_blocks"][cache], source[cache], strict=True):
-            if got is None or got.dtype != want.dtype or got.shape != want.shape:
-                return False
-            if not np.array_equal(_bytes_of(got), _bytes_of(want)):
-                return False
-    return True
-
-
-def _pool_size(n: int) -> int:
-    """Connector pool size for one ``n``-byte payload in flight (plus alignment headroom)."""
-    return n + 4 * MIB
 
 
 def _segment_size(n: int) -> int:
@@ -152,16 +120,6 @@ def _mooncake_env() -> None:
     """Environment both processes need before a Mooncake engine starts (called by ``main``)."""
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ["MC_TCP_BIND_ADDRESS"] = HOST
-
-
-def _die_with_parent() -> None:
-    """Child only: ask Linux to SIGKILL this process when its parent dies (belt and braces
-    next to the control channel's EOF, for a child stuck inside an engine call)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def _raw_engine(pool: HostPool) -> Any:
@@ -212,12 +170,8 @@ class _Sender:
     """
 
     def __init__(self, model: str, tokens: int) -> None:
-        payload = realistic_payload(model, tokens)
-        plan = payload.plan()
-        self.n = plan.nbytes
-        self.src = HostPool(self.n)
-        plan.pack_into(self.src.tensor[: self.n])
-        self.src_view = self.src.tensor[: self.n]
+        self.src = Source(model, tokens)
+        self.n = self.src.n
         # a raw engine / store client exists only with its pool registered (see _raw_*)
         self.te_engine: Any = None
         self.te_pool: HostPool | None = None
@@ -228,30 +182,13 @@ class _Sender:
         self.st_rcfg: Any = None
         self.st_conn: Any = None
 
-    def _writer(self, took: list[float]) -> Callable[[torch.Tensor], None]:
-        """A ``put_packed`` writer that copies the pre-encoded bytes and records its own time.
-
-        A single-threaded numpy copy: a parallel torch ``copy_`` leaves OpenMP workers spinning
-        for a while afterwards, and on a 2-core machine they slow the transfer that follows
-        (measured: an 8 MiB ``transfer_sync_write`` 4.5-5 ms after a numpy copy, 6-8 ms after a
-        2-thread torch copy), which would charge the writer's side effect to the transport.
-        """
-        src = self.src_view.numpy()
-
-        def write(dst: torch.Tensor) -> None:
-            t0 = time.monotonic()
-            np.copyto(dst.numpy(), src)
-            took.append(time.monotonic() - t0)
-
-        return write
-
     # Transfer Engine
     def op_te_setup(self, rx_session: str, rx_addr: int, zmq_port: int) -> list[Any]:
         """Raw engine + registered buffer holding the bytes, and the sender connector."""
         from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
 
         self.te_pool = HostPool(self.n)
-        self.te_pool.tensor[: self.n].copy_(self.src_view)
+        self.te_pool.tensor[: self.n].copy_(self.src.view)
         self.te_engine = _raw_engine(self.te_pool)
         self.te_target = (rx_session, int(rx_addr))
         self.te_conn = MooncakeTransferEngineConnector(
@@ -260,7 +197,7 @@ class _Sender:
                 "host": HOST,
                 "zmq_port": zmq_port,
                 "protocol": "tcp",
-                "memory_pool_size": _pool_size(self.n),
+                "memory_pool_size": pool_size(self.n),
             }
         )
         return ["te_ready"]
@@ -273,21 +210,9 @@ class _Sender:
         rc = self.te_engine.transfer_sync_write(session, self.te_pool.address, dst, self.n)
         return ["raw", int(rc), time.monotonic() - t0]
 
-    def _publish(self, conn: Any, key: str) -> list[Any]:
-        """``put_packed`` under ``key``: ``["published", t_start, t_end, writer_seconds]``."""
-        took: list[float] = []
-        t0 = time.monotonic()
-        ok, _, _ = conn.put_packed(
-            *_STAGES, key, self.n, self._writer(took), deadline=t0 + WAIT_BUDGET_S
-        )
-        t1 = time.monotonic()
-        if not ok:
-            raise BenchError(f"put_packed of {key} failed")
-        return ["published", t0, t1, took[0]]
-
     def op_te_omni(self, key: str) -> list[Any]:
-        """Publish ``key`` through the Transfer Engine connector (see :meth:`_publish`)."""
-        return self._publish(self.te_conn, key)
+        """Publish ``key`` through the Transfer Engine connector (:meth:`Source.publish`)."""
+        return self.src.publish(self.te_conn, key)
 
     def close_te(self) -> None:
         """Close the connector, unregister and unmap the raw buffer, drop the engine."""
@@ -310,7 +235,7 @@ class _Sender:
         from omnikv.connectors.mooncake_store import MooncakeStoreConnector
 
         self.st_pool = HostPool(self.n)
-        self.st_pool.tensor[: self.n].copy_(self.src_view)
+        self.st_pool.tensor[: self.n].copy_(self.src.view)
         store = self.store = _raw_store(metadata_url, master, segment, self.st_pool)
         self.st_rcfg = ReplicateConfig()
         self.st_conn = MooncakeStoreConnector(
@@ -320,7 +245,7 @@ class _Sender:
                 "master_server_address": master,
                 "global_segment_size": segment,
                 "local_buffer_size": 16 * MIB,
-                "memory_pool_size": _pool_size(self.n),
+                "memory_pool_size": pool_size(self.n),
             }
         )
         return ["st_ready", str(store.get_hostname())]
@@ -333,8 +258,8 @@ class _Sender:
         return ["raw", int(rc), time.monotonic() - t0]
 
     def op_st_omni(self, key: str) -> list[Any]:
-        """Publish ``key`` through the Store connector (see :meth:`_publish`)."""
-        return self._publish(self.st_conn, key)
+        """Publish ``key`` through the Store connector (:meth:`Source.publish`)."""
+        return self.src.publish(self.st_conn, key)
 
     def close_store(self) -> None:
         """Close the connector, unregister the raw buffer, close the client (master still up)."""
@@ -356,108 +281,36 @@ class _Sender:
         self.close_store()
         self.src.close()
 
+    def ops(self) -> dict[str, Callable[..., list[Any]]]:
+        """The commands this child answers (``te_close`` / ``st_close`` reply ``["closed"]``)."""
 
-def _sender_main(fd: int, model: str, tokens: int) -> int:
-    """Child entry point: answer the parent's commands until ``stop`` or EOF, then clean up.
+        def closing(close: Callable[[], None]) -> Callable[[], list[Any]]:
+            def op() -> list[Any]:
+                close()
+                return ["closed"]
 
-    Replies ``["error", text]`` to a command that failed (the parent aborts the run); exits when
-    the channel closes, so a dead parent never leaves it behind.
-    """
-    _die_with_parent()
-    chan = JsonChannel(socket.socket(fileno=fd))
-    missing = unavailable_reason()
-    if missing is not None:
-        chan.send("error", missing)
-        return 1
-    try:
-        sender = _Sender(model, tokens)
-    except Exception as exc:
-        chan.send("error", f"{type(exc).__name__}: {exc}")
-        return 1
-    ops: dict[str, Callable[..., list[Any]]] = {
-        "te_setup": sender.op_te_setup,
-        "te_raw": sender.op_te_raw,
-        "te_omni": sender.op_te_omni,
-        "st_setup": sender.op_st_setup,
-        "st_raw": sender.op_st_raw,
-        "st_omni": sender.op_st_omni,
-    }
-    chan.send("ready", os.getpid(), _crc(sender.src_view), sender.n)
-    try:
-        while True:
-            try:
-                msg = chan.recv()
-            except (EOFError, OSError):
-                break
-            op = msg[0]
-            if op == "stop":
-                break
-            try:
-                if op == "te_close":
-                    sender.close_te()
-                    reply: list[Any] = ["closed"]
-                elif op == "st_close":
-                    sender.close_store()
-                    reply = ["closed"]
-                else:
-                    reply = ops[op](*msg[1:])
-            except Exception as exc:
-                logger.debug("command %s failed", op, exc_info=True)
-                reply = ["error", f"{op}: {type(exc).__name__}: {exc}"]
-            try:
-                chan.send(*reply)
-            except OSError:
-                break
-    finally:
-        sender.close()
-        chan.close()
-    return 0
+            return op
+
+        return {
+            "te_setup": self.op_te_setup,
+            "te_raw": self.op_te_raw,
+            "te_omni": self.op_te_omni,
+            "te_close": closing(self.close_te),
+            "st_setup": self.op_st_setup,
+            "st_raw": self.op_st_raw,
+            "st_omni": self.op_st_omni,
+            "st_close": closing(self.close_store),
+        }
 
 
 # -- receiver (this process) ---------------------------------------------------------------------
-@dataclass
-class _Check:
-    """The receiver's verification of received samples (called outside the timed regions).
-
-    ``check`` compares size and crc32 with the locally encoded payload, optionally decodes and
-    compares every tensor, records a failure, and then overwrites the buffer (``0xA5``) so that
-    a later sample landing in the same memory cannot pass on stale bytes.
-    """
-
-    n: int
-    crc: int
-    source: dict[str, list[torch.Tensor]]
-    failures: list[str] = field(default_factory=list)
-    checked: int = 0
-    decoded: int = 0
-
-    def check(self, label: str, t: torch.Tensor, size: int, *, full: bool) -> bool:
-        """Verify one received sample (first ``n`` bytes of ``t``); True when it matches."""
-        self.checked += 1
-        ok = size == self.n and t.numel() >= self.n
-        if ok:
-            view = t[: self.n]
-            ok = _crc(view) == self.crc
-            if ok and full:
-                self.decoded += 1
-                try:
-                    ok = _same(decode(view), self.source)
-                except ValueError:  # DecodeError
-                    ok = False
-            view.numpy().fill(0xA5)
-        if not ok:
-            self.failures.append(label)
-            print(f"FAIL  {label}: received data differ from the payload", flush=True)
-        return ok
-
-
 @dataclass
 class _Ctx:
     """What every case of one run shares (built by :func:`_run`)."""
 
     chan: JsonChannel
     n: int
-    check: _Check
+    check: Check
     warmup: int
     repeat: int
     store_placement: str = "holder"
@@ -470,37 +323,8 @@ class _Ctx:
         counts[label] = counts.get(label, 0) + 1
 
     @property
-    def rounds(self) -> int:
-        return self.warmup + self.repeat
-
-    def order(self, i: int) -> tuple[str, str]:
-        """Round ``i``'s order: raw first on even rounds, omnikv first on odd ones."""
-        return ("raw", "omni") if i % 2 == 0 else ("omni", "raw")
-
-    def full_check(self, i: int) -> bool:
-        """Whether round ``i`` also decodes and compares: the first and the last timed round."""
-        return i in (self.warmup, self.rounds - 1)
-
-
-def _omni_wait(conn: Any, key: str, check: _Check, label: str, full: bool) -> float:
-    """Receiver: ``wait`` for an already published key; returns the seconds ``wait`` took.
-
-    Verifies and releases the ManagedBuffer after the timing; raises BenchError when nothing
-    arrived by the deadline.
-    """
-    t0 = time.monotonic()
-    got = conn.wait(*_STAGES, key, deadline=t0 + WAIT_BUDGET_S)
-    t1 = time.monotonic()
-    if got is None:
-        raise BenchError(f"{label}: wait returned nothing within {WAIT_BUDGET_S:.0f} s")
-    buf = got
-    if not isinstance(buf, ManagedBuffer):
-        raise BenchError(f"{label}: wait returned {type(buf).__name__}, not a ManagedBuffer")
-    try:
-        check.check(label, buf.tensor, buf.size, full=full)
-    finally:
-        buf.release()
-    return t1 - t0
+    def rounds(self) -> Rounds:
+        return Rounds(self.warmup, self.repeat)
 
 
 def _te_case(ctx: _Ctx) -> dict[str, Stats]:
@@ -509,9 +333,7 @@ def _te_case(ctx: _Ctx) -> dict[str, Stats]:
 
     n, chan, check = ctx.n, ctx.chan, ctx.check
     raw = Stats("raw TE write", [], n)
-    wait = Stats("omnikv wait (transport)", [], n)
-    e2e = Stats("omnikv put->in hand (e2e)", [], n)
-    writer = Stats("omnikv writer memcpy (in e2e)", [], n)
+    omni = TransportSamples.of(n)
     pool = HostPool(n)
     engine: Any = None
     rx: Any = None
@@ -530,30 +352,21 @@ def _te_case(ctx: _Ctx) -> dict[str, Stats]:
                 "sender_host": HOST,
                 "sender_zmq_port": zmq_port,
                 "protocol": "tcp",
-                "memory_pool_size": _pool_size(n),
+                "memory_pool_size": pool_size(n),
             }
         )
-        for i in range(ctx.rounds):
-            timed = i >= ctx.warmup
-            for which in ctx.order(i):
-                if which == "raw":
-                    chan.send("te_raw")
-                    _, rc, took = chan.expect("raw")
-                    if rc != 0:
-                        raise BenchError(f"raw transfer_sync_write returned {rc}")
-                    check.check(f"TE raw round {i}", pool.tensor, n, full=ctx.full_check(i))
-                    if timed:
-                        raw.samples.append(float(took))
-                    continue
-                key = f"te-{i}"
-                chan.send("te_omni", key)
-                _, t_put, _, t_writer = chan.expect("published")
-                t_call = time.monotonic()
-                took = _omni_wait(rx, key, check, f"TE omnikv round {i}", ctx.full_check(i))
+        for i, which, timed, full in ctx.rounds:
+            if which == "raw":
+                chan.send("te_raw")
+                _, rc, took = chan.expect("raw")
+                if rc != 0:
+                    raise BenchError(f"raw transfer_sync_write returned {rc}")
+                check.check(f"TE raw round {i}", pool.tensor, n, full=full)
                 if timed:
-                    wait.samples.append(took)
-                    e2e.samples.append(t_call + took - float(t_put))
-                    writer.samples.append(float(t_writer))
+                    raw.samples.append(float(took))
+            else:
+                label = f"TE omnikv round {i}"
+                omni.sample(chan, "te_omni", rx, f"te-{i}", check, label, timed=timed, full=full)
     finally:
         if rx is not None:
             rx.close()
@@ -565,7 +378,7 @@ def _te_case(ctx: _Ctx) -> dict[str, Stats]:
             engine.unregister_memory(pool.address)
         del engine
         pool.close()
-    return {"te_raw": raw, "te_wait": wait, "te_e2e": e2e, "te_writer": writer}
+    return {"te_raw": raw, "te_wait": omni.wait, "te_e2e": omni.e2e, "te_writer": omni.writer}
 
 
 def _where(store: Any, key: str, names: dict[str, str]) -> str:
@@ -593,7 +406,7 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
     raw_get = Stats("  raw get_into", [], n)
     omni = Stats("omnikv put+wait", [], n)
     omni_put = Stats("  omnikv put_packed - writer", [], n)
-    omni_wait = Stats("  omnikv wait (size+get_into+remove)", [], n)
+    wait_st = Stats("  omnikv wait (size+get_into+remove)", [], n)
     writer = Stats("omnikv writer memcpy (excluded)", [], n)
     pinned = ctx.store_placement == "holder"
     segment = MIN_SEGMENT if pinned else _segment_size(n)
@@ -624,44 +437,42 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
                 "master_server_address": master.address,
                 "global_segment_size": segment,
                 "local_buffer_size": 16 * MIB,
-                "memory_pool_size": _pool_size(n),
+                "memory_pool_size": pool_size(n),
             }
         )
-        for i in range(ctx.rounds):
-            timed = i >= ctx.warmup
-            for which in ctx.order(i):
-                if which == "raw":
-                    key = f"raw-{i}"
-                    chan.send("st_raw", key)
-                    _, rc, t_put = chan.expect("raw")
-                    if rc != 0:
-                        raise BenchError(f"raw put_from returned {rc}")
-                    where = _where(store, key, names)
-                    t0 = time.monotonic()
-                    got = int(store.get_into(key, pool.address, n))
-                    t_get = time.monotonic() - t0
-                    check.check(f"Store raw round {i}", pool.tensor, got, full=ctx.full_check(i))
-                    rc = int(store.remove(key, True))
-                    if rc != 0:
-                        logger.warning("remove of %s returned %d", key, rc)
-                    if timed:
-                        ctx.place("raw", where)
-                        raw_put.samples.append(float(t_put))
-                        raw_get.samples.append(t_get)
-                        raw.samples.append(float(t_put) + t_get)
-                    continue
-                key = f"st-{i}"
-                chan.send("st_omni", key)
-                _, t0_put, t1_put, t_writer = chan.expect("published")
-                where = _where(store, f"{key}@{_STAGES[0]}_{_STAGES[1]}", names)
-                took = _omni_wait(rx, key, check, f"Store omnikv round {i}", ctx.full_check(i))
+        for i, which, timed, full in ctx.rounds:
+            if which == "raw":
+                key = f"raw-{i}"
+                chan.send("st_raw", key)
+                _, rc, t_put = chan.expect("raw")
+                if rc != 0:
+                    raise BenchError(f"raw put_from returned {rc}")
+                where = _where(store, key, names)
+                t0 = time.monotonic()
+                got = int(store.get_into(key, pool.address, n))
+                t_get = time.monotonic() - t0
+                check.check(f"Store raw round {i}", pool.tensor, got, full=full)
+                rc = int(store.remove(key, True))
+                if rc != 0:
+                    logger.warning("remove of %s returned %d", key, rc)
                 if timed:
-                    ctx.place("omnikv", where)
-                    put = float(t1_put) - float(t0_put) - float(t_writer)
-                    omni_put.samples.append(put)
-                    omni_wait.samples.append(took)
-                    omni.samples.append(put + took)
-                    writer.samples.append(float(t_writer))
+                    ctx.place("raw", where)
+                    raw_put.samples.append(float(t_put))
+                    raw_get.samples.append(t_get)
+                    raw.samples.append(float(t_put) + t_get)
+                continue
+            key = f"st-{i}"
+            chan.send("st_omni", key)
+            _, t0_put, t1_put, t_writer = chan.expect("published")
+            where = _where(store, f"{key}@{STAGES[0]}_{STAGES[1]}", names)
+            took = omni_wait(rx, key, check, f"Store omnikv round {i}", full)
+            if timed:
+                ctx.place("omnikv", where)
+                put = float(t1_put) - float(t0_put) - float(t_writer)
+                omni_put.samples.append(put)
+                wait_st.samples.append(took)
+                omni.samples.append(put + took)
+                writer.samples.append(float(t_writer))
     finally:
         if rx is not None:
             rx.close()
@@ -682,7 +493,7 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
         "st_raw_get": raw_get,
         "st_omni": omni,
         "st_omni_put": omni_put,
-        "st_omni_wait": omni_wait,
+        "st_omni_wait": wait_st,
         "st_writer": writer,
     }
 
@@ -706,70 +517,20 @@ def _memcpy(n: int, rounds: int, warmup: int) -> Stats:
         dst.close()
 
 
-def _spawn_sender(
-    args: argparse.Namespace, tokens: int
-) -> tuple[subprocess.Popen[bytes], JsonChannel]:
-    """Start the sender child (``--role sender``) with one end of a socketpair passed by fd."""
-    parent, child = socket.socketpair()
-    env = dict(os.environ)
-    env.setdefault("GLOG_minloglevel", "2")
-    env["MC_TCP_BIND_ADDRESS"] = HOST
-    cmd = [
-        sys.executable, "-m", "omnikv.cli", "bench", "mooncake", "--role", "sender",
-        "--fd", str(child.fileno()), "--model", args.model, "--tokens", str(tokens),
-        "--threads", str(args.threads),
-    ]  # fmt: skip
-    try:
-        proc = subprocess.Popen(cmd, pass_fds=[child.fileno()], env=env)
-    except BaseException:
-        parent.close()
-        raise
-    finally:
-        child.close()
-    return proc, JsonChannel(parent)
-
-
-def _reap(proc: subprocess.Popen[bytes], chan: JsonChannel) -> None:
-    """Stop the sender child: ``stop``, a bounded wait, then SIGKILL by PID."""
-    with contextlib.suppress(OSError):
-        chan.send("stop")
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    chan.close()
-
-
 def _run(args: argparse.Namespace, tokens: int) -> int:
     """The receiver's side of a run: encode, memcpy ceiling, the child, the cases, the report.
 
     Called by :func:`main`; the sender child is reaped (``stop``, bounded wait, SIGKILL by PID)
     whatever happens. Returns the exit code.
     """
-    payload = realistic_payload(args.model, tokens)
-    plan = payload.plan()
-    n = plan.nbytes
-    print(
-        f"{describe_payload(args.model, tokens, payload, n)}; {args.repeat} timed rounds "
-        f"after {args.warmup} warm-up",
-        flush=True,
-    )
-    enc = HostPool(n)
     try:
-        view = enc.tensor[:n]
-        plan.pack_into(view)
-        expected = _crc(view)
-        if not _same(decode(view), payload.layer_blocks):
-            print("FAIL  local encode/decode round trip")
-            return 1
-        del view
-    finally:
-        enc.close()
-    check = _Check(n, expected, payload.layer_blocks)
+        check = encode_check(args, tokens)
+    except BenchError as exc:
+        print(f"FAIL  {exc}")
+        return 1
+    n, expected = check.n, check.crc
     results: dict[str, Stats] = {"memcpy": _memcpy(n, args.warmup + args.repeat, args.warmup)}
-    proc, chan = _spawn_sender(args, tokens)
+    proc, chan = spawn_sender("mooncake", args, tokens, ("--threads", str(args.threads)))
     ctx = _Ctx(chan, n, check, int(args.warmup), int(args.repeat), args.store_placement)
     error = ""
     try:
@@ -783,7 +544,7 @@ def _run(args: argparse.Namespace, tokens: int) -> int:
     except (BenchError, ChannelError) as exc:
         error = str(exc)
     finally:
-        _reap(proc, chan)
+        reap(proc, chan)
     if error:
         print(f"FAIL  {error}")
         return 1
@@ -831,11 +592,7 @@ def _report(args: argparse.Namespace, ctx: _Ctx, r: dict[str, Stats]) -> int:
         print(f"  note: {size} payload; the target is defined at {TARGET_MIB} MiB")
     for label, ratio, extra in verdicts:
         print(f"  {'PASS' if ratio >= TARGET else 'MISS'}  {label}: {ratio:.2f} x {extra}")
-    verified = not check.failures
-    if verified:
-        print(f"  data: OK ({check.checked} samples crc32-checked, {check.decoded} fully decoded)")
-    else:
-        print(f"  FAIL  data: {len(check.failures)} bad samples: {', '.join(check.failures[:5])}")
+    verified = check.summary()
     write_json(
         args.json,
         {
@@ -871,11 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--size-mib", type=int, default=TARGET_MIB, help="KV payload size (MiB)")
-    parser.add_argument("--tokens", type=int, default=0, help="tokens (overrides --size-mib)")
-    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
-    parser.add_argument("--repeat", type=int, default=10, help="timed rounds per case")
-    parser.add_argument("--warmup", type=int, default=2, help="discarded rounds per case")
+    add_common_args(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--only", choices=["te", "store"], help="run one connector only")
     parser.add_argument(
@@ -885,19 +638,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="Store: pin objects to one holder segment (default) or let the master choose",
     )
     parser.add_argument("--json", help="write results to this file")
-    parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
-    parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv or []))
-    if args.repeat < 1 or args.warmup < 0 or args.size_mib < 1 or args.tokens < 0:
-        parser.error("--repeat and --size-mib must be >= 1, --warmup and --tokens >= 0")
-    layers, heads, dim = MODELS[args.model]
-    per_token = 2 * layers * heads * dim * 2
-    tokens = args.tokens or max(1, args.size_mib * MIB // per_token)
+    tokens = tokens_of(parser, args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     _mooncake_env()
     if args.role == "sender":
-        return _sender_main(args.fd, args.model, tokens)
+        missing = unavailable_reason()
+        return serve(args.fd, missing, lambda: _Sender(args.model, tokens), _Sender.ops)
     missing = unavailable_reason()
     if missing is not None:
         print(f"omnikv bench mooncake: {missing}", file=sys.stderr)

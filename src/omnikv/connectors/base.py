@@ -43,7 +43,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ import torch
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorError
 from omnikv.serialization import OmniSerializer, decode_object, encode_object, is_object
+
+if TYPE_CHECKING:
+    from omnikv.connectors._pool import BufferAllocator
 
 __all__ = [
     "GetResult",
@@ -61,6 +64,7 @@ __all__ = [
     "Writer",
     "as_host_bytes",
     "as_managed",
+    "fill_slot",
     "get_result",
     "matches_request",
 ]
@@ -234,6 +238,33 @@ class SlotRelease:
     def __call__(self) -> None:
         if not self._pool.closed:
             self._pool.allocator.free(self._offset)
+
+
+class FillPool(Protocol):
+    """What :func:`fill_slot` needs of a pool (``HostPool`` and the local pool have it)."""
+
+    @property
+    def allocator(self) -> BufferAllocator: ...
+
+    def slot(self, offset: int, nbytes: int, /) -> torch.Tensor: ...
+
+
+def fill_slot(pool: FillPool, nbytes: int, write: Writer, deadline: float) -> int:
+    """Reserve ``nbytes`` in ``pool`` (waiting for space until ``deadline``, then
+    ``PoolExhaustedError``) and let ``write`` fill the slot; its offset.
+
+    Called by the connectors' ``put_packed``. If ``write`` raises, the slot is freed and the
+    exception propagates; on success the caller owns the slot (frees or publishes it).
+    """
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be > 0, got {nbytes}")
+    offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
+    try:
+        write(pool.slot(offset, nbytes))
+    except BaseException:
+        pool.allocator.free(offset)
+        raise
+    return offset
 
 
 def matches_request(transport_key: str, request_id: str) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from omnikv.connectors._pool import BufferAllocator
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
@@ -35,6 +36,7 @@ from omnikv.connectors.base import (
     PutResult,
     SlotRelease,
     Writer,
+    fill_slot,
     get_result,
     matches_request,
 )
@@ -112,7 +114,7 @@ class LocalConnector(OmniConnectorBase):
                 store = self._stores[self.namespace] = _Store(size)
             store.users += 1
         self._store = store
-        self._counters = {"puts": 0, "gets": 0, "misses": 0, "bytes_put": 0, "bytes_got": 0}
+        self._counters = Counters(("puts", "gets", "misses", "bytes_put", "bytes_got"))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -130,15 +132,8 @@ class LocalConnector(OmniConnectorBase):
     ) -> PutResult:
         """``write`` fills a pool slot; waits for space until ``deadline`` (PoolExhaustedError)."""
         self._check_open()
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
         pool = self._store.pool
-        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
-        try:
-            write(pool.slot(offset, nbytes))
-        except BaseException:
-            pool.allocator.free(offset)
-            raise
+        offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
         with self._store.cond:
             old = self._store.items.pop(key, None)
@@ -146,8 +141,8 @@ class LocalConnector(OmniConnectorBase):
             self._store.cond.notify_all()
         if old is not None:
             pool.allocator.free(old.offset)
-        self._counters["puts"] += 1
-        self._counters["bytes_put"] += nbytes
+        self._counters.add("puts")
+        self._counters.add("bytes_put", nbytes)
         logger.debug("LocalConnector put %s (%d bytes)", key, nbytes)
         return True, nbytes, {"key": key, "size": nbytes}
 
@@ -156,8 +151,8 @@ class LocalConnector(OmniConnectorBase):
         if item is None:
             return None
         self._store.cond.notify_all()  # flush() waits for consumption
-        self._counters["gets"] += 1
-        self._counters["bytes_got"] += item.size
+        self._counters.add("gets")
+        self._counters.add("bytes_got", item.size)
         pool = self._store.pool
         return ManagedBuffer(pool.slot(item.offset, item.size), SlotRelease(pool, item.offset))
 
@@ -174,7 +169,7 @@ class LocalConnector(OmniConnectorBase):
         with self._store.cond:
             buf = self._take(key)
         if buf is None:
-            self._counters["misses"] += 1
+            self._counters.add("misses")
             return None
         return get_result(buf)
 
@@ -197,7 +192,7 @@ class LocalConnector(OmniConnectorBase):
                     return buf
                 left = remaining(deadline)
                 if left <= 0 or self._closed:
-                    self._counters["misses"] += 1
+                    self._counters.add("misses")
                     return None
                 self._store.cond.wait(timeout=min(left, 3600.0))
 
@@ -233,7 +228,7 @@ class LocalConnector(OmniConnectorBase):
             "pending": pending,
             "pool_size": allocator.total,
             "pool_used": allocator.used_bytes,
-            **self._counters,
+            **self._counters.snapshot(),
         }
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from omnikv.connectors._mooncake_common import (
     set_tcp_bind_address,
 )
 from omnikv.connectors._pool import HostPool
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
@@ -37,6 +38,7 @@ from omnikv.connectors.base import (
     PutResult,
     SlotRelease,
     Writer,
+    fill_slot,
     get_result,
     matches_request,
 )
@@ -125,8 +127,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._lock = threading.Lock()
         # Keys this client put and has not seen consumed, oldest first (for cleanup()).
         self._put_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._counters = dict.fromkeys(
-            ("puts", "put_bytes", "put_failures", "gets", "get_bytes", "misses", "removed"), 0
+        self._counters = Counters(
+            ("puts", "put_bytes", "put_failures", "gets", "get_bytes", "misses", "removed")
         )
         self._rcfg = replicate_cls()
         self._rcfg.replica_num = replicas
@@ -170,10 +172,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
             raise ConnectorClosedError("MooncakeStoreConnector is closed")
         return self._store, self._pool
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
     # -- sender ------------------------------------------------------------------------------
     def put_packed(
         self,
@@ -191,22 +189,19 @@ class MooncakeStoreConnector(OmniConnectorBase):
         ``put_from`` raises ``ConnectorUnavailableError``. The slot is freed before returning.
         """
         store, pool = self._live()
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
+        offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
         try:
-            write(pool.slot(offset, nbytes))
             with store_errors(f"put of {key}"):
                 rc = store.put_from(key, pool.address + offset, nbytes, self._rcfg)
         finally:
             pool.allocator.free(offset)
         if rc != 0:
-            self._count("put_failures")
+            self._counters.add("put_failures")
             raise ConnectorUnavailableError(f"put_from of {key} returned {rc}")
         self._track(key)
-        self._count("puts")
-        self._count("put_bytes", nbytes)
+        self._counters.add("puts")
+        self._counters.add("put_bytes", nbytes)
         logger.debug("stored %s (%d bytes)", key, nbytes)
         return True, nbytes, {"data_size": nbytes, "key": key}
 
@@ -228,8 +223,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
             pool.allocator.free(offset)
             return self._short_read(key, got, size)
         self._consumed(store, key)
-        self._count("gets")
-        self._count("get_bytes", size)
+        self._counters.add("gets")
+        self._counters.add("get_bytes", size)
         return ManagedBuffer(pool.slot(offset, size), SlotRelease(pool, offset))
 
     @staticmethod
@@ -248,7 +243,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             with store_errors(f"remove of {key}"):
                 rc = int(store.remove(key, True))  # force: our own read lease is held
             if rc == 0:
-                self._count("removed")
+                self._counters.add("removed")
             else:
                 logger.debug("remove of %s returned %d", key, rc)
         with self._lock:
@@ -274,7 +269,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             logger.error("get of %s failed: %s", key, exc)
             return None
         if buf is None:
-            self._count("misses")
+            self._counters.add("misses")
             return None
         return get_result(buf)
 
@@ -303,7 +298,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 return buf
             left = deadline - time.monotonic()
             if left <= 0:
-                self._count("misses")
+                self._counters.add("misses")
                 return None
             time.sleep(min(step, left))
             step = min(step * 2, 0.01)
@@ -362,13 +357,13 @@ class MooncakeStoreConnector(OmniConnectorBase):
             with store_errors(f"remove of {k}"):
                 rc = int(self._store.remove(k, True))
             if rc == 0:
-                self._count("removed")
+                self._counters.add("removed")
 
     def health(self) -> dict[str, Any]:
         """Status, endpoints, pool use and counters. Cheap; never raises."""
         pool = self._pool
+        counters = self._counters.snapshot()
         with self._lock:
-            counters = dict(self._counters)
             pending = len(self._put_keys)
         return {
             "status": "closed" if self._closed else "healthy",

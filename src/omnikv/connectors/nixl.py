@@ -36,23 +36,21 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer, Endpoint
+from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer
 from omnikv.connectors._mooncake_common import warn_unauthenticated
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import (
-    GetResult,
-    ManagedBuffer,
-    OmniConnectorBase,
-    PutResult,
-    Writer,
-    get_result,
-    matches_request,
-)
+from omnikv.connectors._pull import PullConnector
+from omnikv.connectors._stats import Counters
 from omnikv.connectors.nixl_agent import NixlAgent, import_nixl
-from omnikv.connectors.nixl_protocol import MAX_MESSAGE_BYTES, SCHEMA, Counters, NixlSettings
+from omnikv.connectors.nixl_protocol import (
+    COUNTER_NAMES,
+    MAX_MESSAGE_BYTES,
+    SCHEMA,
+    NixlSettings,
+)
 from omnikv.connectors.nixl_receiver import NixlReceiverSide
 from omnikv.connectors.nixl_sender import NixlSenderSide
-from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
+from omnikv.errors import ConnectorUnavailableError
 
 __all__ = ["NixlConnector"]
 
@@ -61,7 +59,7 @@ logger = logging.getLogger(__name__)
 import_nixl()  # a missing NIXL is an ImportError naming the extra (factory, ``omnikv doctor``)
 
 
-class NixlConnector(OmniConnectorBase):
+class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
     """Cross-node KV hand-off over NIXL (pull model, consume-once).
 
     Built by the factory as ``NixlConnector(config)``; the manager injects ``role``,
@@ -76,7 +74,6 @@ class NixlConnector(OmniConnectorBase):
     ``put_timeout_s`` (0: the reference-shaped ``put`` tries once).
     """
 
-    supports_raw_data: ClassVar[bool] = True
     supports_zero_copy_put: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -87,15 +84,16 @@ class NixlConnector(OmniConnectorBase):
         self.role = s.role
         self.put_timeout_s = s.put_timeout_s
         self._default_sender = s.default_sender
-        self._counters = Counters()
+        self._flush_default_s = s.close_timeout_s
+        self._counters = Counters(COUNTER_NAMES)
         self._lock = threading.Lock()
         self._agent: NixlAgent | None = None
         self._pool: HostPool | None = None
         self._ctx: Any = None
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
-        self._sender: NixlSenderSide | None = None
-        self._receiver: NixlReceiverSide | None = None
+        self._sender = None
+        self._receiver = None
         try:
             self._build(s)
         except BaseException:
@@ -145,124 +143,10 @@ class NixlConnector(OmniConnectorBase):
                 s, self._agent, self._pool, self._client, self._counters, self._lock
             )
 
-    # == sender ===================================================================================
-    def _sending_side(self) -> NixlSenderSide:
-        if self._closed:
-            raise ConnectorClosedError("NixlConnector is closed")
-        if self._sender is None:
-            raise ConnectorError("only a NixlConnector with role='sender' serves puts")
-        return self._sender
-
-    def put_packed(
-        self,
-        from_stage: str,
-        to_stage: str,
-        put_key: str,
-        nbytes: int,
-        write: Writer,
-        *,
-        deadline: float,
-    ) -> PutResult:
-        """Sender hot path: ``write`` encodes straight into a registered pool slot.
-
-        Waits for pool space until ``deadline`` (absolute monotonic) and then raises
-        :class:`~omnikv.errors.PoolExhaustedError`; if ``write`` raises, the slot is freed and
-        nothing is published.
-        """
-        side = self._sending_side()
-        key = self._make_key(put_key, from_stage, to_stage)
-        return True, nbytes, side.put_packed(key, nbytes, write, deadline)
-
-    # == receiver =================================================================================
-    def update_sender_info(self, host: str, port: int) -> None:
-        """Default sender endpoint for gets without per-call metadata (called by the manager)."""
-        self._default_sender = (str(host), int(port))
-
-    def _endpoint(self, metadata: Mapping[str, Any] | None) -> Endpoint:
-        if metadata:
-            host = metadata.get("source_host")
-            port = metadata.get("source_port")
-            if host and port is not None:
-                return str(host), int(port)
-        if self._default_sender is None:
-            raise ConnectorUnavailableError(
-                "no sender endpoint: call update_sender_info() or pass source_host/source_port"
-            )
-        return self._default_sender
-
-    def _receiving_side(self) -> NixlReceiverSide:
-        if self._closed:
-            raise ConnectorClosedError("NixlConnector is closed")
-        if self._receiver is None:
-            raise ConnectorError("only a NixlConnector with role='receiver' receives")
-        return self._receiver
-
-    def wait(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        *,
-        deadline: float,
-        metadata: dict[str, Any] | None = None,
-    ) -> ManagedBuffer | None:
-        """Block until the payload is in hand or ``deadline`` passes (then ``None``).
-
-        Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
-        Raises ``PeerGoneError`` when the sender dies mid-transfer, ``PoolExhaustedError`` when
-        no receive slot frees up before the deadline, ``ConnectorUnavailableError`` for a failed
-        transfer or a missing endpoint.
-        """
-        side = self._receiving_side()
-        key = self._make_key(get_key, from_stage, to_stage)
-        with _zmq_errors(key):
-            return side.wait(key, self._endpoint(metadata), deadline)
-
-    def get(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
-        """Reference-shaped get: one claim (no hold), READ if present; ``None`` otherwise.
-
-        Returns ``(ManagedBuffer, size)`` (the caller releases it) or ``(obj, size)`` for an
-        object put. Errors are logged and give ``None``.
-        """
-        side = self._receiving_side()
-        key = self._make_key(get_key, from_stage, to_stage)
-        try:
-            with _zmq_errors(key):
-                buf = side.try_get(key, self._endpoint(metadata))
-        except ConnectorError as exc:
-            logger.error("get of %s failed: %s", key, exc)
-            return None
-        return None if buf is None else get_result(buf)
+    def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return _zmq_errors(what)
 
     # == common ===================================================================================
-    def cleanup(self, request_id: str) -> None:
-        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
-        if self._sender is not None:
-            self._sender.cleanup(request_id)
-        if self._receiver is not None:
-            keys = [k for k in self._receiver.late_keys() if matches_request(k, request_id)]
-            self._receiver.drop_late(keys)
-
-    def flush(self, timeout: float | None = None) -> list[str]:
-        """Wait up to ``timeout`` seconds (``None``: ``close_timeout_seconds``) until every
-        published payload was consumed; returns the keys still unconsumed (sender; a receiver
-        publishes nothing).
-        """
-        if self._sender is None or self._closed:
-            return []
-        limit = self.settings.close_timeout_s if timeout is None else max(0.0, float(timeout))
-        return self._sender.wait_consumed(limit)
-
-    def pending_keys(self) -> list[str]:
-        """Keys published by this sender and not yet consumed (tests, diagnostics)."""
-        return self._sender.pending_keys() if self._sender is not None else []
-
     def health(self) -> dict[str, Any]:
         """Status, endpoints, pool use, registrations, threads and counters. Never raises."""
         pool, agent = self._pool, self._agent
@@ -338,11 +222,11 @@ class NixlConnector(OmniConnectorBase):
 
 
 @contextlib.contextmanager
-def _zmq_errors(key: str) -> Iterator[None]:
+def _zmq_errors(what: str) -> Iterator[None]:
     """Control-socket failures as ``ConnectorUnavailableError`` (the zmq half of the mapping)."""
     import zmq
 
     try:
         yield
     except zmq.ZMQError as exc:
-        raise ConnectorUnavailableError(f"control channel for {key}: {exc}") from exc
+        raise ConnectorUnavailableError(f"{what}: control channel failed: {exc}") from exc

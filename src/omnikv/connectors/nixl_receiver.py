@@ -27,11 +27,12 @@ from typing import Any, NoReturn
 
 from omnikv.connectors._control import Channel, ControlClient, Endpoint
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import ManagedBuffer, SlotRelease
+from omnikv.connectors._pull import LateArrivals, deliver
+from omnikv.connectors._stats import Counters
+from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.nixl_agent import NixlAgent, Transfer
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
-    Counters,
     NixlSettings,
     transfer_budget_s,
 )
@@ -97,7 +98,7 @@ class NixlReceiverSide:
         self._lock = lock
         self._remotes: dict[Endpoint, str] = {}
         self._quarantine: dict[str, _Quarantined] = {}
-        self._late: dict[str, tuple[int, int]] = {}
+        self._late = LateArrivals(pool, counters, limit=_MAX_LATE)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self.closed = False
@@ -105,7 +106,7 @@ class NixlReceiverSide:
     # -- the public paths --------------------------------------------------------------------
     def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
         """Claim, READ and hand over ``key``; ``None`` at ``deadline`` (nothing consumed)."""
-        late = self.take_late(key)
+        late = self._late.take(key)
         if late is not None:
             return late
         while True:
@@ -120,13 +121,13 @@ class NixlReceiverSide:
             got = self._attempt(key, endpoint, deadline, _PARKED_HOLD_S if parked else math.inf)
             if got is not None:
                 return got
-            late = self.take_late(key)
+            late = self._late.take(key)
             if late is not None:
                 return late
 
-    def try_get(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
+    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
         """One claim without holding; READ if the key is there. ``None`` otherwise."""
-        late = self.take_late(key)
+        late = self._late.take(key)
         if late is not None:
             return late
         got = self._attempt(key, endpoint, time.monotonic() + self._s.peer_timeout_s, 0.0)
@@ -324,10 +325,7 @@ class NixlReceiverSide:
             step = min(step * 2, POLL_CAP_S)
 
     def _deliver(self, offset: int, size: int) -> ManagedBuffer:
-        buf = ManagedBuffer(self._pool.slot(offset, size), SlotRelease(self._pool, offset))
-        self._counters.add("gets")
-        self._counters.add("get_bytes", size)
-        return buf
+        return deliver(self._pool, self._counters, offset, size)
 
     # -- quarantine and late arrivals --------------------------------------------------------
     def _quarantine_slot(self, key: str, xfer: Transfer, offset: int) -> None:
@@ -362,33 +360,16 @@ class NixlReceiverSide:
         with self._lock:
             if self._quarantine.pop(qid, None) is None:
                 return
-            keep = state == "DONE" and not self.closed and len(self._late) < _MAX_LATE
-            old = self._late.pop(q.key, None) if keep else None
-            if keep:
-                self._late[q.key] = (q.offset, q.xfer.nbytes)
-        if old is not None:
-            self._pool.allocator.free(old[0])
-        if keep:
-            self._counters.add("late_arrivals")
+        keep = state == "DONE" and not self.closed
+        if keep and self._late.keep(q.key, q.offset, q.xfer.nbytes):
             logger.info("READ of %s finished after its receiver gave up; kept for a retry", q.key)
         else:
             self._pool.allocator.free(q.offset)
             self._counters.add("quarantine_freed")
 
-    def take_late(self, key: str) -> ManagedBuffer | None:
-        with self._lock:
-            late = self._late.pop(key, None)
-        return None if late is None else self._deliver(*late)
-
-    def drop_late(self, keys: list[str]) -> None:
-        with self._lock:
-            items = [self._late.pop(k) for k in keys if k in self._late]
-        for offset, _ in items:
-            self._pool.allocator.free(offset)
-
-    def late_keys(self) -> list[str]:
-        with self._lock:
-            return list(self._late)
+    def cleanup(self, request_id: str) -> None:
+        """Drop the late arrivals of ``request_id`` (:func:`matches_request`)."""
+        self._late.cleanup(request_id)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -412,8 +393,8 @@ class NixlReceiverSide:
         with self._lock:
             pending = list(self._quarantine.values())
             self._quarantine.clear()
-            self._late.clear()
             self._remotes.clear()
+        self._late.clear()
         for q in pending:
             while not q.xfer.release() and time.monotonic() < end:
                 time.sleep(0.01)

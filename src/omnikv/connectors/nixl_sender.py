@@ -23,11 +23,12 @@ from typing import Any
 
 from omnikv.connectors._control import ControlServer, Request
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import Writer, matches_request
+from omnikv.connectors._pull import published
+from omnikv.connectors._stats import Counters
+from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.nixl_agent import NixlAgent
 from omnikv.connectors.nixl_protocol import (
     LONG_POLL_CAP_S,
-    Counters,
     NixlSettings,
     transfer_budget_s,
 )
@@ -91,14 +92,7 @@ class NixlSenderSide:
     # -- puts (caller's thread) --------------------------------------------------------------
     def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
         """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``."""
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        offset, _ = self._pool.allocator.alloc(nbytes, deadline=max(0.0, deadline))
-        try:
-            write(self._pool.slot(offset, nbytes))
-        except BaseException:
-            self._pool.allocator.free(offset)
-            raise
+        offset = fill_slot(self._pool, nbytes, write, max(0.0, deadline))
         return self._publish(key, offset, nbytes)
 
     def _publish(self, key: str, offset: int, size: int) -> dict[str, Any]:
@@ -111,15 +105,7 @@ class NixlSenderSide:
             self._pool.allocator.free(old.offset)
         if self.server is not None:
             self.server.wake()
-        self._counters.add("puts")
-        self._counters.add("put_bytes", size)
-        logger.debug("published %s (%d bytes)", key, size)
-        return {
-            "source_host": self._s.host,
-            "source_port": self._s.zmq_port,
-            "data_size": size,
-            "is_fast_path": True,
-        }
+        return published(self._s, self._counters, key, size)
 
     def _drop_locked(self, entry: _Entry) -> bool:
         """Retire ``entry`` (no more claims); True when its slot can be freed now."""
@@ -285,7 +271,7 @@ class NixlSenderSide:
         with self._lock:
             return list(self._entries)
 
-    def wait_consumed(self, timeout_s: float) -> list[str]:
+    def flush(self, timeout_s: float) -> list[str]:
         """Block until no entry is left or ``timeout_s`` passes; the keys still unconsumed."""
         end = time.monotonic() + timeout_s
         with self._consumed_cond:

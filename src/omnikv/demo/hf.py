@@ -18,30 +18,55 @@ import torch
 from omnikv.integrations.transformers import receive_hf_cache, send_hf_cache
 from omnikv.manager import OmniKVTransferManager
 
-__all__ = ["HFWorkload"]
+__all__ = ["HFWorkload", "greedy", "tiny_llama"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def tiny_llama(dtype: torch.dtype) -> Any:
-    """A 4-layer Llama, 4 heads over 2 KV heads, seeded weights (greedy runs never stop early)."""
+def tiny_llama(
+    dtype: torch.dtype,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    max_positions: int = 1024,
+    seed: int = 1234,
+) -> Any:
+    """A small Llama with 4 query heads over 2 KV heads (GQA) and seeded random weights.
+
+    No end-of-sequence token, so greedy runs never stop early. The defaults are the demo's
+    model (4 layers); the transformers tests build a smaller one with the same shape of heads.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
     )
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     model: Any = LlamaForCausalLM(config)
     return model.to(dtype).eval()
+
+
+def greedy(model: Any, ids: torch.Tensor, n: int, cache: Any = None) -> list[int]:
+    """``n`` greedy tokens after ``ids`` (batch of one), continuing ``cache`` when given."""
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return [int(t) for t in out[0, ids.shape[1] :]]
 
 
 def _digest(cache: Any) -> str:
@@ -67,20 +92,11 @@ class HFWorkload:
             f"{c.num_key_value_heads} kv heads), {self.dtype} KV"
         )
 
-    def _generate(self, ids: torch.Tensor, n: int, cache: Any = None) -> list[int]:
-        out = self.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            cache=cache,
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        return [int(t) for t in out[0, ids.shape[1] :]]
-
     @torch.no_grad()
     def reference(self, prompts: dict[str, list[int]], new_tokens: int) -> dict[str, list[int]]:
-        return {rid: self._generate(torch.tensor([p]), new_tokens) for rid, p in prompts.items()}
+        return {
+            rid: greedy(self.model, torch.tensor([p]), new_tokens) for rid, p in prompts.items()
+        }
 
     @torch.no_grad()
     def send(
@@ -126,7 +142,9 @@ class HFWorkload:
             first = int(res.metadata["first_token"])
             ids = torch.tensor([[*prompt, first]])
             tokens = (
-                [first, *self._generate(ids, new_tokens - 1, cache)] if new_tokens > 1 else [first]
+                [first, *greedy(self.model, ids, new_tokens - 1, cache)]
+                if new_tokens > 1
+                else [first]
             )
             out["decode_s"] += time.perf_counter() - t1
             out["requests"][rid] = {"tokens": tokens, "kv": digest}

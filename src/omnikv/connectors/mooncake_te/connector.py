@@ -13,10 +13,11 @@ unregisters the pool from the engine and unmaps it; a failed constructor leaves 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from omnikv.connectors._control import ControlCodec
 from omnikv.connectors._mooncake_common import (
@@ -25,25 +26,19 @@ from omnikv.connectors._mooncake_common import (
     warn_unauthenticated,
 )
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import (
-    GetResult,
-    ManagedBuffer,
-    OmniConnectorBase,
-    PutResult,
-    Writer,
-    get_result,
-)
-from omnikv.connectors.mooncake_te.protocol import SCHEMA, Counters, TEConfig, te_errors
+from omnikv.connectors._pull import PullConnector
+from omnikv.connectors._stats import Counters
+from omnikv.connectors.mooncake_te.protocol import COUNTER_NAMES, SCHEMA, TEConfig, te_errors
 from omnikv.connectors.mooncake_te.receiver import ReceiverSide
 from omnikv.connectors.mooncake_te.sender import SenderSide
-from omnikv.errors import ConnectorClosedError, ConnectorError, ConnectorUnavailableError
+from omnikv.errors import ConnectorUnavailableError
 
 __all__ = ["MooncakeTransferEngineConnector"]
 
 logger = logging.getLogger(__name__)
 
 
-class MooncakeTransferEngineConnector(OmniConnectorBase):
+class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     """Cross-node KV hand-off over the Mooncake Transfer Engine (pull model, consume-once).
 
     Built by the factory as ``MooncakeTransferEngineConnector(config)``; the manager injects
@@ -58,8 +53,6 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0).
     """
 
-    supports_raw_data: ClassVar[bool] = True
-
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._closed = True  # until fully built: a failed constructor leaves nothing to close
@@ -71,19 +64,20 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             cfg.protocol,
         )
         self.put_timeout_s = cfg.put_timeout_s
+        self._default_sender = cfg.default_sender
         import zmq
 
         engine_cls = import_mooncake_engine()
         set_tcp_bind_address(cfg.host)
         if cfg.role == "sender" and cfg.secret is None:
             warn_unauthenticated(cfg.host, "Transfer Engine sender")
-        self._counters = Counters()
+        self._counters = Counters(COUNTER_NAMES)
         self._engine: Any = None
         self._pool: HostPool | None = None
         self._registered = False
         self._ctx: Any = None
-        self._sender: SenderSide | None = None
-        self._receiver: ReceiverSide | None = None
+        self._sender = None
+        self._receiver = None
         try:
             with te_errors("Transfer Engine set-up"):
                 self._open_engine(engine_cls)
@@ -127,106 +121,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         if cfg.role == "sender":
             self._sender = SenderSide(cfg, self._ctx, codec, self._engine, pool, self._counters)
 
-    # -- sending -----------------------------------------------------------------------------------
-    def _serving(self) -> SenderSide:
-        if self._closed:
-            raise ConnectorClosedError("MooncakeTransferEngineConnector is closed")
-        if self._sender is None:
-            raise ConnectorError("only a connector with role='sender' serves puts")
-        return self._sender
-
-    def put_packed(
-        self,
-        from_stage: str,
-        to_stage: str,
-        put_key: str,
-        nbytes: int,
-        write: Writer,
-        *,
-        deadline: float,
-    ) -> PutResult:
-        """Sender hot path: ``write`` encodes straight into a registered pool slot.
-
-        Waits for pool space until ``deadline`` and then raises
-        :class:`~omnikv.errors.PoolExhaustedError`; if ``write`` raises, the slot is freed and
-        nothing is published.
-        """
-        key = self._make_key(put_key, from_stage, to_stage)
-        try:
-            return self._serving().put_packed(key, nbytes, write, deadline)
-        except ConnectorError:
-            self._counters.add("put_failures")
-            raise
-
-    # -- receiving ---------------------------------------------------------------------------------
-    def _receiving(self) -> ReceiverSide:
-        if self._closed or self._receiver is None:
-            raise ConnectorClosedError("MooncakeTransferEngineConnector is closed")
-        return self._receiver
-
-    def update_sender_info(self, host: str, port: int) -> None:
-        """Default sender endpoint for gets without per-call metadata (called by the manager)."""
-        self._receiving().set_default_sender(host, port)
-
-    def get(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        metadata: dict[str, Any] | None = None,
-    ) -> GetResult | None:
-        """Reference-shaped get: one query (no hold), pull if present; ``None`` otherwise.
-
-        Returns ``(ManagedBuffer, size)`` over the receiver's registered pool slot (the caller
-        releases it), or ``(obj, size)`` for an object put. Errors are logged and give ``None``.
-        """
-        side = self._receiving()
-        key = self._make_key(get_key, from_stage, to_stage)
-        try:
-            with te_errors(f"get of {key}"):
-                buf = side.take(key, side.endpoint(metadata))
-        except ConnectorError as exc:
-            logger.error("get of %s failed: %s", key, exc)
-            return None
-        return None if buf is None else get_result(buf)
-
-    def wait(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        *,
-        deadline: float,
-        metadata: dict[str, Any] | None = None,
-    ) -> ManagedBuffer | None:
-        """Block until the payload is delivered or ``deadline`` passes (then ``None``).
-
-        Long-polls the sender (no sleep loop). Raises ``PeerGoneError`` when the sender falls
-        silent mid-transfer, ``PoolExhaustedError`` when no receive slot frees up before the
-        deadline, ``ConnectorUnavailableError`` for a failed transfer or a missing endpoint.
-        """
-        side = self._receiving()
-        key = self._make_key(get_key, from_stage, to_stage)
-        with te_errors(f"wait for {key}"):
-            return side.wait(key, side.endpoint(metadata), deadline)
-
-    # -- common ------------------------------------------------------------------------------------
-    def cleanup(self, request_id: str) -> None:
-        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
-        if self._sender is not None:
-            self._sender.cleanup(request_id)
-        if self._receiver is not None:
-            self._receiver.cleanup(request_id)
-
-    def pending_keys(self) -> list[str]:
-        """Keys published by this sender and not yet consumed (tests, diagnostics)."""
-        return [] if self._sender is None else self._sender.pending_keys()
-
-    def flush(self, timeout: float | None = None) -> list[str]:
-        """Wait up to ``timeout`` s until every published payload was pulled; the rest's keys."""
-        if self._sender is None or self._closed:
-            return []
-        return self._sender.flush(0.0 if timeout is None else timeout)
+    def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return te_errors(what)
 
     def _threads(self) -> Iterator[threading.Thread]:
         for side in (self._sender, self._receiver):

@@ -20,16 +20,16 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import Channel, ControlClient, ControlCodec
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import ManagedBuffer, SlotRelease, matches_request
+from omnikv.connectors._pull import LateArrivals, deliver
+from omnikv.connectors._stats import Counters
+from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.mooncake_te.protocol import (
     LONG_POLL_CAP_S,
-    Counters,
     TEConfig,
     te_errors,
     transfer_budget_s,
@@ -53,12 +53,6 @@ class _Quarantined:
     offset: int
     size: int
     last_heard: float
-
-
-@dataclass
-class _Late:
-    offset: int
-    size: int
 
 
 @dataclass
@@ -90,31 +84,16 @@ class ReceiverSide:
         self._counters = counters
         hello = {"sess": session_id, "base": pool.address, "len": pool.size}
         self._client = ControlClient(ctx, codec, hello)
-        self._default_sender = cfg.default_sender
         self._lock = threading.Lock()
         self._quarantine: dict[str, _Quarantined] = {}
-        self._late: dict[str, _Late] = {}
+        self._late = LateArrivals(pool, counters)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-
-    def set_default_sender(self, host: str, port: int) -> None:
-        self._default_sender = (str(host), int(port))
-
-    def endpoint(self, metadata: Mapping[str, Any] | None) -> Endpoint:
-        if metadata:
-            host, port = metadata.get("source_host"), metadata.get("source_port")
-            if host and port is not None:
-                return str(host), int(port)
-        if self._default_sender is None:
-            raise ConnectorUnavailableError(
-                "no sender endpoint: call update_sender_info() or pass source_host/source_port"
-            )
-        return self._default_sender
 
     # -- one receive -------------------------------------------------------------------------------
     def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
         """One query without holding, then a pull if the key is there (``get``)."""
-        late = self._take_late(key)
+        late = self._late.take(key)
         if late is not None:
             return late
         size = self._query(endpoint, key, time.monotonic() + self._cfg.peer_timeout_s, hold=False)
@@ -125,7 +104,7 @@ class ReceiverSide:
 
     def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
         """Long-poll until the payload is delivered or ``deadline`` passes (``None``)."""
-        late = self._take_late(key)
+        late = self._late.take(key)
         while late is None:
             if self._stop.is_set():
                 raise ConnectorClosedError("MooncakeTransferEngineConnector is closed")
@@ -140,7 +119,7 @@ class ReceiverSide:
                 got = self._pull(endpoint, key, size, deadline)
                 if got is not None:
                     return got
-            late = self._take_late(key)
+            late = self._late.take(key)
         return late
 
     def _channel(self, endpoint: Endpoint, deadline: float) -> Channel | None:
@@ -223,9 +202,7 @@ class ReceiverSide:
         raise ConnectorUnavailableError(f"sender failed to transfer {pull.key}: {reason}")
 
     def _deliver(self, offset: int, size: int) -> ManagedBuffer:
-        self._counters.add("gets")
-        self._counters.add("get_bytes", size)
-        return ManagedBuffer(self._pool.slot(offset, size), SlotRelease(self._pool, offset))
+        return deliver(self._pool, self._counters, offset, size)
 
     # -- quarantine and late arrivals --------------------------------------------------------------
     def _quarantine_slot(self, pull: _Pull) -> None:
@@ -284,31 +261,16 @@ class ReceiverSide:
         with self._lock:
             if self._quarantine.pop(q.xid, None) is None:
                 return
-            late = state == "done" and not self._stop.is_set()
-            old = self._late.pop(q.key, None) if late else None
-            if late:
-                self._late[q.key] = _Late(q.offset, q.size)
-        if late:
-            self._counters.add("late_arrivals")
+        late = state == "done" and not self._stop.is_set()
+        if late and self._late.keep(q.key, q.offset, q.size):
             logger.info("transfer of %s finished after its receiver gave up; kept", q.key)
-            if old is not None:
-                self._pool.allocator.free(old.offset)
         else:
             self._pool.allocator.free(q.offset)
             self._counters.add("quarantine_freed")
 
-    def _take_late(self, key: str) -> ManagedBuffer | None:
-        with self._lock:
-            late = self._late.pop(key, None)
-        return None if late is None else self._deliver(late.offset, late.size)
-
     # -- state and shutdown ------------------------------------------------------------------------
     def cleanup(self, request_id: str) -> None:
-        with self._lock:
-            keys = [k for k in self._late if matches_request(k, request_id)]
-            dropped = [self._late.pop(k) for k in keys]
-        for late in dropped:
-            self._pool.allocator.free(late.offset)
+        self._late.cleanup(request_id)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -334,4 +296,4 @@ class ReceiverSide:
                 # unregistering the pool makes the engine refuse any later write into it
                 logger.warning("closing with %d quarantined receive slots", len(self._quarantine))
             self._quarantine.clear()
-            self._late.clear()
+        self._late.clear()

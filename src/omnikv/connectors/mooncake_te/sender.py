@@ -21,11 +21,12 @@ from typing import Any
 
 from omnikv.connectors._control import ControlCodec, ControlServer, Request
 from omnikv.connectors._pool import HostPool
-from omnikv.connectors.base import PutResult, Writer, matches_request
+from omnikv.connectors._pull import published
+from omnikv.connectors._stats import Counters
+from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.mooncake_te.protocol import (
     LONG_POLL_CAP_S,
     XFER_HISTORY,
-    Counters,
     TEConfig,
 )
 
@@ -104,17 +105,9 @@ class SenderSide:
         self._server.start()
 
     # -- publishing (caller threads) --------------------------------------------------------------
-    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> PutResult:
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        pool = self._pool
-        offset, _ = pool.allocator.alloc(nbytes, deadline=deadline)
-        try:
-            write(pool.slot(offset, nbytes))
-        except BaseException:
-            pool.allocator.free(offset)
-            raise
-        return True, nbytes, self._publish(key, offset, nbytes)
+    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
+        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``."""
+        return self._publish(key, fill_slot(self._pool, nbytes, write, deadline), nbytes)
 
     def _publish(self, key: str, offset: int, size: int) -> dict[str, Any]:
         entry = _Entry(key, offset, size, time.monotonic())
@@ -124,15 +117,7 @@ class SenderSide:
         if old is not None and not old.inflight:
             self._pool.allocator.free(old.offset)
         self._server.wake()
-        self._counters.add("puts")
-        self._counters.add("put_bytes", size)
-        logger.debug("published %s (%d bytes)", key, size)
-        return {
-            "source_host": self._cfg.host,
-            "source_port": self._cfg.zmq_port,
-            "data_size": size,
-            "is_fast_path": True,
-        }
+        return published(self._cfg, self._counters, key, size)
 
     def cleanup(self, request_id: str) -> None:
         with self._lock:
@@ -150,9 +135,9 @@ class SenderSide:
         with self._lock:
             return list(self._entries)
 
-    def flush(self, timeout: float) -> list[str]:
-        """Wait up to ``timeout`` s until every published entry was pulled."""
-        end = time.monotonic() + max(0.0, timeout)
+    def flush(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` until every published entry was pulled; the keys left."""
+        end = time.monotonic() + max(0.0, timeout_s)
         with self._idle:
             while self._entries and time.monotonic() < end:
                 self._idle.wait(timeout=end - time.monotonic())
