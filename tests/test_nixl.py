@@ -185,7 +185,13 @@ def _late_arrival(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
         buf.release()
     h = recv.health()
     res["after"] = [h["late_arrivals"], h["quarantined"], h["late_arrivals_held"], h["pool_used"]]
-    res["sender_entries"] = _ask(out_q, in_q, "health")[1]["entries"]
+    # the sender drops its entry when the READ's completion reaches it (its own thread): poll
+    end = time.monotonic() + 5
+    entries = _ask(out_q, in_q, "health")[1]["entries"]
+    while entries > 1 and time.monotonic() < end:
+        time.sleep(0.02)
+        entries = _ask(out_q, in_q, "health")[1]["entries"]
+    res["sender_entries"] = entries
     return res
 
 
