@@ -29,7 +29,14 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from omnikv.bench.common import MODELS, JsonChannel, Stats, describe_payload, realistic_payload
+from omnikv.bench.common import (
+    MODELS,
+    JsonChannel,
+    Stats,
+    describe_payload,
+    realistic_payload,
+    reap,
+)
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.payload import decode
@@ -255,19 +262,6 @@ def spawn_sender(
     finally:
         child.close()
     return proc, JsonChannel(parent)
-
-
-def reap(proc: subprocess.Popen[bytes], chan: JsonChannel) -> None:
-    """Stop the sender child: ``stop``, a bounded wait, then SIGKILL by PID."""
-    with contextlib.suppress(OSError):
-        chan.send("stop")
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    chan.close()
 
 
 # -- the receiver (this process) -------------------------------------------------------------------

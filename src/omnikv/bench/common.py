@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -236,3 +238,17 @@ def run_ranks(procs: Sequence[Any], out: Any, expected: int, timeout_s: float) -
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
     return results
+
+
+def reap(proc: subprocess.Popen[bytes], chan: JsonChannel) -> None:
+    """Stop a benchmark's child process: ``stop`` over ``chan``, a bounded wait, then SIGKILL by
+    PID; ``chan`` is closed. Called in the ``finally`` of every two-process benchmark."""
+    with contextlib.suppress(OSError):
+        chan.send("stop")
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    chan.close()

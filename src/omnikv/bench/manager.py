@@ -30,7 +30,6 @@ The control channel is a socketpair carrying JSON lines (no pickle).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import io
@@ -47,7 +46,7 @@ from typing import Any
 
 import torch
 
-from omnikv.bench.common import JsonChannel, Stats, print_table, write_json
+from omnikv.bench.common import JsonChannel, Stats, print_table, reap, write_json
 
 __all__ = ["main"]
 
@@ -413,14 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chan.expect("ready")
         return _sender(args, chan, proc.pid)
     finally:
-        with contextlib.suppress(OSError):
-            chan.send("stop")
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        parent.close()
+        reap(proc, chan)
 
 
 def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) -> None:

@@ -42,6 +42,7 @@ from omnikv.bench.common import (
     describe_payload,
     print_table,
     realistic_payload,
+    reap,
     write_json,
 )
 from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
@@ -212,15 +213,8 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
             raise SystemExit("pack_into verification failed")
         results = _cases(args, chan, tx, plan, payload, src, dst, leftovers)
     finally:
-        with contextlib.suppress(OSError):
-            chan.send("stop")
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        reap(proc, chan)
         tx.close()
-        parent.close()
         for name in leftovers:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
