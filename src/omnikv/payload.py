@@ -855,7 +855,7 @@ def _copied(data: torch.Tensor, spans: list[_Span]) -> list[torch.Tensor]:
 
     One allocation per tensor rather than one payload-sized buffer: the C allocator recycles
     tensor-sized blocks from one request to the next, while a buffer of tens of MiB is a fresh
-    mapping every time and faults on every page (8192 faults, ~20 ms per 32 MiB on a VM).
+    mapping every time and faults on every page (16k faults, ~20 ms per 32 MiB on this VM).
     """
     out = []
     for span in spans:
