@@ -203,9 +203,7 @@ class BlockGather:
         bs = int(src.shape[1])
         full, rest = divmod(self.seq_len, bs)
         if full:
-            index = self.index
-            if index is None or len(index.ids) != full:
-                index = BlockIndex(self.block_ids[:full])
+            index = self._full_index(full)
             out = dst if not rest else dst[: full * bs]
             out = out.view(full, bs, *src.shape[2:])
             if index.start is not None:
@@ -216,6 +214,13 @@ class BlockGather:
                 out.copy_(torch.index_select(src, 0, index.tensor(src.device)))
         if rest:
             dst[full * bs :].copy_(src[self.block_ids[full], :rest])
+
+    def _full_index(self, full: int) -> BlockIndex:
+        """The :class:`BlockIndex` of the first ``full`` blocks: the shared one when it fits."""
+        index = self.index
+        if index is None or len(index.ids) != full:
+            index = BlockIndex(self.block_ids[:full])
+        return index
 
     def write_bits(self, dst: np.ndarray) -> bool:
         """:meth:`write_into` through numpy for host blocks: ``dst`` is the destination viewed as
@@ -228,9 +233,7 @@ class BlockGather:
         bs = src.shape[1]
         full, rest = divmod(self.seq_len, bs)
         if full:
-            index = self.index
-            if index is None or len(index.ids) != full:
-                index = BlockIndex(self.block_ids[:full])
+            index = self._full_index(full)
             out = (dst if not rest else dst[: full * bs]).reshape(full, bs, *src.shape[2:])
             if index.start is not None:
                 np.copyto(out, src[index.start : index.start + full], casting="no")
