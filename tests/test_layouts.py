@@ -175,3 +175,32 @@ def test_host_bits_refuses_what_numpy_cannot_view() -> None:
     assert host_bits(torch.zeros(3, dtype=torch.complex128)) is None  # no 16-byte integer
     assert host_bits(torch.zeros(3).conj()) is not None  # real: conj is a no-op
     assert host_bits(torch.zeros(3, dtype=torch.complex64).conj()) is None  # conjugate bit
+
+
+@pytest.mark.parametrize("layout", ["kv_first", "blocks_first", "pair"])
+def test_planner_converts_a_stacked_host_layer_once_for_both_sides(layout: str) -> None:
+    """A host layer stored as one tensor is viewed as integers once, and K's and V's views are
+    numpy slices of it; they equal each side's own conversion and write the same bytes as the
+    torch gather. A (K, V) pair has none (each side converts itself when written)."""
+    kv = (torch.randn(2, 8, 4, 2, 3) * 8).to(torch.bfloat16)
+    layer: object = {
+        "kv_first": kv,
+        "blocks_first": kv.transpose(0, 1),
+        "pair": (kv[0], kv[1]),
+    }[layout]
+    keys, values = plan_request_kv([layer], [5, 1, 6], 10, 4)
+    for g in (keys[0], values[0]):
+        assert g is not None
+        if layout == "pair":
+            assert g.bits is None
+            continue
+        own = host_bits(g.blocks)
+        assert g.bits is not None and own is not None
+        assert g.bits.shape == own.shape and (g.bits == own).all()
+        assert g.bits.ctypes.data == own.ctypes.data
+        want = torch.empty(g.shape, dtype=torch.bfloat16)
+        g.write_into(want)
+        got = torch.empty(g.shape, dtype=torch.bfloat16)
+        bits = host_bits(got)
+        assert bits is not None and g.write_bits(bits)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

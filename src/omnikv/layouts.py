@@ -99,11 +99,18 @@ def split_layer_kv(
 
     Raises :class:`ExtractionError` naming ``where`` for anything it cannot read unambiguously.
     """
+    k, v, _kind = _split(layer_kv, layout, where)
+    return k, v
+
+
+def _split(layer_kv: Any, layout: str | None, where: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """:func:`split_layer_kv`, also saying how: ``"pair"``, ``"kv_first"`` or ``"blocks_first"``."""
     kind = _canonical_layout(layout)
     if isinstance(layer_kv, tuple | list):
         if len(layer_kv) != 2 or not all(isinstance(t, torch.Tensor) for t in layer_kv):
             raise ExtractionError(f"{where}: got {_described(layer_kv)}; {ACCEPTED}")
         k, v = layer_kv
+        kind = "pair"
     elif isinstance(layer_kv, torch.Tensor):
         shape = tuple(layer_kv.shape)
         if layer_kv.dim() < 3:
@@ -129,7 +136,19 @@ def split_layer_kv(
         raise ExtractionError(f"{where}: got {_described(layer_kv)}; {ACCEPTED}{hint}")
     if k.dim() < 2 or v.dim() < 2:
         raise ExtractionError(f"{where}: K and V need >= 2 dims, got {tuple(k.shape)}")
-    return k, v
+    return k, v, kind
+
+
+def _host_bits_kv(layer_kv: Any, kind: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """K's and V's blocks as same-size integers (:func:`omnikv.payload.host_bits`) for a host
+    layer stored as one tensor: one conversion for both, split in numpy. ``(None, None)``
+    otherwise (:meth:`BlockGather.write_bits` then converts each side itself)."""
+    if kind == "pair" or not layer_kv.is_cpu:
+        return None, None
+    bits = host_bits(layer_kv)
+    if bits is None:
+        return None, None
+    return (bits[0], bits[1]) if kind == "kv_first" else (bits[:, 0], bits[:, 1])
 
 
 def normalize_layer_kv(
@@ -189,6 +208,8 @@ class BlockGather:
     block_ids: tuple[int, ...]
     seq_len: int
     index: BlockIndex | None = field(default=None, compare=False, repr=False)
+    #: ``blocks`` as same-size integers in numpy, when the planner had them (host only).
+    bits: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,7 +248,7 @@ class BlockGather:
         same-size integers (:func:`omnikv.payload.host_bits`), ``[seq_len, ...]``. ``False``
         (nothing written) when the blocks are not on the host. Called by ``pack_into``.
         """
-        src = host_bits(self.blocks)
+        src = self.bits if self.bits is not None else host_bits(self.blocks)
         if src is None or src.dtype != dst.dtype:
             return False
         bs = src.shape[1]
@@ -323,11 +344,12 @@ def plan_request_kv(
             keys.append(None)
             values.append(None)
             continue
-        k, v = split_layer_kv(layer_kv, layout=layout, where=f"request {rid} layer {idx}")
+        k, v, kind = _split(layer_kv, layout, f"request {rid} layer {idx}")
         _check_blocks(k, span, block_size, (rid, idx), "K")
         _check_blocks(v, span, block_size, (rid, idx), "V")
-        keys.append(BlockGather(k, needed, seq_len, index))
-        values.append(BlockGather(v, needed, seq_len, index))
+        k_bits, v_bits = _host_bits_kv(layer_kv, kind)
+        keys.append(BlockGather(k, needed, seq_len, index, k_bits))
+        values.append(BlockGather(v, needed, seq_len, index, v_bits))
     if not any(g is not None for g in keys):
         raise ExtractionError(f"request {rid}: no layer has a KV cache")
     return keys, values

@@ -169,7 +169,7 @@ def host_bits(t: torch.Tensor) -> np.ndarray | None:
     ``None`` for device tensors and anything numpy cannot view (conjugate/negative bits).
     Called by :meth:`PackedPayload.pack_into` and :meth:`omnikv.layouts.BlockGather.write_bits`.
     """
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return None
     size = t.element_size()
     bits = _BITS_TORCH.get(size)
@@ -290,31 +290,60 @@ class PackedPayload:
             raise ValueError(
                 f"buffer of {out.numel()} bytes cannot hold {self.nbytes} bytes at offset {offset}"
             )
+        if out.is_cpu:
+            self._pack_host(out, offset)
+            return self.nbytes
         region = out[offset : offset + self.nbytes]
         data = region[self.data_start :]
         typed = _TypedBases(data)
-        whole = region.numpy() if region.device.type == "cpu" else None
-        host = whole[self.data_start :] if whole is not None else None
         prev_end = 0
         for slot in self._slots:
             if slot.source is None:
                 continue
             if slot.offset > prev_end:
                 data[prev_end : slot.offset].zero_()
-            if slot.nbytes and not (host is not None and _write_bits(slot, host)):
+            if slot.nbytes:
                 _write_tensor(slot, data, typed)
             prev_end = slot.offset + slot.nbytes
+        _copy_bytes_in(region, self._final_header(data))
+        return self.nbytes
+
+    def _pack_host(self, out: torch.Tensor, offset: int) -> None:
+        """:meth:`pack_into` for host memory: small tensors through numpy (a fraction of
+        torch's per-call overhead, which is what a small payload's send time is made of), large
+        ones, and any slot numpy cannot take, through torch."""
+        whole = out.numpy()[offset : offset + self.nbytes]
+        host = whole[self.data_start :]
+        # slots are ALIGN-aligned within the data section, so its start decides for every
+        # element size (<= 8 bytes)
+        aligned = (out.data_ptr() + offset + self.data_start) % 8 == 0
+        data: torch.Tensor | None = None
+        typed: _TypedBases | None = None
+        prev_end = 0
+        for slot in self._slots:
+            if slot.source is None:
+                continue
+            if slot.offset > prev_end:
+                host[prev_end : slot.offset] = 0
+            if slot.nbytes and not (aligned and _write_bits(slot, host)):
+                if data is None:
+                    data = out[offset + self.data_start : offset + self.nbytes]
+                    typed = _TypedBases(data)
+                assert typed is not None
+                _write_tensor(slot, data, typed)
+            prev_end = slot.offset + slot.nbytes
+        header = self._final_header(host)
+        whole[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+
+    def _final_header(self, data: torch.Tensor | np.ndarray) -> bytes:
+        """The length-prefixed header, with the checksum of ``data`` (written) when asked."""
         header = self.header_bytes
         if self._checksum:
             crc = _crc32(data)
             header = header.replace(
                 _CK_PLACEHOLDER.encode("ascii"), f"{_CK_PREFIX}{crc:08x}".encode("ascii"), 1
             )
-        if whole is not None:  # numpy: a fraction of torch's per-call overhead
-            whole[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        else:
-            _copy_bytes_in(region, header)
-        return self.nbytes
+        return header
 
     def to_bytes(self) -> bytes:
         """The packed payload as ``bytes`` (one copy of each tensor where CPython allows)."""
@@ -404,10 +433,9 @@ def _write_bits(slot: _Slot, host: np.ndarray) -> bool:
     src = slot.source
     itemsize = _ITEMSIZE[slot.dtype_name]
     np_bits = _BITS_NP.get(itemsize)
-    if np_bits is None or slot.offset % itemsize or host.ctypes.data % itemsize:
+    if np_bits is None or slot.offset % itemsize:
         return False
-    dst = host[slot.offset : slot.offset + slot.nbytes].view(np_bits)
-    dst = dst.reshape(slot.shape)
+    dst = host[slot.offset : slot.offset + slot.nbytes].view(np_bits).reshape(slot.shape)
     if isinstance(src, torch.Tensor):
         if tuple(src.shape) != slot.shape:
             raise EncodeError(f"{slot.name} changed shape while encoding")
@@ -444,7 +472,9 @@ def _write_tensor(slot: _Slot, data: torch.Tensor, typed: _TypedBases) -> None:
     dst_bytes.copy_(tmp.reshape(-1).view(torch.uint8))
 
 
-def _crc32(data: torch.Tensor) -> int:
+def _crc32(data: torch.Tensor | np.ndarray) -> int:
+    if isinstance(data, np.ndarray):
+        return zlib.crc32(data.data) & 0xFFFFFFFF
     if data.numel() == 0:
         return 0
     host = data if data.device.type == "cpu" else data.cpu()

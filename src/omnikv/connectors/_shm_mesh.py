@@ -12,6 +12,20 @@ Per connection, at most :data:`MAX_FDS_PER_LINK` descriptors may ever be receive
 one); a peer over that bound, or sending garbage, is disconnected and logged. The handler bounds
 its own per-link state the same way (:meth:`Mesh.drop`).
 
+Who reads. The I/O thread normally blocks in ``select``; two shortcuts take a thread hop off the
+latency of a request:
+
+* :meth:`Mesh.lead`: a thread about to block for a message (a receiver's blocking wait) parks
+  the I/O thread and serves the sockets itself (:meth:`Mesh.serve`), so the offer it waits for
+  is read and dispatched in the thread that needs it, not handed over by the I/O thread. One
+  leader at a time; other waiters are woken by the leader's dispatch as by the I/O thread.
+* :meth:`Mesh.pump`: a thread about to publish (a put) first reads what its peers already sent
+  (non-blocking), so a ``want`` that arrived while it was busy is answered by the put itself
+  instead of waiting for the I/O thread to get the interpreter lock.
+
+Every read is non-blocking and holds the link's ``read_lock``, so one link's frames are decoded
+and dispatched in order by one thread at a time, whoever that is.
+
 The *local* link stands for this connector itself: messages "sent" on it are dispatched at once
 in the sending thread, so a stage that puts and gets on one instance uses the same protocol.
 """
@@ -27,6 +41,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import msgpack
@@ -40,6 +55,7 @@ from omnikv.connectors._shm_wire import (
     discover,
     encode_frame,
     peer_uid,
+    recv_nowait,
 )
 
 __all__ = ["MAX_FDS_PER_LINK", "Link", "Mesh", "MeshHandler"]
@@ -63,6 +79,7 @@ class Link:
         self.local = sock is None
         self.send_lock = threading.RLock()
         self.reader = FrameReader()
+        self.read_lock = threading.Lock()
         self.fds: deque[int] = deque()
         self.fds_received = 0
         self.pool: PeerPool | None = None  # the peer's pool, mapped here
@@ -106,6 +123,11 @@ class Mesh:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._io_loop, name="omnikv-shm-io", daemon=True)
+        # leadership (see module docstring): the leader's thread ident, and whether the I/O
+        # thread is parked (out of ``select``) for it
+        self._lead = threading.Condition(threading.Lock())
+        self._leader: int | None = None
+        self._parked = False
 
     # -- joining ------------------------------------------------------------------------------
     def join(self, timeout: float) -> None:
@@ -220,48 +242,125 @@ class Mesh:
         with link.send_lock, contextlib.suppress(OSError):
             link.sock.shutdown(socket.SHUT_RDWR)
 
-    # -- I/O thread ---------------------------------------------------------------------------
+    # -- I/O thread and leader -------------------------------------------------------------
     def _io_loop(self) -> None:
         while not self._stop:
+            with self._lead:
+                while self._leader is not None and not self._stop:
+                    self._parked = True
+                    self._lead.notify_all()
+                    self._lead.wait()
+                self._parked = False
+            if self._stop:
+                break
             try:
-                events = self._sel.select()
+                self.serve(None)
             except (OSError, ValueError):
                 if self._stop:
                     break
                 raise
-            for key, _mask in events:
-                if key.data == "wake":
-                    with contextlib.suppress(OSError):
-                        while os.read(self._wake_r, 4096):
-                            pass
-                elif key.data == "listen":
-                    self._accept()
-                else:
-                    self._read(key.data)
+
+    def serve(self, timeout: float | None) -> None:
+        """One ``select`` (up to ``timeout`` seconds; ``None``: until something happens) and
+        the dispatch of what it found. Only the I/O thread, or the leader while the I/O thread
+        is parked, calls it."""
+        for key, _mask in self._sel.select(timeout):
+            if key.data == "wake":
+                with contextlib.suppress(OSError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+            elif key.data == "listen":
+                self._accept()
+            else:
+                self._read(key.data)
+
+    def wake(self) -> None:
+        """Make the thread in :meth:`serve` return (a leader whose wait ended elsewhere)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    @contextlib.contextmanager
+    def lead(self) -> Iterator[bool]:
+        """Serve the sockets in this thread for the duration (yields True), or yield False when
+        another thread leads, the mesh is closing or the I/O thread is not running (the caller
+        then waits to be woken as usual). Entering parks the I/O thread (it leaves ``select``);
+        leaving lets it resume."""
+        me = threading.get_ident()
+        with self._lead:
+            ok = self._leader is None and not self._stop and self._thread.is_alive()
+            if ok:
+                self._leader = me
+        if not ok:
+            yield False
+            return
+        try:
+            self.wake()
+            with self._lead:
+                while not self._parked and not self._stop and self._thread.is_alive():
+                    self._lead.wait(0.5)
+                ok = self._parked and not self._stop
+            yield ok
+        finally:
+            with self._lead:
+                self._leader = None
+                self._lead.notify_all()
+
+    def leading(self) -> bool:
+        """Whether the calling thread is the leader."""
+        return self._leader == threading.get_ident()
+
+    def pump(self) -> None:
+        """Read and dispatch, in this thread, whatever the peers have sent already (never
+        blocks; a link another thread is reading is skipped). See module docstring."""
+        for link in self.links(local=False):
+            if link.read_lock.acquire(blocking=False):
+                try:
+                    while self._read_once(link, pumping=True):
+                        pass
+                finally:
+                    link.read_lock.release()
 
     def _read(self, link: Link) -> None:
+        with link.read_lock:
+            self._read_once(link, pumping=False)
+
+    def _read_once(self, link: Link, *, pumping: bool) -> bool:
+        """One non-blocking read of ``link`` (``read_lock`` held) and the dispatch of what it
+        completed; True when data was read. A pump leaves a dead link to the select loop (it
+        shuts the socket down, so the loop sees EOF) instead of unregistering it itself."""
         assert link.sock is not None
+        if not link.alive:
+            return False
         try:
-            data, fds, _flags, _addr = socket.recv_fds(link.sock, _READ_CHUNK, MAX_FDS_PER_LINK)
+            data, fds = recv_nowait(link.sock, _READ_CHUNK, MAX_FDS_PER_LINK)
+        except BlockingIOError:
+            return False
         except OSError as exc:
             logger.debug("read from %s failed: %s", link, exc)
-            self._gone(link)
-            return
+            if pumping:
+                with contextlib.suppress(OSError):
+                    link.sock.shutdown(socket.SHUT_RDWR)
+            else:
+                self._gone(link)
+            return False
         link.fds.extend(fds)
         link.fds_received += len(fds)
         if link.fds_received > MAX_FDS_PER_LINK:
             _close_fds(link.fds)
             self.drop(link, f"sent more than {MAX_FDS_PER_LINK} descriptors")
-            return
+            return False
         if not data:
-            self._gone(link)
-            return
+            if not pumping:
+                self._gone(link)
+            return False
         try:
             for msg in link.reader.feed(data):
                 if link.alive and not link.dropped:
                     self._handler.on_message(link, msg)
         except (ValueError, TypeError, IndexError, KeyError, msgpack.ExtraData) as exc:
             self.drop(link, f"protocol error: {exc}")
+            return False
+        return True
 
     def _gone(self, link: Link) -> None:
         """A peer closed, died or was dropped: forget it and let the handler reclaim."""
@@ -296,8 +395,9 @@ class Mesh:
         if self._stop:
             return
         self._stop = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+        self.wake()
+        with self._lead:
+            self._lead.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
         with self._lock:

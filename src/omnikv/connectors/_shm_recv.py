@@ -32,6 +32,8 @@ __all__ = ["Offer", "RecvSide"]
 logger = logging.getLogger(__name__)
 
 MAX_EARLY_EVICTS = 4096
+#: Longest single ``select`` of a waiter leading the mesh (its wake-ups never depend on it).
+_LEADER_ROUND_S = 0.25
 
 
 @dataclass
@@ -59,6 +61,7 @@ class _Want:
     offer: Offer | None = None
     pending: set[Link] = field(default_factory=set)  # non-blocking: peers yet to answer
     senders_lost: list[str] = field(default_factory=list)
+    leader: bool = False  # its thread serves the mesh: wake the mesh, not (only) the event
 
 
 class RecvSide:
@@ -108,15 +111,41 @@ class RecvSide:
         return offer
 
     def _wait(self, want: _Want, deadline: float) -> None:
-        while True:
-            want.event.clear()
-            with self._lock:
-                if want.offer is not None or self.closed or not (want.block or want.pending):
+        """Until ``want`` is answered (or cannot be any more) or ``deadline``. A blocking want
+        leads the mesh when it can (:meth:`Mesh.lead`): this thread then reads the offer itself."""
+        if want.block and not self._answered(want):
+            with self._mesh.lead() as leading:
+                if leading:
+                    want.leader = True
+                    try:
+                        self._serve_until(want, deadline)
+                    finally:
+                        want.leader = False
                     return
+        while not self._answered(want):
             left = remaining(deadline)
             if left <= 0:
                 return
             want.event.wait(min(left, 3600.0))
+            want.event.clear()
+
+    def _answered(self, want: _Want) -> bool:
+        with self._lock:
+            return want.offer is not None or self.closed or not (want.block or want.pending)
+
+    def _serve_until(self, want: _Want, deadline: float) -> None:
+        """The leader's wait: serve the sockets until ``want`` is answered or ``deadline``. Each
+        round is bounded, so a wake-up that went astray costs at most one round."""
+        while not self._answered(want):
+            left = remaining(deadline)
+            if left <= 0:
+                return
+            try:
+                self._mesh.serve(min(left, _LEADER_ROUND_S))
+            except (OSError, ValueError):
+                if self.closed:
+                    return
+                raise
 
     def _finish(self, want: _Want) -> Offer | None:
         with self._lock:
@@ -160,12 +189,19 @@ class RecvSide:
                 want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
                 # held from now on, so an evict that overtakes the waiter's wake-up is served
                 self._holding[(link, token)] = (want.offer, region)
-                want.event.set()
+                self._signal(want)
                 accepted = True
         if not accepted:
             self._mesh.send(link, [["return", token]])
         elif early:
             self.on_evict(link, token)
+
+    def _signal(self, want: _Want) -> None:
+        """Wake ``want``'s thread: its event, and the mesh if it is the leader in ``select``
+        (unless this is that thread, dispatching its own offer)."""
+        want.event.set()
+        if want.leader and not self._mesh.leading():
+            self._mesh.wake()
 
     def on_miss(self, link: Link, wid: int) -> None:
         with self._lock:
@@ -205,10 +241,10 @@ class RecvSide:
             for want in self._wants.values():
                 if link in want.pending:
                     want.pending.discard(link)
-                    want.event.set()
+                    self._signal(want)
                 if want.block and link.pool is not None and want.offer is None:
                     want.senders_lost.append(link.peer)
-                    want.event.set()
+                    self._signal(want)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -220,7 +256,7 @@ class RecvSide:
         with self._lock:
             self.closed = True
             for want in self._wants.values():
-                want.event.set()
+                self._signal(want)
             held = list(self._holding.values())
             self._holding.clear()
         for offer, region in held:

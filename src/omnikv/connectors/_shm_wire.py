@@ -42,6 +42,7 @@ __all__ = [
     "namespace_prefix",
     "peer_uid",
     "private_dir",
+    "recv_nowait",
 ]
 
 MAX_FRAME = 64 * 1024
@@ -118,6 +119,27 @@ class FrameReader:
                 raise ValueError("control frame is not a typed msgpack array")
             out.append(msg)
         return out
+
+
+_FD = struct.Struct("i")
+
+
+def recv_nowait(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """One non-blocking read: ``(data, descriptors)``; ``BlockingIOError`` when nothing is there.
+
+    ``socket.recv_fds`` ignores its ``flags`` argument (CPython 3.10-3.12), so it cannot be
+    asked not to block; this passes ``MSG_DONTWAIT`` itself. Only ``SCM_RIGHTS`` data is taken
+    (whole descriptors), at most ``maxfds`` (the kernel closes what did not fit).
+    """
+    data, ancdata, _flags, _addr = sock.recvmsg(
+        bufsize, socket.CMSG_LEN(maxfds * _FD.size), socket.MSG_DONTWAIT
+    )
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(payload) - len(payload) % _FD.size
+            fds.extend(v for (v,) in _FD.iter_unpack(payload[:whole]))
+    return data, fds
 
 
 def peer_uid(sock: socket.socket) -> tuple[int, int]:

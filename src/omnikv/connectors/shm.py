@@ -268,6 +268,9 @@ class SharedMemoryConnector(OmniConnectorBase):
                 raise
             entry = Entry(key, label, offset, nbytes, kind)
             self._store.write_slot(entry, write)
+            # a want that reached us while we wrote is answered by this put, not by the I/O
+            # thread once it gets the interpreter lock (see _shm_mesh)
+            self._mesh.pump()
             self._store.publish(entry)
         logger.debug("SharedMemoryConnector put %s (%d bytes at %d of %d)", key, nbytes, offset,
                      alloc.total)  # fmt: skip

@@ -1,0 +1,214 @@
+"""Who reads the shared-memory mesh: the leader (a waiting thread serves the sockets itself), the
+pump (a put reads wants that arrived while it wrote) and the non-blocking read under both.
+
+Real connectors over real abstract sockets, in this process and across processes; nothing is
+mocked except what a test observes (which thread ran a handler).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnikv.connectors import _shm_recv
+from omnikv.connectors._shm_recv import RecvSide
+from omnikv.connectors._shm_store import SendStore
+from omnikv.connectors._shm_wire import recv_nowait
+from omnikv.connectors.shm import SharedMemoryConnector
+from test_shm_peer import Peer, peer_pool, start_peer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def peers() -> Iterator[list[Peer]]:
+    yield from peer_pool()
+
+
+@pytest.fixture
+def pair(namespace: str) -> Iterator[tuple[SharedMemoryConnector, SharedMemoryConnector]]:
+    """A receiving and a sending connector of one namespace (one socket between them)."""
+    rx = SharedMemoryConnector({"namespace": namespace})
+    tx = SharedMemoryConnector({"namespace": namespace, "linger_s": 0, "prefault": False})
+    try:
+        yield rx, tx
+    finally:
+        tx.close(linger=False)
+        rx.close(linger=False)
+
+
+def _fill(value: int) -> Any:
+    def write(t: torch.Tensor) -> None:
+        t.fill_(value)
+
+    return write
+
+
+def _record_threads(
+    monkeypatch: pytest.MonkeyPatch, cls: type, name: str, owner: object | None = None
+) -> list[int]:
+    """Wrap ``cls.name`` so that each call (on ``owner`` only, if given) records its thread."""
+    seen: list[int] = []
+    orig = getattr(cls, name)
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if owner is None or self is owner:
+            seen.append(threading.get_ident())
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapped)
+    return seen
+
+
+class _Waiter(threading.Thread):
+    """A thread blocked in ``connector.wait`` for one key; keeps what it got."""
+
+    def __init__(self, conn: SharedMemoryConnector, key: str, timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.conn, self.key, self.timeout = conn, key, timeout
+        self.got: tuple[int, bool] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            buf = self.conn.wait("0", "1", self.key, deadline=time.monotonic() + self.timeout)
+            if buf is not None:
+                t = buf.tensor
+                same = bool((t == t[0]).all())
+                self.got = (buf.size, int(t[0]) if same else -1)
+                buf.release()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def _until(cond: Any, timeout: float = 10.0) -> None:
+    """Poll ``cond`` (a state the test cannot be notified of) until true or fail."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_a_blocked_waiter_reads_its_offer_itself(
+    peers: list[Peer], namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Across processes: the thread blocked in ``wait`` leads the mesh, so the offer is
+    dispatched in that thread (no hand-over from the I/O thread), and the data is intact."""
+    rx = SharedMemoryConnector({"namespace": namespace})
+    try:
+        offers = _record_threads(monkeypatch, RecvSide, "on_offer", rx._recv)
+        sender = start_peer(peers, namespace, linger_s=0)
+        waiter = _Waiter(rx, "k", 20.0)
+        waiter.start()
+        _until(lambda: rx._mesh._parked)  # the I/O thread stepped aside for the waiter
+        assert sender.call("put", "k", 100_000, 42, 5.0)[:2] == ("put", True)
+        waiter.join(20.0)
+        assert not waiter.is_alive() and waiter.error is None
+        assert waiter.got == (100_000, 42)
+        assert offers == [waiter.ident]
+        _until(lambda: not rx._mesh._parked)  # and it serves again once the waiter left
+    finally:
+        rx.close(linger=False)
+
+
+def test_one_leader_serves_every_waiter(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
+) -> None:
+    """Eight threads wait at once (one leads); puts in reverse order reach each its own key."""
+    rx, tx = pair
+    waiters = [_Waiter(rx, f"k{i}", 20.0) for i in range(8)]
+    for w in waiters:
+        w.start()
+    _until(lambda: rx._mesh._parked and len(rx._recv._wants) == 8)
+    for i in reversed(range(8)):
+        assert tx.put_packed("0", "1", f"k{i}", 4096 + i, _fill(i + 1))[0]
+    for i, w in enumerate(waiters):
+        w.join(20.0)
+        assert not w.is_alive() and w.error is None
+        assert w.got == (4096 + i, i + 1)
+
+
+def test_an_offer_from_this_process_wakes_the_leader(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put on the waiting connector itself (the local link, dispatched in the putting thread)
+    wakes the leader out of ``select`` at once: with 30 s rounds it would otherwise sleep."""
+    monkeypatch.setattr(_shm_recv, "_LEADER_ROUND_S", 30.0)
+    conn = SharedMemoryConnector({"namespace": namespace, "linger_s": 0, "prefault": False})
+    try:
+        waiter = _Waiter(conn, "k", 20.0)
+        waiter.start()
+        _until(lambda: conn._mesh._parked)
+        assert conn.put_packed("0", "1", "k", 5000, _fill(9))[0]
+        waiter.join(10.0)
+        assert not waiter.is_alive() and waiter.got == (5000, 9)
+    finally:
+        conn.close(linger=False)
+
+
+def test_close_wakes_a_leading_waiter(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` while a thread leads: the waiter returns ``None`` and nothing hangs."""
+    monkeypatch.setattr(_shm_recv, "_LEADER_ROUND_S", 30.0)
+    conn = SharedMemoryConnector({"namespace": namespace})
+    waiter = _Waiter(conn, "never", 25.0)
+    waiter.start()
+    _until(lambda: conn._mesh._parked)
+    conn.close(linger=False)
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    assert waiter.error is None and waiter.got is None
+    assert not conn._mesh._thread.is_alive()
+
+
+def test_a_put_answers_a_want_its_io_thread_has_not_read(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender's I/O thread is parked (this thread leads without serving), so a want sits
+    unread in its socket; the put reads it before publishing and offers in the putting thread.
+    Without the pump the waiter would time out."""
+    rx, tx = pair
+    wants = _record_threads(monkeypatch, SendStore, "on_want", tx._store)
+    with tx._mesh.lead() as leading:
+        assert leading and tx._mesh._parked
+        waiter = _Waiter(rx, "k", 20.0)
+        waiter.start()
+        link = tx._mesh.links(local=False)[0]
+        assert link.sock is not None
+        _until(lambda: _readable(link.sock))  # the want has arrived, unread
+        assert tx.put_packed("0", "1", "k", 70_000, _fill(5))[0]
+    waiter.join(20.0)
+    assert not waiter.is_alive() and waiter.got == (70_000, 5)
+    assert wants == [threading.get_ident()]
+
+
+def _readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:
+    """``socket.recv_fds`` ignores its flags; ``recv_nowait`` does not block on an empty socket
+    and returns passed descriptors, at most ``maxfds`` (the rest are closed by the kernel)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = socket.socketpair()
+    try:
+        with pytest.raises(BlockingIOError):
+            recv_nowait(b, 1024, 4)
+        socket.send_fds(a, [b"xy"], [r.fileno()])
+        data, fds = recv_nowait(b, 1024, 4)
+        assert data == b"xy" and len(fds) == 1
+        os.close(fds[0])
+        socket.send_fds(a, [b"z"], [r.fileno(), w.fileno(), r.fileno()])
+        data, fds = recv_nowait(b, 1024, 1)
+        assert data == b"z" and len(fds) == 1
+        os.close(fds[0])
+    finally:
+        for s in (a, b, r, w):
+            s.close()
