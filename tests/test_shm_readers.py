@@ -7,6 +7,7 @@ mocked except what a test observes (which thread ran a handler).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import socket
@@ -21,7 +22,7 @@ import torch
 from omnikv.connectors import _shm_recv
 from omnikv.connectors._shm_recv import RecvSide
 from omnikv.connectors._shm_store import SendStore
-from omnikv.connectors._shm_wire import recv_nowait
+from omnikv.connectors._shm_wire import DescriptorFlood, recv_nowait
 from omnikv.connectors.shm import SharedMemoryConnector
 from test_shm_peer import Peer, peer_pool, start_peer
 
@@ -39,6 +40,13 @@ def pair(namespace: str) -> Iterator[tuple[SharedMemoryConnector, SharedMemoryCo
     rx = SharedMemoryConnector({"namespace": namespace})
     tx = SharedMemoryConnector({"namespace": namespace, "linger_s": 0, "prefault": False})
     try:
+        # one exchange first: both ends have accepted, greeted and served each other, so
+        # nothing from the set-up is left unread when a test starts
+        assert tx.put_packed("0", "1", "warm-up", 10, _fill(1))[0]
+        got = rx.wait("0", "1", "warm-up", deadline=time.monotonic() + 10.0)
+        assert got is not None
+        got.release()
+        _until(lambda: tx._store.snapshot()["releases"] == 1)
         yield rx, tx
     finally:
         tx.close(linger=False)
@@ -52,7 +60,7 @@ def _fill(value: int) -> Any:
     return write
 
 
-def _record_threads(
+def _record_threads(  # names of the threads that ran it
     monkeypatch: pytest.MonkeyPatch, cls: type, name: str, owner: object | None = None
 ) -> list[int]:
     """Wrap ``cls.name`` so that each call (on ``owner`` only, if given) records its thread."""
@@ -61,7 +69,7 @@ def _record_threads(
 
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         if owner is None or self is owner:
-            seen.append(threading.get_ident())
+            seen.append(threading.current_thread().name)
         return orig(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, name, wrapped)
@@ -113,7 +121,7 @@ def test_a_blocked_waiter_reads_its_offer_itself(
         waiter.join(20.0)
         assert not waiter.is_alive() and waiter.error is None
         assert waiter.got == (100_000, 42)
-        assert offers == [waiter.ident]
+        assert offers == [waiter.name]
         _until(lambda: not rx._mesh._parked)  # and it serves again once the waiter left
     finally:
         rx.close(linger=False)
@@ -162,6 +170,7 @@ def test_close_wakes_a_leading_waiter(namespace: str, monkeypatch: pytest.Monkey
     waiter.start()
     _until(lambda: conn._mesh._parked)
     conn.close(linger=False)
+    assert conn._mesh._leader is None  # close() waited for the leader to step down
     waiter.join(10.0)
     assert not waiter.is_alive()
     assert waiter.error is None and waiter.got is None
@@ -176,7 +185,7 @@ def test_a_put_answers_a_want_its_io_thread_has_not_read(
     Without the pump the waiter would time out."""
     rx, tx = pair
     wants = _record_threads(monkeypatch, SendStore, "on_want", tx._store)
-    with tx._mesh.lead() as leading:
+    with tx._mesh.lead(time.monotonic() + 10.0) as leading:
         assert leading and tx._mesh._parked
         waiter = _Waiter(rx, "k", 20.0)
         waiter.start()
@@ -186,7 +195,7 @@ def test_a_put_answers_a_want_its_io_thread_has_not_read(
         assert tx.put_packed("0", "1", "k", 70_000, _fill(5))[0]
     waiter.join(20.0)
     assert not waiter.is_alive() and waiter.got == (70_000, 5)
-    assert wants == [threading.get_ident()]
+    assert wants == [threading.current_thread().name]
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -194,8 +203,9 @@ def _readable(sock: socket.socket) -> bool:
 
 
 def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:
-    """``socket.recv_fds`` ignores its flags; ``recv_nowait`` does not block on an empty socket
-    and returns passed descriptors, at most ``maxfds`` (the rest are closed by the kernel)."""
+    """``socket.recv_fds`` ignores its flags; ``recv_nowait`` does not block on an empty socket,
+    returns passed descriptors close-on-exec, and refuses a message with more than ``maxfds``
+    (the kernel closes those that did not fit, ``recv_nowait`` the others)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     r, w = socket.socketpair()
     try:
@@ -204,11 +214,82 @@ def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:
         socket.send_fds(a, [b"xy"], [r.fileno()])
         data, fds = recv_nowait(b, 1024, 4)
         assert data == b"xy" and len(fds) == 1
+        assert fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # never inherited
         os.close(fds[0])
+        before = len(os.listdir("/proc/self/fd"))
         socket.send_fds(a, [b"z"], [r.fileno(), w.fileno(), r.fileno()])
-        data, fds = recv_nowait(b, 1024, 1)
-        assert data == b"z" and len(fds) == 1
-        os.close(fds[0])
+        with pytest.raises(DescriptorFlood):
+            recv_nowait(b, 1024, 1)
+        assert len(os.listdir("/proc/self/fd")) == before  # none of the three is left open
     finally:
         for s in (a, b, r, w):
             s.close()
+
+
+def test_a_waiter_whose_io_thread_cannot_park_keeps_its_deadline(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver's I/O thread is stuck in a slow dispatch (here: a handler this test holds),
+    so it cannot step aside for a leader: the wait still ends at its deadline with nothing
+    instead of waiting for the hand-over."""
+    rx, tx = pair
+    entered, proceed = threading.Event(), threading.Event()
+    orig = SendStore.on_want
+
+    def slow(self: SendStore, *args: Any) -> None:
+        if self is rx._store and args[2].startswith("ping@"):
+            entered.set()
+            proceed.wait(30.0)
+        orig(self, *args)
+
+    monkeypatch.setattr(SendStore, "on_want", slow)
+    asker = _Waiter(tx, "ping", 20.0)  # its want is dispatched by rx's I/O thread
+    asker.start()
+    try:
+        assert entered.wait(10.0)
+        t0 = time.monotonic()
+        assert rx.wait("0", "1", "never", deadline=t0 + 0.5) is None
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        proceed.set()
+    tx.close(linger=False)
+    asker.join(10.0)
+    assert not asker.is_alive()
+
+
+def test_a_handler_that_fails_drops_only_that_link(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
+    monkeypatch: pytest.MonkeyPatch,
+    namespace: str,
+) -> None:
+    """A handler raising on a valid message (a bug, a failed remap) drops that peer and is
+    logged; the I/O thread lives on, and a put whose pump meets such a failure still succeeds."""
+    rx, tx = pair
+
+    def boom(self: SendStore, *args: Any) -> None:
+        if self is tx._store:
+            raise RuntimeError("handler bug")
+
+    monkeypatch.setattr(SendStore, "on_want", boom)
+    # this thread leads without serving, so the want stays unread until the put's pump
+    with tx._mesh.lead(time.monotonic() + 10.0) as leading:
+        assert leading
+        waiter = _Waiter(rx, "k", 1.0)
+        waiter.start()
+        link = tx._mesh.links(local=False)[0]
+        assert link.sock is not None
+        _until(lambda: _readable(link.sock))
+        assert tx.put_packed("0", "1", "k", 1000, _fill(1))[0]
+    assert tx._mesh.counters["peers_dropped"] == 1
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    assert tx._mesh._thread.is_alive()
+    # the dropped peer is gone; a new one is served
+    late = SharedMemoryConnector({"namespace": namespace})
+    try:
+        monkeypatch.undo()
+        got = late.wait("0", "1", "k", deadline=time.monotonic() + 10.0)
+        assert got is not None and got.size == 1000
+        got.release()
+    finally:
+        late.close(linger=False)

@@ -48,6 +48,7 @@ import msgpack
 
 from omnikv.connectors._shm_pool import PeerPool
 from omnikv.connectors._shm_wire import (
+    DescriptorFlood,
     FrameReader,
     NamespaceLock,
     abstract,
@@ -122,6 +123,7 @@ class Mesh:
         self._sel = selectors.DefaultSelector()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="omnikv-shm-io", daemon=True)
         # leadership (see module docstring): the leader's thread ident, and whether the I/O
         # thread is parked (out of ``select``) for it
@@ -263,7 +265,9 @@ class Mesh:
     def serve(self, timeout: float | None) -> None:
         """One ``select`` (up to ``timeout`` seconds; ``None``: until something happens) and
         the dispatch of what it found. Only the I/O thread, or the leader while the I/O thread
-        is parked, calls it."""
+        is parked, calls it. Returns at once when the mesh is stopping."""
+        if self._stop:
+            return
         for key, _mask in self._sel.select(timeout):
             if key.data == "wake":
                 with contextlib.suppress(OSError):
@@ -276,15 +280,21 @@ class Mesh:
 
     def wake(self) -> None:
         """Make the thread in :meth:`serve` return (a leader whose wait ended elsewhere)."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+        with self._wake_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:  # -1 once closed: never a descriptor reused meanwhile
+                os.write(self._wake_w, b"\0")
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`close` has begun (a leader then stops serving)."""
+        return self._stop
 
     @contextlib.contextmanager
-    def lead(self) -> Iterator[bool]:
+    def lead(self, deadline: float) -> Iterator[bool]:
         """Serve the sockets in this thread for the duration (yields True), or yield False when
-        another thread leads, the mesh is closing or the I/O thread is not running (the caller
-        then waits to be woken as usual). Entering parks the I/O thread (it leaves ``select``);
-        leaving lets it resume."""
+        another thread leads, the mesh is closing, the I/O thread is not running or does not
+        park before ``deadline`` (``time.monotonic()``; the caller then waits to be woken as
+        usual). Entering parks the I/O thread (it leaves ``select``); leaving lets it resume."""
         me = threading.get_ident()
         with self._lead:
             ok = self._leader is None and not self._stop and self._thread.is_alive()
@@ -297,7 +307,10 @@ class Mesh:
             self.wake()
             with self._lead:
                 while not self._parked and not self._stop and self._thread.is_alive():
-                    self._lead.wait(0.5)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._lead.wait(min(left, 0.5))
                 ok = self._parked and not self._stop
             yield ok
         finally:
@@ -314,9 +327,8 @@ class Mesh:
         blocks; a link another thread is reading is skipped). See module docstring."""
         for link in self.links(local=False):
             if link.read_lock.acquire(blocking=False):
-                try:
-                    while self._read_once(link, pumping=True):
-                        pass
+                try:  # one read per link: a peer that keeps sending cannot hold the put
+                    self._read_once(link, pumping=True)
                 finally:
                     link.read_lock.release()
 
@@ -334,6 +346,9 @@ class Mesh:
         try:
             data, fds = recv_nowait(link.sock, _READ_CHUNK, MAX_FDS_PER_LINK)
         except BlockingIOError:
+            return False
+        except DescriptorFlood as exc:
+            self.drop(link, str(exc))
             return False
         except OSError as exc:
             logger.debug("read from %s failed: %s", link, exc)
@@ -353,12 +368,21 @@ class Mesh:
             if not pumping:
                 self._gone(link)
             return False
+        return self._dispatch(link, data)
+
+    def _dispatch(self, link: Link, data: bytes) -> bool:
+        """Decode and hand on what ``data`` completed (``read_lock`` held); False when the link
+        was dropped for it."""
         try:
             for msg in link.reader.feed(data):
                 if link.alive and not link.dropped:
                     self._handler.on_message(link, msg)
         except (ValueError, TypeError, IndexError, KeyError, msgpack.ExtraData) as exc:
             self.drop(link, f"protocol error: {exc}")
+            return False
+        except Exception as exc:  # a handler failed on a valid message: this link only
+            logger.exception("handling a message from %s failed", link)
+            self.drop(link, f"handler error: {type(exc).__name__}: {exc}")
             return False
         return True
 
@@ -371,12 +395,14 @@ class Mesh:
                 return
             self._links.discard(link)
             self.counters["peers_gone"] += 1
-        self._handler.on_link_gone(link)
-        logger.debug("shared-memory peer %s gone", link)
-        assert link.sock is not None
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(link.sock)
-        self._teardown_sockets([link])
+        try:
+            self._handler.on_link_gone(link)
+            logger.debug("shared-memory peer %s gone", link)
+        finally:  # whatever the handler did, the dead socket leaves the selector
+            assert link.sock is not None
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(link.sock)
+            self._teardown_sockets([link])
 
     def _teardown_sockets(self, links: list[Link]) -> None:
         for link in links:
@@ -398,6 +424,14 @@ class Mesh:
         self.wake()
         with self._lead:
             self._lead.notify_all()
+            # a leader returns from serve() now; nothing below may run under its feet
+            end = time.monotonic() + 5.0
+            while self._leader not in (None, threading.get_ident()):
+                left = end - time.monotonic()
+                if left <= 0:
+                    logger.error("a thread waiting on the shared-memory mesh did not stop")
+                    break
+                self._lead.wait(left)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
         with self._lock:
@@ -410,7 +444,9 @@ class Mesh:
             self._listener.close()
         with contextlib.suppress(OSError, ValueError):
             self._sel.close()
-        for fd in (self._wake_r, self._wake_w):
+        with self._wake_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
 

@@ -114,7 +114,7 @@ class RecvSide:
         """Until ``want`` is answered (or cannot be any more) or ``deadline``. A blocking want
         leads the mesh when it can (:meth:`Mesh.lead`): this thread then reads the offer itself."""
         if want.block and not self._answered(want):
-            with self._mesh.lead() as leading:
+            with self._mesh.lead(deadline) as leading:
                 if leading:
                     want.leader = True
                     try:
@@ -136,14 +136,14 @@ class RecvSide:
     def _serve_until(self, want: _Want, deadline: float) -> None:
         """The leader's wait: serve the sockets until ``want`` is answered or ``deadline``. Each
         round is bounded, so a wake-up that went astray costs at most one round."""
-        while not self._answered(want):
+        while not self._answered(want) and not self._mesh.stopping:
             left = remaining(deadline)
             if left <= 0:
                 return
             try:
                 self._mesh.serve(min(left, _LEADER_ROUND_S))
             except (OSError, ValueError):
-                if self.closed:
+                if self.closed or self._mesh.stopping:
                     return
                 raise
 
@@ -151,6 +151,11 @@ class RecvSide:
         with self._lock:
             self._wants.pop(want.wid, None)
             offer = want.offer
+            if offer is not None and self.closed:
+                # accepted just before close(): close() migrated it if it was held; either way
+                # the caller of a closed connector gets nothing
+                self._holding.pop((offer.link, offer.token), None)
+                offer = None
             if offer is None:
                 self.counters["misses"] += 1
         if want.block:
@@ -185,7 +190,7 @@ class RecvSide:
         with self._lock:
             early = self._early_evicts.pop((link, token), None) is not None
             want = self._wants.get(wid)
-            if want is not None and want.offer is None:
+            if want is not None and want.offer is None and not self.closed:
                 want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
                 # held from now on, so an evict that overtakes the waiter's wake-up is served
                 self._holding[(link, token)] = (want.offer, region)

@@ -33,6 +33,7 @@ import msgpack
 __all__ = [
     "MAX_FRAME",
     "MAX_KEY_CHARS",
+    "DescriptorFlood",
     "FrameReader",
     "NamespaceLock",
     "connect_peer",
@@ -124,6 +125,11 @@ class FrameReader:
 _FD = struct.Struct("i")
 
 
+class DescriptorFlood(OSError):
+    """A peer passed more descriptors in one message than the reader accepts (its link is
+    dropped; the kernel closed those that did not fit, :func:`recv_nowait` the others)."""
+
+
 def recv_nowait(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
     """One non-blocking read: ``(data, descriptors)``; ``BlockingIOError`` when nothing is there.
 
@@ -131,14 +137,20 @@ def recv_nowait(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, 
     asked not to block; this passes ``MSG_DONTWAIT`` itself. Only ``SCM_RIGHTS`` data is taken
     (whole descriptors), at most ``maxfds`` (the kernel closes what did not fit).
     """
-    data, ancdata, _flags, _addr = sock.recvmsg(
-        bufsize, socket.CMSG_LEN(maxfds * _FD.size), socket.MSG_DONTWAIT
+    data, ancdata, flags, _addr = sock.recvmsg(
+        bufsize,
+        socket.CMSG_LEN(maxfds * _FD.size),
+        socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC,
     )
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             whole = len(payload) - len(payload) % _FD.size
             fds.extend(v for (v,) in _FD.iter_unpack(payload[:whole]))
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise DescriptorFlood(f"more than {maxfds} descriptors in one message")
     return data, fds
 
 

@@ -268,13 +268,20 @@ class SharedMemoryConnector(OmniConnectorBase):
                 raise
             entry = Entry(key, label, offset, nbytes, kind)
             self._store.write_slot(entry, write)
-            # a want that reached us while we wrote is answered by this put, not by the I/O
-            # thread once it gets the interpreter lock (see _shm_mesh)
-            self._mesh.pump()
+            self._pump()
             self._store.publish(entry)
         logger.debug("SharedMemoryConnector put %s (%d bytes at %d of %d)", key, nbytes, offset,
                      alloc.total)  # fmt: skip
         return True, nbytes, {"key": key, "size": nbytes, "shm": {"name": key, "size": nbytes}}
+
+    def _pump(self) -> None:
+        """Before a publish: a want that reached us while we wrote is answered by this put, not
+        by the I/O thread once it gets the interpreter lock (see ``_shm_mesh``). An optimisation
+        only: whatever goes wrong in it is logged and never fails the put."""
+        try:
+            self._mesh.pump()
+        except Exception:
+            logger.exception("reading peers' messages before a put failed")
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
         """Reference-shaped put: ``data`` is copied into the pool once; ``(False, 0, None)`` on
