@@ -210,3 +210,42 @@ def test_managed_buffer_adopt_ties_release_to_views() -> None:
     del part
     gc.collect()
     assert released == [1]
+
+
+def test_host_managed_buffer_needs_no_tensor_and_keeps_every_contract() -> None:
+    """``ManagedBuffer.host`` (the shared-memory receiver's form): same size, contents and
+    release rules as a tensor-backed buffer; the torch view is made only when asked for, and
+    ``adopt`` ties the release to the adopted tensor's views without making one first."""
+    import numpy as np
+
+    backing = np.arange(64, dtype=np.uint8)
+    released: list[int] = []
+    buf = ManagedBuffer.host(backing[8:40], release=lambda: released.append(1))
+    assert buf.size == 32 and buf.device == torch.device("cpu") and not buf.released
+    host = buf.host_array
+    assert host is not None and host.tolist() == list(range(8, 40))
+    assert buf._tensor is None  # nothing made yet
+    assert buf.tensor.tolist() == list(range(8, 40))
+    owned = buf.adopt()
+    assert owned is not None and buf.released and buf.size == 0
+    with pytest.raises(RuntimeError):
+        _ = buf.host_array
+    with pytest.raises(RuntimeError):
+        _ = buf.tensor
+    part = owned[4:8].view(torch.int32)
+    del owned
+    gc.collect()
+    assert released == []
+    del part
+    gc.collect()
+    assert released == [1]
+
+    other = ManagedBuffer.host(backing[:16], release=lambda: released.append(2))
+    other.release()
+    other.release()
+    assert released == [1, 2]
+    with pytest.raises(RuntimeError):
+        other.adopt()
+    for bad in (backing.astype(np.int16), backing.reshape(8, 8), backing[::2]):
+        with pytest.raises(ValueError):
+            ManagedBuffer.host(bad)

@@ -385,14 +385,16 @@ class KVReceiver:
         section in all) and ``buf`` is released at once. A payload published as an object (the
         reference-shaped ``put``) is decoded from that object.
         """
-        size, t = buf.size, buf.tensor
-        if t.device.type == "cpu" and is_object(t.numpy().data):  # a view: cheaper than a slice
+        size, host = buf.size, buf.host_array
+        if host is not None and is_object(host.data):
             return self._decode_object(get_result(buf)[0], size)
-        own = _names_device(target_device, t.device)
-        if own and t.device.type == "cpu" and self.options.receive_copy == "auto":
-            adopted = buf.adopt()
-            if adopted is not None:
-                t, own = adopted, False
+        own = _names_device(target_device, buf.device)
+        t = None
+        if own and host is not None and self.options.receive_copy == "auto":
+            t = buf.adopt()
+            own = t is None
+        if t is None:
+            t = buf.tensor
         limit = self.options.max_header_bytes
         decoded = decode_kv(t, copy=own, max_header_bytes=limit)
         if own:

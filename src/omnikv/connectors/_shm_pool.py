@@ -81,6 +81,7 @@ class MappedRegion:
         self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         arr = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = int(arr.ctypes.data)
+        self._array: np.ndarray | None = arr
         self._tensor: torch.Tensor | None = torch.from_numpy(arr)
         self.tainted = False  # a span was migrated: new views must come from a fresh mapping
         self._unmapped = False
@@ -93,6 +94,15 @@ class MappedRegion:
         if offset < 0 or n < 0 or offset + n > self.size:
             raise ValueError(f"span [{offset}, {offset + n}) outside a pool of {self.size} bytes")
         return t[offset : offset + n]
+
+    def array(self, offset: int, n: int) -> np.ndarray:
+        """:meth:`view` as a numpy array (no torch call: the receiver's hot path)."""
+        a = self._array
+        if a is None:
+            raise RuntimeError("shared-memory pool is unmapped")
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise ValueError(f"span [{offset}, {offset + n}) outside a pool of {self.size} bytes")
+        return a[offset : offset + n]
 
     def migrate(self, offset: int, n: int) -> None:
         """Replace ``[offset, offset + n)`` (page-rounded) with a private copy at the same address.
@@ -123,6 +133,7 @@ class MappedRegion:
     def close(self) -> None:
         """Drop our reference; unmapped now, or when the last view handed out dies."""
         self._tensor = None
+        self._array = None
         mm, self._mm = self._mm, None
         if mm is not None:
             with contextlib.suppress(BufferError):  # views pin it: unmapped when they die

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from omnikv.connectors._shm_codec import KINDS
 from omnikv.connectors._shm_mesh import Link, Mesh
@@ -43,7 +43,7 @@ class Offer:
 
     link: Link
     region: MappedRegion
-    view: torch.Tensor
+    view: np.ndarray
     token: int
     offset: int
     nbytes: int
@@ -170,7 +170,7 @@ class RecvSide:
         with self._lock:
             self.counters["gets"] += 1
             self.counters["bytes_got"] += offer.nbytes
-        return ManagedBuffer(offer.view, release)
+        return ManagedBuffer.host(offer.view, release)
 
     def _release(self, link: Link, token: int) -> None:
         """Release callback of a handed-out view (any thread, also a GC finalizer)."""
@@ -185,7 +185,7 @@ class RecvSide:
         if link.pool is None or kind not in KINDS:
             raise ValueError(f"offer of kind {kind!r} before a usable pool")
         region = link.pool.region()
-        view = region.view(offset, nbytes)  # ValueError (the peer is dropped) if out of bounds
+        view = region.array(offset, nbytes)  # ValueError (the peer is dropped) if out of bounds
         accepted = False
         with self._lock:
             early = self._early_evicts.pop((link, token), None) is not None

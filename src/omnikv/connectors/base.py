@@ -81,6 +81,9 @@ _POLL_FIRST_S = 0.0005
 _POLL_CAP_S = 0.01
 
 
+_CPU = torch.device("cpu")
+
+
 class _OwnedArray(np.ndarray):  # type: ignore[type-arg]
     """A numpy view whose garbage collection releases the pool space it aliases."""
 
@@ -97,30 +100,73 @@ class ManagedBuffer:
     last tensor derived from the returned tensor dies (host memory only).
     """
 
-    __slots__ = ("__weakref__", "_adopted", "_lock", "_release_cb", "_released", "_tensor")
+    __slots__ = (
+        "__weakref__",
+        "_adopted",
+        "_array",
+        "_lock",
+        "_release_cb",
+        "_released",
+        "_size",
+        "_tensor",
+    )
 
     def __init__(self, tensor: torch.Tensor, release: Callable[[], None] | None = None) -> None:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError("ManagedBuffer needs a contiguous 1-D uint8 tensor")
         self._tensor: torch.Tensor | None = tensor
+        self._array: np.ndarray | None = None
+        self._size = int(tensor.numel())
         self._release_cb = release
         self._released = False
         self._adopted = False
         self._lock = threading.Lock()
 
+    @classmethod
+    def host(cls, array: np.ndarray, release: Callable[[], None] | None = None) -> ManagedBuffer:
+        """A buffer over host memory given as a 1-D ``uint8`` numpy array (a mapped pool's
+        span): the torch view is made only if someone asks for :attr:`tensor`; :meth:`adopt`
+        and :attr:`host_array` do without it. Called by the shared-memory receiver."""
+        if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:
+            raise ValueError("ManagedBuffer needs a contiguous 1-D uint8 array")
+        self = cls.__new__(cls)
+        self._tensor = None
+        self._array = array
+        self._size = int(array.size)
+        self._release_cb = release
+        self._released = False
+        self._adopted = False
+        self._lock = threading.Lock()
+        return self
+
     @property
     def tensor(self) -> torch.Tensor:
         """The zero-copy 1-D ``uint8`` view; raises ``RuntimeError`` after release."""
-        t = self._tensor
-        if t is None or self._released:
+        if self._released:
             raise RuntimeError("ManagedBuffer was released; its memory may be reused")
+        t = self._tensor
+        if t is None:
+            array = self._array
+            if array is None:
+                raise RuntimeError("ManagedBuffer was released; its memory may be reused")
+            t = self._tensor = torch.from_numpy(array)
         return t
+
+    @property
+    def host_array(self) -> np.ndarray | None:
+        """The contents as a 1-D ``uint8`` numpy view for host memory (``None`` for device
+        memory); raises ``RuntimeError`` after release, like :attr:`tensor`."""
+        if self._released:
+            raise RuntimeError("ManagedBuffer was released; its memory may be reused")
+        if self._array is not None:
+            return self._array
+        t = self.tensor
+        return t.numpy() if t.is_cpu else None
 
     @property
     def size(self) -> int:
         """Number of bytes in the buffer (0 after release)."""
-        t = self._tensor
-        return 0 if t is None else int(t.numel())
+        return 0 if self._released else self._size
 
     @property
     def released(self) -> bool:
@@ -129,7 +175,7 @@ class ManagedBuffer:
     @property
     def device(self) -> torch.device:
         t = self._tensor
-        return torch.device("cpu") if t is None else t.device
+        return _CPU if t is None else t.device
 
     def as_tensor(
         self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0
@@ -160,14 +206,19 @@ class ManagedBuffer:
         nothing) for device memory, which the receiver then copies out instead.
         """
         with self._lock:
-            t = self.tensor
-            if t.device.type != "cpu":
-                return None
-            arr = t.numpy().view(_OwnedArray)
+            host = self._array
+            if host is None:
+                t = self.tensor
+                if not t.is_cpu:
+                    return None
+                host = t.numpy()
+            elif self._released:
+                raise RuntimeError("ManagedBuffer was released; its memory may be reused")
+            arr = host.view(_OwnedArray)
             cb = self._release_cb
             self._adopted = True
             self._released = True
-            self._tensor = None
+            self._tensor = self._array = None
             self._release_cb = None
         if cb is not None:
             weakref.finalize(arr, _safe_call, cb)
@@ -181,7 +232,7 @@ class ManagedBuffer:
             self._released = True
             cb = self._release_cb
             self._release_cb = None
-            self._tensor = None
+            self._tensor = self._array = None
         if cb is not None:
             _safe_call(cb)
 
