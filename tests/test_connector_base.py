@@ -249,3 +249,19 @@ def test_host_managed_buffer_needs_no_tensor_and_keeps_every_contract() -> None:
     for bad in (backing.astype(np.int16), backing.reshape(8, 8), backing[::2]):
         with pytest.raises(ValueError):
             ManagedBuffer.host(bad)
+
+
+def test_adopt_array_releases_when_the_last_array_or_tensor_made_from_it_dies() -> None:
+    import numpy as np
+
+    released: list[int] = []
+    buf = ManagedBuffer.host(np.zeros(64, dtype=np.uint8), release=lambda: released.append(1))
+    arr = buf.adopt_array()
+    assert arr is not None and buf.released and arr.size == 64
+    typed = torch.from_numpy(arr[16:32].view(np.float32))  # what the receiver's decode makes
+    del arr
+    gc.collect()
+    assert released == []
+    del typed
+    gc.collect()
+    assert released == [1]

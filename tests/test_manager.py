@@ -133,7 +133,7 @@ def test_receive_copy_gives_each_tensor_its_own_memory_of_its_size(
 ) -> None:
     """``copy``: every tensor in fresh memory of exactly its bytes (tensor-sized allocations are
     recycled request after request; nothing aliases the pool); ``auto``: zero-copy views of the
-    received payload (header included in their storage)."""
+    received payload (one storage, within it)."""
     sender, receiver = manager_pair(receive_copy=mode)
     caches = make_paged_caches()
     sender.handle_finished_requests_kv_transfer(
@@ -148,7 +148,8 @@ def test_receive_copy_gives_each_tensor_its_own_memory_of_its_size(
         assert len(storages) == len(tensors)
         assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
     else:
-        assert len(storages) == 1 and tensors[0].untyped_storage().nbytes() == size
+        assert len(storages) == 1  # one storage: the payload's data section, not a copy
+        assert tensor_bytes <= tensors[0].untyped_storage().nbytes() <= size
     assert tensor_bytes < size
     want = torch.cat([caches[1][1][i] for i in (1, 2)])
     assert torch.equal(data["layer_blocks"]["value_cache"][1], want)

@@ -470,3 +470,88 @@ def test_header_of_numpy_and_tensor_metadata_is_plain_json() -> None:
         "c": [0, 1],
         "d": ["x"],
     }
+
+
+# -- the host-array decode (the shared-memory receiver's path) --------------------------------
+def _as_array(raw: bytes, shift: int = 0) -> np.ndarray:
+    """``raw`` in a fresh 1-D uint8 numpy array, starting ``shift`` bytes past an aligned
+    address (numpy aligns its allocations to at least 16 bytes)."""
+    backing = np.zeros(len(raw) + 64, dtype=np.uint8)
+    start = -backing.ctypes.data % 64 + shift
+    arr = backing[start : start + len(raw)]
+    arr[:] = np.frombuffer(raw, dtype=np.uint8)
+    return arr
+
+
+@pytest.mark.parametrize("name", sorted(DTYPE_ALLOWLIST))
+def test_array_decode_equals_the_tensor_decode_for_every_dtype(name: str) -> None:
+    """``decode_kv`` of a numpy array (numpy views, one ``from_numpy`` per dtype; bf16 and
+    fp8 through integer bits) gives the same tensors as the tensor path, viewing the array."""
+    dtype = DTYPE_ALLOWLIST[name]
+    raw = torch.arange(3 * 5 * 2 * 8 * 16, dtype=torch.int64).remainder(251).to(torch.uint8)
+    if dtype == torch.bool:
+        raw = raw.remainder(2)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 5 * 2 * 8 * itemsize
+    layers = [raw[i * n : (i + 1) * n].view(dtype).view(5, 2, 8) for i in range(3)]
+    data = KVCacheTransferData("r", {"key_cache": layers, "value_cache": layers[::-1]}, [3], {})
+    arr = _as_array(data.to_bytes())
+    got = decode_kv(arr)
+    want = decode_kv(data.to_bytes())
+    base = arr.ctypes.data
+    pairs = zip(got.key_cache + got.value_cache, want.key_cache + want.value_cache, strict=True)
+    for a, b in pairs:
+        assert a is not None and b is not None
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(_raw_int_view(a), _raw_int_view(b))
+        assert base <= a.data_ptr() < base + arr.size  # a view of the array, not a copy
+    assert got.request_id == "r" and got.block_ids == [3]
+
+
+def test_array_decode_of_gaps_runs_and_misaligned_addresses() -> None:
+    g = torch.Generator().manual_seed(1)
+    k = [
+        torch.randn(4, 2, 8, generator=g).half(),
+        None,
+        torch.randn(5, 2, 8, generator=g).float(),
+        torch.empty(0, 2, 8, dtype=torch.float16),
+        torch.randn(4, 2, 8, generator=g).to(torch.bfloat16),
+    ]
+    v = [t.clone() if t is not None else None for t in reversed(k)]
+    data = KVCacheTransferData("mixed", {"key_cache": k, "value_cache": v})
+    for raw in (data.to_bytes(), ref_to_bytes("mixed", k, v)):
+        for shift in (0, 1, 2):  # odd addresses: such tensors are copied, never misread
+            out = decode_kv(_as_array(raw, shift))
+            _assert_same(data, out.to_seed_dict())
+            assert all(t.data_ptr() % t.element_size() == 0 for t in out.key_cache if t is not None)
+
+
+@pytest.mark.parametrize(("label", "raw", "match"), CASES, ids=[c[0] for c in CASES])
+def test_array_decode_refuses_malformed_framing(label: str, raw: bytes, match: str) -> None:
+    with pytest.raises(DecodeError, match=match):
+        decode_kv(_as_array(raw))
+
+
+@pytest.mark.parametrize(
+    ("label", "changes", "match"), FIELD_CASES, ids=[c[0] for c in FIELD_CASES]
+)
+def test_array_decode_refuses_malformed_header_fields(
+    label: str, changes: dict, match: str
+) -> None:
+    raw = _mutated(**changes)
+    if label == "bad name":
+        header = _good_header()
+        header["td"][0]["n"] = "key_cache_zz"
+        del header["td"][0]["i"]
+        raw = _header_payload(header, b"\x00" * 8)
+    with pytest.raises(DecodeError, match=match):
+        decode_kv(_as_array(raw))
+
+
+def test_array_decode_checks_the_checksum() -> None:
+    data = _sample(layers=2)
+    raw = bytearray(data.to_bytes(checksum=True))
+    assert decode_kv(_as_array(bytes(raw))).num_layers == 2
+    raw[-1] ^= 0xFF
+    with pytest.raises(DecodeError, match="checksum"):
+        decode_kv(_as_array(bytes(raw)))

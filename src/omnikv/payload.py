@@ -126,6 +126,13 @@ _ITEMSIZE: dict[str, int] = {
     name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPE_ALLOWLIST.items()
 }
 _CACHES = ("key_cache", "value_cache")
+#: numpy's type of each allowed dtype that numpy has (bf16 and fp8 have none: viewed as bits).
+_NUMPY_OF: dict[str, type[np.generic]] = {
+    name: getattr(np, "bool_" if name == "bool" else name)
+    for name in DTYPE_ALLOWLIST
+    if name in ("bool", "uint8", "int8", "int16", "int32", "int64")
+    or name in ("float16", "float32", "float64", "complex64", "complex128")
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -772,7 +779,7 @@ def _check_disjoint(spans: list[_Span]) -> None:
         end, prev = span.offset + span.nbytes, span.pos
 
 
-def _verify_checksum(ck: str | None, data: torch.Tensor) -> None:
+def _verify_checksum(ck: str | None, data: torch.Tensor | np.ndarray) -> None:
     if ck is None:
         return
     if not ck.startswith(_CK_PREFIX) or len(ck) != len(_CK_PLACEHOLDER):
@@ -880,6 +887,47 @@ class _Viewer:
         return base.as_strided(span.shape, _strides(span.shape), origin + span.offset // itemsize)
 
 
+class _HostViewer(_Viewer):
+    """:class:`_Viewer` over a host payload given as a numpy array: the typed bases are numpy
+    views turned into tensors with one ``from_numpy`` each (bf16 and fp8, which numpy lacks,
+    through same-size integers and a torch ``view``), so decoding makes no torch slice. The
+    tensors keep ``array`` (and whatever owns it) alive."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._ptr = int(array.__array_interface__["data"][0])
+        self._typed = {}
+
+    def _typed_view(self, name: str) -> tuple[torch.Tensor, int] | None:
+        if name not in self._typed:
+            itemsize = _ITEMSIZE[name]
+            lead = -self._ptr % itemsize
+            usable = (self.array.size - lead) // itemsize * itemsize
+            raw = self.array[lead : lead + usable]
+            np_type = _NUMPY_OF.get(name)
+            bits = _BITS_NP.get(itemsize)
+            if np_type is not None:
+                typed = torch.from_numpy(raw.view(np_type))
+            elif bits is not None:
+                typed = torch.from_numpy(raw.view(bits)).view(DTYPE_ALLOWLIST[name])
+            else:  # pragma: no cover - every allowed dtype is one of the two
+                self._typed[name] = None
+                return None
+            self._typed[name] = (typed, -(lead // itemsize))
+        return self._typed[name]
+
+    def _one(self, span: _Span) -> torch.Tensor:
+        if span.nbytes == 0:
+            return torch.empty(span.shape, dtype=DTYPE_ALLOWLIST[span.dtype_name])
+        typed = self._typed_view(span.dtype_name)
+        itemsize = _ITEMSIZE[span.dtype_name]
+        if typed is None or (self._ptr + span.offset) % itemsize:
+            chunk = torch.from_numpy(self.array[span.offset : span.offset + span.nbytes].copy())
+            return chunk.view(DTYPE_ALLOWLIST[span.dtype_name]).view(span.shape)
+        base, origin = typed
+        return base.as_strided(span.shape, _strides(span.shape), origin + span.offset // itemsize)
+
+
 def _copied(data: torch.Tensor, spans: list[_Span]) -> list[torch.Tensor]:
     """Every span copied into a fresh tensor of its own (in all at most the data section).
 
@@ -927,6 +975,14 @@ def decode_kv(
     checksum when the payload carries one. Every malformed input raises :class:`DecodeError`
     before anything proportional to a claimed size is allocated.
     """
+    if (
+        not copy
+        and isinstance(buffer, np.ndarray)
+        and buffer.dtype == np.uint8
+        and buffer.ndim == 1
+        and buffer.flags.c_contiguous
+    ):
+        return _decode_array(buffer, verify, max_header_bytes)
     try:
         t = _as_byte_tensor(buffer)
     except ValueError as exc:
@@ -939,6 +995,29 @@ def decode_kv(
     if verify:
         _verify_checksum(header.ck, data)
     tensors = _copied(data, spans) if copy else _Viewer(data).views(spans)
+    return _assemble(header, spans, tensors)
+
+
+def _decode_array(array: np.ndarray, verify: bool, max_header_bytes: int) -> DecodedKV:
+    """:func:`decode_kv` of a host payload in a 1-D ``uint8`` numpy array, as views of it.
+
+    The receiver's hot path (an adopted pool span): the same checks in the same order, with
+    the header read and the data section sliced in numpy (see :class:`_HostViewer`).
+    """
+    mv = array.data
+    header, hlen = _read_header(
+        bytes(mv[:4]), array.size, lambda start, n: mv[start : start + n], max_header_bytes
+    )
+    data_len = _check_header(header, array.size - 4 - hlen)
+    data = array[4 + hlen : 4 + hlen + data_len]
+    spans = _spans(header, data_len)
+    if verify:
+        _verify_checksum(header.ck, data)
+    tensors = _HostViewer(data).views(spans)
+    return _assemble(header, spans, tensors)
+
+
+def _assemble(header: _Header, spans: list[_Span], tensors: list[torch.Tensor]) -> DecodedKV:
     caches: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] = (
         [None] * header.nl,
         [None] * header.nl,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnikv.config import TransferOptions
@@ -389,14 +390,14 @@ class KVReceiver:
         if host is not None and is_object(host.data):
             return self._decode_object(get_result(buf)[0], size)
         own = _names_device(target_device, buf.device)
-        t = None
+        payload: torch.Tensor | np.ndarray | None = None
         if own and host is not None and self.options.receive_copy == "auto":
-            t = buf.adopt()
-            own = t is None
-        if t is None:
-            t = buf.tensor
+            payload = buf.adopt_array()  # decoded in numpy, no torch slice (decode_kv)
+            own = payload is None
+        if payload is None:
+            payload = buf.tensor
         limit = self.options.max_header_bytes
-        decoded = decode_kv(t, copy=own, max_header_bytes=limit)
+        decoded = decode_kv(payload, copy=own, max_header_bytes=limit)
         if own:
             buf.release()
         return ReceivedKV.from_decoded(decoded, size)

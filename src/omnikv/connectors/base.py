@@ -205,6 +205,12 @@ class ManagedBuffer:
         garbage-collected. Afterwards :meth:`release` is a no-op. Returns ``None`` (and changes
         nothing) for device memory, which the receiver then copies out instead.
         """
+        arr = self.adopt_array()
+        return None if arr is None else torch.from_numpy(arr)
+
+    def adopt_array(self) -> np.ndarray | None:
+        """:meth:`adopt` as a 1-D ``uint8`` numpy array: the space is released when it and every
+        array or tensor made from it (``torch.from_numpy`` keeps it alive) are gone."""
         with self._lock:
             host = self._array
             if host is None:
@@ -222,7 +228,7 @@ class ManagedBuffer:
             self._release_cb = None
         if cb is not None:
             weakref.finalize(arr, _safe_call, cb)
-        return torch.from_numpy(arr)
+        return arr
 
     def release(self) -> None:
         """Return the memory to its owner. Idempotent and thread-safe."""
