@@ -14,7 +14,9 @@ Design (one page; the parts live in ``_shm_*`` modules):
 * **Mesh** (``_shm_mesh``, ``_shm_wire``). Every connector binds a listener in the Linux
   *abstract* Unix namespace (random suffix) and connects to its namespace's peers (non-blocking,
   bounded) under a per-namespace ``flock`` in a directory only its uid can write; peers of
-  another uid are refused (``SO_PEERCRED``) before anything is read.
+  another uid are refused (``SO_PEERCRED``) before anything is read. One I/O thread serves the
+  sockets; a thread blocked in ``wait`` serves them itself meanwhile (the I/O thread parks), so
+  its offer is read where it is needed, and a put first reads wants that arrived while it wrote.
 * **Protocol** (msgpack frames, no pickle; ``_shm_recv``). ``want`` / ``offer`` / ``release``,
   consume-once; the pool descriptor is passed once per connection and checked (memfd, seals,
   size) before it is mapped. The ``local`` link makes a ``get`` on the instance that did the
@@ -140,7 +142,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     """Node-local connector over a memfd pool and abstract Unix sockets (see module docstring).
 
     Thread-safe: any number of threads may put / get / wait at once; one I/O thread per
-    connector serves the sockets.
+    connector serves the sockets, or one waiting thread while it waits (``_shm_mesh``).
     """
 
     supports_raw_data = True
