@@ -301,14 +301,18 @@ FIELD_CASES = [
     ("label", "changes", "match"), FIELD_CASES, ids=[c[0] for c in FIELD_CASES]
 )
 def test_malformed_header_fields(label: str, changes: dict, match: str) -> None:
-    raw = _mutated(**changes)
-    if label == "bad name":
-        header = _good_header()
-        header["td"][0]["n"] = "key_cache_zz"
-        del header["td"][0]["i"]
-        raw = _header_payload(header, b"\x00" * 8)
     with pytest.raises(DecodeError, match=match):
-        decode(raw)
+        decode(_field_case(label, changes))
+
+
+def _field_case(label: str, changes: dict) -> bytes:
+    """The payload of one ``FIELD_CASES`` row."""
+    if label != "bad name":
+        return _mutated(**changes)
+    header = _good_header()
+    header["td"][0]["n"] = "key_cache_zz"
+    del header["td"][0]["i"]
+    return _header_payload(header, b"\x00" * 8)
 
 
 def test_td_entry_must_be_object_and_count_bounded() -> None:
@@ -538,14 +542,8 @@ def test_array_decode_refuses_malformed_framing(label: str, raw: bytes, match: s
 def test_array_decode_refuses_malformed_header_fields(
     label: str, changes: dict, match: str
 ) -> None:
-    raw = _mutated(**changes)
-    if label == "bad name":
-        header = _good_header()
-        header["td"][0]["n"] = "key_cache_zz"
-        del header["td"][0]["i"]
-        raw = _header_payload(header, b"\x00" * 8)
     with pytest.raises(DecodeError, match=match):
-        decode_kv(_as_array(raw))
+        decode_kv(_as_array(_field_case(label, changes)))
 
 
 def test_array_decode_checks_the_checksum() -> None:

@@ -89,20 +89,22 @@ class MappedRegion:
     def view(self, offset: int, n: int) -> torch.Tensor:
         """A 1-D ``uint8`` view of ``[offset, offset + n)``; pins the mapping while alive."""
         t = self._tensor
-        if t is None:
-            raise RuntimeError("shared-memory pool is unmapped")
-        if offset < 0 or n < 0 or offset + n > self.size:
-            raise ValueError(f"span [{offset}, {offset + n}) outside a pool of {self.size} bytes")
+        self._check_span(t is None, offset, n)
+        assert t is not None
         return t[offset : offset + n]
 
     def array(self, offset: int, n: int) -> np.ndarray:
         """:meth:`view` as a numpy array (no torch call: the receiver's hot path)."""
         a = self._array
-        if a is None:
+        self._check_span(a is None, offset, n)
+        assert a is not None
+        return a[offset : offset + n]
+
+    def _check_span(self, unmapped: bool, offset: int, n: int) -> None:
+        if unmapped:
             raise RuntimeError("shared-memory pool is unmapped")
         if offset < 0 or n < 0 or offset + n > self.size:
             raise ValueError(f"span [{offset}, {offset + n}) outside a pool of {self.size} bytes")
-        return a[offset : offset + n]
 
     def migrate(self, offset: int, n: int) -> None:
         """Replace ``[offset, offset + n)`` (page-rounded) with a private copy at the same address.
