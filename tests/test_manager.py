@@ -323,6 +323,21 @@ def test_an_inert_manager_warns_once_and_reports_not_configured(
     assert mgr.get_receive_result("b").status is ReceiveStatus.NOT_CONFIGURED
 
 
+def test_a_distribution_only_manager_says_so_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """A rank built with a parallel context but no connector (a follower that only gets KV from
+    its leader, ``omnikv bench dist``) has work: one INFO line, no warning."""
+    with caplog.at_level("INFO", logger="omnikv.manager"):
+        mgr = OmniKVTransferManager(
+            OmniKVCacheConfig(need_recv_cache=True), parallel_context=ParallelContext(local_rank=0)
+        )
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r for r in caplog.records if "only distributes" in r.getMessage()]
+    assert mgr.receive_kv_cache_for_request("b") == (None, 0)
+    res = mgr.get_receive_result("b")
+    assert res is not None and res.status is ReceiveStatus.SKIPPED
+    assert res.reason == "recv stages unset"
+
+
 def test_a_configured_manager_does_not_warn(
     omni_kv: Callable[..., dict], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -46,7 +46,8 @@ class OmniKVTransferManager:
 
     Hook slots (``kv_send_key_builder``, ``kv_recv_key_builder``, ``kv_payload_merger``,
     ``kv_payload_slicer``) take the reference's signatures (:class:`topology.TransferHooks`).
-    A manager that will neither send nor receive warns once; its results are ``not_configured``.
+    A manager that will neither send nor receive warns once (only an INFO line when it was given a
+    ``parallel_context``: it distributes among ranks); its results are ``not_configured``.
     """
 
     def __init__(
@@ -86,7 +87,10 @@ class OmniKVTransferManager:
         self._ranks = StageRanks(parallel_context, self.tp_topo, lambda: config.recv_timeout)
         for name in _HOOKS:
             setattr(self, name, None)
-        if not ok:
+        if not ok and parallel_context is not None:
+            # a rank given a parallel context still distributes KV among its ranks
+            logger.info("OmniKVTransferManager only distributes among ranks: %s", _INERT)
+        elif not ok:
             logger.warning("OmniKVTransferManager will neither send nor receive: %s", _INERT)
         elif sends and connector is None and self.connector is not None:
             logger.info("Sender connector eagerly initialized")
