@@ -185,8 +185,9 @@ def test_a_put_answers_a_want_its_io_thread_has_not_read(
     Without the pump the waiter would time out."""
     rx, tx = pair
     wants = _record_threads(monkeypatch, SendStore, "on_want", tx._store)
-    with tx._mesh.lead(time.monotonic() + 10.0) as leading:
-        assert leading and tx._mesh._parked
+    with tx._mesh.lead() as leading:
+        assert leading
+        _until(lambda: tx._mesh._parked)
         waiter = _Waiter(rx, "k", 20.0)
         waiter.start()
         link = tx._mesh.links(local=False)[0]
@@ -226,12 +227,12 @@ def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:
             s.close()
 
 
-def test_a_waiter_whose_io_thread_cannot_park_keeps_its_deadline(
+def test_a_waiter_keeps_its_deadline_while_its_link_is_being_read(
     pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The receiver's I/O thread is stuck in a slow dispatch (here: a handler this test holds),
-    so it cannot step aside for a leader: the wait still ends at its deadline with nothing
-    instead of waiting for the hand-over."""
+    """The receiver's I/O thread is stuck in a slow dispatch from the sender's link (a handler
+    this test holds) and keeps that link's read lock: the leader waits for the lock at most one
+    round, and its wait still ends at its deadline with nothing."""
     rx, tx = pair
     entered, proceed = threading.Event(), threading.Event()
     orig = SendStore.on_want
@@ -257,6 +258,46 @@ def test_a_waiter_whose_io_thread_cannot_park_keeps_its_deadline(
     assert not asker.is_alive()
 
 
+def test_a_waiter_reads_its_offer_while_the_io_thread_is_busy(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
+    monkeypatch: pytest.MonkeyPatch,
+    namespace: str,
+) -> None:
+    """The leader does not wait for the I/O thread to step aside: with the receiver's I/O
+    thread stuck in a dispatch for a third peer (a handler this test holds), a waiter still
+    reads its own offer from the sender, in its own thread, before that dispatch ends."""
+    rx, tx = pair
+    entered, proceed = threading.Event(), threading.Event()
+    orig = SendStore.on_want
+
+    def slow(self: SendStore, *args: Any) -> None:
+        if self is rx._store and args[2].startswith("ping@"):
+            entered.set()
+            proceed.wait(30.0)
+        orig(self, *args)
+
+    monkeypatch.setattr(SendStore, "on_want", slow)
+    offers = _record_threads(monkeypatch, RecvSide, "on_offer", rx._recv)
+    third = SharedMemoryConnector({"namespace": namespace})
+    asker = _Waiter(third, "ping", 20.0)  # its want holds rx's I/O thread
+    try:
+        asker.start()
+        assert entered.wait(10.0)
+        waiter = _Waiter(rx, "k", 20.0)
+        waiter.start()
+        _until(lambda: len(rx._recv._wants) == 1)
+        assert tx.put_packed("0", "1", "k", 30_000, _fill(3))[0]
+        waiter.join(20.0)
+        assert not waiter.is_alive() and waiter.got == (30_000, 3)
+        assert not proceed.is_set()  # read while the I/O thread was still stuck
+        assert offers == [waiter.name]
+    finally:
+        proceed.set()
+        third.close(linger=False)
+        asker.join(10.0)
+    assert not asker.is_alive()
+
+
 def test_a_handler_that_fails_drops_only_that_link(
     pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
     monkeypatch: pytest.MonkeyPatch,
@@ -272,8 +313,9 @@ def test_a_handler_that_fails_drops_only_that_link(
 
     monkeypatch.setattr(SendStore, "on_want", boom)
     # this thread leads without serving, so the want stays unread until the put's pump
-    with tx._mesh.lead(time.monotonic() + 10.0) as leading:
+    with tx._mesh.lead() as leading:
         assert leading
+        _until(lambda: tx._mesh._parked)
         waiter = _Waiter(rx, "k", 1.0)
         waiter.start()
         link = tx._mesh.links(local=False)[0]

@@ -15,9 +15,12 @@ its own per-link state the same way (:meth:`Mesh.drop`).
 Who reads. The I/O thread normally blocks in ``select``; two shortcuts take a thread hop off the
 latency of a request:
 
-* :meth:`Mesh.lead`: a thread about to block for a message (a receiver's blocking wait) parks
-  the I/O thread and serves the sockets itself (:meth:`Mesh.serve`), so the offer it waits for
-  is read and dispatched in the thread that needs it, not handed over by the I/O thread. One
+* :meth:`Mesh.lead`: a thread about to block for a message (a receiver's blocking wait) serves
+  the sockets itself (:meth:`Mesh.serve`), so the offer it waits for is read and dispatched in
+  the thread that needs it, not handed over by the I/O thread. It starts serving at once, on a
+  selector of its own, and asks the I/O thread to park (leave its ``select``) meanwhile; it
+  does not wait for that, since the I/O thread may not get a CPU for a while on a loaded host
+  (until it parks, both may wake for the same data, and the read lock sorts them out). One
   leader at a time; other waiters are woken by the leader's dispatch as by the I/O thread.
 * :meth:`Mesh.pump`: a thread about to publish (a put) first reads what its peers already sent
   (non-blocking), so a ``want`` that arrived while it was busy is answered by the put itself
@@ -120,9 +123,13 @@ class Mesh:
         self.local = Link(None, os.getpid(), "local")
         self.counters = {"peers_gone": 0, "peers_refused": 0, "peers_dropped": 0}
         self._stop = False
+        # two selectors over the same sockets: the I/O thread's and the leader's, each with its
+        # own wake pipe (a wake-up meant for one must not be drained by the other)
         self._sel = selectors.DefaultSelector()
+        self._lsel = selectors.DefaultSelector()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lwake_r, self._lwake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="omnikv-shm-io", daemon=True)
         # leadership (see module docstring): the leader's thread ident, and whether the I/O
@@ -140,17 +147,31 @@ class Mesh:
             with NamespaceLock(self.prefix, timeout):
                 self._listener.bind(abstract(self.name))
                 self._listener.listen(128)
+                self._listener.setblocking(False)  # two threads may race for one connection
                 for name in sorted(discover(self.prefix) - {self.name}):
                     self._connect(name, max(0.0, min(_CONNECT_STEP_S, end - time.monotonic())))
         except BaseException:
             self._teardown_sockets(list(self._links))
             raise
-        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        for sel, wake_r in ((self._sel, self._wake_r), (self._lsel, self._lwake_r)):
+            sel.register(self._listener, selectors.EVENT_READ, "listen")
+            sel.register(wake_r, selectors.EVENT_READ, "wake")
         for link in self._links:
-            assert link.sock is not None
-            self._sel.register(link.sock, selectors.EVENT_READ, link)
+            self._watch(link)
         self._thread.start()
+
+    def _watch(self, link: Link) -> None:
+        """Register a link's socket with both selectors."""
+        assert link.sock is not None
+        for sel in (self._sel, self._lsel):
+            sel.register(link.sock, selectors.EVENT_READ, link)
+
+    def _unwatch(self, link: Link) -> None:
+        """Unregister a link's socket from both selectors (where it still is)."""
+        assert link.sock is not None
+        for sel in (self._sel, self._lsel):
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(link.sock)
 
     def _trusted(self, s: socket.socket, what: str) -> int | None:
         """The peer's pid if it runs as our uid; otherwise close ``s``, count, log, ``None``."""
@@ -183,6 +204,8 @@ class Mesh:
     def _accept(self) -> None:
         try:
             s, _ = self._listener.accept()
+        except BlockingIOError:  # the other serving thread took it
+            return
         except OSError as exc:
             logger.debug("accept failed: %s", exc)
             return
@@ -190,9 +213,10 @@ class Mesh:
         if pid is None:
             return
         link = Link(s, pid)
+        s.setblocking(True)  # accepted sockets inherit nothing, but be explicit
         with self._lock:
             self._links.add(link)
-        self._sel.register(s, selectors.EVENT_READ, link)
+        self._watch(link)
         msgs = [["hello", self.instance, os.getpid()], *self._handler.on_link_up(link)]
         self.send(link, msgs)
 
@@ -256,33 +280,43 @@ class Mesh:
             if self._stop:
                 break
             try:
-                self.serve(None)
+                self._serve(self._sel, self._wake_r, None)
             except (OSError, ValueError):
                 if self._stop:
                     break
                 raise
 
-    def serve(self, timeout: float | None) -> None:
-        """One ``select`` (up to ``timeout`` seconds; ``None``: until something happens) and
-        the dispatch of what it found. Only the I/O thread, or the leader while the I/O thread
-        is parked, calls it. Returns at once when the mesh is stopping."""
+    def serve(self, timeout: float) -> None:
+        """The leader's round: one ``select`` on its own selector (up to ``timeout`` seconds)
+        and the dispatch of what it found. Only the leader calls it (see :meth:`lead`); returns
+        at once when the mesh is stopping. A link another thread is reading is waited for at
+        most ``timeout``, so the leader's deadline holds."""
+        self._serve(self._lsel, self._lwake_r, timeout)
+
+    def _serve(self, sel: selectors.BaseSelector, wake_r: int, timeout: float | None) -> None:
         if self._stop:
             return
-        for key, _mask in self._sel.select(timeout):
+        for key, _mask in sel.select(timeout):
             if key.data == "wake":
                 with contextlib.suppress(OSError):
-                    while os.read(self._wake_r, 4096):
+                    while os.read(wake_r, 4096):
                         pass
             elif key.data == "listen":
                 self._accept()
             else:
-                self._read(key.data)
+                self._read(key.data, timeout)
 
     def wake(self) -> None:
-        """Make the thread in :meth:`serve` return (a leader whose wait ended elsewhere)."""
+        """Make the leader's :meth:`serve` return (its wait ended elsewhere: an offer from
+        this process, ``close``)."""
+        self._poke(1)
+
+    def _poke(self, which: int) -> None:
+        """Write the wake pipe of the I/O thread (0) or of the leader (1)."""
         with self._wake_lock, contextlib.suppress(OSError):
-            if self._wake_w >= 0:  # -1 once closed: never a descriptor reused meanwhile
-                os.write(self._wake_w, b"\0")
+            fd = self._wake_w if which == 0 else self._lwake_w
+            if fd >= 0:  # -1 once closed: never a descriptor reused meanwhile
+                os.write(fd, b"\0")
 
     @property
     def stopping(self) -> bool:
@@ -290,11 +324,12 @@ class Mesh:
         return self._stop
 
     @contextlib.contextmanager
-    def lead(self, deadline: float) -> Iterator[bool]:
-        """Serve the sockets in this thread for the duration (yields True), or yield False when
-        another thread leads, the mesh is closing, the I/O thread is not running or does not
-        park before ``deadline`` (``time.monotonic()``; the caller then waits to be woken as
-        usual). Entering parks the I/O thread (it leaves ``select``); leaving lets it resume."""
+    def lead(self) -> Iterator[bool]:
+        """Serve the sockets in this thread for the duration (yields True: call :meth:`serve`
+        until done), or yield False when another thread leads, the mesh is closing or the I/O
+        thread is not running (the caller then waits to be woken as usual). Entering asks the
+        I/O thread to park (it leaves its ``select`` when it next runs; nobody waits for that);
+        leaving lets it resume."""
         me = threading.get_ident()
         with self._lead:
             ok = self._leader is None and not self._stop and self._thread.is_alive()
@@ -304,15 +339,8 @@ class Mesh:
             yield False
             return
         try:
-            self.wake()
-            with self._lead:
-                while not self._parked and not self._stop and self._thread.is_alive():
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._lead.wait(min(left, 0.5))
-                ok = self._parked and not self._stop
-            yield ok
+            self._poke(0)
+            yield not self._stop
         finally:
             with self._lead:
                 self._leader = None
@@ -332,9 +360,15 @@ class Mesh:
                 finally:
                     link.read_lock.release()
 
-    def _read(self, link: Link) -> None:
-        with link.read_lock:
+    def _read(self, link: Link, timeout: float | None = None) -> None:
+        """Read ``link`` once; waits for its read lock up to ``timeout`` (``None``: as long as
+        another reader takes; then that reader has it, and the next round retries)."""
+        if not link.read_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return
+        try:
             self._read_once(link, pumping=False)
+        finally:
+            link.read_lock.release()
 
     def _read_once(self, link: Link, *, pumping: bool) -> bool:
         """One non-blocking read of ``link`` (``read_lock`` held) and the dispatch of what it
@@ -398,10 +432,8 @@ class Mesh:
         try:
             self._handler.on_link_gone(link)
             logger.debug("shared-memory peer %s gone", link)
-        finally:  # whatever the handler did, the dead socket leaves the selector
-            assert link.sock is not None
-            with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(link.sock)
+        finally:  # whatever the handler did, the dead socket leaves the selectors
+            self._unwatch(link)
             self._teardown_sockets([link])
 
     def _teardown_sockets(self, links: list[Link]) -> None:
@@ -421,7 +453,8 @@ class Mesh:
         if self._stop:
             return
         self._stop = True
-        self.wake()
+        self._poke(0)
+        self._poke(1)
         with self._lead:
             self._lead.notify_all()
             # a leader returns from serve() now; nothing below may run under its feet
@@ -442,10 +475,12 @@ class Mesh:
             self.local.pool.close()
         with contextlib.suppress(OSError):
             self._listener.close()
-        with contextlib.suppress(OSError, ValueError):
-            self._sel.close()
+        for sel in (self._sel, self._lsel):
+            with contextlib.suppress(OSError, ValueError):
+                sel.close()
         with self._wake_lock:
-            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+            fds = (self._wake_r, self._wake_w, self._lwake_r, self._lwake_w)
+            self._wake_r = self._wake_w = self._lwake_r = self._lwake_w = -1
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

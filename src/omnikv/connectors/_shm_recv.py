@@ -114,7 +114,7 @@ class RecvSide:
         """Until ``want`` is answered (or cannot be any more) or ``deadline``. A blocking want
         leads the mesh when it can (:meth:`Mesh.lead`): this thread then reads the offer itself."""
         if want.block and not self._answered(want):
-            with self._mesh.lead(deadline) as leading:
+            with self._mesh.lead() as leading:
                 if leading:
                     want.leader = True
                     try:
