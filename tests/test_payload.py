@@ -332,6 +332,37 @@ def test_duplicate_tensor_rejected() -> None:
         decode(_header_payload(header, b"\x00" * 8))
 
 
+def test_validated_layouts_are_kept_and_every_difference_is_checked_again() -> None:
+    """The spans of a validated layout are reused for the same descriptors; a payload that
+    differs anywhere (an offset, a shape, the data length, nl) is validated afresh and refused
+    when wrong, also right after the good one was kept."""
+    payload_mod = __import__("omnikv.payload", fromlist=["_SPANS_SEEN"])
+    payload_mod._SPANS_SEEN.clear()
+    header = _good_header()
+    header["td"].append({"n": "value_cache_0", "i": 0, "d": "float32", "s": [2], "o": 8, "b": 8})
+    good = _header_payload(header, struct.pack("<4f", 1, 2, 3, 4))
+    for _ in range(2):
+        out = decode(good)
+        assert out["layer_blocks"]["value_cache"][0].tolist() == [3.0, 4.0]
+    assert len(payload_mod._SPANS_SEEN) == 1
+    overlap = json.loads(json.dumps(header))
+    overlap["td"][1]["o"] = 4
+    with pytest.raises(DecodeError, match="overlaps"):
+        decode(_header_payload(overlap, b"\x00" * 16))
+    with pytest.raises(DecodeError, match="tensor span"):
+        decode(_header_payload(header, b"\x00" * 12))  # same descriptors, shorter data
+    wider = json.loads(json.dumps(header))
+    wider["td"][1]["s"] = [3]
+    with pytest.raises(DecodeError, match="needs 12 bytes"):
+        decode(_header_payload(wider, b"\x00" * 16))
+    fewer_layers = json.loads(json.dumps(header))
+    fewer_layers["nl"] = 0
+    with pytest.raises(DecodeError, match="Invalid layer index"):
+        decode(_header_payload(fewer_layers, b"\x00" * 16))
+    assert len(payload_mod._SPANS_SEEN) == 1  # failures are never kept
+    assert decode(good)["layer_blocks"]["key_cache"][0].tolist() == [1.0, 2.0]
+
+
 def test_oversized_header_rejected_without_reading_it() -> None:
     raw = struct.pack(">I", DEFAULT_MAX_HEADER_BYTES + 1) + b" " * (DEFAULT_MAX_HEADER_BYTES + 1)
     with pytest.raises(DecodeError, match="exceeds the limit"):

@@ -556,7 +556,7 @@ class _TensorDesc(msgspec.Struct, frozen=True, gc=False):
     x: bool = False
     i: int | None = None
     d: str | None = None
-    s: list[int] | None = None
+    s: tuple[int, ...] | None = None  # a tuple: the entry is hashable (see _spans)
     o: int | None = None
     b: int | None = None
 
@@ -675,7 +675,7 @@ def _check_header(header: _Header, available: int) -> int:
     return header.dl
 
 
-def _numel(shape: list[int], pos: int) -> int:
+def _numel(shape: tuple[int, ...], pos: int) -> int:
     """Element count of ``shape``; refuses negative dims and more than ``MAX_ELEMENTS``, also
     when a zero dim hides huge others (``[2**62, 2**62, 0]``: torch cannot build it)."""
     if len(shape) > MAX_DIMS:
@@ -741,8 +741,33 @@ def _span_of(e: _TensorDesc, pos: int, nl: int, data_len: int, aligned: bool) ->
     return _Span(pos, cache, layer, dname, tuple(e.s), o, b)
 
 
+#: Validated spans by everything their validation reads (see :func:`_spans`); bounded.
+_SPANS_SEEN: dict[tuple[tuple[_TensorDesc, ...], int, bool, int], tuple[_Span, ...]] = {}
+_SPANS_SEEN_MAX = 256
+
+
 def _spans(header: _Header, data_len: int) -> list[_Span]:
-    """Every KV tensor's span, validated: in the data section, no overlap, no duplicates."""
+    """Every KV tensor's span, validated: in the data section, no overlap, no duplicates.
+
+    A stage receives the same layout request after request (only the lengths change with the
+    prompt), so the outcome of a successful validation is kept, keyed by every input it read:
+    the descriptors (compared field by field), ``nl``, whether ``al`` is present and the data
+    length. A payload whose descriptors differ in any way is validated afresh; failures are
+    never kept. The table is bounded (cleared when full), so a peer varying its headers only
+    costs itself the validation."""
+    key = (tuple(header.td), header.nl, header.al is not None, data_len)
+    seen = _SPANS_SEEN.get(key)
+    if seen is not None:
+        return list(seen)
+    spans = _validate_spans(header, data_len)
+    if len(_SPANS_SEEN) >= _SPANS_SEEN_MAX:
+        _SPANS_SEEN.clear()
+    _SPANS_SEEN[key] = tuple(spans)
+    return spans
+
+
+def _validate_spans(header: _Header, data_len: int) -> list[_Span]:
+    """:func:`_spans` without the table."""
     aligned, nl = header.al is not None, header.nl
     spans = []
     taken = [False] * (2 * nl)
