@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from omnikv.layouts import (
     BlockGather,
     ExtractionError,
+    LayerCache,
     normalize_layer_kv,
     plan_request_kv,
     split_layer_kv,
@@ -204,3 +208,56 @@ def test_planner_converts_a_stacked_host_layer_once_for_both_sides(layout: str) 
         bits = host_bits(got)
         assert bits is not None and g.write_bits(bits)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _planned(caches: list, ids: list[int], seq: int, bs: int, **kw: object) -> list[torch.Tensor]:
+    keys, values = plan_request_kv(caches, ids, seq, bs, **kw)  # type: ignore[arg-type]
+    return [g.materialize() for g in (*keys, *values) if g is not None]
+
+
+def test_layer_cache_prepares_each_layer_once_and_reads_the_same() -> None:
+    """The sender's cache keeps each layer's split; a kept layer reads exactly what a fresh
+    plan reads, for stacked layers and (K, V) pairs, and its data changes are seen."""
+    cache = LayerCache()
+    kv = _cache()
+    pair = (kv[0].clone(), kv[1].clone())
+    caches = [kv, pair]
+    ids, seq = [5, 1, 6], 10
+    first = _planned(caches, ids, seq, 4, cache=cache)
+    assert len(cache) == 2
+    assert all(torch.equal(a, b) for a, b in zip(first, _planned(caches, ids, seq, 4), strict=True))
+    kv.add_(1)  # the data changes (a new request's KV): the kept views see it
+    pair[1].mul_(2)
+    again = _planned(caches, ids, seq, 4, cache=cache)
+    assert all(torch.equal(a, b) for a, b in zip(again, _planned(caches, ids, seq, 4), strict=True))
+    assert len(cache) == 2
+
+
+def test_layer_cache_never_keeps_a_layer_alive() -> None:
+    """Entries go with the tensors: dropping a layer frees it (no kept view pins it)."""
+    cache = LayerCache()
+    kv = _cache()
+    pair = (kv[0].clone(), kv[1].clone())
+    plan_request_kv([kv, pair], [0], 4, 4, cache=cache)
+    assert len(cache) == 2
+    watches = [weakref.ref(kv), weakref.ref(pair[0]), weakref.ref(pair[1])]
+    del kv, pair
+    gc.collect()
+    assert all(w() is None for w in watches) and len(cache) == 0
+
+
+def test_layer_cache_still_refuses_what_a_fresh_plan_refuses() -> None:
+    """A kept layer is checked again where the request differs (block ids out of range, another
+    block size), and an in-place change of the tensor (new storage, shape) is noticed."""
+    cache = LayerCache()
+    kv = _cache(num_blocks=8)
+    plan_request_kv([kv], [0, 1], 8, 4, cache=cache)
+    with pytest.raises(ExtractionError, match="outside K cache of 8 blocks"):
+        plan_request_kv([kv], [0, 8], 8, 4, cache=cache)
+    with pytest.raises(ExtractionError, match="block size 4 != block_size 8"):
+        plan_request_kv([kv], [0], 8, 8, cache=cache)
+    bigger = _cache(num_blocks=12).add_(1000)
+    kv.set_(bigger.untyped_storage(), 0, bigger.shape, bigger.stride())  # resized in place
+    keys, _ = plan_request_kv([kv], [11], 4, 4, cache=cache)
+    assert keys[0] is not None
+    assert torch.equal(keys[0].materialize(), bigger[0, 11])

@@ -18,6 +18,7 @@ buffer, so blocks are gathered straight into the memory that travels (one copy).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -37,6 +38,7 @@ __all__ = [
     "BlockIndex",
     "ExtractionError",
     "KVLayout",
+    "LayerCache",
     "normalize_layer_kv",
     "plan_request_kv",
     "scatter_tokens",
@@ -304,6 +306,103 @@ class _Needed(NamedTuple):
     high: int
 
 
+class _Prepared(NamedTuple):
+    """One layer's cache as every request reads it (see :class:`LayerCache`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_bits: np.ndarray | None
+    v_bits: np.ndarray | None
+    nblocks: int  # blocks in the smaller of K and V
+
+
+def _same_memory(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory with its dtype, shape and strides that is *not* a view of
+    ``t``: it keeps the storage alive, not ``t`` (a view would keep ``t``'s Python object alive,
+    and with it the weak reference :class:`LayerCache` watches)."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+class LayerCache:
+    """Per-layer preparation of a stage's KV cache, kept from one request to the next.
+
+    A stage passes the same cache tensors with every batch (vLLM allocates them once), so
+    splitting each layer into K and V, checking its shape against ``block_size`` and viewing
+    host blocks as integers is done once per layer instead of once per request and layer. An
+    entry is keyed by the identity of the layer's tensor(s), its layout and ``block_size``, and
+    is used only while the tensor is alive (a weak reference drops the entry when it dies: the
+    cache never keeps a user's KV alive) and unchanged (pointer, shape and strides are compared
+    on every use). Per request only the block ids' range is checked. Owned by
+    :class:`omnikv.sender.KVSender`; thread-safe (dict operations).
+    """
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], tuple[tuple[Any, ...], _Prepared]] = {}
+        self._watched: set[tuple[Any, ...]] = set()  # keys whose tensors have a finalizer
+
+    def _forget(self, key: tuple[Any, ...]) -> None:
+        """A watched tensor died: its entry goes (called by ``weakref.finalize``)."""
+        self._entries.pop(key, None)
+        self._watched.discard(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _parts(layer_kv: Any) -> tuple[torch.Tensor, ...] | None:
+        if isinstance(layer_kv, torch.Tensor):
+            parts: tuple[Any, ...] = (layer_kv,)
+        elif isinstance(layer_kv, tuple | list) and len(layer_kv) == 2:
+            parts = tuple(layer_kv)
+        else:
+            return None
+        if not all(type(t) is torch.Tensor and t.layout == torch.strided for t in parts):
+            return None  # subclasses, sparse or nested tensors: prepared per request
+        return parts
+
+    @staticmethod
+    def _fingerprint(parts: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        return tuple((t.data_ptr(), t.shape, t.stride()) for t in parts)
+
+    def get(self, layer_kv: Any, layout: str | None, block_size: int) -> _Prepared | None:
+        """The kept preparation of ``layer_kv``, or ``None`` (prepare it, then :meth:`put`)."""
+        parts = self._parts(layer_kv)
+        if parts is None:
+            return None
+        entry = self._entries.get((*map(id, parts), layout, block_size))
+        if entry is None or entry[0] != self._fingerprint(parts):
+            return None
+        return entry[1]
+
+    def put(
+        self, layer_kv: Any, layout: str | None, block_size: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Keep a validated layer: ``k`` and ``v`` are its block views, checked against
+        ``block_size``. Layers that cannot be watched (no weak reference) are not kept."""
+        parts = self._parts(layer_kv)
+        if parts is None:
+            return
+        key = (*map(id, parts), layout, block_size)
+        try:
+            k_own, v_own = _same_memory(k), _same_memory(v)
+            if key not in self._watched:
+                for t in parts:
+                    weakref.finalize(t, self._forget, key)
+                self._watched.add(key)
+        except (RuntimeError, TypeError):
+            return
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        k_bits = host_bits(k_own) if k_own.is_cpu else None
+        v_bits = host_bits(v_own) if v_own.is_cpu else None
+        count = min(int(k.shape[0]), int(v.shape[0]))
+        prepared = _Prepared(k_own, v_own, k_bits, v_bits, count)
+        self._entries[key] = (self._fingerprint(parts), prepared)
+
+
 def plan_request_kv(
     kv_caches: Sequence[Any],
     block_ids: Sequence[int],
@@ -312,13 +411,15 @@ def plan_request_kv(
     *,
     layout: str | None = None,
     request_id: str = "",
+    cache: LayerCache | None = None,
 ) -> tuple[list[BlockGather | None], list[BlockGather | None]]:
     """Validate a finished request's blocks and return per-layer gathers for K and V.
 
     ``None`` entries of ``kv_caches`` stay ``None`` layers. Raises :class:`ExtractionError` (the
     request fails, nothing is sent) for a missing or invalid ``seq_len``, an empty block list, a
     block id outside the cache, too few blocks for ``seq_len``, a block size that disagrees with the
-    cache, or a layer the layouts cannot read.
+    cache, or a layer the layouts cannot read. ``cache`` (the sender's) keeps each layer's
+    preparation across requests; the outcome is the same with or without it.
     """
     rid = request_id or "?"
     if isinstance(seq_len, bool) or not isinstance(seq_len, int):
@@ -344,10 +445,16 @@ def plan_request_kv(
             keys.append(None)
             values.append(None)
             continue
-        k, v, kind = _split(layer_kv, layout, f"request {rid} layer {idx}")
-        _check_blocks(k, span, block_size, (rid, idx), "K")
-        _check_blocks(v, span, block_size, (rid, idx), "V")
-        k_bits, v_bits = _host_bits_kv(layer_kv, kind)
+        kept = cache.get(layer_kv, layout, block_size) if cache is not None else None
+        if kept is not None and span.low >= 0 and span.high < kept.nblocks:
+            k, v, k_bits, v_bits = kept.k, kept.v, kept.k_bits, kept.v_bits
+        else:
+            k, v, kind = _split(layer_kv, layout, f"request {rid} layer {idx}")
+            _check_blocks(k, span, block_size, (rid, idx), "K")
+            _check_blocks(v, span, block_size, (rid, idx), "V")
+            k_bits, v_bits = _host_bits_kv(layer_kv, kind)
+            if cache is not None and kept is None:
+                cache.put(layer_kv, layout, block_size, k, v)
         keys.append(BlockGather(k, needed, seq_len, index, k_bits))
         values.append(BlockGather(v, needed, seq_len, index, v_bits))
     if not any(g is not None for g in keys):

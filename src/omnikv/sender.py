@@ -35,7 +35,7 @@ from omnikv.connectors.base import OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import remaining
 from omnikv.errors import OmniKVError, is_transient
-from omnikv.layouts import HF_HINT, BlockGather, plan_request_kv
+from omnikv.layouts import HF_HINT, BlockGather, LayerCache, plan_request_kv
 from omnikv.payload import PackedPayload
 from omnikv.topology import (
     KVTPTopology,
@@ -281,6 +281,8 @@ class KVSender:
         #: ``need_send_cache``; ``configured``: the manager sends or receives at all.
         self.enabled, self.configured = enabled, configured
         self.sleep = sleep
+        #: Each cache layer's K/V split and checks, kept across requests (see LayerCache).
+        self.layers = LayerCache()
 
     def send_batch(
         self,
@@ -385,6 +387,7 @@ class KVSender:
             batch.block_size,
             layout=self.options.kv_cache_layout,
             request_id=transfer_id,
+            cache=self.layers,
         )
         _check_kv(keys_g, values_g, batch.want_dtype)
         assert isinstance(seq_len, int)  # validated by plan_request_kv
