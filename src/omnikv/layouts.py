@@ -21,7 +21,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -212,6 +212,10 @@ class BlockGather:
     index: BlockIndex | None = field(default=None, compare=False, repr=False)
     #: ``blocks`` as same-size integers in numpy, when the planner had them (host only).
     bits: np.ndarray | None = field(default=None, compare=False, repr=False)
+    #: ``blocks.shape[2:]`` as ints, when the planner had it (``shape`` is then cheap).
+    tail: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    #: ``shape`` is a tuple of plain ints (the encoder need not convert it).
+    shape_is_ints: ClassVar[bool] = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -219,7 +223,8 @@ class BlockGather:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.seq_len, *self.blocks.shape[2:])
+        tail = self.tail if self.tail is not None else tuple(map(int, self.blocks.shape[2:]))
+        return (self.seq_len, *tail)
 
     def write_into(self, dst: torch.Tensor) -> None:
         src = self.blocks
@@ -314,6 +319,8 @@ class _Prepared(NamedTuple):
     k_bits: np.ndarray | None
     v_bits: np.ndarray | None
     nblocks: int  # blocks in the smaller of K and V
+    k_tail: tuple[int, ...]  # K's shape after [blocks, block_size]
+    v_tail: tuple[int, ...]
 
 
 def _same_memory(t: torch.Tensor) -> torch.Tensor:
@@ -399,8 +406,12 @@ class LayerCache:
         k_bits = host_bits(k_own) if k_own.is_cpu else None
         v_bits = host_bits(v_own) if v_own.is_cpu else None
         count = min(int(k.shape[0]), int(v.shape[0]))
-        prepared = _Prepared(k_own, v_own, k_bits, v_bits, count)
+        prepared = _Prepared(k_own, v_own, k_bits, v_bits, count, _tail(k), _tail(v))
         self._entries[key] = (self._fingerprint(parts), prepared)
+
+
+def _tail(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(map(int, t.shape[2:]))
 
 
 def plan_request_kv(
@@ -448,6 +459,7 @@ def plan_request_kv(
         kept = cache.get(layer_kv, layout, block_size) if cache is not None else None
         if kept is not None and span.low >= 0 and span.high < kept.nblocks:
             k, v, k_bits, v_bits = kept.k, kept.v, kept.k_bits, kept.v_bits
+            k_tail, v_tail = kept.k_tail, kept.v_tail
         else:
             k, v, kind = _split(layer_kv, layout, f"request {rid} layer {idx}")
             _check_blocks(k, span, block_size, (rid, idx), "K")
@@ -455,8 +467,9 @@ def plan_request_kv(
             k_bits, v_bits = _host_bits_kv(layer_kv, kind)
             if cache is not None and kept is None:
                 cache.put(layer_kv, layout, block_size, k, v)
-        keys.append(BlockGather(k, needed, seq_len, index, k_bits))
-        values.append(BlockGather(v, needed, seq_len, index, v_bits))
+            k_tail, v_tail = _tail(k), _tail(v)
+        keys.append(BlockGather(k, needed, seq_len, index, k_bits, k_tail))
+        values.append(BlockGather(v, needed, seq_len, index, v_bits, v_tail))
     if not any(g is not None for g in keys):
         raise ExtractionError(f"request {rid}: no layer has a KV cache")
     return keys, values

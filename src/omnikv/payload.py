@@ -383,7 +383,9 @@ def _lay_out(
             dname = _DTYPE_TO_NAME.get(src.dtype)
             if dname is None:
                 raise EncodeError(f"unsupported dtype {src.dtype} in {name}")
-            shape = tuple(map(int, src.shape))
+            shape = src.shape
+            if not getattr(src, "shape_is_ints", False):  # torch.Size, numpy ints: plain ints
+                shape = tuple(map(int, shape))
             nbytes = math.prod(shape) * _ITEMSIZE[dname]
             align = PAGE if nbytes >= LARGE_TENSOR_BYTES else ALIGN
             any_large = any_large or align == PAGE
