@@ -943,6 +943,26 @@ class _HostViewer(_Viewer):
             self._typed[name] = (typed, -(lead // itemsize))
         return self._typed[name]
 
+    def views(self, spans: list[_Span]) -> list[torch.Tensor]:
+        """One tensor per span, in order. Spans of a dtype numpy has, aligned and not empty,
+        are shaped in numpy and handed over with one ``from_numpy`` each: that path makes no
+        torch operator call (no dispatcher), which on a process that has just been idle costs
+        several times less than a strided view and an ``unbind``. Any other span goes the
+        :class:`_Viewer` way."""
+        out: list[torch.Tensor] = []
+        array, ptr = self.array, self._ptr
+        for i, span in enumerate(spans):
+            np_type = _NUMPY_OF.get(span.dtype_name)
+            if (
+                np_type is None
+                or not span.nbytes
+                or (ptr + span.offset) % _ITEMSIZE[span.dtype_name]
+            ):
+                return out + super().views(spans[i:])
+            chunk = array[span.offset : span.offset + span.nbytes].view(np_type)
+            out.append(torch.from_numpy(chunk.reshape(span.shape)))
+        return out
+
     def _one(self, span: _Span) -> torch.Tensor:
         if span.nbytes == 0:
             return torch.empty(span.shape, dtype=DTYPE_ALLOWLIST[span.dtype_name])
