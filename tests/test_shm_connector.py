@@ -531,6 +531,10 @@ _BAD_CONFIG_VALUES = [
     ("shm_threshold_bytes", 1.5),
     ("inline_small_payloads", "no"),
     ("inline_small_payloads", 1),
+    ("poll_us", -1),
+    ("poll_us", 100_001),
+    ("poll_us", 1.5),
+    ("poll_us", "soon"),
     ("namespace", ""),
     ("namespace", "   "),
     ("namespace", 7),
@@ -556,8 +560,10 @@ def test_config_values_are_parsed_strictly_not_coerced() -> None:
             "inline_small_payloads": "TRUE",
             "shm_threshold_bytes": "0",
             "namespace": "stage pipeline:1",
+            "poll_us": "500",
         }
     )
+    assert cfg.poll_us == 500 and ShmConfig().poll_us == 0
     assert (cfg.prefault, cfg.prefault_bytes, cfg.pool_size) == (True, 64 * KIB, 1 << 20)
     assert (cfg.put_timeout_s, cfg.linger_s, cfg.threshold) == (0.0, 0.0, 0)
     assert cfg.inline_small_payloads and cfg.namespace == "stage pipeline:1"

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from omnikv.connectors import _shm_recv
+from omnikv.connectors._shm_mesh import Mesh
 from omnikv.connectors._shm_recv import RecvSide
 from omnikv.connectors._shm_store import SendStore
 from omnikv.connectors._shm_wire import DescriptorFlood, recv_nowait
@@ -335,3 +336,37 @@ def test_a_handler_that_fails_drops_only_that_link(
         got.release()
     finally:
         late.close(linger=False)
+
+
+def test_a_polling_waiter_polls_then_sleeps_and_keeps_its_deadline(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``poll_us``: the leading waiter's first rounds do not sleep (``select`` with a zero
+    timeout) and it still gets its offer from another connector; once the poll time is over it
+    sleeps in bounded rounds, and a wait for nothing ends at its deadline."""
+    rounds: list[float] = []
+    orig = Mesh.serve
+
+    def serve(self: Mesh, timeout: float) -> None:
+        rounds.append(timeout)
+        orig(self, timeout)
+
+    monkeypatch.setattr(Mesh, "serve", serve)
+    rx = SharedMemoryConnector({"namespace": namespace, "poll_us": 20_000})
+    tx = SharedMemoryConnector({"namespace": namespace, "linger_s": 0, "prefault": False})
+    try:
+        waiter = _Waiter(rx, "k", 20.0)
+        waiter.start()
+        _until(lambda: len(rounds) >= 3)  # polling: the waiter is in its zero-timeout rounds
+        assert tx.put_packed("0", "1", "k", 9000, _fill(7))[0]
+        waiter.join(20.0)
+        assert not waiter.is_alive() and waiter.got == (9000, 7)
+        assert rounds[0] == 0.0
+        rounds.clear()
+        t0 = time.monotonic()
+        assert rx.wait("0", "1", "never", deadline=t0 + 0.3) is None
+        assert 0.3 <= time.monotonic() - t0 < 5.0
+        assert rounds[0] == 0.0 and rounds[-1] > 0.0  # polled first, then slept
+    finally:
+        tx.close(linger=False)
+        rx.close(linger=False)

@@ -6,9 +6,9 @@ blocked in ``receive_kv_cache_for_request`` for that request. A sample is the ti
 call to the moment the receiver holds the decoded KV, on ``CLOCK_MONOTONIC`` (one clock per node).
 The sender calls as soon as the receiver said it is waiting, as ``bench shm`` does (``--gap-ms``
 idles first); both processes freeze their start-up heap once set up, as vLLM's engine core does
-(``--no-gc-freeze`` does not). Per case it also prints the medians of the phases (the sender's
-call: extract, encode + put; the receiver's call after its wait) and the CPU time per request
-of each process.
+(``--no-gc-freeze`` does not); ``--poll-us N`` sets the receiver connector's ``poll_us``. Per
+case it also prints the medians of the phases (the sender's call: extract, encode + put; the
+receiver's call after its wait) and the CPU time per request of each process.
 
 Cases, each on a *fresh* pair of managers (new namespace, new connectors), so the first request
 is a real first request (pool creation, connection, mapping):
@@ -115,10 +115,16 @@ def _caches(shape: Shape) -> list[torch.Tensor]:
     ]
 
 
-def _config(namespace: str, role: str, pool: int, prefault: int | str = "auto") -> Any:
+def _config(
+    namespace: str, role: str, pool: int, prefault: int | str = "auto", poll_us: int = 0
+) -> Any:
     from omnikv import OmniKVCacheConfig
 
-    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": pool}
+    conn: dict[str, Any] = {
+        "type": "SharedMemoryConnector",
+        "namespace": namespace,
+        "pool_size_bytes": pool,
+    }
     if role == "sender":
         return OmniKVCacheConfig(
             connector_config={**conn, "linger_s": 0, "prefault": prefault},
@@ -127,7 +133,7 @@ def _config(namespace: str, role: str, pool: int, prefault: int | str = "auto") 
             need_send_cache=True,
         )
     return OmniKVCacheConfig(
-        connector_config=conn,
+        connector_config={**conn, "poll_us": poll_us} if poll_us else conn,
         from_stage="0",
         stage_id="1",
         need_recv_cache=True,
@@ -149,8 +155,8 @@ def _verify(data: dict[str, Any] | None, caches: list[torch.Tensor], shape: Shap
 
 # -- receiver (child process) ------------------------------------------------------------------
 def _receiver(fd: int) -> int:
-    """Child: ``[new, ns, shape, pool]`` builds a manager; ``[recv, rid, verify]`` receives;
-    ``[profile, on|off]``; ``stop``."""
+    """Child: ``[new, ns, shape, pool, freeze, poll_us]`` builds a manager; ``[recv, rid,
+    verify]`` receives; ``[profile, on|off]``; ``stop``."""
     from omnikv import OmniKVTransferManager
 
     chan = JsonChannel(socket.socket(fileno=fd))
@@ -168,7 +174,9 @@ def _receiver(fd: int) -> int:
                 mgr.close()
             shape = SHAPES[msg[2]]
             caches = _caches(shape)
-            mgr = OmniKVTransferManager(_config(msg[1], "receiver", int(msg[3])))
+            mgr = OmniKVTransferManager(
+                _config(msg[1], "receiver", int(msg[3]), poll_us=int(msg[5]))
+            )
             _ = mgr.connector  # a started stage has its connector before any KV arrives
             _settle_heap(bool(msg[4]))
             chan.send("ok")
@@ -265,7 +273,7 @@ def _run_case(
     pool = args.pool_mib * MIB if key == "64KiB" else 2 * shape.nbytes + 16 * MIB
     namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
     caches = _caches(shape)
-    chan.send("new", namespace, key, pool, not args.no_gc_freeze)
+    chan.send("new", namespace, key, pool, not args.no_gc_freeze, args.poll_us)
     chan.expect("ok")
     prefault: int | str = "auto"
     if key == "224MiB" and args.prefault_mib:
@@ -347,7 +355,7 @@ def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, st
     shape = SHAPES["64KiB"]
     namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
     caches = _caches(shape)
-    chan.send("new", namespace, "64KiB", args.pool_mib * MIB, not args.no_gc_freeze)
+    chan.send("new", namespace, "64KiB", args.pool_mib * MIB, not args.no_gc_freeze, args.poll_us)
     chan.expect("ok")
     mgr = OmniKVTransferManager(_config(namespace, "sender", args.pool_mib * MIB))
     prof = cProfile.Profile()
@@ -393,6 +401,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-gc-freeze",
         action="store_true",
         help="do not freeze the start-up heap (vLLM's engine freezes it; so do we by default)",
+    )
+    parser.add_argument(
+        "--poll-us",
+        type=int,
+        default=0,
+        help="the receiver connector's poll_us (a blocking wait polls this long before it"
+        " sleeps; default 0: the connector's default)",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_POOL_SIZE = 1 << 30
 DEFAULT_THRESHOLD = 65536
+#: ``poll_us`` may not exceed this (a wait that polls longer should simply block).
+MAX_POLL_US = 100_000
 MIN_POOL_SIZE = 4096
 #: ``prefault: "auto"``: a sending connector populates min(pool_size_bytes, this) at start.
 AUTO_RESERVE = 256 << 20
@@ -40,6 +42,7 @@ _KNOWN_CONFIG = frozenset(
         "linger_s",
         "shm_threshold_bytes",
         "inline_small_payloads",
+        "poll_us",
     }
 )
 
@@ -79,6 +82,14 @@ def parse_prefault(value: Any) -> tuple[bool, int, bool]:
         ) from exc
 
 
+def _parse_poll_us(value: Any) -> int:
+    """``poll_us``: microseconds in ``[0, MAX_POLL_US]`` (``None``: 0, never poll)."""
+    out = parse_int("poll_us", value, 0, minimum=0)
+    if out > MAX_POLL_US:
+        raise ConfigError(f"poll_us must be <= {MAX_POLL_US}, got {out}")
+    return out
+
+
 def parse_role(value: Any) -> str | None:
     """``role``: ``"sender"``, ``"receiver"`` or absent (``None``: not known)."""
     if value is None or (isinstance(value, str) and value in ROLES):
@@ -102,6 +113,7 @@ class ShmConfig:
     linger_s: float = 30.0
     threshold: int = DEFAULT_THRESHOLD
     inline_small_payloads: bool = False
+    poll_us: int = 0  # a blocking wait polls its sockets this long before it sleeps
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
@@ -131,6 +143,7 @@ class ShmConfig:
             inline_small_payloads=parse_bool(
                 "inline_small_payloads", cfg.get("inline_small_payloads"), False
             ),
+            poll_us=_parse_poll_us(cfg.get("poll_us")),
         )
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,8 +68,10 @@ class _Want:
 class RecvSide:
     """Receiver-side state of one connector; thread-safe (one lock, never held while sending)."""
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, *, poll_s: float = 0.0) -> None:
         self._mesh = mesh
+        #: ``poll_us`` (config): how long a leading wait polls before it sleeps in ``select``.
+        self.poll_s = poll_s
         self._lock = threading.Lock()
         self._wants: dict[int, _Want] = {}
         self._holding: dict[tuple[Link, int], tuple[Offer, MappedRegion]] = {}
@@ -135,13 +138,20 @@ class RecvSide:
 
     def _serve_until(self, want: _Want, deadline: float) -> None:
         """The leader's wait: serve the sockets until ``want`` is answered or ``deadline``. Each
-        round is bounded, so a wake-up that went astray costs at most one round."""
+        round is bounded, so a wake-up that went astray costs at most one round.
+
+        With ``poll_s`` (the ``poll_us`` key) the first rounds do not sleep: for that long the
+        thread polls (``select`` with no timeout, which releases the interpreter lock each
+        time), so an offer that comes soon is seen without a wake-up. On a virtual machine a
+        sleeping thread's CPU halts, and waking it costs tens to hundreds of microseconds."""
+        poll_until = time.monotonic() + self.poll_s if self.poll_s else 0.0
         while not self._answered(want) and not self._mesh.stopping:
             left = remaining(deadline)
             if left <= 0:
                 return
+            polling = poll_until and time.monotonic() < poll_until
             try:
-                self._mesh.serve(min(left, _LEADER_ROUND_S))
+                self._mesh.serve(0.0 if polling else min(left, _LEADER_ROUND_S))
             except (OSError, ValueError):
                 if self.closed or self._mesh.stopping:
                     return

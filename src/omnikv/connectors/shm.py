@@ -15,8 +15,9 @@ Design (one page; the parts live in ``_shm_*`` modules):
   *abstract* Unix namespace (random suffix) and connects to its namespace's peers (non-blocking,
   bounded) under a per-namespace ``flock`` in a directory only its uid can write; peers of
   another uid are refused (``SO_PEERCRED``) before anything is read. One I/O thread serves the
-  sockets; a thread blocked in ``wait`` serves them itself meanwhile (the I/O thread parks), so
-  its offer is read where it is needed, and a put first reads wants that arrived while it wrote.
+  sockets; a thread blocked in ``wait`` serves them itself meanwhile (at once, on a selector of
+  its own; the I/O thread parks when it next runs), so its offer is read where it is needed, and
+  a put first reads wants that arrived while it wrote.
 * **Protocol** (msgpack frames, no pickle; ``_shm_recv``). ``want`` / ``offer`` / ``release``,
   consume-once; the pool descriptor is passed once per connection and checked (memfd, seals,
   size) before it is mapped. The ``local`` link makes a ``get`` on the instance that did the
@@ -57,6 +58,10 @@ key                       default      meaning
 ``shm_threshold_bytes``   65536        accepted (reference; >= 0); attribute ``threshold``; every
                                        payload goes through the pool (as the newest reference)
 ``inline_small_payloads`` ``False``    accepted (reference); equivalent: payloads are pooled
+``poll_us``               0            a blocking wait polls its sockets this many microseconds
+                                       before it sleeps (0-100000): lower latency for payloads
+                                       that come soon (a VM's idle CPU is slow to wake), at up
+                                       to that much CPU per wait
 ``type``, ``name``        (ignored)    accepted for the factory; unknown keys are logged
 ========================  ===========  =====================================================
 """
@@ -163,7 +168,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._mesh.drop,
             reserve=self.config.reserve_bytes,
         )
-        self._recv = RecvSide(self._mesh)
+        self._recv = RecvSide(self._mesh, poll_s=self.config.poll_us / 1e6)
         try:
             self._mesh.join(self.config.join_timeout_s)
         except (OSError, TimeoutError) as exc:
