@@ -6,6 +6,7 @@ behaviour changes omnikv makes on purpose (failures are recorded; out-of-range i
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -133,7 +134,7 @@ def test_receive_copy_gives_each_tensor_its_own_memory_of_its_size(
 ) -> None:
     """``copy``: every tensor in fresh memory of exactly its bytes (tensor-sized allocations are
     recycled request after request; nothing aliases the pool); ``auto``: zero-copy views of the
-    received payload (one storage, within it)."""
+    received payload (where the packed layout put them)."""
     sender, receiver = manager_pair(receive_copy=mode)
     caches = make_paged_caches()
     sender.handle_finished_requests_kv_transfer(
@@ -147,9 +148,11 @@ def test_receive_copy_gives_each_tensor_its_own_memory_of_its_size(
     if mode == "copy":
         assert len(storages) == len(tensors)
         assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
-    else:
-        assert len(storages) == 1  # one storage: the payload's data section, not a copy
-        assert tensor_bytes <= tensors[0].untyped_storage().nbytes() <= size
+    else:  # views of the payload's data section: laid out exactly as packed (64-byte slots)
+        ptrs = [t.data_ptr() for t in tensors]
+        steps = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors[:-1]]
+        assert [b - a for a, b in itertools.pairwise(ptrs)] == steps
+        assert ptrs[-1] + tensors[-1].numel() * tensors[-1].element_size() - ptrs[0] <= size
     assert tensor_bytes < size
     want = torch.cat([caches[1][1][i] for i in (1, 2)])
     assert torch.equal(data["layer_blocks"]["value_cache"][1], want)
