@@ -228,13 +228,11 @@ def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:
             s.close()
 
 
-def test_a_waiter_keeps_its_deadline_while_its_link_is_being_read(
-    pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The receiver's I/O thread is stuck in a slow dispatch from the sender's link (a handler
-    this test holds) and keeps that link's read lock: the leader waits for the lock at most one
-    round, and its wait still ends at its deadline with nothing."""
-    rx, tx = pair
+def _hold_wants_for_ping(
+    monkeypatch: pytest.MonkeyPatch, rx: SharedMemoryConnector
+) -> tuple[threading.Event, threading.Event]:
+    """Make ``rx``'s dispatch of a want for key ``ping`` block (in whichever thread reads it)
+    until the returned ``proceed`` is set; ``entered`` is set once it blocks."""
     entered, proceed = threading.Event(), threading.Event()
     orig = SendStore.on_want
 
@@ -245,6 +243,17 @@ def test_a_waiter_keeps_its_deadline_while_its_link_is_being_read(
         orig(self, *args)
 
     monkeypatch.setattr(SendStore, "on_want", slow)
+    return entered, proceed
+
+
+def test_a_waiter_keeps_its_deadline_while_its_link_is_being_read(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver's I/O thread is stuck in a slow dispatch from the sender's link (a handler
+    this test holds) and keeps that link's read lock: the leader waits for the lock at most one
+    round, and its wait still ends at its deadline with nothing."""
+    rx, tx = pair
+    entered, proceed = _hold_wants_for_ping(monkeypatch, rx)
     asker = _Waiter(tx, "ping", 20.0)  # its want is dispatched by rx's I/O thread
     asker.start()
     try:
@@ -268,16 +277,7 @@ def test_a_waiter_reads_its_offer_while_the_io_thread_is_busy(
     thread stuck in a dispatch for a third peer (a handler this test holds), a waiter still
     reads its own offer from the sender, in its own thread, before that dispatch ends."""
     rx, tx = pair
-    entered, proceed = threading.Event(), threading.Event()
-    orig = SendStore.on_want
-
-    def slow(self: SendStore, *args: Any) -> None:
-        if self is rx._store and args[2].startswith("ping@"):
-            entered.set()
-            proceed.wait(30.0)
-        orig(self, *args)
-
-    monkeypatch.setattr(SendStore, "on_want", slow)
+    entered, proceed = _hold_wants_for_ping(monkeypatch, rx)
     offers = _record_threads(monkeypatch, RecvSide, "on_offer", rx._recv)
     third = SharedMemoryConnector({"namespace": namespace})
     asker = _Waiter(third, "ping", 20.0)  # its want holds rx's I/O thread
