@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnikv.connectors._shm_config import ShmConfig
+from omnikv.connectors._shm_config import DEFAULT_POLL_US, ShmConfig
 from omnikv.connectors._shm_wire import namespace_prefix
 from omnikv.connectors.base import ManagedBuffer, get_result
 from omnikv.connectors.factory import ConnectorSpec, OmniConnectorFactory
@@ -563,7 +563,8 @@ def test_config_values_are_parsed_strictly_not_coerced() -> None:
             "poll_us": "500",
         }
     )
-    assert cfg.poll_us == 500 and ShmConfig().poll_us == 0
+    assert cfg.poll_us == 500 and ShmConfig().poll_us == DEFAULT_POLL_US == 1000
+    assert ShmConfig.parse({"poll_us": 0}).poll_us == 0  # never poll
     assert (cfg.prefault, cfg.prefault_bytes, cfg.pool_size) == (True, 64 * KIB, 1 << 20)
     assert (cfg.put_timeout_s, cfg.linger_s, cfg.threshold) == (0.0, 0.0, 0)
     assert cfg.inline_small_payloads and cfg.namespace == "stage pipeline:1"

@@ -351,7 +351,9 @@ def test_a_polling_waiter_polls_then_sleeps_and_keeps_its_deadline(
         rounds.append(timeout)
         orig(self, timeout)
 
+    yields: list[int] = []
     monkeypatch.setattr(Mesh, "serve", serve)
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
     rx = SharedMemoryConnector({"namespace": namespace, "poll_us": 20_000})
     tx = SharedMemoryConnector({"namespace": namespace, "linger_s": 0, "prefault": False})
     try:
@@ -363,10 +365,32 @@ def test_a_polling_waiter_polls_then_sleeps_and_keeps_its_deadline(
         assert not waiter.is_alive() and waiter.got == (9000, 7)
         assert rounds[0] == 0.0
         rounds.clear()
+        yields.clear()
         t0 = time.monotonic()
         assert rx.wait("0", "1", "never", deadline=t0 + 0.3) is None
         assert 0.3 <= time.monotonic() - t0 < 5.0
         assert rounds[0] == 0.0 and rounds[-1] > 0.0  # polled first, then slept
+        # every polling round hands the CPU to whatever else could run on it
+        assert len(yields) == rounds.count(0.0) > 0
     finally:
         tx.close(linger=False)
+        rx.close(linger=False)
+
+
+def test_poll_us_zero_sleeps_at_once(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``poll_us: 0``: a blocking wait never polls; its first round already sleeps."""
+    rounds: list[float] = []
+    orig = Mesh.serve
+
+    def serve(self: Mesh, timeout: float) -> None:
+        rounds.append(timeout)
+        orig(self, timeout)
+
+    monkeypatch.setattr(Mesh, "serve", serve)
+    rx = SharedMemoryConnector({"namespace": namespace, "poll_us": 0})
+    try:
+        t0 = time.monotonic()
+        assert rx.wait("0", "1", "never", deadline=t0 + 0.2) is None
+        assert rounds and 0.0 not in rounds
+    finally:
         rx.close(linger=False)

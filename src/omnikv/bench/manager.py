@@ -116,7 +116,7 @@ def _caches(shape: Shape) -> list[torch.Tensor]:
 
 
 def _config(
-    namespace: str, role: str, pool: int, prefault: int | str = "auto", poll_us: int = 0
+    namespace: str, role: str, pool: int, prefault: int | str = "auto", poll_us: int | None = None
 ) -> Any:
     from omnikv import OmniKVCacheConfig
 
@@ -133,7 +133,7 @@ def _config(
             need_send_cache=True,
         )
     return OmniKVCacheConfig(
-        connector_config={**conn, "poll_us": poll_us} if poll_us else conn,
+        connector_config=conn if poll_us is None else {**conn, "poll_us": poll_us},
         from_stage="0",
         stage_id="1",
         need_recv_cache=True,
@@ -174,9 +174,7 @@ def _receiver(fd: int) -> int:
                 mgr.close()
             shape = SHAPES[msg[2]]
             caches = _caches(shape)
-            mgr = OmniKVTransferManager(
-                _config(msg[1], "receiver", int(msg[3]), poll_us=int(msg[5]))
-            )
+            mgr = OmniKVTransferManager(_config(msg[1], "receiver", int(msg[3]), poll_us=msg[5]))
             _ = mgr.connector  # a started stage has its connector before any KV arrives
             _settle_heap(bool(msg[4]))
             chan.send("ok")
@@ -405,9 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--poll-us",
         type=int,
-        default=0,
+        default=None,
         help="the receiver connector's poll_us (a blocking wait polls this long before it"
-        " sleeps; default 0: the connector's default)",
+        " sleeps; default: the connector's default, 1000; 0: never poll)",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")

@@ -15,7 +15,14 @@ from typing import Any
 from omnikv.config import parse_bool, parse_int, parse_number, parse_positive, parse_size
 from omnikv.errors import ConfigError
 
-__all__ = ["AUTO_RESERVE", "DEFAULT_POOL_SIZE", "DEFAULT_THRESHOLD", "MIN_POOL_SIZE", "ShmConfig"]
+__all__ = [
+    "AUTO_RESERVE",
+    "DEFAULT_POLL_US",
+    "DEFAULT_POOL_SIZE",
+    "DEFAULT_THRESHOLD",
+    "MIN_POOL_SIZE",
+    "ShmConfig",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +30,9 @@ DEFAULT_POOL_SIZE = 1 << 30
 DEFAULT_THRESHOLD = 65536
 #: ``poll_us`` may not exceed this (a wait that polls longer should simply block).
 MAX_POLL_US = 100_000
+#: ``poll_us`` when the config has none: long enough to cover a peer's round trip and a small
+#: put that is under way, short enough that a wait for data not yet made costs ~1 ms of CPU.
+DEFAULT_POLL_US = 1000
 MIN_POOL_SIZE = 4096
 #: ``prefault: "auto"``: a sending connector populates min(pool_size_bytes, this) at start.
 AUTO_RESERVE = 256 << 20
@@ -83,8 +93,9 @@ def parse_prefault(value: Any) -> tuple[bool, int, bool]:
 
 
 def _parse_poll_us(value: Any) -> int:
-    """``poll_us``: microseconds in ``[0, MAX_POLL_US]`` (``None``: 0, never poll)."""
-    out = parse_int("poll_us", value, 0, minimum=0)
+    """``poll_us``: microseconds in ``[0, MAX_POLL_US]`` (``None``: :data:`DEFAULT_POLL_US`;
+    0: never poll)."""
+    out = parse_int("poll_us", value, DEFAULT_POLL_US, minimum=0)
     if out > MAX_POLL_US:
         raise ConfigError(f"poll_us must be <= {MAX_POLL_US}, got {out}")
     return out
@@ -113,7 +124,7 @@ class ShmConfig:
     linger_s: float = 30.0
     threshold: int = DEFAULT_THRESHOLD
     inline_small_payloads: bool = False
-    poll_us: int = 0  # a blocking wait polls its sockets this long before it sleeps
+    poll_us: int = DEFAULT_POLL_US  # a blocking wait polls its sockets this long, then sleeps
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -140,10 +141,12 @@ class RecvSide:
         """The leader's wait: serve the sockets until ``want`` is answered or ``deadline``. Each
         round is bounded, so a wake-up that went astray costs at most one round.
 
-        With ``poll_s`` (the ``poll_us`` key) the first rounds do not sleep: for that long the
-        thread polls (``select`` with no timeout, which releases the interpreter lock each
-        time), so an offer that comes soon is seen without a wake-up. On a virtual machine a
-        sleeping thread's CPU halts, and waking it costs tens to hundreds of microseconds."""
+        With ``poll_s`` (the ``poll_us`` key, default 1 ms) the first rounds do not sleep: for
+        that long the thread polls (``select`` with no timeout, which releases the interpreter
+        lock, then ``sched_yield``, which hands the CPU to any other runnable thread or process
+        on it, e.g. the sender on a one-core machine), so an offer that comes soon is seen
+        without a wake-up. On a virtual machine a sleeping thread's CPU halts, and both waking
+        it and the sender's message that does so cost tens to hundreds of microseconds."""
         poll_until = time.monotonic() + self.poll_s if self.poll_s else 0.0
         while not self._answered(want) and not self._mesh.stopping:
             left = remaining(deadline)
@@ -152,6 +155,8 @@ class RecvSide:
             polling = poll_until and time.monotonic() < poll_until
             try:
                 self._mesh.serve(0.0 if polling else min(left, _LEADER_ROUND_S))
+                if polling:
+                    os.sched_yield()
             except (OSError, ValueError):
                 if self.closed or self._mesh.stopping:
                     return
