@@ -29,6 +29,25 @@ def test_snapshot_counts_outcomes_bytes_and_phases() -> None:
     assert snap["phases_ms"]["send.put"] == {"count": 1, "mean": 4.0}
 
 
+def test_record_is_deferred_but_bounded_and_reads_its_timings_at_once() -> None:
+    """``record`` queues (the request's path does not fold histograms); every read folds, the
+    queue never outgrows ``FOLD_EVERY``, a later change to the caller's dict is not seen, and a
+    phase that is not a number is skipped instead of raising."""
+    m = TransferMetrics(process_wide=False)
+    timings: dict[str, float] = {"wait_ms": 1.0}
+    m.record("recv", "ok", 10, timings)
+    timings["wait_ms"] = 1000.0
+    m.record("recv", "ok", 10, {"wait_ms": "soon"})  # type: ignore[dict-item]
+    assert m._outcomes == {}  # queued, not folded yet
+    snap = m.snapshot()
+    assert snap["outcomes"] == {"recv.ok": 2} and snap["bytes"] == {"recv": 20}
+    assert snap["phases_ms"]["recv.wait"] == {"count": 1, "mean": 1.0}
+    for _ in range(3 * TransferMetrics.FOLD_EVERY):
+        m.record("send", "sent", 1, {"put_ms": 0.5})
+        assert len(m._pending) < TransferMetrics.FOLD_EVERY
+    assert m.snapshot()["outcomes"]["send.sent"] == 3 * TransferMetrics.FOLD_EVERY
+
+
 def test_register_exports_counters_and_histograms_to_a_real_registry() -> None:
     registry = CollectorRegistry()
     collector = metrics.register(registry)

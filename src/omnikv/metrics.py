@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,6 @@ class _Histogram:
         return out
 
 
-_Phases = list[tuple[tuple[str, str], float]]
 _PHASE_KEYS: dict[tuple[str, str], tuple[str, str]] = {}
 
 
@@ -66,38 +66,68 @@ def _phase_key(direction: str, phase: str) -> tuple[str, str]:
     return key
 
 
+#: One pending observation: (direction, status, bytes, phase timings).
+_Observation = tuple[str, str, int, tuple[tuple[str, Any], ...]]
+
+
 class TransferMetrics:
-    """Outcome counters (``direction``, ``status``), bytes, and per-phase latency histograms."""
+    """Outcome counters (``direction``, ``status``), bytes, and per-phase latency histograms.
+
+    :meth:`record` is on every request's path (the receiver's return waits for it), so it only
+    queues the observation; the queue is folded into the counters by whoever reads them
+    (:meth:`snapshot`, a Prometheus scrape) and by :meth:`record` itself every
+    :attr:`FOLD_EVERY` observations, so it stays bounded when nobody reads.
+    """
+
+    FOLD_EVERY = 256
 
     def __init__(self, *, process_wide: bool = True) -> None:
         self._lock = threading.Lock()
         self._outcomes: dict[tuple[str, str], int] = {}
         self._bytes: dict[str, int] = {}
         self._phases: dict[tuple[str, str], _Histogram] = {}
+        self._pending: deque[_Observation] = deque()
         # Every manager's metrics also count towards the process totals that register() exports.
         self._parent = _PROCESS if process_wide else None
 
     def record(
         self, direction: str, status: str, nbytes: int, timings_ms: Mapping[str, float]
     ) -> None:
-        """Called by the manager once per request; never raises."""
-        phases = [(_phase_key(direction, phase), float(ms)) for phase, ms in timings_ms.items()]
+        """Called by the manager once per request; never raises. ``timings_ms`` is read now
+        (a caller may change its dict afterwards); the histograms see it at the next fold."""
+        obs = (direction, status, nbytes, tuple(timings_ms.items()))
         for target in (self, self._parent):
             if target is not None:
-                target._add((direction, status), direction, int(nbytes), phases)
+                target._pending.append(obs)  # deque.append: atomic, no lock
+                if len(target._pending) >= self.FOLD_EVERY:
+                    target._fold()
 
-    def _add(self, outcome: tuple[str, str], direction: str, nbytes: int, phases: _Phases) -> None:
+    def _fold(self) -> None:
+        """Move the queued observations into the counters (any thread)."""
+        pending = self._pending
         with self._lock:
-            self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
-            self._bytes[direction] = self._bytes.get(direction, 0) + nbytes
-            for pkey, ms in phases:
-                hist = self._phases.get(pkey)
-                if hist is None:
-                    hist = self._phases[pkey] = _Histogram()
-                hist.observe(ms)
+            while pending:
+                try:
+                    direction, status, nbytes, timings = pending.popleft()
+                except IndexError:  # pragma: no cover - emptied by a concurrent fold
+                    break
+                outcome = (direction, status)
+                self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+                self._bytes[direction] = self._bytes.get(direction, 0) + int(nbytes)
+                for phase, ms in timings:
+                    try:
+                        value = float(ms)
+                    except (TypeError, ValueError):
+                        continue  # a phase that is not a number is not a latency
+                    pkey = _phase_key(direction, phase)
+                    hist = self._phases.get(pkey)
+                    if hist is None:
+                        hist = self._phases[pkey] = _Histogram()
+                    hist.observe(value)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-data copy: outcomes, bytes, and per-phase count / mean (ms)."""
+        self._fold()
         with self._lock:
             return {
                 "outcomes": {f"{d}.{s}": n for (d, s), n in sorted(self._outcomes.items())},
@@ -111,6 +141,7 @@ class TransferMetrics:
     def _state(
         self,
     ) -> tuple[dict[tuple[str, str], int], dict[str, int], dict[tuple[str, str], _Histogram]]:
+        self._fold()
         with self._lock:
             phases = {k: h.copy() for k, h in self._phases.items()}
             return dict(self._outcomes), dict(self._bytes), phases
