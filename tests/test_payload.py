@@ -21,6 +21,7 @@ from omnikv.payload import (
     decode,
     decode_device,
     decode_kv,
+    writes_host_arrays,
 )
 
 
@@ -486,6 +487,34 @@ def test_host_fast_path_and_torch_path_write_the_same_bytes(dtype: torch.dtype) 
     for got, want in zip((*out.key_cache, *out.value_cache), (*k, *v), strict=True):
         assert got is not None
         assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def test_pack_into_a_numpy_array_writes_the_same_bytes_as_into_a_tensor() -> None:
+    """A connector may hand a host slot over as a numpy array (``pack_into`` says so with
+    ``writes_host_arrays``): the bytes are those written into a tensor, at any offset, also for
+    a tensor large enough for the torch copy path and at an offset that misaligns the data;
+    a read-only array and one too small are refused."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(300 * 1024 // 4, generator=g)  # >= LARGE_TENSOR_BYTES: torch copies it
+    k = [torch.randn(7, 2, 8, generator=g).half(), big]
+    v = [torch.randn(7, 2, 8, generator=g).half()[:, :, ::2], big + 1]
+    plan = PackedPayload("r", k, v, [1, 2], {"seq_len": 7})
+    assert writes_host_arrays(plan.pack_into) and not writes_host_arrays(lambda buf: None)
+    want = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    plan.pack_into(want)
+    for offset in (0, 1, 64):
+        arr = np.full(plan.nbytes + offset + 5, 0xCD, dtype=np.uint8)
+        assert plan.pack_into(arr, offset) == plan.nbytes
+        assert bytes(arr[offset : offset + plan.nbytes]) == bytes(want.numpy())
+        assert (arr[:offset] == 0xCD).all() and (arr[offset + plan.nbytes :] == 0xCD).all()
+    out = decode_kv(want)
+    assert torch.equal(out.key_cache[1], big) and torch.equal(out.value_cache[0], v[0])
+    frozen = np.zeros(plan.nbytes, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        plan.pack_into(frozen)
+    with pytest.raises(ValueError, match="cannot hold"):
+        plan.pack_into(np.zeros(plan.nbytes - 1, dtype=np.uint8))
 
 
 def test_header_metadata_msgspec_cannot_encode_goes_through_json() -> None:

@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
     "DTYPE_ALLOWLIST",
     "FORMAT_VERSION",
+    "HOST_ARRAY_WRITER",
     "DecodedKV",
     "KVCacheTransferData",
     "PackedPayload",
@@ -78,9 +79,17 @@ __all__ = [
     "decode",
     "decode_device",
     "decode_kv",
+    "writes_host_arrays",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Attribute of a writer (a connector's ``put_packed`` ``write``) that also takes its slot as a
+#: writable 1-D ``uint8`` numpy array when the slot is host memory, so the connector need not
+#: make a torch view of it (a torch operator call, which on a process that has just been idle
+#: costs tens of microseconds). :meth:`PackedPayload.pack_into` carries it.
+HOST_ARRAY_WRITER = "omnikv_host_array"
+
 
 FORMAT_VERSION = 1
 ALIGN = 64
@@ -292,13 +301,14 @@ class PackedPayload:
         copied once, straight into its slot; padding gaps are zeroed so checksums are stable.
         Raises ``ValueError`` if ``buf`` is too small.
         """
+        if _is_byte_array(buf):  # a host slot handed over as numpy: no torch call at all
+            self._check_room(buf.size, offset)
+            self._pack_host(buf, None, offset)
+            return self.nbytes
         out = _as_byte_tensor(buf, writable=True)
-        if offset < 0 or offset + self.nbytes > out.numel():
-            raise ValueError(
-                f"buffer of {out.numel()} bytes cannot hold {self.nbytes} bytes at offset {offset}"
-            )
+        self._check_room(out.numel(), offset)
         if out.is_cpu:
-            self._pack_host(out, offset)
+            self._pack_host(out.numpy(), out, offset)
             return self.nbytes
         region = out[offset : offset + self.nbytes]
         data = region[self.data_start :]
@@ -315,15 +325,22 @@ class PackedPayload:
         _copy_bytes_in(region, self._final_header(data))
         return self.nbytes
 
-    def _pack_host(self, out: torch.Tensor, offset: int) -> None:
-        """:meth:`pack_into` for host memory: small tensors through numpy (a fraction of
-        torch's per-call overhead, which is what a small payload's send time is made of), large
-        ones, and any slot numpy cannot take, through torch."""
-        whole = out.numpy()[offset : offset + self.nbytes]
+    def _check_room(self, size: int, offset: int) -> None:
+        if offset < 0 or offset + self.nbytes > size:
+            raise ValueError(
+                f"buffer of {size} bytes cannot hold {self.nbytes} bytes at offset {offset}"
+            )
+
+    def _pack_host(self, array: np.ndarray, out: torch.Tensor | None, offset: int) -> None:
+        """:meth:`pack_into` for host memory (``array``; ``out``: the same memory as a tensor,
+        when the caller gave one): small tensors through numpy (a fraction of torch's per-call
+        overhead, which is what a small payload's send time is made of), large ones, and any
+        slot numpy cannot take, through torch."""
+        whole = array[offset : offset + self.nbytes]
         host = whole[self.data_start :]
         # slots are ALIGN-aligned within the data section, so its start decides for every
         # element size (<= 8 bytes)
-        aligned = (out.data_ptr() + offset + self.data_start) % 8 == 0
+        aligned = host.__array_interface__["data"][0] % 8 == 0
         data: torch.Tensor | None = None
         typed: _TypedBases | None = None
         prev_end = 0
@@ -334,7 +351,10 @@ class PackedPayload:
                 host[prev_end : slot.offset] = 0
             if slot.nbytes and not (aligned and _write_bits(slot, host)):
                 if data is None:
-                    data = out[offset + self.data_start : offset + self.nbytes]
+                    if out is not None:
+                        data = out[offset + self.data_start : offset + self.nbytes]
+                    else:
+                        data = torch.from_numpy(host)
                     typed = _TypedBases(data)
                 assert typed is not None
                 _write_tensor(slot, data, typed)
@@ -362,6 +382,9 @@ class PackedPayload:
         result, view = fresh
         self.pack_into(view)
         return result
+
+
+vars(PackedPayload.pack_into)[HOST_ARRAY_WRITER] = True
 
 
 def _lay_out(
@@ -521,6 +544,22 @@ def _new_bytes(n: int) -> tuple[bytes, torch.Tensor] | None:
     obj = _pybytes_new(None, n)
     carr = (ctypes.c_char * n).from_address(id(obj) + _BYTES_DATA_OFFSET)
     return obj, torch.frombuffer(carr, dtype=torch.uint8)
+
+
+def _is_byte_array(buf: Any) -> bool:
+    """``buf`` is a writable, contiguous 1-D ``uint8`` numpy array."""
+    return (
+        isinstance(buf, np.ndarray)
+        and buf.dtype == np.uint8
+        and buf.ndim == 1
+        and buf.flags.c_contiguous
+        and buf.flags.writeable
+    )
+
+
+def writes_host_arrays(write: Any) -> bool:
+    """Whether ``write`` carries :data:`HOST_ARRAY_WRITER` (called by connectors' puts)."""
+    return getattr(write, HOST_ARRAY_WRITER, False) is True
 
 
 def _as_byte_tensor(buf: Any, *, writable: bool = False) -> torch.Tensor:

@@ -24,7 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from omnikv.connectors._pool import BufferAllocator
 from omnikv.connectors._shm_mesh import Link
@@ -32,6 +34,7 @@ from omnikv.connectors._shm_pool import SenderPool
 from omnikv.connectors.base import Writer
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorUnavailableError, PoolExhaustedError
+from omnikv.payload import writes_host_arrays
 
 __all__ = ["MAX_WANTS_PER_LINK", "Entry", "SendStore"]
 
@@ -375,10 +378,15 @@ class SendStore:
             self.counters["put_failures"] += 1
 
     def write_slot(self, entry: Entry, write: Writer) -> None:
-        """Let ``write`` fill the entry's slot; frees it if ``write`` raises."""
-        assert self.pool is not None
+        """Let ``write`` fill the entry's slot (as numpy when it takes that, see
+        :func:`omnikv.payload.writes_host_arrays`); frees it if ``write`` raises."""
+        pool = self.pool
+        assert pool is not None
         try:
-            write(self.pool.view(entry.offset, entry.nbytes))
+            if writes_host_arrays(write):
+                cast(Callable[[np.ndarray], object], write)(pool.array(entry.offset, entry.nbytes))
+            else:
+                write(pool.view(entry.offset, entry.nbytes))
         except BaseException:
             with self._lock:
                 self.free(entry)

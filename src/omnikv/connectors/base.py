@@ -74,7 +74,9 @@ logger = logging.getLogger(__name__)
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
 GetResult = tuple[Any, int]
 Writer = Callable[[torch.Tensor], object]
-"""Fills a 1-D contiguous ``uint8`` tensor of exactly the requested size (see ``put_packed``)."""
+"""Fills a 1-D contiguous ``uint8`` tensor of exactly the requested size (see ``put_packed``).
+A writer that carries :data:`omnikv.payload.HOST_ARRAY_WRITER` may be given a host slot as a
+writable 1-D ``uint8`` numpy array instead (:meth:`omnikv.payload.PackedPayload.pack_into`)."""
 
 # Bounded polling for transports that cannot notify: start fine, back off to a small cap.
 _POLL_FIRST_S = 0.0005
