@@ -164,6 +164,54 @@ def test_host_bits_gather_equals_the_torch_gather(
         assert torch.equal(want.float(), _expected(gather.blocks, ids, seq).float())
 
 
+@pytest.mark.parametrize(
+    ("ids", "seq", "one_range"),
+    [
+        ([2, 3, 4], 9, True),  # consecutive, partial last block
+        ([2, 3, 4], 12, True),  # consecutive, full blocks only
+        ([2, 3, 6], 9, False),  # full blocks consecutive, the partial one elsewhere
+        ([3, 2, 4], 12, False),  # a permutation
+        ([7], 3, True),  # one partial block
+        ([0, 1, 2, 3, 4, 5, 6, 7], 0, False),  # nothing to copy: no range
+        ([6, 7, 0], 5, True),  # the ids after those needed do not matter
+    ],
+)
+@pytest.mark.parametrize("layout", ["kv_first", "blocks_first", "pair"])
+@pytest.mark.parametrize("kept", [False, True])
+def test_one_range_copy_only_where_the_tokens_are_one_range(
+    ids: list[int], seq: int, one_range: bool, layout: str, kept: bool
+) -> None:
+    """Tokens of consecutive blocks in a C-contiguous cache are copied with one slice of the
+    flat cache (K and V of a ``kv_first`` layer, or of a pair once the sender's
+    :class:`LayerCache` has prepared it); any other order, and a strided cache
+    (``blocks_first`` K and V are not contiguous), take the block-wise copy. Either way the
+    bytes are those of the torch gather, into a flat or a shaped destination."""
+    kv = torch.randn(2, 8, 4, 2, 3)
+    layer: object = {"kv_first": kv, "blocks_first": kv.transpose(0, 1).contiguous(),
+                     "pair": (kv[0], kv[1])}[layout]  # fmt: skip
+    cache = LayerCache() if kept else None
+    for _ in range(2 if kept else 1):  # the second plan reads the kept preparation
+        keys, values = plan_request_kv(
+            [layer], ids, seq, 4, layout=None if layout == "pair" else layout, cache=cache
+        )
+    has_flat = layout == "kv_first" or (layout == "pair" and kept)
+    for g in (keys[0], values[0]):
+        assert g is not None
+        assert (g.flat is not None) == has_flat
+        want = torch.empty(g.shape)
+        g.write_into(want)
+        for shaped in (False, True):
+            got = torch.full(g.shape, float("nan"))
+            bits = host_bits(got)
+            assert bits is not None
+            dst = bits if shaped else bits.reshape(-1)
+            took = g.flat is not None and g._one_range(dst, g.flat)
+            assert took == (one_range and has_flat)
+            if not took:
+                assert g.write_bits(dst)
+            assert torch.equal(got, want)
+
+
 def test_block_index_is_shared_by_every_layer_and_made_once_per_device() -> None:
     caches = [_cache(), _cache()]
     keys, values = plan_request_kv(caches, [6, 2, 0], 12, 4)

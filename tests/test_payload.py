@@ -508,13 +508,59 @@ def test_pack_into_a_numpy_array_writes_the_same_bytes_as_into_a_tensor() -> Non
         assert bytes(arr[offset : offset + plan.nbytes]) == bytes(want.numpy())
         assert (arr[:offset] == 0xCD).all() and (arr[offset + plan.nbytes :] == 0xCD).all()
     out = decode_kv(want)
-    assert torch.equal(out.key_cache[1], big) and torch.equal(out.value_cache[0], v[0])
+    k1, v0 = out.key_cache[1], out.value_cache[0]
+    assert k1 is not None and v0 is not None
+    assert torch.equal(k1, big) and torch.equal(v0, v[0])
     frozen = np.zeros(plan.nbytes, dtype=np.uint8)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         plan.pack_into(frozen)
     with pytest.raises(ValueError, match="cannot hold"):
         plan.pack_into(np.zeros(plan.nbytes - 1, dtype=np.uint8))
+
+
+def test_payloads_of_one_layout_share_it_and_every_difference_gets_its_own() -> None:
+    """The slots and the encoded ``td`` are made once per layout (dtypes, shapes, ``None``
+    layers, layer count) and shared; each payload still decodes to its own tensors, ids and
+    metadata; a dtype the format cannot name is refused and not kept; the table is bounded."""
+    from omnikv import payload as payload_mod
+
+    g = torch.Generator().manual_seed(9)
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype, none_v: bool = False) -> PackedPayload:
+        k = [torch.randn(*shape, generator=g).to(dtype) for _ in range(2)]
+        v = [None if none_v else torch.randn(*shape, generator=g).to(dtype), k[0] + 1]
+        return PackedPayload(f"r{len(shape)}", k, v, [len(shape)], {"seq_len": shape[0]})
+
+    a, b = make((4, 2, 8), torch.float16), make((4, 2, 8), torch.float16)
+    assert a._slots is b._slots  # one layout
+    others = [
+        make((5, 2, 8), torch.float16),
+        make((4, 2, 8), torch.bfloat16),
+        make((4, 2, 8), torch.float16, none_v=True),
+    ]
+    assert len({id(p._slots) for p in (a, *others)}) == 4
+    for plan in (a, b, *others):
+        raw = plan.to_bytes()
+        out = decode_kv(raw)
+        first = plan._sources[0]
+        assert isinstance(first, torch.Tensor)
+        assert (out.request_id, out.block_ids) == ("r3", [3])
+        assert out.metadata == {"seq_len": first.shape[0]}
+        for got, src in zip((*out.key_cache, *out.value_cache), plan._sources, strict=True):
+            assert (got is None) == (src is None)
+            if got is not None:
+                assert isinstance(src, torch.Tensor) and torch.equal(got, src)
+    with pytest.raises(EncodeError, match="unsupported dtype"):
+        PackedPayload("r", [torch.zeros(2, dtype=torch.uint32)], [None])
+    assert not any(
+        entry is not None and entry[0] == torch.uint32
+        for key in payload_mod._LAYOUTS
+        for entry in key[1]
+    )
+    for n in range(payload_mod._LAYOUTS_MAX + 5):
+        PackedPayload("r", [torch.zeros(n + 1)], [None])
+    assert len(payload_mod._LAYOUTS) <= payload_mod._LAYOUTS_MAX
 
 
 def test_header_metadata_msgspec_cannot_encode_goes_through_json() -> None:

@@ -18,6 +18,7 @@ buffer, so blocks are gathered straight into the memory that travels (one copy).
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -214,6 +215,8 @@ class BlockGather:
     bits: np.ndarray | None = field(default=None, compare=False, repr=False)
     #: ``blocks.shape[2:]`` as ints, when the planner had it (``shape`` is then cheap).
     tail: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    #: ``bits`` as one flat array, when the blocks are C-contiguous (:func:`flat_bits`).
+    flat: np.ndarray | None = field(default=None, compare=False, repr=False)
     #: ``shape`` is a tuple of plain ints (the encoder need not convert it).
     shape_is_ints: ClassVar[bool] = True
 
@@ -252,12 +255,19 @@ class BlockGather:
 
     def write_bits(self, dst: np.ndarray) -> bool:
         """:meth:`write_into` through numpy for host blocks: ``dst`` is the destination viewed as
-        same-size integers (:func:`omnikv.payload.host_bits`), ``[seq_len, ...]``. ``False``
-        (nothing written) when the blocks are not on the host. Called by ``pack_into``.
-        """
+        same-size integers (:func:`omnikv.payload.host_bits`), ``[seq_len, ...]`` or flat.
+        ``False`` (nothing written) when the blocks are not on the host. Called by
+        ``pack_into``. When the request's blocks are consecutive in a contiguous cache (a fresh
+        cache's common case), its tokens are one range of it: one copy, whatever the block
+        count."""
+        flat = self.flat
+        if flat is not None and flat.dtype == dst.dtype and self._one_range(dst, flat):
+            return True
         src = self.bits if self.bits is not None else host_bits(self.blocks)
         if src is None or src.dtype != dst.dtype:
             return False
+        if dst.ndim == 1:
+            dst = dst.reshape(self.shape)
         bs = src.shape[1]
         full, rest = divmod(self.seq_len, bs)
         if full:
@@ -269,6 +279,32 @@ class BlockGather:
                 np.take(src, index.array(), axis=0, out=out)
         if rest:
             np.copyto(dst[full * bs :], src[self.block_ids[full], :rest], casting="no")
+        return True
+
+    def _one_range(self, dst: np.ndarray, flat: np.ndarray) -> bool:
+        """Copy the tokens with one slice of ``flat`` when they are one range of it: the full
+        blocks are consecutive (the shared :class:`BlockIndex` knows) and a partial last block
+        follows them. ``False`` (nothing written) otherwise."""
+        bits, tail, ids = self.bits, self.tail, self.block_ids
+        if bits is None or tail is None or not ids:
+            return False
+        bs = bits.shape[1]
+        full, rest = divmod(self.seq_len, bs)
+        if full:
+            first = self._full_index(full).start
+            if first is None or (rest and ids[full] != first + full):
+                return False
+        else:
+            first = ids[0]
+        per_token = math.prod(tail)
+        start, count = first * bs * per_token, self.seq_len * per_token
+        if dst.size != count or start + count > flat.size:
+            return False
+        if dst.ndim != 1:
+            if not dst.flags.c_contiguous:
+                return False
+            dst = dst.reshape(-1)
+        dst[:] = flat[start : start + count]
         return True
 
     def materialize(self) -> torch.Tensor:
@@ -321,6 +357,13 @@ class _Prepared(NamedTuple):
     nblocks: int  # blocks in the smaller of K and V
     k_tail: tuple[int, ...]  # K's shape after [blocks, block_size]
     v_tail: tuple[int, ...]
+    k_flat: np.ndarray | None  # k_bits as one flat array (C-contiguous blocks only)
+    v_flat: np.ndarray | None
+
+
+def flat_bits(bits: np.ndarray | None) -> np.ndarray | None:
+    """``bits`` as one flat view when it is C-contiguous, else ``None`` (never a copy)."""
+    return bits.reshape(-1) if bits is not None and bits.flags.c_contiguous else None
 
 
 def _same_memory(t: torch.Tensor) -> torch.Tensor:
@@ -329,6 +372,10 @@ def _same_memory(t: torch.Tensor) -> torch.Tensor:
     and with it the weak reference :class:`LayerCache` watches)."""
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     return out.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+#: A layer given as (K, V) (a tuple built once: ``tuple | list`` builds a union per test).
+_PAIR = (tuple, list)
 
 
 class LayerCache:
@@ -362,7 +409,7 @@ class LayerCache:
     def _parts(layer_kv: Any) -> tuple[torch.Tensor, ...] | None:
         if isinstance(layer_kv, torch.Tensor):
             parts: tuple[Any, ...] = (layer_kv,)
-        elif isinstance(layer_kv, tuple | list) and len(layer_kv) == 2:
+        elif isinstance(layer_kv, _PAIR) and len(layer_kv) == 2:
             parts = tuple(layer_kv)
         else:
             return None
@@ -406,7 +453,10 @@ class LayerCache:
         k_bits = host_bits(k_own) if k_own.is_cpu else None
         v_bits = host_bits(v_own) if v_own.is_cpu else None
         count = min(int(k.shape[0]), int(v.shape[0]))
-        prepared = _Prepared(k_own, v_own, k_bits, v_bits, count, _tail(k), _tail(v))
+        prepared = _Prepared(
+            k_own, v_own, k_bits, v_bits, count, _tail(k), _tail(v), flat_bits(k_bits),
+            flat_bits(v_bits),
+        )  # fmt: skip
         self._entries[key] = (self._fingerprint(parts), prepared)
 
 
@@ -459,7 +509,7 @@ def plan_request_kv(
         kept = cache.get(layer_kv, layout, block_size) if cache is not None else None
         if kept is not None and span.low >= 0 and span.high < kept.nblocks:
             k, v, k_bits, v_bits = kept.k, kept.v, kept.k_bits, kept.v_bits
-            k_tail, v_tail = kept.k_tail, kept.v_tail
+            k_tail, v_tail, k_flat, v_flat = kept.k_tail, kept.v_tail, kept.k_flat, kept.v_flat
         else:
             k, v, kind = _split(layer_kv, layout, f"request {rid} layer {idx}")
             _check_blocks(k, span, block_size, (rid, idx), "K")
@@ -468,8 +518,9 @@ def plan_request_kv(
             if cache is not None and kept is None:
                 cache.put(layer_kv, layout, block_size, k, v)
             k_tail, v_tail = _tail(k), _tail(v)
-        keys.append(BlockGather(k, needed, seq_len, index, k_bits, k_tail))
-        values.append(BlockGather(v, needed, seq_len, index, v_bits, v_tail))
+            k_flat, v_flat = flat_bits(k_bits), flat_bits(v_bits)
+        keys.append(BlockGather(k, needed, seq_len, index, k_bits, k_tail, k_flat))
+        values.append(BlockGather(v, needed, seq_len, index, v_bits, v_tail, v_flat))
     if not any(g is not None for g in keys):
         raise ExtractionError(f"request {rid}: no layer has a KV cache")
     return keys, values

@@ -216,7 +216,7 @@ def _json_default(obj: Any) -> Any:
 _HEADER_ENCODER = msgspec.json.Encoder(enc_hook=_json_default)
 
 
-def _encode_header(header: dict[str, Any]) -> bytes:
+def _encode_header(header: dict[str, Any] | list[Any]) -> bytes:
     """Compact UTF-8 JSON of a payload header. msgspec first (several times faster); what it
     cannot encode (non-string keys of odd types) goes through ``json`` as before."""
     try:
@@ -231,15 +231,30 @@ def _encode_header(header: dict[str, Any]) -> bytes:
 
 
 class _Slot(NamedTuple):
-    """Where one tensor of a payload goes (a tuple: built per tensor per request)."""
+    """Where one tensor of a payload goes (``dtype_name`` empty: a ``None`` layer)."""
 
     name: str
     layer: int
-    source: TensorLike | None
     dtype_name: str = ""
     shape: tuple[int, ...] = ()
     offset: int = 0
     nbytes: int = 0
+
+
+class _Layout(NamedTuple):
+    """Where a payload's tensors go, made from their dtypes and shapes alone, so payloads of
+    the same layout share it (:func:`_layout`): slots, the header's ``td`` as JSON, the data
+    section's length, and whether any tensor is large enough for page alignment."""
+
+    slots: tuple[_Slot, ...]
+    td_json: bytes
+    data_nbytes: int
+    any_large: bool
+
+
+#: Layouts by ``(layers, per tensor None or (dtype, shape))``; bounded (cleared when full).
+_LAYOUTS: dict[tuple[Any, ...], _Layout] = {}
+_LAYOUTS_MAX = 256
 
 
 class PackedPayload:
@@ -262,14 +277,15 @@ class PackedPayload:
     ) -> None:
         num_layers = len(key_cache)
         self._checksum = checksum
-        slots, td, cursor, any_large = _lay_out(key_cache, value_cache)
-        self.data_nbytes = cursor
-        self._slots = slots
+        self._sources: list[TensorLike | None] = [*key_cache, *value_cache]
+        layout = _layout(num_layers, self._sources)
+        self._slots = layout.slots
+        self.data_nbytes = cursor = layout.data_nbytes
+        any_large = layout.any_large
         header: dict[str, Any] = {
             "rid": str(request_id),
             "bids": [int(b) for b in block_ids],
             "meta": dict(metadata or {}),
-            "td": td,
             "nl": num_layers,
             "v": FORMAT_VERSION,
             "al": ALIGN,
@@ -278,7 +294,8 @@ class PackedPayload:
         }
         if checksum:
             header["ck"] = _CK_PLACEHOLDER
-        raw = _encode_header(header)
+        # the layout's descriptors are encoded once per layout, then spliced in as the last key
+        raw = _encode_header(header)[:-1] + b',"td":' + layout.td_json + b"}"
         if len(raw) > DEFAULT_MAX_HEADER_BYTES:
             raise EncodeError(
                 f"header of {len(raw)} bytes exceeds {DEFAULT_MAX_HEADER_BYTES} (what receivers "
@@ -314,13 +331,13 @@ class PackedPayload:
         data = region[self.data_start :]
         typed = _TypedBases(data)
         prev_end = 0
-        for slot in self._slots:
-            if slot.source is None:
+        for slot, src in zip(self._slots, self._sources, strict=True):
+            if src is None:
                 continue
             if slot.offset > prev_end:
                 data[prev_end : slot.offset].zero_()
             if slot.nbytes:
-                _write_tensor(slot, data, typed)
+                _write_tensor(slot, src, data, typed)
             prev_end = slot.offset + slot.nbytes
         _copy_bytes_in(region, self._final_header(data))
         return self.nbytes
@@ -344,12 +361,12 @@ class PackedPayload:
         data: torch.Tensor | None = None
         typed: _TypedBases | None = None
         prev_end = 0
-        for slot in self._slots:
-            if slot.source is None:
+        for slot, src in zip(self._slots, self._sources, strict=True):
+            if src is None:
                 continue
             if slot.offset > prev_end:
                 host[prev_end : slot.offset] = 0
-            if slot.nbytes and not (aligned and _write_bits(slot, host)):
+            if slot.nbytes and not (aligned and _write_bits(slot, src, host)):
                 if data is None:
                     if out is not None:
                         data = out[offset + self.data_start : offset + self.nbytes]
@@ -357,7 +374,7 @@ class PackedPayload:
                         data = torch.from_numpy(host)
                     typed = _TypedBases(data)
                 assert typed is not None
-                _write_tensor(slot, data, typed)
+                _write_tensor(slot, src, data, typed)
             prev_end = slot.offset + slot.nbytes
         header = self._final_header(host)
         whole[: len(header)] = np.frombuffer(header, dtype=np.uint8)
@@ -387,36 +404,55 @@ class PackedPayload:
 vars(PackedPayload.pack_into)[HOST_ARRAY_WRITER] = True
 
 
-def _lay_out(
-    key_cache: Sequence[TensorLike | None], value_cache: Sequence[TensorLike | None]
-) -> tuple[list[_Slot], list[dict[str, Any]], int, bool]:
+def _layout(num_layers: int, sources: Sequence[TensorLike | None]) -> _Layout:
+    """The :class:`_Layout` of a payload whose K then V tensors are ``sources`` (the first
+    ``num_layers`` are K). Made once per distinct layout; a stage sends the same one request
+    after request. Raises :class:`EncodeError` for a dtype the format has no name for."""
+    sig: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
+    for src in sources:
+        if src is None:
+            sig.append(None)
+            continue
+        shape = src.shape
+        if not getattr(src, "shape_is_ints", False):  # torch.Size, numpy ints: plain ints
+            shape = tuple(map(int, shape))
+        sig.append((src.dtype, shape))
+    key = (num_layers, tuple(sig))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _lay_out(num_layers, sig)
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def _lay_out(num_layers: int, sig: Sequence[tuple[torch.dtype, tuple[int, ...]] | None]) -> _Layout:
     """Place every tensor of a payload: its slot, its header descriptor, the data length, and
-    whether any tensor is large enough for page alignment. Called by :class:`PackedPayload`."""
+    whether any tensor is large enough for page alignment. Called by :func:`_layout`."""
     slots: list[_Slot] = []
     td: list[dict[str, Any]] = []
     cursor = 0
     any_large = False
-    for cache, layers in zip(_CACHES, (key_cache, value_cache), strict=True):
-        for idx, src in enumerate(layers):
-            name = f"{cache}_{idx}"
-            if src is None:
-                slots.append(_Slot(name, idx, None))
-                td.append({"n": name, "x": True})
-                continue
-            dname = _DTYPE_TO_NAME.get(src.dtype)
-            if dname is None:
-                raise EncodeError(f"unsupported dtype {src.dtype} in {name}")
-            shape = src.shape
-            if not getattr(src, "shape_is_ints", False):  # torch.Size, numpy ints: plain ints
-                shape = tuple(map(int, shape))
-            nbytes = math.prod(shape) * _ITEMSIZE[dname]
-            align = PAGE if nbytes >= LARGE_TENSOR_BYTES else ALIGN
-            any_large = any_large or align == PAGE
-            cursor = _round_up(cursor, align)
-            slots.append(_Slot(name, idx, src, dname, shape, cursor, nbytes))
-            td.append({"n": name, "i": idx, "d": dname, "s": list(shape), "o": cursor, "b": nbytes})
-            cursor += nbytes
-    return slots, td, cursor, any_large
+    for pos, entry in enumerate(sig):
+        cache, idx = (_CACHES[0], pos) if pos < num_layers else (_CACHES[1], pos - num_layers)
+        name = f"{cache}_{idx}"
+        if entry is None:
+            slots.append(_Slot(name, idx))
+            td.append({"n": name, "x": True})
+            continue
+        dtype, shape = entry
+        dname = _DTYPE_TO_NAME.get(dtype)
+        if dname is None:
+            raise EncodeError(f"unsupported dtype {dtype} in {name}")
+        nbytes = math.prod(shape) * _ITEMSIZE[dname]
+        align = PAGE if nbytes >= LARGE_TENSOR_BYTES else ALIGN
+        any_large = any_large or align == PAGE
+        cursor = _round_up(cursor, align)
+        slots.append(_Slot(name, idx, dname, shape, cursor, nbytes))
+        td.append({"n": name, "i": idx, "d": dname, "s": list(shape), "o": cursor, "b": nbytes})
+        cursor += nbytes
+    return _Layout(tuple(slots), _encode_header(td), cursor, any_large)
 
 
 class _TypedBases:
@@ -454,7 +490,7 @@ class _TypedBases:
         return typed, int(typed.storage_offset())
 
 
-def _write_bits(slot: _Slot, host: np.ndarray) -> bool:
+def _write_bits(slot: _Slot, src: TensorLike, host: np.ndarray) -> bool:
     """Host fast path of :meth:`PackedPayload.pack_into` for small tensors: copy the slot's
     source into the host data section ``host`` through numpy, whose per-call overhead is a
     fraction of torch's. ``False`` (nothing written) where it does not apply, and for tensors of
@@ -462,26 +498,24 @@ def _write_bits(slot: _Slot, host: np.ndarray) -> bool:
     224 MiB of 4 MiB tensors took 2.5 x longer through numpy)."""
     if slot.nbytes >= LARGE_TENSOR_BYTES:
         return False
-    src = slot.source
     itemsize = _ITEMSIZE[slot.dtype_name]
     np_bits = _BITS_NP.get(itemsize)
     if np_bits is None or slot.offset % itemsize:
         return False
-    dst = host[slot.offset : slot.offset + slot.nbytes].view(np_bits).reshape(slot.shape)
+    dst = host[slot.offset : slot.offset + slot.nbytes].view(np_bits)
     if isinstance(src, torch.Tensor):
         if tuple(src.shape) != slot.shape:
             raise EncodeError(f"{slot.name} changed shape while encoding")
         bits = host_bits(src.detach())
         if bits is None:
             return False
-        np.copyto(dst, bits, casting="no")
+        np.copyto(dst.reshape(slot.shape), bits, casting="no")
         return True
     write_bits = getattr(src, "write_bits", None)
     return bool(write_bits(dst)) if write_bits is not None else False
 
 
-def _write_tensor(slot: _Slot, data: torch.Tensor, typed: _TypedBases) -> None:
-    src = slot.source
+def _write_tensor(slot: _Slot, src: TensorLike, data: torch.Tensor, typed: _TypedBases) -> None:
     dst = typed.dst(slot)
     if dst is not None:
         if isinstance(src, torch.Tensor):

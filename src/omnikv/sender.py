@@ -140,11 +140,14 @@ def put_with_retry(
 
 #: What a block id may be (a tuple, built once: ``int | np.integer`` builds a union per test).
 _INTEGER = (int, np.integer)
+#: A list of layers or of block ids, and an array of block ids (built once, as ``_INTEGER``).
+_SEQUENCE = (list, tuple)
+_ARRAY = (np.ndarray, torch.Tensor)
 
 
 # -- validation (each returns the value to use or raises _Refused with the reason) ---------------
 def _is_cache_object(kv_caches: Any) -> bool:
-    return not isinstance(kv_caches, list | tuple) and (
+    return not isinstance(kv_caches, _SEQUENCE) and (
         hasattr(kv_caches, "layers") or hasattr(kv_caches, "key_cache")
     )
 
@@ -155,11 +158,11 @@ def _check_batch(kv_caches: Any, block_size: Any, cache_dtype: Any) -> torch.dty
         raise _Refused(
             f"kv_caches is a {type(kv_caches).__name__}, not a list of layers; " + HF_HINT
         )
-    if not isinstance(kv_caches, list | tuple):
+    if not isinstance(kv_caches, _SEQUENCE):
         raise _Refused(
             f"kv_caches must be a list of per-layer caches, got {type(kv_caches).__name__}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
+    if isinstance(block_size, bool) or not isinstance(block_size, _INTEGER):
         raise _Refused(f"block_size must be an int, got {block_size!r}")
     if block_size <= 0:
         raise _Refused(f"block_size must be > 0, got {block_size}")
@@ -171,7 +174,7 @@ def _check_batch(kv_caches: Any, block_size: Any, cache_dtype: Any) -> torch.dty
 
 
 def _check_block_ids(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple):
+    if not isinstance(value, _SEQUENCE):
         raise _Refused(f"block_ids must be a list of ints, got {type(value).__name__}")
     if all(type(b) is int for b in value):  # the common case, one pass (bool is not int here)
         return tuple(value)
@@ -198,7 +201,7 @@ def _detached(layer: Any) -> Any:
     """A layer's cache without autograd history (views; no copy)."""
     if isinstance(layer, torch.Tensor):
         return layer.detach() if layer.requires_grad else layer
-    if isinstance(layer, tuple | list) and any(
+    if isinstance(layer, _SEQUENCE) and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in layer
     ):
         return type(layer)(t.detach() if isinstance(t, torch.Tensor) else t for t in layer)
@@ -325,7 +328,7 @@ class KVSender:
         """Validate, extract, encode and publish one request."""
         t0 = time.perf_counter()
         block_ids = entry.get("block_ids") if isinstance(entry, Mapping) else None
-        if not isinstance(block_ids, np.ndarray | torch.Tensor) and not block_ids:
+        if not isinstance(block_ids, _ARRAY) and not block_ids:
             logger.warning("Request %s has no block_ids; nothing sent", request_id)
             return SendResult(request_id, SendStatus.SKIPPED, reason="no block_ids")
         from_stage, to_stage = self.stages
