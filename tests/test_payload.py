@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 
@@ -561,6 +562,37 @@ def test_payloads_of_one_layout_share_it_and_every_difference_gets_its_own() -> 
     for n in range(payload_mod._LAYOUTS_MAX + 5):
         PackedPayload("r", [torch.zeros(n + 1)], [None])
     assert len(payload_mod._LAYOUTS) <= payload_mod._LAYOUTS_MAX
+
+
+def _slice(raw: bytes, start: int, n: int) -> bytes:
+    return raw[start : start + n]
+
+
+def test_host_array_decode_views_a_run_of_alike_tensors_at_once() -> None:
+    """Decoding from a numpy array (the shared-memory receiver's path): K and V tensors of one
+    dtype and shape back to back form a run and are views of the array; mixed shapes, and an
+    array whose address misaligns the run, decode through the per-tensor path; every tensor
+    equals what was packed."""
+    from omnikv import payload as payload_mod
+
+    g = torch.Generator().manual_seed(11)
+    alike = [torch.randn(6, 2, 8, generator=g).half() for _ in range(6)]
+    mixed = [torch.randn(6, 2, 8, generator=g).half(), torch.randn(5, 2, 8, generator=g).half()]
+    for k, v, is_run in ((alike[:3], alike[3:], True), (mixed, mixed[::-1], False)):
+        raw = PackedPayload("r", k, v, [0], {}).to_bytes()
+        for shift in (0, 1):  # 1: the run's address is odd, misaligned for float16
+            arr = np.zeros(len(raw) + shift, dtype=np.uint8)[shift:]
+            arr[:] = np.frombuffer(raw, dtype=np.uint8)
+            header, _hlen = payload_mod._read_header(
+                raw[:4], len(raw), functools.partial(_slice, raw), 1 << 20
+            )
+            _spans, run = payload_mod._spans_and_run(header, header.dl or 0)
+            assert (run is not None) == is_run
+            out = decode_kv(arr)
+            for got, want in zip((*out.key_cache, *out.value_cache), (*k, *v), strict=True):
+                assert got is not None and torch.equal(got, want)
+                if not shift:
+                    assert np.shares_memory(got.numpy(), arr)
 
 
 def test_header_metadata_msgspec_cannot_encode_goes_through_json() -> None:

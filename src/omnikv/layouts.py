@@ -21,7 +21,6 @@ import logging
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -196,7 +195,6 @@ class BlockIndex:
         return t
 
 
-@dataclass(frozen=True)
 class BlockGather:
     """Writes tokens ``[0, seq_len)`` of a request's blocks into a ``[seq_len, ...]`` view.
 
@@ -204,21 +202,42 @@ class BlockGather:
     request's blocks in token order. Full blocks go in with one slice copy (consecutive ids) or
     one ``index_select`` into the destination, the partial last block with one slice copy.
     ``index`` (optional) is the full blocks' :class:`BlockIndex`, shared across layers by
-    :func:`plan_request_kv`; without it one is made per call.
+    :func:`plan_request_kv`; without it one is made per call. The planner fills the optional
+    rest from its per-layer preparation: ``bits`` (``blocks`` as same-size integers in numpy,
+    host only), ``tail`` (``blocks.shape[2:]`` as ints: ``shape`` is then cheap) and ``flat``
+    (``bits`` as one flat array when the blocks are C-contiguous, see :func:`flat_bits`).
+    A plain slotted class (several are built per request; a frozen dataclass costs a
+    ``object.__setattr__`` per field): treat it as read-only.
     """
 
-    blocks: torch.Tensor
-    block_ids: tuple[int, ...]
-    seq_len: int
-    index: BlockIndex | None = field(default=None, compare=False, repr=False)
-    #: ``blocks`` as same-size integers in numpy, when the planner had them (host only).
-    bits: np.ndarray | None = field(default=None, compare=False, repr=False)
-    #: ``blocks.shape[2:]`` as ints, when the planner had it (``shape`` is then cheap).
-    tail: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
-    #: ``bits`` as one flat array, when the blocks are C-contiguous (:func:`flat_bits`).
-    flat: np.ndarray | None = field(default=None, compare=False, repr=False)
+    __slots__ = ("bits", "block_ids", "blocks", "flat", "index", "seq_len", "tail")
+
     #: ``shape`` is a tuple of plain ints (the encoder need not convert it).
     shape_is_ints: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        block_ids: tuple[int, ...],
+        seq_len: int,
+        index: BlockIndex | None = None,
+        bits: np.ndarray | None = None,
+        tail: tuple[int, ...] | None = None,
+        flat: np.ndarray | None = None,
+    ) -> None:
+        self.blocks = blocks
+        self.block_ids = block_ids
+        self.seq_len = seq_len
+        self.index = index
+        self.bits = bits
+        self.tail = tail
+        self.flat = flat
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockGather(blocks={tuple(self.blocks.shape)}, block_ids={self.block_ids!r:.80},"
+            f" seq_len={self.seq_len})"
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -245,9 +245,9 @@ def _num_heads(gathers: Sequence[BlockGather | None]) -> int:
     return 1
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """What every request of one ``handle_finished_requests_kv_transfer`` call shares."""
+class _Batch(NamedTuple):
+    """What every request of one ``handle_finished_requests_kv_transfer`` call shares (a
+    tuple: one is built per call)."""
 
     kv_caches: Sequence[Any]
     block_size: int
@@ -302,7 +302,7 @@ class KVSender:
         Not sending at all (``need_send_cache`` false, no connector) is recorded per request:
         ``not_configured`` when the manager neither sends nor receives, else skipped/failed.
         """
-        if not isinstance(finished_reqs, Mapping):
+        if type(finished_reqs) is not dict and not isinstance(finished_reqs, Mapping):
             why = f"finished_reqs must be a dict of request entries, got {type(finished_reqs)}"
             return [self._fail(str(rid), why) for rid in finished_reqs]
         if not self.enabled or self.connector.get() is None:
@@ -327,7 +327,8 @@ class KVSender:
     def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         """Validate, extract, encode and publish one request."""
         t0 = time.perf_counter()
-        block_ids = entry.get("block_ids") if isinstance(entry, Mapping) else None
+        mapping = type(entry) is dict or isinstance(entry, Mapping)
+        block_ids = entry.get("block_ids") if mapping else None
         if not isinstance(block_ids, _ARRAY) and not block_ids:
             logger.warning("Request %s has no block_ids; nothing sent", request_id)
             return SendResult(request_id, SendStatus.SKIPPED, reason="no block_ids")
