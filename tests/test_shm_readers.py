@@ -23,7 +23,7 @@ from omnikv.connectors import _shm_recv
 from omnikv.connectors._shm_mesh import Mesh
 from omnikv.connectors._shm_recv import RecvSide
 from omnikv.connectors._shm_store import SendStore
-from omnikv.connectors._shm_wire import DescriptorFlood, recv_nowait
+from omnikv.connectors._shm_wire import DescriptorFlood, FrameReader, encode_frame, recv_nowait
 from omnikv.connectors.shm import SharedMemoryConnector
 from test_shm_peer import Peer, peer_pool, start_peer
 
@@ -206,26 +206,54 @@ def _readable(sock: socket.socket) -> bool:
 
 def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:
     """``socket.recv_fds`` ignores its flags; ``recv_nowait`` does not block on an empty socket,
-    returns passed descriptors close-on-exec, and refuses a message with more than ``maxfds``
-    (the kernel closes those that did not fit, ``recv_nowait`` the others)."""
+    reads into the caller's reused buffer, returns passed descriptors close-on-exec, and refuses
+    a message with more than ``maxfds`` (the kernel closes those that did not fit,
+    ``recv_nowait`` the others)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     r, w = socket.socketpair()
+    buf = memoryview(bytearray(1024))
     try:
         with pytest.raises(BlockingIOError):
-            recv_nowait(b, 1024, 4)
+            recv_nowait(b, buf, 4)
         socket.send_fds(a, [b"xy"], [r.fileno()])
-        data, fds = recv_nowait(b, 1024, 4)
-        assert data == b"xy" and len(fds) == 1
+        n, fds = recv_nowait(b, buf, 4)
+        assert bytes(buf[:n]) == b"xy" and len(fds) == 1
         assert fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # never inherited
         os.close(fds[0])
+        a.sendall(b"x" * 1500)  # more than the buffer: two reads, nothing lost
+        got = b""
+        while len(got) < 1500:
+            n, fds = recv_nowait(b, buf, 4)
+            assert not fds and 0 < n <= 1024
+            got += bytes(buf[:n])
+        assert got == b"x" * 1500
         before = len(os.listdir("/proc/self/fd"))
         socket.send_fds(a, [b"z"], [r.fileno(), w.fileno(), r.fileno()])
         with pytest.raises(DescriptorFlood):
-            recv_nowait(b, 1024, 1)
+            recv_nowait(b, buf, 1)
         assert len(os.listdir("/proc/self/fd")) == before  # none of the three is left open
     finally:
         for s in (a, b, r, w):
             s.close()
+
+
+def test_frame_reader_splits_frames_across_reads_of_a_reused_buffer() -> None:
+    """Frames that arrive split at any byte, several in one read, or read through one reused
+    buffer (as the mesh does) come out whole and in order; garbage is a ``ValueError``."""
+    frames = [encode_frame(["want", i, f"key-{i}" * (i + 1), True]) for i in range(6)]
+    stream = b"".join(frames)
+    for cut in range(1, 40, 3):
+        reader, buf, got = FrameReader(), memoryview(bytearray(cut)), []
+        for pos in range(0, len(stream), cut):
+            chunk = stream[pos : pos + cut]
+            buf[: len(chunk)] = chunk
+            got += reader.feed(buf[: len(chunk)])
+            buf[:] = b"\xff" * cut  # the buffer is reused: nothing may refer to it
+        assert [m[1] for m in got] == list(range(6)) and got[5][2] == "key-5" * 6
+    with pytest.raises(ValueError, match="typed msgpack array"):
+        FrameReader().feed(encode_frame([1, 2]))
+    with pytest.raises(ValueError, match="exceeds"):
+        FrameReader().feed(b"\xff\xff\xff\xff")
 
 
 def _hold_wants_for_ping(

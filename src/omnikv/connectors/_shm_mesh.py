@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 MAX_FDS_PER_LINK = 4
 _CONNECT_STEP_S = 0.2
-_READ_CHUNK = 256 * 1024
+#: One read's buffer (per link, reused; control frames are at most MAX_FRAME = 64 KiB).
+_READ_CHUNK = 64 * 1024
 
 
 class Link:
@@ -84,10 +85,17 @@ class Link:
         self.send_lock = threading.RLock()
         self.reader = FrameReader()
         self.read_lock = threading.Lock()
+        self._rbuf: memoryview | None = None  # made on the first read (``read_lock`` held)
         self.fds: deque[int] = deque()
         self.fds_received = 0
         self.pool: PeerPool | None = None  # the peer's pool, mapped here
         self.pool_sent = False  # our pool's descriptor was sent on this link
+
+    def read_buffer(self) -> memoryview:
+        """This link's read buffer (``read_lock`` held by the caller)."""
+        if self._rbuf is None:
+            self._rbuf = memoryview(bytearray(_READ_CHUNK))
+        return self._rbuf
 
     def take_fd(self) -> int:
         if not self.fds:
@@ -378,7 +386,8 @@ class Mesh:
         if not link.alive:
             return False
         try:
-            data, fds = recv_nowait(link.sock, _READ_CHUNK, MAX_FDS_PER_LINK)
+            buf = link.read_buffer()
+            nbytes, fds = recv_nowait(link.sock, buf, MAX_FDS_PER_LINK)
         except BlockingIOError:
             return False
         except DescriptorFlood as exc:
@@ -398,13 +407,13 @@ class Mesh:
             _close_fds(link.fds)
             self.drop(link, f"sent more than {MAX_FDS_PER_LINK} descriptors")
             return False
-        if not data:
+        if not nbytes:
             if not pumping:
                 self._gone(link)
             return False
-        return self._dispatch(link, data)
+        return self._dispatch(link, buf[:nbytes])
 
-    def _dispatch(self, link: Link, data: bytes) -> bool:
+    def _dispatch(self, link: Link, data: memoryview) -> bool:
         """Decode and hand on what ``data`` completed (``read_lock`` held); False when the link
         was dropped for it."""
         try:

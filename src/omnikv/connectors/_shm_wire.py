@@ -104,21 +104,33 @@ class FrameReader:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[list[Any]]:
-        self._buf += data
+    def feed(self, data: bytes | bytearray | memoryview) -> list[list[Any]]:
+        """The messages ``data`` completes. Whole frames are decoded straight from ``data``
+        (a memoryview of a reused read buffer is fine: nothing refers to it afterwards); only
+        an incomplete tail is kept until the next call."""
+        buf = self._buf
+        src: bytes | bytearray | memoryview = data
+        if buf:
+            buf += data
+            src = buf
         out: list[list[Any]] = []
-        while len(self._buf) >= 4:
-            (n,) = _LEN.unpack_from(self._buf)
+        pos, end = 0, len(src)
+        while end - pos >= 4:
+            (n,) = _LEN.unpack_from(src, pos)
             if n > MAX_FRAME:
                 raise ValueError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
-            if len(self._buf) < 4 + n:
+            if end - pos - 4 < n:
                 break
-            body = bytes(self._buf[4 : 4 + n])
-            del self._buf[: 4 + n]
+            body = src[pos + 4 : pos + 4 + n]
             msg = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
             if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
                 raise ValueError("control frame is not a typed msgpack array")
             out.append(msg)
+            pos += 4 + n
+        if src is buf:
+            del buf[:pos]
+        elif pos < end:
+            buf += src[pos:]
         return out
 
 
@@ -130,15 +142,19 @@ class DescriptorFlood(OSError):
     dropped; the kernel closed those that did not fit, :func:`recv_nowait` the others)."""
 
 
-def recv_nowait(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
-    """One non-blocking read: ``(data, descriptors)``; ``BlockingIOError`` when nothing is there.
+def recv_nowait(sock: socket.socket, buf: memoryview, maxfds: int) -> tuple[int, list[int]]:
+    """One non-blocking read into ``buf``: ``(bytes read, descriptors)``; ``BlockingIOError``
+    when nothing is there.
 
     ``socket.recv_fds`` ignores its ``flags`` argument (CPython 3.10-3.12), so it cannot be
-    asked not to block; this passes ``MSG_DONTWAIT`` itself. Only ``SCM_RIGHTS`` data is taken
-    (whole descriptors), at most ``maxfds`` (the kernel closes what did not fit).
+    asked not to block; this passes ``MSG_DONTWAIT`` itself. The caller's buffer is reused
+    from read to read: ``recvmsg`` would allocate one of the full size per call, which above
+    glibc's mmap threshold (128 KiB) costs an mmap, an mremap and a munmap every time. Only
+    ``SCM_RIGHTS`` data is taken (whole descriptors), at most ``maxfds`` (the kernel closes
+    what did not fit).
     """
-    data, ancdata, flags, _addr = sock.recvmsg(
-        bufsize,
+    nbytes, ancdata, flags, _addr = sock.recvmsg_into(
+        [buf],
         socket.CMSG_LEN(maxfds * _FD.size),
         socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC,
     )
@@ -151,7 +167,7 @@ def recv_nowait(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, 
         for fd in fds:
             os.close(fd)
         raise DescriptorFlood(f"more than {maxfds} descriptors in one message")
-    return data, fds
+    return nbytes, fds
 
 
 def peer_uid(sock: socket.socket) -> tuple[int, int]:
