@@ -422,3 +422,82 @@ def test_poll_us_zero_sleeps_at_once(namespace: str, monkeypatch: pytest.MonkeyP
         assert rounds and 0.0 not in rounds
     finally:
         rx.close(linger=False)
+
+
+# -- the I/O thread after a leader leaves ------------------------------------------------------
+def _io_serves(monkeypatch: pytest.MonkeyPatch, mesh: Mesh) -> list[int]:
+    """Count the I/O thread's ``select`` rounds on ``mesh`` (one entry per round)."""
+    rounds: list[int] = []
+    orig = Mesh._serve
+
+    def serve(self: Mesh, *args: Any) -> None:
+        if self is mesh and threading.current_thread().name == "omnikv-shm-io":
+            rounds.append(1)
+        orig(self, *args)
+
+    monkeypatch.setattr(Mesh, "_serve", serve)
+    return rounds
+
+
+def test_a_receiving_stage_does_not_wake_its_io_thread_per_request(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connector that only receives: each leading wait leaves the I/O thread parked (it was
+    woken twice per request before: once to park, once to resume, the second time on the
+    request's critical path), and every payload still arrives. It serves again once nobody
+    led for ``LINGER_S``. A sending connector resumes it at once."""
+    rx, tx = pair
+    assert not rx.resume_io_at_once() and tx.resume_io_at_once()  # only tx has a pool
+    rounds = _io_serves(monkeypatch, rx._mesh)
+    for i in range(8):
+        waiter = _Waiter(rx, f"k{i}", 20.0)
+        waiter.start()
+        _until(lambda: rx._mesh._leader is not None)
+        assert tx.put_packed("0", "1", f"k{i}", 500 + i, _fill(i))[0]
+        waiter.join(20.0)
+        assert waiter.got == (500 + i, i)
+        if i == 0:
+            _until(lambda: rx._mesh._parked)  # parked for the first leader, never resumed
+            rounds.clear()
+    assert rx._mesh._parked and len(rounds) == 0
+    _until(lambda: not rx._mesh._parked)  # LINGER_S after the last leader left
+
+
+def test_a_lingering_io_thread_serves_other_waiters_and_close(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the linger made long (30 s), what only the I/O thread can read still arrives at
+    once: an offer for a second thread that waited while another led (the leader's exit wakes
+    the I/O thread since others wait), a non-blocking ``get`` after a leader left (it resumes
+    the I/O thread itself); and ``close`` returns at once."""
+    from omnikv.connectors import _shm_mesh
+
+    monkeypatch.setattr(_shm_mesh, "LINGER_S", 30.0)
+    monkeypatch.setattr(_shm_mesh, "PARK_CHECK_S", 30.0)
+    rx, tx = pair
+    lead = _Waiter(rx, "a", 20.0)
+    lead.start()
+    _until(lambda: rx._mesh._leader is not None)
+    other = _Waiter(rx, "b", 20.0)
+    other.start()
+    _until(rx._recv.others_waiting)
+    assert tx.put_packed("0", "1", "a", 100, _fill(3))[0]
+    lead.join(20.0)
+    assert lead.got == (100, 3)
+    t0 = time.monotonic()
+    assert tx.put_packed("0", "1", "b", 200, _fill(4))[0]
+    other.join(20.0)
+    assert other.got == (200, 4) and time.monotonic() - t0 < 10.0
+    # a lone leader leaves lazily now; a non-blocking get must still be answered
+    lone = _Waiter(rx, "c", 20.0)
+    lone.start()
+    _until(lambda: rx._mesh._leader is not None)
+    assert tx.put_packed("0", "1", "c", 300, _fill(5))[0]
+    lone.join(20.0)
+    assert lone.got == (300, 5) and rx._mesh._parked
+    assert tx.put_packed("0", "1", "d", 400, _fill(6))[0]
+    got = rx.get("0", "1", "d")
+    assert got is not None and got[1] == 400
+    t0 = time.monotonic()
+    rx.close(linger=False)
+    assert time.monotonic() - t0 < 5.0

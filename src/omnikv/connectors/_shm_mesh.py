@@ -22,6 +22,11 @@ latency of a request:
   does not wait for that, since the I/O thread may not get a CPU for a while on a loaded host
   (until it parks, both may wake for the same data, and the read lock sorts them out). One
   leader at a time; other waiters are woken by the leader's dispatch as by the I/O thread.
+  When the leader leaves, the I/O thread resumes at once if the handler needs it
+  (``resume_io_at_once``: the connector sends, or other threads wait); otherwise it stays
+  parked for :data:`LINGER_S` more (checking every :data:`PARK_CHECK_S`), so a stage that
+  receives request after request does not wake it twice per request, on the critical path,
+  for nothing. A thread that waits without leading calls :meth:`Mesh.resume` first.
 * :meth:`Mesh.pump`: a thread about to publish (a put) first reads what its peers already sent
   (non-blocking), so a ``want`` that arrived while it was busy is answered by the put itself
   instead of waiting for the I/O thread to get the interpreter lock.
@@ -68,6 +73,10 @@ logger = logging.getLogger(__name__)
 
 MAX_FDS_PER_LINK = 4
 _CONNECT_STEP_S = 0.2
+#: How long the I/O thread stays parked after a leader left without waking it.
+LINGER_S = 0.01
+#: A parked I/O thread checks this often whether a leader left without waking it.
+PARK_CHECK_S = 0.05
 #: One read's buffer (per link, reused; control frames are at most MAX_FRAME = 64 KiB).
 _READ_CHUNK = 64 * 1024
 
@@ -110,6 +119,7 @@ class MeshHandler(Protocol):
     def on_message(self, link: Link, msg: list[Any]) -> None: ...
     def on_link_up(self, link: Link) -> list[list[Any]]: ...
     def on_link_gone(self, link: Link) -> None: ...
+    def resume_io_at_once(self) -> bool: ...
 
 
 def _close_fds(fds: deque[int]) -> None:
@@ -145,6 +155,7 @@ class Mesh:
         self._lead = threading.Condition(threading.Lock())
         self._leader: int | None = None
         self._parked = False
+        self._lead_end = 0.0  # when the last leader left without waking the I/O thread
 
     # -- joining ------------------------------------------------------------------------------
     def join(self, timeout: float) -> None:
@@ -280,11 +291,7 @@ class Mesh:
     def _io_loop(self) -> None:
         while not self._stop:
             with self._lead:
-                while self._leader is not None and not self._stop:
-                    self._parked = True
-                    self._lead.notify_all()
-                    self._lead.wait()
-                self._parked = False
+                self._park()
             if self._stop:
                 break
             try:
@@ -293,6 +300,29 @@ class Mesh:
                 if self._stop:
                     break
                 raise
+
+    def _park(self) -> None:
+        """(``_lead`` held, I/O thread) Stay out of ``select`` while a thread leads, and for
+        :data:`LINGER_S` after a leader left without waking us (see module docstring)."""
+        while not self._stop:
+            if self._leader is not None:
+                wait = PARK_CHECK_S  # the leader may leave without waking us
+            else:
+                wait = self._lead_end + LINGER_S - time.monotonic()
+                if wait <= 0:
+                    break
+            self._parked = True
+            self._lead.notify_all()
+            self._lead.wait(wait)
+        self._parked = False
+
+    def resume(self) -> None:
+        """Let a parked I/O thread serve again now, unless a thread leads (called by a thread
+        about to wait without leading: someone must read its answer)."""
+        with self._lead:
+            if self._leader is None and self._parked:
+                self._lead_end = 0.0
+                self._lead.notify_all()
 
     def serve(self, timeout: float) -> None:
         """The leader's round: one ``select`` on its own selector (up to ``timeout`` seconds)
@@ -343,16 +373,30 @@ class Mesh:
             ok = self._leader is None and not self._stop and self._thread.is_alive()
             if ok:
                 self._leader = me
+                poke = not self._parked  # a parked I/O thread is not in select: no wake needed
         if not ok:
             yield False
             return
         try:
-            self._poke(0)
+            if poke:
+                self._poke(0)
             yield not self._stop
         finally:
+            at_once = self._stop or self._resume_at_once()
             with self._lead:
                 self._leader = None
-                self._lead.notify_all()
+                self._lead_end = 0.0 if at_once else time.monotonic()
+                if at_once:
+                    self._lead.notify_all()
+
+    def _resume_at_once(self) -> bool:
+        """Whether the I/O thread must serve again as soon as a leader leaves (the handler
+        says; if it cannot, yes)."""
+        try:
+            return bool(self._handler.resume_io_at_once())
+        except Exception:  # a handler bug must not strand the sockets
+            logger.exception("resume_io_at_once failed")
+            return True
 
     def leading(self) -> bool:
         """Whether the calling thread is the leader."""

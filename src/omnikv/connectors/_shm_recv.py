@@ -81,6 +81,12 @@ class RecvSide:
         self.closed = False
         self.counters = dict.fromkeys(("gets", "misses", "bytes_got", "migrated"), 0)
 
+    def others_waiting(self) -> bool:
+        """Whether more than one want is open: when a leader leaves (its own want still
+        open), some other thread waits and needs the I/O thread (see ``Mesh.lead``)."""
+        with self._lock:
+            return len(self._wants) > 1
+
     def blocking_wants(self) -> list[list[Any]]:
         """``want`` messages for a peer that just connected."""
         with self._lock:
@@ -126,6 +132,7 @@ class RecvSide:
                     finally:
                         want.leader = False
                     return
+        self._mesh.resume()  # we do not serve the sockets: the I/O thread must
         while not self._answered(want):
             left = remaining(deadline)
             if left <= 0:

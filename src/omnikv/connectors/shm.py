@@ -198,6 +198,12 @@ class SharedMemoryConnector(OmniConnectorBase):
     def on_link_up(self, link: Link) -> list[list[Any]]:
         return self._recv.blocking_wants()
 
+    def resume_io_at_once(self) -> bool:
+        """Mesh callback when a leading waiter leaves: the I/O thread must serve again at once
+        when this connector sends (peers' wants and releases come any time) or another thread
+        waits; a stage that only receives lets it linger parked (see ``_shm_mesh``)."""
+        return self._store.pool is not None or self._recv.others_waiting()
+
     def on_link_gone(self, link: Link) -> None:
         self._store.on_link_gone(link)
         self._recv.on_link_gone(link)
