@@ -122,6 +122,16 @@ class MeshHandler(Protocol):
     def resume_io_at_once(self) -> bool: ...
 
 
+def _resume_at_once(handler: MeshHandler) -> bool:
+    """Whether the I/O thread must serve again as soon as a leader leaves (the handler says;
+    if it cannot, yes)."""
+    try:
+        return bool(handler.resume_io_at_once())
+    except Exception:  # a handler bug must not strand the sockets
+        logger.exception("resume_io_at_once failed")
+        return True
+
+
 def _close_fds(fds: deque[int]) -> None:
     while fds:
         with contextlib.suppress(OSError):
@@ -382,21 +392,12 @@ class Mesh:
                 self._poke(0)
             yield not self._stop
         finally:
-            at_once = self._stop or self._resume_at_once()
+            at_once = self._stop or _resume_at_once(self._handler)
             with self._lead:
                 self._leader = None
                 self._lead_end = 0.0 if at_once else time.monotonic()
                 if at_once:
                     self._lead.notify_all()
-
-    def _resume_at_once(self) -> bool:
-        """Whether the I/O thread must serve again as soon as a leader leaves (the handler
-        says; if it cannot, yes)."""
-        try:
-            return bool(self._handler.resume_io_at_once())
-        except Exception:  # a handler bug must not strand the sockets
-            logger.exception("resume_io_at_once failed")
-            return True
 
     def leading(self) -> bool:
         """Whether the calling thread is the leader."""
