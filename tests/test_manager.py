@@ -57,7 +57,9 @@ def test_send_receive_round_trip_legacy_key(manager_pair: PairFactory) -> None:
         "seq_len": 20,
         "rope": [1, 2],
     }
-    assert receiver.get_receive_result("req_test_1").status is ReceiveStatus.OK
+    kept = receiver.get_receive_result("req_test_1")
+    assert kept is not None and kept.status is ReceiveStatus.OK and kept.kv is None  # no tensors
+    assert (kept.nbytes, kept.keys) == (size, res.keys) and kept.timings_ms.get("wait_ms", -1) >= 0
 
 
 def test_failed_send_is_recorded_not_silent(manager_pair: PairFactory) -> None:

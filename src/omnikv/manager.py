@@ -220,7 +220,7 @@ class OmniKVTransferManager:
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:
         """The latest receive outcome of ``request_id`` (status, reason, timings; no data)."""
-        return self._log.receives.get(str(request_id))
+        return self._log.receive_result(str(request_id))
 
     def receive_kv_cache_for_request(
         self,

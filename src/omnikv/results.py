@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from omnikv.metrics import TransferMetrics
 from omnikv.receiver import ReceiveResult
@@ -58,7 +58,9 @@ class TransferLog:
     def __init__(self, metrics: TransferMetrics, capacity: int = DEFAULT_KEPT) -> None:
         self.metrics = metrics
         self.sends: ResultLog[SendResult] = ResultLog(capacity)
-        self.receives: ResultLog[ReceiveResult] = ResultLog(capacity)
+        # a receive's fields but its KV, as a tuple (built on the receiver's return path; the
+        # ReceiveResult is made when asked for, see :meth:`receive_result`)
+        self._receives: ResultLog[tuple[Any, ...]] = ResultLog(capacity)
         #: The results of the latest batch of sends, in order.
         self.last_sends: list[SendResult] = []
 
@@ -70,16 +72,20 @@ class TransferLog:
         return results
 
     def received(self, result: ReceiveResult) -> ReceiveResult:
-        kept = ReceiveResult(
-            result.request_id,
+        """Log ``result`` (without its KV) and count it; returns it."""
+        kept = (
             result.status,
-            None,
             result.nbytes,
             result.keys,
             result.reason,
             result.waited_s,
             result.timings_ms,
         )
-        self.receives.record(result.request_id, kept)
+        self._receives.record(result.request_id, kept)
         self.metrics.record("recv", result.status.value, result.nbytes, result.timings_ms)
         return result
+
+    def receive_result(self, request_id: str) -> ReceiveResult | None:
+        """The latest receive outcome of ``request_id`` without its KV (``None``: unknown)."""
+        kept = self._receives.get(request_id)
+        return None if kept is None else ReceiveResult(request_id, kept[0], None, *kept[1:])
