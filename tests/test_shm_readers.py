@@ -501,3 +501,26 @@ def test_a_lingering_io_thread_serves_other_waiters_and_close(
     t0 = time.monotonic()
     rx.close(linger=False)
     assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        ["release", True],  # bool is not an int here
+        ["release", -1],
+        ["release", 1.0],
+        ["release"],
+        ["want", "1", "k", True],
+        ["offer", 1, 2, 3, "4", "raw"],
+    ],
+)
+def test_control_messages_with_bad_integer_fields_are_refused(namespace: str, msg: list) -> None:
+    """Every control message's leading integer fields must be non-negative ints (a peer sending
+    anything else is dropped by the mesh: ``on_message`` raises ``ValueError``)."""
+    c = SharedMemoryConnector({"namespace": namespace})
+    try:
+        with pytest.raises(ValueError, match="malformed"):
+            c.on_message(c._mesh.local, msg)
+        c.on_message(c._mesh.local, ["cancel", 7])  # well formed: nothing to cancel, no error
+    finally:
+        c.close(linger=False)

@@ -212,10 +212,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         """Validate and dispatch one control message (``ValueError`` drops the peer)."""
         kind, args = msg[0], msg[1:]
         n = _INT_ARGS.get(kind, 0)
-        if len(args) < n or any(
-            not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in args[:n]
-        ):
+        if len(args) < n:
             raise ValueError(f"malformed {kind!r} message")
+        for v in args[:n]:  # a loop, not any(<generator>): this runs for every message
+            if type(v) is not int or v < 0:  # bool is not int here
+                raise ValueError(f"malformed {kind!r} message")
         self._dispatch(link, kind, args)
 
     def _dispatch(self, link: Link, kind: str, args: list[Any]) -> None:
