@@ -31,8 +31,8 @@ def test_snapshot_counts_outcomes_bytes_and_phases() -> None:
 
 def test_record_is_deferred_but_bounded_and_reads_its_timings_at_once() -> None:
     """``record`` queues (the request's path does not fold histograms); every read folds, the
-    queue never outgrows ``FOLD_EVERY``, a later change to the caller's dict is not seen, and a
-    phase that is not a number is skipped instead of raising."""
+    queue never outgrows ``FOLD_AT`` (each record above it folds two), a later change to the
+    caller's dict is not seen, and a phase that is not a number is skipped, not raised."""
     m = TransferMetrics(process_wide=False)
     timings: dict[str, float] = {"wait_ms": 1.0}
     m.record("recv", "ok", 10, timings)
@@ -42,10 +42,11 @@ def test_record_is_deferred_but_bounded_and_reads_its_timings_at_once() -> None:
     snap = m.snapshot()
     assert snap["outcomes"] == {"recv.ok": 2} and snap["bytes"] == {"recv": 20}
     assert snap["phases_ms"]["recv.wait"] == {"count": 1, "mean": 1.0}
-    for _ in range(3 * TransferMetrics.FOLD_EVERY):
+    for _ in range(3 * TransferMetrics.FOLD_AT):
         m.record("send", "sent", 1, {"put_ms": 0.5})
-        assert len(m._pending) < TransferMetrics.FOLD_EVERY
-    assert m.snapshot()["outcomes"]["send.sent"] == 3 * TransferMetrics.FOLD_EVERY
+        assert len(m._pending) <= TransferMetrics.FOLD_AT  # two folded per record above it
+    assert m.snapshot()["outcomes"]["send.sent"] == 3 * TransferMetrics.FOLD_AT
+    assert not m._pending
 
 
 def test_register_exports_counters_and_histograms_to_a_real_registry() -> None:

@@ -75,11 +75,12 @@ class TransferMetrics:
 
     :meth:`record` is on every request's path (the receiver's return waits for it), so it only
     queues the observation; the queue is folded into the counters by whoever reads them
-    (:meth:`snapshot`, a Prometheus scrape) and by :meth:`record` itself every
-    :attr:`FOLD_EVERY` observations, so it stays bounded when nobody reads.
+    (:meth:`snapshot`, a Prometheus scrape). When nobody reads, a :meth:`record` that finds
+    more than :attr:`FOLD_AT` queued folds two of them: the queue stays bounded and no
+    request ever pays for a whole batch.
     """
 
-    FOLD_EVERY = 256
+    FOLD_AT = 4096
 
     def __init__(self, *, process_wide: bool = True) -> None:
         self._lock = threading.Lock()
@@ -99,14 +100,15 @@ class TransferMetrics:
         for target in (self, self._parent):
             if target is not None:
                 target._pending.append(obs)  # deque.append: atomic, no lock
-                if len(target._pending) >= self.FOLD_EVERY:
-                    target._fold()
+                if len(target._pending) > self.FOLD_AT:
+                    target._fold(2)
 
-    def _fold(self) -> None:
-        """Move the queued observations into the counters (any thread)."""
+    def _fold(self, limit: int = -1) -> None:
+        """Move the queued observations (at most ``limit``; -1: all) into the counters."""
         pending = self._pending
         with self._lock:
-            while pending:
+            while pending and limit:
+                limit -= 1
                 try:
                     direction, status, nbytes, timings = pending.popleft()
                 except IndexError:  # pragma: no cover - emptied by a concurrent fold

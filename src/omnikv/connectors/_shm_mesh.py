@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 MAX_FDS_PER_LINK = 4
 _CONNECT_STEP_S = 0.2
 #: How long the I/O thread stays parked after a leader left without waking it.
-LINGER_S = 0.01
+LINGER_S = 0.05
 #: A parked I/O thread checks this often whether a leader left without waking it.
 PARK_CHECK_S = 0.05
 #: One read's buffer (per link, reused; control frames are at most MAX_FRAME = 64 KiB).
