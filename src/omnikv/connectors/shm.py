@@ -58,10 +58,11 @@ key                       default      meaning
 ``shm_threshold_bytes``   65536        accepted (reference; >= 0); attribute ``threshold``; every
                                        payload goes through the pool (as the newest reference)
 ``inline_small_payloads`` ``False``    accepted (reference); equivalent: payloads are pooled
-``poll_us``               0            a blocking wait polls its sockets this many microseconds
-                                       before it sleeps (0-100000): lower latency for payloads
-                                       that come soon (a VM's idle CPU is slow to wake), at up
-                                       to that much CPU per wait
+``poll_us``               1000         a blocking wait polls its sockets this many microseconds
+                                       before it sleeps (0-100000; 0: never), yielding the CPU
+                                       between polls: lower latency for payloads that come soon
+                                       (a VM's idle CPU is slow to wake), at up to that much CPU
+                                       per wait
 ``type``, ``name``        (ignored)    accepted for the factory; unknown keys are logged
 ========================  ===========  =====================================================
 """
