@@ -107,12 +107,9 @@ class TransferMetrics:
         """Move the queued observations (at most ``limit``; -1: all) into the counters."""
         pending = self._pending
         with self._lock:
-            while pending and limit:
+            while pending and limit:  # pops happen under the lock only: never empty here
                 limit -= 1
-                try:
-                    direction, status, nbytes, timings = pending.popleft()
-                except IndexError:  # pragma: no cover - emptied by a concurrent fold
-                    break
+                direction, status, nbytes, timings = pending.popleft()
                 outcome = (direction, status)
                 self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
                 self._bytes[direction] = self._bytes.get(direction, 0) + int(nbytes)
