@@ -66,6 +66,15 @@ def test_non_divisible_tp_fails_at_configuration_time() -> None:
         KVTPTopology(0, 2)
 
 
+def test_a_non_divisible_topology_raises_where_the_reference_does() -> None:
+    topo = KVTPTopology(3, 2)  # constructing it is fine, as in the reference
+    assert topo.is_heterogeneous
+    with pytest.raises(ValueError, match="divisible"):
+        topo.source_ranks()
+    with pytest.raises(ValueError, match="divisible"):
+        topo.target_ranks()
+
+
 def test_update_sender_info_offsets_the_port_per_rank() -> None:
     conn: dict[str, Any] = {"type": "LocalConnector", "namespace": "t-topo"}
     mgr = OmniKVTransferManager(

@@ -76,8 +76,11 @@ RecvKeyBuilder = Callable[[str, str, str], Sequence["str | tuple[str, int | None
 class KVTPTopology:
     """Sender TP size, receiver TP size and this process's local rank.
 
-    Raises :class:`~omnikv.errors.ConfigError` (a ``ValueError``) at construction for
-    non-positive sizes, a negative rank or sizes where the larger is not a multiple of the smaller.
+    Construction rejects non-positive sizes and a negative rank
+    (:class:`~omnikv.errors.ConfigError`, a ``ValueError``). Sizes where the larger is not a
+    multiple of the smaller are accepted here and refused where the reference refuses them: by
+    :meth:`target_ranks` and :meth:`source_ranks` (and :meth:`check_divisible`, which the manager
+    calls while it is configured, so a stage never starts with such sizes).
     """
 
     source_tp_size: int
@@ -92,6 +95,9 @@ class KVTPTopology:
             )
         if self.local_rank < 0:
             raise ConfigError(f"local_rank must be >= 0, got {self.local_rank}")
+
+    def check_divisible(self) -> None:
+        """Raise :class:`ConfigError` ("divisible") unless one size is a multiple of the other."""
         big = max(self.source_tp_size, self.target_tp_size)
         small = min(self.source_tp_size, self.target_tp_size)
         if big % small:
@@ -127,6 +133,7 @@ class KVTPTopology:
 
     def target_ranks(self, rank: int | None = None) -> list[int]:
         """Receiver ranks that sender rank ``rank`` (default: local) sends to."""
+        self.check_divisible()
         r = self.local_rank if rank is None else rank
         s, t, k = self.source_tp_size, self.target_tp_size, self.ratio
         if s == t:
@@ -137,6 +144,7 @@ class KVTPTopology:
 
     def source_ranks(self, rank: int | None = None) -> list[int]:
         """Sender ranks that receiver rank ``rank`` (default: local) receives from, in order."""
+        self.check_divisible()
         r = self.local_rank if rank is None else rank
         s, t, k = self.source_tp_size, self.target_tp_size, self.ratio
         if s == t:
@@ -347,11 +355,16 @@ def _dedupe_replicated(parts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def slice_received_rank_shard(
-    payload: Any, topo: KVTPTopology, slicer: PayloadSlicer | None = None
+    payload: Any, topo: KVTPTopology, slicer: Callable[..., Any] | None = None
 ) -> Any:
-    """Receiver-side slice (S < T) when the sender did not slice; tags ``side: "receiver"``."""
-    if slicer is not None:
-        return slicer(payload, topo)
+    """Receiver-side slice (S < T) when the sender did not slice; tags ``side: "receiver"``.
+
+    ``slicer``, when given, always wins: the reference's one-argument ``slicer(payload)`` or
+    omnikv's ``slicer(payload, topo)`` (as :meth:`TransferHooks.of` accepts both).
+    """
+    adapted = _adapt_slicer(slicer)
+    if adapted is not None:
+        return adapted(payload, topo)
     if topo.target_tp_size <= topo.source_tp_size:
         return payload
     if not isinstance(payload, dict) or "layer_blocks" not in payload:
@@ -477,10 +490,12 @@ class StagePlacement:
         ``tp_size``); without one, ``LOCAL_RANK`` (default 0) and TP size 1 are assumed."""
         rank = _env_local_rank() if rank_info is None else int(rank_info.local_rank)
         detected = 1 if rank_info is None else int(rank_info.tp_size)
+        topo = KVTPTopology.for_stage(int(config.from_tp), int(config.to_tp), rank, detected)
+        topo.check_divisible()  # a stage is configured or refused now, never mid-request
         return cls(
             send_stages_of(config.from_stage, config.to_stage),
             recv_stages_of(config.from_stage, config.stage_id, config.engine_input_source),
-            KVTPTopology.for_stage(int(config.from_tp), int(config.to_tp), rank, detected),
+            topo,
         )
 
 
