@@ -10,6 +10,9 @@ Who calls what:
 * ``wait``: the receiver, once per key; blocks until the payload is there or the absolute
   monotonic ``deadline`` passes (then returns ``None`` and consumes nothing). Transports that can
   be notified override it; the default polls ``get`` finely and boundedly, never blindly.
+* ``get_with_deadline`` / ``abandon_get`` / ``reap_consumed``: the reference's newer names
+  (vllm-omni 0.30): a receive bounded by an absolute deadline in ``get``'s shape (built on
+  ``wait``), the hook after a receive gave up, and the sender's reaping of consumed payloads.
 * ``cleanup``: the receiver or an orchestrator, to drop what a request left unconsumed.
 * ``health``: anyone, any time; cheap, never raises.
 * ``close``: the owner, once or more (idempotent); afterwards put/get raise
@@ -511,6 +514,43 @@ class OmniConnectorBase(ABC):
                 return None
             time.sleep(min(step, left))
             step = min(step * 2, _POLL_CAP_S)
+
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> GetResult | None:
+        """The reference's deadline-aware receive: ``(payload, size)`` or ``None`` at ``deadline``.
+
+        Called by code written for vllm-omni 0.30+ (its synchronous payload receive), once per
+        key with an absolute ``time.monotonic()`` deadline. Built on :meth:`wait`, so every
+        connector honours it: it blocks no longer than the deadline (plus one poll step), consumes
+        the payload only when it returns one, and hands it over in :meth:`get`'s shape (see
+        :func:`get_result`: release a :class:`ManagedBuffer` when done). A deadline already past
+        means one non-blocking look. Transport failures raise, as from :meth:`wait`
+        (:class:`~omnikv.errors.ConnectorError` subclasses).
+        """
+        buf = self.wait(from_stage, to_stage, get_key, deadline=deadline, metadata=metadata)
+        return None if buf is None else get_result(buf)
+
+    def abandon_get(self, get_key: str) -> None:  # noqa: B027 - optional hook
+        """Retire what an unsuccessful receive of ``get_key`` left behind (the reference's hook).
+
+        Called by the receiver after it gave up on a key. Never cancels a transfer that is already
+        moving data. Default: nothing to retire, since no omnikv receive leaves a claim behind
+        when it returns ``None``.
+        """
+
+    def reap_consumed(self) -> None:  # noqa: B027 - optional hook
+        """Release the sender's bookkeeping of payloads another process has consumed.
+
+        Called by a sender whenever it likes (the reference calls it between steps); cheap and
+        never raising. Default: nothing to reap (the transport tracks consumption itself).
+        """
 
     def cleanup(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Drop anything left unconsumed for ``request_id`` (see :func:`matches_request`)."""
