@@ -288,15 +288,20 @@ class OmniKVTransferManager:
         return self._ranks.rebuild()
 
     def distribute_kv_cache(
-        self, req: Any, target_device: torch.device | None = None, *, received: bool = False
+        self, req: Any, target_device: torch.device | str | None = None, *, received: bool = False
     ) -> dict[str, Any] | None:
-        """Distribute KV LEADER -> FOLLOWER; the payload this rank should apply (LOCAL: None)."""
-        dl, topo = self._ranks.deadline(), self.topo_config
-        return distribute(topo, req, received=received, deadline=dl, target_device=target_device)
+        """Distribute KV LEADER -> FOLLOWER; the payload this rank should apply (LOCAL: None).
+
+        Without ``target_device`` the payload is placed on the host, as in the reference.
+        """
+        dl, topo, device = self._ranks.deadline(), self.topo_config, _on_host(target_device)
+        return distribute(topo, req, received=received, deadline=dl, target_device=device)
 
     def _share(self, req: Any, fetch: Callable[[], bool], device: Any, counts: bool) -> bool:
-        dist = partial(self.distribute_kv_cache, req, device)
-        share = partial(receive_distributed, self.topo_config, req, fetch, target_device=device)
+        # What leaders and followers apply after distributing lands on the host without a device.
+        host = _on_host(device)
+        dist = partial(self.distribute_kv_cache, req, host)
+        share = partial(receive_distributed, self.topo_config, req, fetch, target_device=host)
         return share(lambda got: dist(received=got), self._ranks.deadline, received_counts=counts)
 
     def receive_multi_kv_cache_distributed(
@@ -344,18 +349,38 @@ class OmniKVTransferManager:
 
     consume_loaded_kv = consume_prefetched_kv
 
+    def wait_prefetch(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s (``None``: no limit) until no prefetch is queued or running.
+
+        Called by the runner before it pauses the worker or frees device memory (the reference's
+        0.30 API). Returns True when idle (also when prefetch is off or never started), False at
+        the timeout. Results already prefetched stay for ``consume_*``. A negative or NaN
+        ``timeout`` is a ``ValueError``.
+        """
+        return self._prefetch.wait(deadline_after(timeout, "timeout"))
+
     def shutdown_prefetch(self) -> None:
         """Cancel pending prefetches and stop the executor (call on teardown). Idempotent."""
         self._prefetch.shutdown()
 
     def close(self) -> None:
-        """Stop helper threads and close the connector. Idempotent."""
+        """Drain prefetch, close the connector if one was created, and create none later.
+
+        Called on worker teardown; idempotent, also for a manager that never made a connector.
+        Afterwards sends and receives report ``not_configured``-like failures instead of
+        creating a connector (the reference's 0.30 behaviour).
+        """
         self.shutdown_prefetch()
         self._receiver.close()
-        self._lazy.close()
+        self._lazy.close(final=True)
 
     def __enter__(self) -> OmniKVTransferManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _on_host(device: torch.device | str | None) -> torch.device | str:
+    """``device``, or the host when none is given (the reference's distribution default)."""
+    return torch.device("cpu") if device is None else device

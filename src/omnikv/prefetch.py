@@ -426,6 +426,7 @@ class KVPrefetcher:
         return PrefetchStart.STARTED
 
     def _cancel_queued_locked(self, keep: str | None) -> None:
+        self._cond.notify_all()  # a wait_idle() may be waiting on the entries dropped here
         for entry in [e for e in self._queue if e.request_id != keep]:
             self._queue.remove(entry)
             self._entries.pop(entry.request_id, None)
@@ -625,6 +626,23 @@ class KVPrefetcher:
         logger.debug("Consumed prefetched KV of %s (%d bytes)", rid, result.nbytes)
         return PrefetchConsume(result, sync_retry=False)
 
+    # -- waiting ------------------------------------------------------------------------------
+    def wait_idle(self, deadline: float = math.inf) -> bool:
+        """Block until no prefetch is queued or running, or ``deadline`` passes; whether idle.
+
+        Called by the model-runner thread (``manager.wait_prefetch``) before it pauses the worker
+        or frees device memory. Finished results stay for their consumers. Each running receive
+        ends by its own receive deadline, so even ``math.inf`` returns within about one
+        ``recv_timeout`` per queued request.
+        """
+        with self._cond:
+            while any(e.state is not _State.DONE for e in self._entries.values()):
+                left = remaining(deadline)
+                if left <= 0:
+                    return False
+                self._cond.wait(None if math.isinf(left) else left)
+            return True
+
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> bool:
         """Stop the worker and forget every prefetch; returns whether the worker has exited.
@@ -732,6 +750,11 @@ class PrefetchSlot:
             return None
         result = prefetcher.consume(request_id).result
         return result.kv if result is not None and result.ok else None
+
+    def wait(self, deadline: float) -> bool:
+        """Whether every started prefetch finished by ``deadline`` (True when none was started)."""
+        prefetcher = self.prefetcher
+        return True if prefetcher is None else prefetcher.wait_idle(deadline)
 
     def shutdown(self) -> None:
         """Stop the worker (bounded) and refuse later starts. Idempotent."""

@@ -9,7 +9,7 @@ the pipeline finds the KV at ``req.past_key_values`` and ``req.sampling_params.p
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -139,10 +139,11 @@ def apply_request_kv_payload(
 
 
 def move_to_device(obj: Any, device: torch.device | str | None) -> Any:
-    """A copy of ``obj`` with every tensor on ``device``; containers are rebuilt, not mutated.
+    """``obj`` with every tensor on ``device``; containers are rebuilt, not mutated.
 
-    Tensors already there are returned as they are. ``SimpleNamespace``, dicts, lists and
-    tuples are rebuilt; other objects are returned unchanged.
+    Tensors already there are returned as they are, and so is a container none of whose
+    contents moved (the same object). ``SimpleNamespace``, dicts, lists and tuples are rebuilt
+    when something in them moved; other objects are returned unchanged.
     """
     if device is None:
         return obj
@@ -150,14 +151,22 @@ def move_to_device(obj: Any, device: torch.device | str | None) -> Any:
         dev = torch.device(device)
         return obj if obj.device == dev else obj.to(dev).contiguous()
     if isinstance(obj, SimpleNamespace):
-        return SimpleNamespace(**{k: move_to_device(v, device) for k, v in vars(obj).items()})
+        fields = vars(obj)
+        moved = {k: move_to_device(v, device) for k, v in fields.items()}
+        return obj if _same(fields.values(), moved.values()) else SimpleNamespace(**moved)
     if isinstance(obj, dict):
-        return {k: move_to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [move_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(move_to_device(v, device) for v in obj)
+        out = {k: move_to_device(v, device) for k, v in obj.items()}
+        return obj if _same(obj.values(), out.values()) else out
+    if isinstance(obj, list | tuple):
+        items = [move_to_device(v, device) for v in obj]
+        if _same(obj, items):
+            return obj
+        return items if isinstance(obj, list) else tuple(items)
     return obj
+
+
+def _same(before: Iterable[Any], after: Iterable[Any]) -> bool:
+    return all(a is b for a, b in zip(before, after, strict=True))
 
 
 def cfg_companion_ids(req: Any) -> dict[str, str]:

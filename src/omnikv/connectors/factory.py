@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -308,9 +309,16 @@ class LazyConnector:
             "Connector creation failed (%s); retrying in %.1fs", reason, self.retry_interval
         )
 
-    def close(self) -> None:
-        """Close the connector if one was created (idempotent); a later ``get`` recreates it."""
+    def close(self, *, final: bool = False) -> None:
+        """Close the connector if one was created (idempotent).
+
+        A later :meth:`get` recreates it, unless ``final`` (the manager's ``close``): then
+        :meth:`get` returns ``None`` from now on and :attr:`error` says the manager was closed.
+        """
         with self._lock:
             conn, self._connector = self._connector, None
+            if final:
+                self._retry_at = math.inf
+                self.error = "closed"
         if conn is not None:
             conn.close()
