@@ -1,0 +1,222 @@
+"""What a transfer is bound to: unguessable transfer ids, the KV binding, and the payload MAC.
+
+``kv_transfer_params`` arrive in API clients' request bodies, so everything in them is hostile
+until checked. Three things make a load safe to accept:
+
+* **The transfer id** is ``okv1-<producer tag>-<32 random hex>`` (and ``-<32 hex MAC>`` with an
+  ``auth_secret``). The random part is made per request and returned only to the client that
+  asked for the prefill; the tag names the producer (derived from the connector namespace, or
+  ``producer_tag``). Ids of another form, length or tag are refused at admission, never waited
+  for. With a secret the MAC covers the tag, the random part and the binding, so a consumer
+  refuses at once an id that its producer did not issue for this very request.
+* **The binding** (:func:`request_binding`) is a digest over everything that makes KV differ for
+  the same tokens: the model fingerprint (:func:`model_fingerprint`: model id, revision, dtype,
+  KV cache dtype, layer and KV-head counts, head size), the prompt tokens the KV covers, the LoRA
+  adapter, ``cache_salt`` and the multimodal input hashes. The consumer computes it from its own
+  request and engine, never from what the client says.
+* **The storage key** (:func:`payload_key`) is ``<transfer id>.<binding>``: a consumer looks up
+  only the key its own binding gives, so a load that does not fit its payload never finds it and
+  never consumes it (check first, consume only what fits). A stolen id with another prompt,
+  model, adapter or salt misses; it cannot destroy the victim's payload.
+
+With an ``auth_secret``, the producer also puts :func:`kv_mac` (keyed BLAKE2b over the key and
+every layer's K/V bytes in wire order) in the payload's metadata and the consumer checks it
+before writing a byte into its cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BINDING_HEX",
+    "MAX_TRANSFER_ID_CHARS",
+    "check_transfer_id",
+    "kv_mac",
+    "model_fingerprint",
+    "new_transfer_id",
+    "payload_key",
+    "producer_tag",
+    "request_binding",
+    "token_digest",
+]
+
+#: Hex digits of a binding (128 bits).
+BINDING_HEX = 32
+#: Longest transfer id accepted from a client (longer ones are refused unread).
+MAX_TRANSFER_ID_CHARS = 96
+_ID_FORMAT = re.compile(r"okv1-([0-9a-f]{8})-([0-9a-f]{32})(?:-([0-9a-f]{32}))?")
+_TAG_FORMAT = re.compile(r"[0-9a-f]{8}")
+_HEX_BINDING = re.compile(r"[0-9a-f]{32}")
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    """A digest of token ids alone (kept for callers that hash prompts; not a binding)."""
+    data = np.asarray(list(token_ids), dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def producer_tag(namespace: str) -> str:
+    """The default tag of the producers of ``namespace`` (8 hex): both sides derive the same."""
+    return hashlib.blake2b(f"omnikv-vllm|{namespace}".encode(), digest_size=4).hexdigest()
+
+
+def is_tag(value: Any) -> bool:
+    """True for a well-formed producer tag (8 lowercase hex digits)."""
+    return isinstance(value, str) and _TAG_FORMAT.fullmatch(value) is not None
+
+
+def _call(obj: Any, name: str) -> Any:
+    fn = getattr(obj, name, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except Exception:  # a config that cannot answer: the field stays unknown on both sides
+        return None
+
+
+def model_fingerprint(vllm_config: Any, model_id: str | None = None) -> str:
+    """The engine's model identity as canonical JSON; called once per connector half.
+
+    ``model_id`` overrides the model's name or path (set it on both sides when the same
+    weights live under different paths on the producer and the consumer).
+    """
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    fields = {
+        "model": model_id if model_id is not None else getattr(model, "model", None),
+        "revision": getattr(model, "revision", None),
+        "dtype": str(getattr(model, "dtype", None)),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", None)),
+        "layers": _call(model, "get_total_num_hidden_layers"),
+        "kv_heads": _call(model, "get_total_num_kv_heads"),
+        "head_size": _call(model, "get_head_size"),
+    }
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def _field(h: Any, value: bytes) -> None:
+    h.update(len(value).to_bytes(8, "little"))
+    h.update(value)
+
+
+def request_binding(fingerprint: str, request: Any, num_tokens: int) -> str | None:
+    """The binding of ``request``'s first ``num_tokens`` prompt tokens (32 hex), or ``None``
+    when the request has no prompt token ids (prompt embeddings: nothing to bind KV to).
+
+    Called by the scheduler half on both sides: the producer when a request finishes, the
+    consumer at admission. Every field is length-prefixed, so no two inputs hash alike.
+    """
+    prompt = getattr(request, "prompt_token_ids", None)
+    if prompt is None or num_tokens <= 0 or num_tokens > len(prompt):
+        return None
+    h = hashlib.blake2b(digest_size=BINDING_HEX // 2, person=b"omnikv-bind-v1")
+    _field(h, fingerprint.encode())
+    _field(h, np.asarray(prompt[:num_tokens], dtype=np.int64).tobytes())
+    lora = getattr(request, "lora_request", None)
+    _field(h, str(getattr(lora, "lora_name", "") if lora is not None else "").encode())
+    salt = getattr(request, "cache_salt", None)
+    _field(h, b"" if salt is None else b"s" + str(salt).encode())
+    features = getattr(request, "mm_features", None) or ()
+    ids = [str(getattr(f, "identifier", "")) for f in features]
+    _field(h, json.dumps(ids).encode())
+    return h.hexdigest()
+
+
+def payload_key(transfer_id: str, binding: str) -> str:
+    """The request id under which the producer stores the KV and the consumer looks it up."""
+    return f"{transfer_id}.{binding}"
+
+
+def _secret_key(secret: bytes) -> bytes:
+    return hashlib.blake2b(secret, digest_size=32, person=b"omnikv-key-v1").digest()
+
+
+def _id_mac(secret: bytes, tag: str, nonce: str, binding: str) -> str:
+    msg = f"id|{tag}|{nonce}|{binding}".encode()
+    return hashlib.blake2b(msg, key=_secret_key(secret), digest_size=16).hexdigest()
+
+
+def new_transfer_id(tag: str, binding: str, secret: bytes | None) -> str:
+    """A fresh transfer id for one request (called by the producer's scheduler half)."""
+    nonce = secrets.token_hex(16)
+    if secret is None:
+        return f"okv1-{tag}-{nonce}"
+    return f"okv1-{tag}-{nonce}-{_id_mac(secret, tag, nonce, binding)}"
+
+
+def check_transfer_id(
+    transfer_id: Any, tags: frozenset[str], binding: str, secret: bytes | None
+) -> str | None:
+    """Why ``transfer_id`` cannot be a payload of ours for this binding, or ``None`` if it can.
+
+    Called by the consumer's scheduler half at admission, before anything waits: a bad type,
+    length or character set, a tag that is not one of ``tags`` (all tags when empty), a missing
+    or wrong MAC when a secret is set. Never raises.
+    """
+    if not isinstance(transfer_id, str):
+        return f"transfer id is a {type(transfer_id).__name__}, not a string"
+    if len(transfer_id) > MAX_TRANSFER_ID_CHARS:
+        return f"transfer id longer than {MAX_TRANSFER_ID_CHARS} characters"
+    match = _ID_FORMAT.fullmatch(transfer_id)
+    if match is None:
+        return "transfer id is not of the form okv1-<tag>-<hex>"
+    tag, nonce, mac = match.groups()
+    if tags and tag not in tags:
+        return f"transfer id names producer tag {tag}, not one this consumer accepts"
+    if secret is not None:
+        if mac is None:
+            return "transfer id carries no MAC but auth_secret is set"
+        if not hmac.compare_digest(mac, _id_mac(secret, tag, nonce, binding)):
+            return "transfer id was not issued for this request (MAC mismatch)"
+    return None
+
+
+def is_binding(value: Any) -> bool:
+    """True for a well-formed binding (32 lowercase hex digits)."""
+    return isinstance(value, str) and _HEX_BINDING.fullmatch(value) is not None
+
+
+def _wire_bytes(t: torch.Tensor) -> bytes | memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat: np.ndarray = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return flat.data
+
+
+def kv_mac(secret: bytes, key: str, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """Keyed BLAKE2b (32 hex) over ``key`` and each layer's K then V bytes, in wire order.
+
+    The producer's worker computes it over the tokens it sends; the consumer's worker over what
+    it received, before writing into its cache. Both see ``[tokens, heads, head_size]`` tensors
+    of the cache dtype, so both hash the same bytes.
+    """
+    h = hashlib.blake2b(key=_secret_key(secret), digest_size=16, person=b"omnikv-kv-v1")
+    _field(h, key.encode())
+    for k, v in layers:
+        for t in (k, v):
+            _field(h, json.dumps([str(t.dtype), list(t.shape)]).encode())
+            h.update(_wire_bytes(t))
+    return h.hexdigest()
+
+
+def mac_matches(expected: Any, actual: str) -> bool:
+    """Constant-time comparison of a MAC read from a payload with the one computed here."""
+    return isinstance(expected, str) and hmac.compare_digest(expected, actual)
+
+
+def client_binding(params: Mapping[str, Any], key: str) -> str | None:
+    """A binding the client sent under ``key`` if it is well-formed, else ``None``."""
+    value = params.get(key)
+    return value if is_binding(value) else None

@@ -1,0 +1,211 @@
+""":class:`OmniKVConnector`, the vLLM v1 KV connector: a facade over its two halves.
+
+vLLM builds one instance in the scheduler (``role=SCHEDULER``: :class:`.scheduler.SchedulerSide`)
+and one per worker (``role=WORKER``: :class:`.worker.WorkerSide`). Each hook asserts it is
+called on the half that owns it and delegates; see the package doc for the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without vLLM
+    raise ImportError(
+        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
+        f"importing it failed: {exc}"
+    ) from exc
+
+from omnikv.config import config_from_dict
+from omnikv.integrations.vllm.binding import model_fingerprint
+from omnikv.integrations.vllm.metadata import OmniKVConnectorMetadata
+from omnikv.integrations.vllm.options import parse_options
+from omnikv.integrations.vllm.scheduler import SchedulerSide
+from omnikv.integrations.vllm.stats import OmniKVConnectorStats, OmniKVPromMetrics
+from omnikv.integrations.vllm.worker import WorkerSide
+from omnikv.layouts import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT
+
+__all__ = ["BACKEND_LAYOUTS", "OmniKVConnector"]
+
+logger = logging.getLogger(__name__)
+
+#: vLLM attention backend name -> the cache layout its layers use.
+BACKEND_LAYOUTS: dict[str, str] = {
+    "CPU_ATTN": VLLM_CPU_LAYOUT,
+    "FLASH_ATTN": VLLM_BHNC_LAYOUT,
+    "TRITON_ATTN": VLLM_BHNC_LAYOUT,
+}
+
+
+def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
+    """The cache layout: ``vllm_kv_layout`` if given, else the attention backend's."""
+    if declared is not None:
+        return declared
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    layouts = {BACKEND_LAYOUTS.get(n) for n in names}
+    if len(layouts) != 1 or None in layouts:
+        logger.error("OmniKVConnector: no known layout for attention backend(s) %s", names)
+        return None
+    return layouts.pop()
+
+
+class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM v1 KV connector shipping finished requests' prompt KV through omnikv."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        options = parse_options(
+            dict(ktc.kv_connector_extra_config or {}), producer=producer, consumer=consumer
+        )
+        self._options = options
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
+            if consumer and len(groups) != 1:
+                logger.error("OmniKVConnector loads need one KV cache group; loading is off")
+                consumer = False
+            if consumer and getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
+                logger.warning(
+                    "OmniKVConnector: kv_load_failure_policy=%r: a request whose KV does not "
+                    "arrive fails; set 'recompute' to recompute its prefill instead",
+                    getattr(ktc, "kv_load_failure_policy", None),
+                )
+            cache = getattr(vllm_config, "cache_config", None)
+            self._scheduler = SchedulerSide(
+                options,
+                producer=producer,
+                consumer=consumer,
+                fingerprint=model_fingerprint(vllm_config, options.model_id),
+                recv_timeout=config_from_dict(options.omni_kv_config).recv_timeout,
+                prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
+            )
+        else:
+            self._worker = WorkerSide(options, int(vllm_config.cache_config.block_size))
+
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker hook was called on the scheduler's connector"
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler hook was called on a worker's connector"
+        return self._scheduler
+
+    # -- worker side ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = _backend_layout(self._vllm_config, self._options.layout)
+        self._worker_side().register(kv_caches, layout)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, OmniKVConnectorMetadata):
+            self._worker_side().bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_side().start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads are asynchronous, the request is not in the batch."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: a request's prompt KV is sent whole once it has finished."""
+
+    def wait_for_save(self) -> None:
+        """Start the sends of requests that finished earlier; their blocks stay held by vLLM
+        until ``get_finished`` reports them, and the forward pass does not write them, so
+        nothing has to be waited for here."""
+        self._worker_side().start_sends()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker_side().results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> OmniKVConnectorStats | None:
+        """The interval's stats: transfers on a worker, admission refusals on the scheduler."""
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler_side().counters.take_interval()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> OmniKVConnectorStats | None:
+        return OmniKVConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> OmniKVPromMetrics:
+        return OmniKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler side -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
+        return self._scheduler_side().build()
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler_side().update(
+            connector_output.finished_sending or (),
+            connector_output.finished_recving or (),
+            set(getattr(connector_output, "failed_recving", None) or ()),
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pending
+
+    # -- observability ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Cumulative counts (see :mod:`.stats`): a worker's transfers, or the scheduler's
+        admission refusals (``loads_refused``)."""
+        if self._worker is not None:
+            return self._worker.counters.counts()
+        return self._scheduler_side().counters.counts()
+
+    def transfer_record(self, transfer_id: str) -> dict[str, Any] | None:
+        """What this worker did for a transfer: block ids, tokens, monotonic start/end, outcome."""
+        return self._worker.counters.get(transfer_id) if self._worker is not None else None
+
+    def wait_transfers(self, timeout: float) -> bool:
+        """Block until no send or load of this worker is in flight; False at ``timeout``."""
+        return self._worker.wait_idle(timeout) if self._worker is not None else True
+
+    def layer_kv_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(K, V)`` block views ``[num_blocks, block_size, heads, dim]`` (aliases)."""
+        return dict(self._worker.views) if self._worker is not None else {}

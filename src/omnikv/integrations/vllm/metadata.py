@@ -1,0 +1,63 @@
+"""What the scheduler half tells the worker half, once per engine step.
+
+The metadata crosses a process boundary in vLLM (engine core -> workers), so it holds plain
+values only. Deadlines travel as seconds left, not as clock readings: the worker may run on
+another node, whose monotonic clock is not the scheduler's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError as exc:  # pragma: no cover - exercised only without vLLM
+    raise ImportError(
+        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
+        f"importing it failed: {exc}"
+    ) from exc
+
+__all__ = ["LoadSpec", "OmniKVConnectorMetadata", "SendSpec"]
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """A finished producer request whose prompt KV is to be sent under ``key``."""
+
+    req_id: str
+    transfer_id: str
+    key: str
+    binding: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """A consumer request whose tokens ``[start, end)`` are to be loaded from ``key``.
+
+    ``remaining_s`` is what was left of the request's ``recv_timeout`` when the scheduler
+    built this step's metadata (the deadline counts from admission, not from the load's start).
+    """
+
+    req_id: str
+    transfer_id: str
+    key: str
+    binding: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    remaining_s: float
+
+
+@dataclass
+class OmniKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> worker, once per engine step.
+
+    ``sends`` and ``loads`` to start; ``cancels``: request ids whose load is no longer wanted
+    (the request was aborted while waiting for its KV).
+    """
+
+    sends: list[SendSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)

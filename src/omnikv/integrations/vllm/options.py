@@ -1,0 +1,132 @@
+"""The connector's settings, read strictly from ``kv_connector_extra_config``.
+
+Both halves (scheduler and worker) parse the same dict, once, at construction; a wrong value is
+a :class:`~omnikv.errors.ConfigError` naming the key, an unknown key one WARNING.
+
+Keys:
+
+* ``omni_kv_config``: the stage's omnikv configuration (connector, timeouts), as for the manager.
+  ``need_send_cache`` / ``need_recv_cache`` default from ``kv_role``.
+* ``vllm_kv_layout``: the cache layout, when the attention backend does not say it.
+* ``max_concurrent_loads`` (16): loads in flight at once on a consumer worker; more wait in
+  order, each still bound by its own deadline (counted from admission).
+* ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
+* ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
+  request and payloads a MAC over their bytes. Falls back to
+  ``omni_kv_config.connector_config.auth_secret``.
+* ``model_id``: the model identity in the binding (default: the model's name or path); set it
+  on both sides when the same weights live under different paths.
+* ``producer_tag``: this producer's tag (8 lowercase hex; default derived from the connector
+  namespace). ``accept_producer_tags``: the tags a consumer accepts (default: the one derived
+  from its namespace).
+* ``verify_finite`` (false): a consumer refuses KV with NaN or infinite values (one pass over
+  the payload).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omnikv.config import parse_bool, parse_int, parse_secret
+from omnikv.errors import ConfigError
+from omnikv.integrations.vllm.binding import is_tag, producer_tag
+from omnikv.layouts import VLLM_LAYOUTS
+
+__all__ = ["ConnectorOptions", "parse_options"]
+
+logger = logging.getLogger(__name__)
+
+_KNOWN = frozenset(
+    {
+        "omni_kv_config",
+        "vllm_kv_layout",
+        "max_concurrent_loads",
+        "max_concurrent_sends",
+        "auth_secret",
+        "model_id",
+        "producer_tag",
+        "accept_producer_tags",
+        "verify_finite",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """Parsed ``kv_connector_extra_config`` (see the module doc for each key)."""
+
+    omni_kv_config: dict[str, Any]
+    layout: str | None
+    max_concurrent_loads: int
+    max_concurrent_sends: int
+    secret: bytes | None
+    model_id: str | None
+    tag: str
+    accepted_tags: frozenset[str]
+    verify_finite: bool
+
+
+def _omni_kv_config(extra: Mapping[str, Any], producer: bool, consumer: bool) -> dict[str, Any]:
+    raw = extra.get("omni_kv_config")
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"omni_kv_config must be a dict, got {type(raw).__name__}")
+    cfg = dict(raw or {})
+    cfg.setdefault("need_send_cache", producer)
+    cfg.setdefault("need_recv_cache", consumer)
+    return cfg
+
+
+def _tag(key: str, value: Any) -> str:
+    if not is_tag(value):
+        raise ConfigError(f"{key} must be 8 lowercase hex digits, got {value!r:.60}")
+    return str(value)
+
+
+def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -> ConnectorOptions:
+    """Read ``kv_connector_extra_config``; called by both halves of the connector."""
+    unknown = sorted(str(k) for k in extra if k not in _KNOWN)
+    if unknown:
+        logger.warning("OmniKVConnector: unknown kv_connector_extra_config keys %s", unknown)
+    cfg = _omni_kv_config(extra, producer, consumer)
+    layout = extra.get("vllm_kv_layout")
+    if layout is not None and layout not in VLLM_LAYOUTS:
+        raise ConfigError(f"vllm_kv_layout must be one of {VLLM_LAYOUTS}, got {layout!r:.60}")
+    conn = cfg.get("connector_config")
+    conn = conn if isinstance(conn, Mapping) else {}
+    secret = parse_secret("auth_secret", extra.get("auth_secret"))
+    if secret is None:
+        secret = parse_secret("connector_config.auth_secret", conn.get("auth_secret"))
+    model_id = extra.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigError(f"model_id must be a non-empty string, got {model_id!r:.60}")
+    derived = producer_tag(str(conn.get("namespace", "")))
+    tag = (
+        derived
+        if extra.get("producer_tag") is None
+        else _tag("producer_tag", extra["producer_tag"])
+    )
+    accepted = extra.get("accept_producer_tags")
+    if accepted is None:
+        tags = frozenset({tag})
+    elif isinstance(accepted, list | tuple) and accepted:
+        tags = frozenset(_tag("accept_producer_tags", t) for t in accepted)
+    else:
+        raise ConfigError(f"accept_producer_tags must be a non-empty list, got {accepted!r:.60}")
+    return ConnectorOptions(
+        omni_kv_config=cfg,
+        layout=None if layout is None else str(layout),
+        max_concurrent_loads=parse_int(
+            "max_concurrent_loads", extra.get("max_concurrent_loads"), 16
+        ),
+        max_concurrent_sends=parse_int(
+            "max_concurrent_sends", extra.get("max_concurrent_sends"), 4
+        ),
+        secret=secret,
+        model_id=model_id,
+        tag=tag,
+        accepted_tags=tags,
+        verify_finite=parse_bool("verify_finite", extra.get("verify_finite")),
+    )

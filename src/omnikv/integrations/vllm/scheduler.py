@@ -1,0 +1,273 @@
+"""The scheduler half of :class:`OmniKVConnector`: admission, block bookkeeping, metadata.
+
+vLLM calls it from the engine core's scheduler loop, one thread, once per request event:
+
+* producer: ``request_finished`` picks requests marked ``do_remote_decode``, keeps their blocks
+  and returns the ``kv_transfer_params`` for the client; ``update_connector_output`` learns when
+  a send is done; ``has_pending_push_work`` keeps the engine stepping until then.
+* consumer: ``get_num_new_matched_tokens`` admits or refuses a request's ``kv_transfer_params``
+  (client input: checked before anything waits), ``update_state_after_alloc`` turns an admitted
+  request into a load; ``update_connector_output`` learns when a load has ended.
+
+Admission refuses at once (``(0, False)``: vLLM computes the prefill) what cannot be a payload
+of ours for this request: a malformed or over-long id, a foreign producer tag, a binding the
+client sent that differs from the one this engine computes, an id whose MAC does not fit (with
+``auth_secret``), an id whose payload was already loaded or failed. Requests with the same
+transfer id (``n > 1``: vLLM copies the parameters to every child) load once: while one of them
+loads, the others are answered ``None`` (vLLM asks again next step) and, once it has loaded,
+they find its blocks in vLLM's prefix cache (with prefix caching off they recompute). Nothing
+here blocks or raises for a request's parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omnikv.integrations.vllm.binding import (
+    check_transfer_id,
+    client_binding,
+    new_transfer_id,
+    payload_key,
+    request_binding,
+)
+from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
+from omnikv.integrations.vllm.options import ConnectorOptions
+from omnikv.integrations.vllm.stats import TransferCounters
+
+__all__ = [
+    "PARAM_BINDING",
+    "PARAM_NUM_TOKENS",
+    "PARAM_TRANSFER_ID",
+    "SchedulerSide",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``kv_transfer_params`` keys the producer returns and the consumer reads.
+PARAM_TRANSFER_ID = "omnikv_transfer_id"
+PARAM_NUM_TOKENS = "omnikv_num_tokens"
+PARAM_BINDING = "omnikv_binding"
+#: Transfer keys remembered as loaded or failed (a later request with one is refused at once).
+SETTLED_KEPT = 65536
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A consumer request whose parameters passed admission."""
+
+    transfer_id: str
+    key: str
+    binding: str
+    num_tokens: int
+    deadline: float
+
+
+class SchedulerSide:
+    """Per-engine scheduler state (single-threaded: vLLM's scheduler loop)."""
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        *,
+        producer: bool,
+        consumer: bool,
+        fingerprint: str,
+        recv_timeout: float,
+        prefix_caching: bool,
+    ) -> None:
+        self.options = options
+        self.producer = producer
+        self.consumer = consumer
+        self.fingerprint = fingerprint
+        self.recv_timeout = recv_timeout
+        self.prefix_caching = prefix_caching
+        self._sends: list[SendSpec] = []
+        self._loads: list[LoadSpec] = []
+        self._cancels: list[str] = []
+        #: ``loads_refused`` (reported through vLLM's scheduler-side connector stats).
+        self.counters = TransferCounters()
+        self._sending: set[str] = set()
+        # consumer state
+        self._admitted: dict[str, _Admitted | None] = {}  # req id -> admission (None: refused)
+        self._loading: dict[str, str] = {}  # transfer key -> req id loading it
+        self._load_of: dict[str, str] = {}  # req id -> transfer key it loads
+        self._settled: OrderedDict[str, bool] = OrderedDict()  # key -> loaded ok
+        self._told_no_sharing = False
+
+    # -- consumer ---------------------------------------------------------------------------
+    def _refuse(self, request: Any, why: str) -> None:
+        self._admitted[request.request_id] = None
+        self.counters.add("loads_refused")
+        logger.debug("Request %s: kv_transfer_params refused: %s", request.request_id, why)
+
+    def _admit(self, request: Any, params: Mapping[str, Any]) -> _Admitted | None:
+        tid, num = params.get(PARAM_TRANSFER_ID), params.get(PARAM_NUM_TOKENS)
+        prompt = getattr(request, "prompt_token_ids", None)
+        if isinstance(num, bool) or not isinstance(num, int) or num <= 0:
+            self._refuse(request, f"{PARAM_NUM_TOKENS} must be a positive int, got {num!r:.40}")
+            return None
+        if prompt is None:
+            self._refuse(request, "the request has no prompt token ids")
+            return None
+        available = min(num, len(prompt))
+        binding = request_binding(self.fingerprint, request, available)
+        if binding is None:
+            self._refuse(request, "nothing to bind the KV to")
+            return None
+        claimed = params.get(PARAM_BINDING)
+        if claimed is not None and client_binding(params, PARAM_BINDING) != binding:
+            self._refuse(request, "the binding differs from this request's and engine's")
+            return None
+        why = check_transfer_id(tid, self.options.accepted_tags, binding, self.options.secret)
+        if why is not None:
+            self._refuse(request, why)
+            return None
+        assert isinstance(tid, str)
+        admitted = _Admitted(
+            tid,
+            payload_key(tid, binding),
+            binding,
+            available,
+            time.monotonic() + self.recv_timeout,
+        )
+        self._admitted[request.request_id] = admitted
+        return admitted
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: how many prompt tokens this request loads."""
+        if not self.consumer:
+            return 0, False
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
+            return 0, False
+        rid = request.request_id
+        known = rid in self._admitted
+        admitted = self._admitted[rid] if known else self._admit(request, params)
+        if admitted is None or rid in self._load_of:
+            return 0, False
+        if admitted.key in self._settled:
+            self._no_sharing_note(admitted)
+            return 0, False
+        if admitted.key in self._loading:
+            # A sibling (n > 1) loads this payload: ask again next step, until our deadline.
+            if time.monotonic() >= admitted.deadline:
+                return 0, False
+            return None, False
+        count = admitted.num_tokens - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def _no_sharing_note(self, admitted: _Admitted) -> None:
+        if not self.prefix_caching and not self._told_no_sharing:
+            self._told_no_sharing = True
+            logger.info(
+                "OmniKVConnector: requests sharing transfer %s (n > 1) recompute their prefill: "
+                "a payload is loaded once, and the others find it in the prefix cache only "
+                "with enable_prefix_caching",
+                admitted.transfer_id,
+            )
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        """``update_state_after_alloc``: an admitted request with external tokens loads them."""
+        if num_external <= 0:
+            return
+        rid = request.request_id
+        admitted = self._admitted.get(rid)
+        if admitted is None or rid in self._load_of or admitted.key in self._loading:
+            return
+        block_ids = tuple(int(b) for b in blocks.get_block_ids()[0])
+        self._loading[admitted.key] = rid
+        self._load_of[rid] = admitted.key
+        self._loads.append(
+            LoadSpec(
+                req_id=rid,
+                transfer_id=admitted.transfer_id,
+                key=admitted.key,
+                binding=admitted.binding,
+                block_ids=block_ids,
+                start=admitted.num_tokens - num_external,
+                end=admitted.num_tokens,
+                remaining_s=admitted.deadline,  # made relative in build()
+            )
+        )
+
+    def _settle(self, req_id: str, ok: bool) -> None:
+        key = self._load_of.pop(req_id, None)
+        if key is None:
+            return
+        self._loading.pop(key, None)
+        self._settled[key] = ok
+        self._settled.move_to_end(key)
+        while len(self._settled) > SETTLED_KEPT:
+            self._settled.popitem(last=False)
+
+    # -- producer ---------------------------------------------------------------------------
+    def finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``: keep the blocks of a ``do_remote_decode`` request and send."""
+        rid = request.request_id
+        self._admitted.pop(rid, None)
+        if rid in self._load_of:  # aborted while its KV was loading: stop waiting for it
+            self._cancels.append(rid)
+        params = getattr(request, "kv_transfer_params", None)
+        if not self.producer or not isinstance(params, Mapping):
+            return False, None
+        if not params.get("do_remote_decode") or not block_ids:
+            return False, None
+        if getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED":
+            return False, None
+        prompt = getattr(request, "prompt_token_ids", None) or ()
+        num = min(len(prompt), int(request.num_computed_tokens))
+        binding = request_binding(self.fingerprint, request, num) if num > 0 else None
+        if binding is None:
+            return False, None
+        tid = new_transfer_id(self.options.tag, binding, self.options.secret)
+        key = payload_key(tid, binding)
+        self._sends.append(SendSpec(rid, tid, key, binding, tuple(block_ids), num))
+        self._sending.add(rid)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PARAM_TRANSFER_ID: tid,
+            PARAM_NUM_TOKENS: num,
+            PARAM_BINDING: binding,
+        }
+
+    # -- both -------------------------------------------------------------------------------
+    def build(self) -> OmniKVConnectorMetadata:
+        """``build_connector_meta``: this step's sends, loads and cancels."""
+        now = time.monotonic()
+        loads = [
+            LoadSpec(
+                req_id=s.req_id,
+                transfer_id=s.transfer_id,
+                key=s.key,
+                binding=s.binding,
+                block_ids=s.block_ids,
+                start=s.start,
+                end=s.end,
+                remaining_s=max(0.0, s.remaining_s - now),
+            )
+            for s in self._loads
+        ]
+        meta = OmniKVConnectorMetadata(self._sends, loads, self._cancels)
+        self._sends, self._loads, self._cancels = [], [], []
+        return meta
+
+    def update(
+        self, finished_sending: Iterable[str], finished_recving: Iterable[str], failed: set[str]
+    ) -> None:
+        """``update_connector_output``: sends and loads the workers reported as ended."""
+        self._sending.difference_update(finished_sending)
+        for rid in finished_recving:
+            self._settle(rid, rid not in failed)
+
+    @property
+    def pending(self) -> bool:
+        """``has_pending_push_work``: sends queued or in flight."""
+        return bool(self._sending or self._sends)

@@ -1,0 +1,356 @@
+"""The worker half of :class:`OmniKVConnector`: sends and loads on bounded thread pools.
+
+vLLM's model runner calls it once per step, on its own thread: ``bind_connector_metadata``
+(:meth:`WorkerSide.bind`: the step's sends are known from here on), ``start_load_kv``
+(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (:meth:`WorkerSide.start_sends`) and
+``get_transfer_results`` (:meth:`WorkerSide.results`). With speculative decoding vLLM 0.32
+calls ``get_transfer_results`` before ``wait_for_save``; since sends are registered at bind,
+a finished request is reported whichever comes first.
+
+Guarantees:
+
+* **Nothing blocks the engine.** Sends and loads run on their own pools (``max_concurrent_sends``
+  and ``max_concurrent_loads`` threads), so one slow or stuck transfer never serialises the
+  others. Each load's deadline counts from its admission; a load still queued at its deadline
+  fails at once, without waiting.
+* **Check before write.** A load looks up only the key its own binding gives (see
+  :mod:`.binding`); what it receives is then checked whole (binding, MAC with ``auth_secret``,
+  layer count, tokens, heads, head size, dtype, optionally finiteness) before a byte is written
+  into vLLM's blocks. A refused payload leaves the blocks untouched and the request recomputes.
+* **Every transfer ends.** Each send and load reports exactly once (``finished_sending`` /
+  ``finished_recving``, plus ``failed_recving``), whatever it raised, so vLLM always frees the
+  blocks it holds for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError as exc:  # pragma: no cover - exercised only without vLLM
+    raise ImportError(
+        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
+        f"importing it failed: {exc}"
+    ) from exc
+
+from omnikv.config import config_from_dict, options_from_dict
+from omnikv.errors import OmniKVError
+from omnikv.integrations.vllm.binding import kv_mac, mac_matches
+from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
+from omnikv.integrations.vllm.options import ConnectorOptions
+from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
+from omnikv.layouts import BlockGather, scatter_tokens, vllm_layer_kv_views
+from omnikv.manager import OmniKVTransferManager
+
+__all__ = ["META_BINDING", "META_MAC", "WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+#: Payload metadata keys written by the producer and checked by the consumer.
+META_BINDING = "omnikv_binding"
+META_MAC = "omnikv_mac"
+
+LayerViews = tuple[torch.Tensor, torch.Tensor]
+
+
+class WorkerSide:
+    """Per-worker transfer state; its methods are safe to call from vLLM's runner thread."""
+
+    def __init__(self, options: ConnectorOptions, block_size: int) -> None:
+        cfg = options.omni_kv_config
+        self.options = options
+        self.manager = OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg))
+        self.block_size = block_size
+        self.counters = TransferCounters()
+        self.views: dict[str, LayerViews] = {}
+        self.layout_error: str | None = "register_kv_caches was not called"
+        self._send_pool = ThreadPoolExecutor(
+            options.max_concurrent_sends, thread_name_prefix="omnikv-vllm-send"
+        )
+        self._load_pool = ThreadPoolExecutor(
+            options.max_concurrent_loads, thread_name_prefix="omnikv-vllm-load"
+        )
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0
+        self._pending_sends: list[SendSpec] = []
+        self._pending_loads: list[LoadSpec] = []
+        self._sending: set[str] = set()
+        self._released: set[str] = set()
+        self._sent: set[str] = set()
+        self._loaded: set[str] = set()
+        self._failed: set[str] = set()
+        self._aborts: dict[str, threading.Event] = {}
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
+        """``register_kv_caches``: per layer (K, V) block views of the engine's caches."""
+        if layout is None:
+            self.layout_error = "unknown attention backend layout (set vllm_kv_layout)"
+            logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
+            return
+        try:
+            self.views = {name: vllm_layer_kv_views(t, layout) for name, t in kv_caches.items()}
+        except OmniKVError as exc:
+            self.layout_error = f"layout {layout!r}: {exc}"
+            logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
+            return
+        if not self.views:
+            self.layout_error = "the engine registered no KV cache layers"
+            logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
+            return
+        self.layout_error = None
+        logger.info("OmniKVConnector: %d layers, layout %s", len(self.views), layout)
+
+    # -- per step ---------------------------------------------------------------------------
+    def bind(self, meta: OmniKVConnectorMetadata) -> None:
+        """``bind_connector_metadata``: note the step's sends and loads, cancel what is gone.
+
+        Sends left over from a step whose ``wait_for_save`` never came are started here.
+        """
+        leftover = self._take_pending_sends()
+        with self._lock:
+            self._sending.update(s.req_id for s in meta.sends)
+            self._pending_sends.extend(meta.sends)
+            self._pending_loads.extend(meta.loads)
+            for rid in meta.cancels:
+                event = self._aborts.get(rid)
+                if event is not None:
+                    event.set()
+        self._submit_sends(leftover)
+
+    def _take_pending_sends(self) -> list[SendSpec]:
+        with self._lock:
+            sends, self._pending_sends = self._pending_sends, []
+        return sends
+
+    def start_loads(self) -> None:
+        """``start_load_kv``: start the loads noted at bind (asynchronous)."""
+        with self._lock:
+            loads, self._pending_loads = self._pending_loads, []
+            now = time.monotonic()
+            starts = []
+            for spec in loads:
+                abort = threading.Event()
+                self._aborts[spec.req_id] = abort
+                starts.append((spec, now + spec.remaining_s, abort))
+            self._running += len(starts)
+        for spec, deadline, abort in starts:
+            self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
+            self._load_pool.submit(self._load, spec, deadline, abort)
+
+    def start_sends(self) -> None:
+        """``wait_for_save``: start the sends noted at bind (asynchronous; the blocks stay
+        held by vLLM until :meth:`results` reports the request, so nothing needs to wait)."""
+        self._submit_sends(self._take_pending_sends())
+
+    def _submit_sends(self, sends: list[SendSpec]) -> None:
+        if not sends:
+            return
+        with self._lock:
+            self._running += len(sends)
+        now = time.monotonic()
+        for spec in sends:
+            self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
+            self._send_pool.submit(self._send, spec)
+
+    def results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
+        """``get_transfer_results``: sends done for finished requests, loads ended."""
+        with self._lock:
+            self._released.update(r for r in finished_req_ids if r in self._sending)
+            sent = self._sent & self._released
+            self._sent -= sent
+            self._released -= sent
+            self._sending -= sent
+            loaded, failed = self._loaded, self._failed
+            self._loaded, self._failed = set(), set()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=loaded, failed_recving=failed
+        )
+
+    def take_stats(self) -> OmniKVConnectorStats | None:
+        """``get_kv_connector_stats``: the interval's counts and durations."""
+        return self.counters.take_interval()
+
+    def _done(self) -> None:
+        """One submitted transfer ended (called with the lock held)."""
+        self._running -= 1
+        if self._running == 0:
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no send or load is in flight; False at ``timeout``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._running == 0, timeout=timeout)
+
+    # -- producer ---------------------------------------------------------------------------
+    def _send(self, spec: SendSpec) -> None:
+        t0 = time.monotonic()
+        reason = self.layout_error
+        nbytes = 0
+        try:
+            if reason is None:
+                reason, nbytes = self._put(spec)
+        except Exception as exc:  # the thread must always report, or the blocks stay held
+            logger.exception("OmniKVConnector: send of %s raised", spec.transfer_id)
+            reason = f"{type(exc).__name__}: {exc}"
+        ok = reason is None
+        end = time.monotonic()
+        self.counters.add("sends_ok" if ok else "sends_failed")
+        self.counters.add("bytes_sent", nbytes)
+        self.counters.observe("send_seconds", end - t0)
+        self.counters.record(
+            spec.transfer_id,
+            block_ids=list(spec.block_ids),
+            num_tokens=spec.num_tokens,
+            start=t0,
+            end=end,
+            ok=ok,
+            reason=reason,
+        )
+        with self._lock:
+            self._sent.add(spec.req_id)
+            self._done()
+        if not ok:
+            logger.error("OmniKVConnector: send of %s failed: %s", spec.transfer_id, reason)
+
+    def _put(self, spec: SendSpec) -> tuple[str | None, int]:
+        views: list[Any] = list(self.views.values())
+        metadata: dict[str, Any] = {META_BINDING: spec.binding, "source": "vllm"}
+        if self.options.secret is not None:
+            tokens = [
+                (
+                    BlockGather(k, spec.block_ids, spec.num_tokens).materialize(),
+                    BlockGather(v, spec.block_ids, spec.num_tokens).materialize(),
+                )
+                for k, v in views
+            ]
+            metadata[META_MAC] = kv_mac(self.options.secret, spec.key, tokens)
+        entry = {
+            "block_ids": list(spec.block_ids),
+            "seq_len": spec.num_tokens,
+            "custom_metadata": metadata,
+        }
+        self.manager.handle_finished_requests_kv_transfer(
+            {spec.key: entry},
+            kv_caches=views,
+            block_size=self.block_size,
+            cache_dtype=str(views[0][0].dtype),
+        )
+        result = self.manager.get_send_result(spec.key)
+        if result is None:
+            return "the manager recorded no send result", 0
+        if result.ok:
+            return None, int(result.nbytes)
+        return f"{result.status.value}: {result.reason}", 0
+
+    # -- consumer ---------------------------------------------------------------------------
+    def _load(self, spec: LoadSpec, deadline: float, abort: threading.Event) -> None:
+        t0 = time.monotonic()
+        reason = self.layout_error
+        nbytes = 0
+        try:
+            if reason is None:
+                reason, nbytes = self._receive_into_blocks(spec, deadline, abort)
+        except Exception as exc:  # any failure means: recompute, never use the blocks
+            logger.exception("OmniKVConnector: load of %s raised", spec.transfer_id)
+            reason = f"{type(exc).__name__}: {exc}"
+        ok = reason is None
+        end = time.monotonic()
+        self.counters.record(
+            spec.transfer_id,
+            block_ids=list(spec.block_ids),
+            num_tokens=spec.end,
+            loaded_from=spec.start,
+            start=t0,
+            end=end,
+            ok=ok,
+            reason=reason,
+        )
+        if ok:
+            self.counters.add("loads_ok")
+            self.counters.add("tokens_loaded", spec.end - spec.start)
+            self.counters.add("bytes_loaded", nbytes)
+            self.counters.observe("load_seconds", end - t0)
+        else:
+            self.counters.add("loads_failed")
+        with self._lock:
+            self._aborts.pop(spec.req_id, None)
+            self._loaded.add(spec.req_id)
+            if not ok:
+                self._failed.add(spec.req_id)
+            self._done()
+        if not ok:
+            logger.warning(
+                "OmniKVConnector: KV of %s (request %s) not loaded, recomputing the prefill: %s",
+                spec.transfer_id,
+                spec.req_id,
+                reason,
+            )
+
+    def _receive_into_blocks(
+        self, spec: LoadSpec, deadline: float, abort: threading.Event
+    ) -> tuple[str | None, int]:
+        if abort.is_set():
+            return "cancelled: the request was aborted", 0
+        if time.monotonic() >= deadline:
+            return "timeout: recv_timeout passed before the load could start", 0
+        result = self.manager.receive_kv_cache_result(spec.key, deadline=deadline, abort=abort)
+        if not result.ok or result.data is None:
+            return f"receive {result.status.value}: {result.reason}", 0
+        data = result.data
+        blocks = data.get("layer_blocks") or {}
+        keys, values = blocks.get("key_cache") or [], blocks.get("value_cache") or []
+        reason = self._check_payload(spec, data.get("metadata") or {}, keys, values)
+        if reason is not None:
+            return reason, 0
+        nbytes = 0
+        for (k_blocks, v_blocks), k, v in zip(self.views.values(), keys, values, strict=True):
+            scatter_tokens(k_blocks, spec.block_ids, k[spec.start : spec.end], spec.start)
+            scatter_tokens(v_blocks, spec.block_ids, v[spec.start : spec.end], spec.start)
+            nbytes += k.nbytes + v.nbytes
+        return None, nbytes
+
+    def _check_payload(
+        self, spec: LoadSpec, meta: Mapping[str, Any], keys: list[Any], values: list[Any]
+    ) -> str | None:
+        """Why the received payload must not be written into this request's blocks, or None."""
+        if meta.get(META_BINDING) != spec.binding:
+            return "the payload's binding does not match the request"
+        views = list(self.views.values())
+        if len(keys) != len(views) or len(values) != len(views):
+            return f"payload has {len(keys)} layers, the engine {len(views)}"
+        for idx, ((k_blocks, _), k, v) in enumerate(zip(views, keys, values, strict=True)):
+            tail = tuple(k_blocks.shape[2:])
+            for name, t in (("K", k), ("V", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 1 + len(tail):
+                    return f"layer {idx} {name}: not a [tokens, heads, head_size] tensor"
+                if tuple(t.shape[1:]) != tail:
+                    return f"layer {idx} {name}: shape {tuple(t.shape[1:])}, the engine {tail}"
+                if t.dtype != k_blocks.dtype:
+                    return f"layer {idx} {name}: dtype {t.dtype}, the engine {k_blocks.dtype}"
+                if t.shape[0] < spec.end:
+                    return f"layer {idx} {name}: {t.shape[0]} tokens, fewer than {spec.end}"
+                if self.options.verify_finite and not bool(torch.isfinite(t).all()):
+                    return f"layer {idx} {name}: values that are not finite"
+        if self.options.secret is not None:
+            mac = kv_mac(self.options.secret, spec.key, list(zip(keys, values, strict=True)))
+            if not mac_matches(meta.get(META_MAC), mac):
+                return "the payload's MAC does not match (forged or damaged KV)"
+        return None
+
+    def close(self) -> None:
+        """``shutdown``: cancel waiting loads, finish what runs, close the manager."""
+        with self._lock:
+            for event in self._aborts.values():
+                event.set()
+        self._send_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        self.manager.close()
