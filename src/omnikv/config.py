@@ -10,6 +10,11 @@ Fallback chain (reference-behaviour.md §7.2):
 omnikv's own options (not part of the seed's 12 fields) are read from the same dict into
 :class:`TransferOptions`.
 
+``OmniKVTransferManager.from_config(mapping)`` and ``from_config_file(path)`` (JSON, YAML with
+PyYAML, TOML) take the ``omni_kv_config`` itself and check it strictly first
+(:func:`check_omni_kv_config`): an unknown key, a wrong type or a connector that is not registered
+is a :class:`~omnikv.errors.ConfigError` that names the key and what was expected.
+
 Values are strict: booleans are ``true``/``false`` (or those strings, any case), counts and sizes
 are integers, timeouts are finite numbers, ports are in range; anything else is a
 :class:`~omnikv.errors.ConfigError` naming the key. The ``parse_*`` helpers below are the one place
@@ -18,10 +23,16 @@ that rule is written: connectors parse their own keys with them.
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import json
 import math
+import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omnikv.errors import ConfigError
@@ -29,10 +40,14 @@ from omnikv.layouts import LAYOUTS
 from omnikv.payload import DEFAULT_MAX_HEADER_BYTES
 
 __all__ = [
+    "KNOWN_KEYS",
     "OmniKVCacheConfig",
     "RetryPolicy",
     "TransferOptions",
+    "check_omni_kv_config",
     "config_from_dict",
+    "load_config_file",
+    "od_config_parts",
     "options_from_dict",
     "parse_bool",
     "parse_choice",
@@ -45,6 +60,7 @@ __all__ = [
     "parse_size",
     "receiver_pool_on_device",
     "resolve_async_prefetch",
+    "vllm_config_parts",
     "vllm_omni_kv_dict",
 ]
 
@@ -376,17 +392,253 @@ def resolve_async_prefetch(
     return requested and not has_companion and not receiver_pool_on_device(omni_kv_config)
 
 
+def _expect_mapping(value: Any, factory: str, owner: str) -> Mapping[str, Any] | None:
+    """``value`` when it is a mapping or ``None``; else a ConfigError saying what was expected."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    raise ConfigError(
+        f"{factory}: {owner}.omni_kv_config must be a mapping (the stage's omni_kv_config, "
+        f"e.g. {{'need_recv_cache': True, 'stage_id': 1, 'connector_config': {{...}}}}), "
+        f"got {type(value).__name__}"
+    )
+
+
+def od_config_parts(config: Any) -> tuple[Mapping[str, Any] | None, bool]:
+    """``(omni_kv_config, has a CFG companion collector)`` of what ``from_od_config`` is given:
+    an object with those attributes or a mapping with those keys (``cfg_kv_collect_func``)."""
+    omni_kv = _expect_mapping(_field(config, "omni_kv_config"), "from_od_config", "config")
+    return omni_kv, _field(config, "cfg_kv_collect_func") is not None
+
+
+def vllm_config_parts(vllm_config: Any, model_config: Any) -> Mapping[str, Any] | None:
+    """The ``omni_kv_config`` ``from_vllm_config`` builds from: ``model_config.omni_kv_config``,
+    else :func:`vllm_omni_kv_dict`. Objects or mappings; a non-mapping ``omni_kv_config`` is a
+    :class:`ConfigError` saying what was expected."""
+    raw = _field(model_config, "omni_kv_config")
+    omni_kv = _expect_mapping(raw, "from_vllm_config", "model_config")
+    return omni_kv if omni_kv is not None else vllm_omni_kv_dict(vllm_config)
+
+
+def _field(obj: Any, name: str) -> Any:
+    """``obj[name]`` for a mapping, ``obj.name`` otherwise (``None`` when absent)."""
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+
 def vllm_omni_kv_dict(vllm_config: Any) -> dict[str, Any] | None:
-    """The connector-only fallback of ``from_vllm_config``: a dict with ``connector_config``."""
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    """The connector-only fallback of ``from_vllm_config``: a dict with ``connector_config``.
+
+    ``vllm_config`` and its ``kv_transfer_config`` may be objects or mappings.
+    """
+    ktc = _field(vllm_config, "kv_transfer_config")
     if ktc is None:
         return None
-    direct = getattr(ktc, "omni_connector_config", None)
+    direct = _field(ktc, "omni_connector_config")
     if isinstance(direct, dict) and direct:
         return {"connector_config": direct}
-    extra = getattr(ktc, "kv_connector_extra_config", None)
+    extra = _field(ktc, "kv_connector_extra_config")
     if isinstance(extra, Mapping):
         nested = extra.get("omni_connector_config")
         if isinstance(nested, dict) and nested:
             return {"connector_config": nested}
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Strict checking of a whole omni_kv_config (from_config, from_config_file)
+# --------------------------------------------------------------------------------------------
+#: The seed's keys (the reference's ``omni_kv_config``).
+SEED_KEYS = frozenset(
+    {
+        "connector_config",
+        "omni_from_stage",
+        "omni_to_stage",
+        "stage_id",
+        "engine_input_source",
+        "need_recv_cache",
+        "need_send_cache",
+        "recv_timeout",
+        "rank_mapping",
+        "enable_kv_async_prefetch",
+        "kv_prefetch_min_free_mem_ratio",
+    }
+)
+#: omnikv's own options (:class:`TransferOptions`).
+OPTION_KEYS = frozenset(
+    {
+        "kv_cache_layout",
+        "payload_checksum",
+        "receive_copy",
+        "put_retry_attempts",
+        "put_retry_backoff",
+        "connector_retry_interval",
+        "send_timeout",
+        "max_header_bytes",
+    }
+)
+#: Keys of the same dict that the host framework reads (the AR scheduler's transfer criteria).
+FRAMEWORK_KEYS = frozenset({"kv_transfer_criteria"})
+#: Every key :func:`check_omni_kv_config` accepts at the top level.
+KNOWN_KEYS = SEED_KEYS | OPTION_KEYS | FRAMEWORK_KEYS
+_EXAMPLE = "{'need_send_cache': True, 'connector_config': {'type': 'SharedMemoryConnector'}}"
+MAX_CONFIG_FILE_BYTES = 4 << 20
+
+
+def _unknown_key_error(where: str, unknown: list[str], known: frozenset[str]) -> ConfigError:
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    return ConfigError(
+        f"{where}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(sorted(known))}"
+    )
+
+
+def _check_stage(where: str, key: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str | int)):
+        raise ConfigError(
+            f"{where}: {key} must be a stage id (a string or an integer), got {value!r:.60}"
+        )
+
+
+def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") -> dict[str, Any]:
+    """Check a whole ``omni_kv_config`` strictly; returns it as a dict (nested dicts shared).
+
+    Called by ``OmniKVTransferManager.from_config`` / ``from_config_file`` before the manager is
+    built (``from_od_config`` / ``from_vllm_config`` keep the reference's leniency for keys).
+    Guarantees, each failure a :class:`ConfigError` that starts with ``where`` and names the key:
+    the value is a mapping; every top-level key is in :data:`KNOWN_KEYS` (a near miss is
+    suggested); stage ids are strings or integers; ``engine_input_source`` is a list of them;
+    ``rank_mapping`` holds only ``from_tp`` / ``to_tp``; ``connector_config`` is a mapping whose
+    ``type`` names a registered connector (nothing is imported); every value parses as
+    :func:`config_from_dict` and :func:`options_from_dict` parse it.
+    """
+    if not isinstance(omni_kv_config, Mapping):
+        raise ConfigError(
+            f"{where} expects the stage's omni_kv_config as a mapping (e.g. {_EXAMPLE}), "
+            f"got {type(omni_kv_config).__name__}"
+        )
+    kv = dict(omni_kv_config)
+    unknown = sorted(str(k) for k in kv if k not in KNOWN_KEYS)
+    if unknown:
+        raise _unknown_key_error(where, unknown, KNOWN_KEYS)
+    for key in ("omni_from_stage", "omni_to_stage", "stage_id"):
+        _check_stage(where, key, kv.get(key))
+    sources = kv.get("engine_input_source")
+    if sources is not None:
+        if not isinstance(sources, list | tuple):
+            raise ConfigError(
+                f"{where}: engine_input_source must be a list of stage ids, got {sources!r:.60}"
+            )
+        for value in sources:
+            _check_stage(where, "engine_input_source[]", value)
+    rank_mapping = kv.get("rank_mapping")
+    if rank_mapping is not None:
+        if not isinstance(rank_mapping, Mapping):
+            raise ConfigError(
+                f"{where}: rank_mapping must be a mapping like {{'from_tp': 2, 'to_tp': 4}}, "
+                f"got {rank_mapping!r:.60}"
+            )
+        extra = sorted(str(k) for k in rank_mapping if k not in ("from_tp", "to_tp"))
+        if extra:
+            raise _unknown_key_error(
+                f"{where}: rank_mapping", extra, frozenset({"from_tp", "to_tp"})
+            )
+    _check_connector_config(where, kv.get("connector_config"))
+    try:
+        config_from_dict(kv)
+        options_from_dict(kv)
+        resolve_async_prefetch(kv, has_companion=False)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return kv
+
+
+def _check_connector_config(where: str, conn: Any) -> None:
+    if conn is None:
+        return
+    if not isinstance(conn, Mapping):
+        raise ConfigError(
+            f"{where}: connector_config must be a mapping with a 'type' "
+            f"(e.g. {{'type': 'SharedMemoryConnector'}}), got {type(conn).__name__}"
+        )
+    from omnikv.connectors.factory import OmniConnectorFactory
+
+    known = OmniConnectorFactory.list_connectors()
+    kind = conn.get("type")
+    if not isinstance(kind, str) or kind not in known:
+        raise ConfigError(
+            f"{where}: connector_config.type must name a registered connector "
+            f"({', '.join(known)}), got {kind!r:.60}"
+        )
+
+
+def _read_yaml(text: str, path: Path) -> Any:
+    try:
+        yaml = importlib.import_module("yaml")
+    except ImportError as exc:
+        raise ImportError(
+            f"{path}: reading a YAML config needs PyYAML (pip install pyyaml); "
+            "or write the same keys as JSON (.json) or TOML (.toml)"
+        ) from exc
+    try:
+        return yaml.safe_load(text)  # safe_load: plain data only, no Python objects
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+
+
+def _read_toml(text: str, path: Path) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib as toml
+    else:  # pragma: no cover - Python 3.10
+        try:
+            toml = importlib.import_module("tomli")
+        except ImportError as exc:
+            raise ImportError(
+                f"{path}: reading a TOML config on Python 3.10 needs tomli (pip install tomli)"
+            ) from exc
+    try:
+        return toml.loads(text)
+    except toml.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def _read_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+
+
+_READERS = {".json": _read_json, ".yaml": _read_yaml, ".yml": _read_yaml, ".toml": _read_toml}
+
+
+def load_config_file(path: str | os.PathLike[str], *, key: str | None = None) -> dict[str, Any]:
+    """The ``omni_kv_config`` in a JSON, YAML (``.yaml``/``.yml``) or TOML file, checked.
+
+    Called by ``OmniKVTransferManager.from_config_file``. The file holds the keys at its top
+    level, or under ``omni_kv_config`` (a stage file with other sections too); ``key`` picks
+    another place, as dotted mapping keys (``"stage_1.omni_kv_config"``). The result passed
+    :func:`check_omni_kv_config`. Raises :class:`ConfigError` naming the file for an unknown
+    suffix, a file over 4 MiB, unparsable text or a bad value; ``ImportError`` naming the package
+    when YAML is asked for without PyYAML (or TOML on Python 3.10 without tomli).
+    """
+    p = Path(path)
+    reader = _READERS.get(p.suffix.lower())
+    if reader is None:
+        raise ConfigError(
+            f"{p}: unsupported config file type {p.suffix!r}; use .json, .yaml, .yml or .toml"
+        )
+    size = p.stat().st_size
+    if size > MAX_CONFIG_FILE_BYTES:
+        raise ConfigError(f"{p}: {size} bytes is too large for a config file (max 4 MiB)")
+    doc = reader(p.read_text(encoding="utf-8"), p)
+    where = str(p)
+    if key is not None:
+        for part in key.split("."):
+            if not isinstance(doc, Mapping) or part not in doc:
+                raise ConfigError(f"{p}: no {key!r} in the file (missing {part!r})")
+            doc = doc[part]
+        where = f"{p} [{key}]"
+    elif isinstance(doc, Mapping) and isinstance(doc.get("omni_kv_config"), Mapping):
+        doc, where = doc["omni_kv_config"], f"{p} [omni_kv_config]"
+    return check_omni_kv_config(doc, where=where)

@@ -6,6 +6,7 @@ typed results; the seed's dict is made here only."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from functools import partial
 from threading import Event
@@ -94,6 +95,10 @@ class OmniKVTransferManager:
             logger.warning("OmniKVTransferManager will neither send nor receive: %s", _INERT)
         elif sends and connector is None and self.connector is not None:
             logger.info("Sender connector eagerly initialized")
+        if ok:
+            _warn_unset_stages(
+                self.send_stages if sends else None, self.recv_stages if receives else None
+            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -103,17 +108,71 @@ class OmniKVTransferManager:
 
     @classmethod
     def _create(
-        cls, kv_config: Mapping[str, Any] | None, *, async_prefetch: bool = False
+        cls,
+        kv_config: Mapping[str, Any] | None,
+        *,
+        async_prefetch: bool = False,
+        connector: OmniConnectorBase | None = None,
+        parallel_context: RankInfo | None = None,
     ) -> OmniKVTransferManager:
         config = _config.config_from_dict(kv_config, async_prefetch=async_prefetch)
         options = _config.options_from_dict(kv_config)
-        return cls(config, async_prefetch=async_prefetch, options=options)
+        return cls(
+            config,
+            async_prefetch=async_prefetch,
+            options=options,
+            connector=connector,
+            parallel_context=parallel_context,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        omni_kv_config: Mapping[str, Any],
+        *,
+        connector: OmniConnectorBase | None = None,
+        parallel_context: RankInfo | None = None,
+    ) -> OmniKVTransferManager:
+        """Create from the stage's ``omni_kv_config`` mapping itself, checked strictly: an unknown
+        key or bad value is a ConfigError naming it (:func:`omnikv.config.check_omni_kv_config`).
+        Prefetch follows ``enable_kv_async_prefetch`` (no CFG companion collector);
+        ``connector`` / ``parallel_context`` go to the constructor."""
+        kv = _config.check_omni_kv_config(omni_kv_config, where="from_config")
+        flag = _config.resolve_async_prefetch(kv, has_companion=False)
+        return cls._create(
+            kv, async_prefetch=flag, connector=connector, parallel_context=parallel_context
+        )
+
+    @classmethod
+    def from_config_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        key: str | None = None,
+        connector: OmniConnectorBase | None = None,
+        parallel_context: RankInfo | None = None,
+    ) -> OmniKVTransferManager:
+        """:meth:`from_config` of the ``omni_kv_config`` in a JSON, YAML or TOML file.
+
+        The keys sit at the file's top level or under ``omni_kv_config``; ``key`` (dotted) picks
+        another place. Same strict checks, each error naming the file
+        (:func:`omnikv.config.load_config_file`; YAML needs PyYAML and says so).
+        """
+        kv = _config.load_config_file(path, key=key)
+        return cls.from_config(kv, connector=connector, parallel_context=parallel_context)
 
     @classmethod
     def from_od_config(cls, config: Any) -> OmniKVTransferManager:
-        """Create from model or OmniDiffusion config (reads ``config.omni_kv_config``)."""
-        omni_kv = getattr(config, "omni_kv_config", None)
-        has_companion = getattr(config, "cfg_kv_collect_func", None) is not None
+        """Create from model or OmniDiffusion config (reads ``config.omni_kv_config``).
+
+        ``config`` may also be a mapping: one with an ``omni_kv_config`` key is read like the
+        object (``cfg_kv_collect_func`` too); any other mapping is the ``omni_kv_config`` itself
+        and is checked as :meth:`from_config` checks it. An ``omni_kv_config`` that is neither a
+        mapping nor ``None`` is a :class:`~omnikv.errors.ConfigError` saying what was expected.
+        """
+        if isinstance(config, Mapping) and "omni_kv_config" not in config:
+            return cls.from_config(config)
+        omni_kv, has_companion = _config.od_config_parts(config)
         flag = _config.resolve_async_prefetch(omni_kv, has_companion=has_companion)
         return cls._create(omni_kv, async_prefetch=flag)
 
@@ -121,10 +180,15 @@ class OmniKVTransferManager:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, model_config: Any) -> OmniKVTransferManager:
-        """Create from vllm config with fallback to kv_transfer_config."""
-        omni_kv = getattr(model_config, "omni_kv_config", None)
-        found = omni_kv if isinstance(omni_kv, Mapping) else _config.vllm_omni_kv_dict(vllm_config)
-        return cls._create(found)
+        """Create from vllm config with fallback to kv_transfer_config.
+
+        Prefers ``model_config.omni_kv_config``, then the ``omni_connector_config`` of
+        ``vllm_config.kv_transfer_config`` (its attribute, else its
+        ``kv_connector_extra_config`` entry). Either argument may be a mapping with the same
+        keys; an ``omni_kv_config`` that is neither a mapping nor ``None`` is a
+        :class:`~omnikv.errors.ConfigError` saying what was expected.
+        """
+        return cls._create(_config.vllm_config_parts(vllm_config, model_config))
 
     @property
     def connector(self) -> OmniConnectorBase | None:
@@ -352,10 +416,9 @@ class OmniKVTransferManager:
     def wait_prefetch(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s (``None``: no limit) until no prefetch is queued or running.
 
-        Called by the runner before it pauses the worker or frees device memory (the reference's
-        0.30 API). Returns True when idle (also when prefetch is off or never started), False at
-        the timeout. Results already prefetched stay for ``consume_*``. A negative or NaN
-        ``timeout`` is a ``ValueError``.
+        Called by the runner before it pauses the worker or frees device memory. True when idle
+        (also when prefetch is off), False at the timeout; prefetched results stay for
+        ``consume_*``. A negative or NaN ``timeout`` is a ``ValueError``.
         """
         return self._prefetch.wait(deadline_after(timeout, "timeout"))
 
@@ -364,11 +427,9 @@ class OmniKVTransferManager:
         self._prefetch.shutdown()
 
     def close(self) -> None:
-        """Drain prefetch, close the connector if one was created, and create none later.
+        """Drain prefetch, close the connector if one was made, and make none later (teardown).
 
-        Called on worker teardown; idempotent, also for a manager that never made a connector.
-        Afterwards sends and receives report ``not_configured``-like failures instead of
-        creating a connector (the reference's 0.30 behaviour).
+        Idempotent, also for a manager that never made a connector.
         """
         self.shutdown_prefetch()
         self._receiver.close()
@@ -384,3 +445,21 @@ class OmniKVTransferManager:
 def _on_host(device: torch.device | str | None) -> torch.device | str:
     """``device``, or the host when none is given (the reference's distribution default)."""
     return torch.device("cpu") if device is None else device
+
+
+def _warn_unset_stages(
+    send: tuple[str | None, str | None] | None, recv: tuple[str | None, str | None] | None
+) -> None:
+    """One WARNING at construction per direction whose edge is unknown (else every request of
+    that direction would be skipped): it names the keys that set the edge."""
+    if send is not None and None in send:
+        logger.warning(
+            "OmniKVTransferManager sends KV but its edge is unset: set omni_from_stage and "
+            "omni_to_stage in omni_kv_config; until then every send is skipped"
+        )
+    if recv is not None and None in recv:
+        logger.warning(
+            "OmniKVTransferManager receives KV but its edge is unset: set stage_id and "
+            "engine_input_source (or omni_from_stage) in omni_kv_config; until then every "
+            "receive is skipped"
+        )
