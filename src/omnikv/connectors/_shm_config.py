@@ -17,6 +17,7 @@ from omnikv.errors import ConfigError
 
 __all__ = [
     "AUTO_RESERVE",
+    "DEFAULT_BUFFER_TTL_S",
     "DEFAULT_POLL_US",
     "DEFAULT_POOL_SIZE",
     "DEFAULT_THRESHOLD",
@@ -34,6 +35,8 @@ MAX_POLL_US = 100_000
 #: put that is under way, short enough that a wait for data not yet made costs ~1 ms of CPU.
 DEFAULT_POLL_US = 1000
 MIN_POOL_SIZE = 4096
+#: ``buffer_ttl_seconds`` when the config has none (the Mooncake TE and NIXL connectors' default).
+DEFAULT_BUFFER_TTL_S = 300.0
 #: ``prefault: "auto"``: a sending connector populates min(pool_size_bytes, this) at start.
 AUTO_RESERVE = 256 << 20
 ROLES = ("sender", "receiver")
@@ -53,6 +56,7 @@ _KNOWN_CONFIG = frozenset(
         "shm_threshold_bytes",
         "inline_small_payloads",
         "poll_us",
+        "buffer_ttl_seconds",
     }
 )
 
@@ -125,6 +129,7 @@ class ShmConfig:
     threshold: int = DEFAULT_THRESHOLD
     inline_small_payloads: bool = False
     poll_us: int = DEFAULT_POLL_US  # a blocking wait polls its sockets this long, then sleeps
+    buffer_ttl_s: float = DEFAULT_BUFFER_TTL_S  # an unconsumed payload is freed then; 0: never
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
@@ -155,6 +160,9 @@ class ShmConfig:
                 "inline_small_payloads", cfg.get("inline_small_payloads"), False
             ),
             poll_us=_parse_poll_us(cfg.get("poll_us")),
+            buffer_ttl_s=parse_number(
+                "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
+            ),
         )
 
     @property

@@ -9,8 +9,9 @@ Design (one page; the parts live in ``_shm_*`` modules):
   start-up reserve (min(pool, 256 MiB)) as soon as the connector is known to send (constructor
   with ``role: "sender"``, which the manager's factory passes; else the first put), then stays
   ahead of the high-water mark; nothing ever waits for it. Slots come from the one allocator
-  (``_pool.BufferAllocator``); a put waits on its condition until the caller's deadline, then
-  raises :class:`PoolExhaustedError`.
+  (``_pool.BufferAllocator``); a put that finds no space waits (woken by every free) until the
+  caller's deadline, then raises :class:`PoolExhaustedError`, or raises it at once when the
+  pool is full of payloads nobody came for (see *Lifetime*).
 * **Mesh** (``_shm_mesh``, ``_shm_wire``). Every connector binds a listener in the Linux
   *abstract* Unix namespace (random suffix) and connects to its namespace's peers (non-blocking,
   bounded) under a per-namespace ``flock`` in a directory only its uid can write; peers of
@@ -28,6 +29,25 @@ Design (one page; the parts live in ``_shm_*`` modules):
   sender that closes or exits normally lingers up to ``linger_s`` for unconsumed payloads, then
   logs a WARNING naming what it dropped; :meth:`flush` waits explicitly. SIGKILL drops at once
   (nothing leaks: memfds and abstract names die with their process).
+* **Expiry.** A payload published and claimed by no reader for ``buffer_ttl_seconds`` (300,
+  as the Mooncake TE and NIXL connectors; 0: never) after its put is freed: its key is
+  forgotten (a reader that comes later misses, as for a key never put), a WARNING names its
+  key, size and age, and ``health()`` counts it (``ttl_reaped``, ``bytes_ttl_reaped``). Only
+  unclaimed payloads expire: one offered to a reader is that reader's until it releases it,
+  so no reader ever sees its slot reused. A timer thread sleeps until the next expiry; puts
+  and wants also free what is due before they look. The default bounds what clients that ask
+  for KV and never come back (a served deployment) can hold: a pool that fills with such
+  payloads empties within ``buffer_ttl_seconds``; 0 keeps the behaviour of a pipeline whose
+  every payload is awaited (they wait for a reader, ``cleanup`` or close).
+* **A full pool.** A put that finds no space waits until its deadline while space can come
+  back: readers holding payloads are asked to migrate them, a payload being written may go to
+  a waiting reader, an unconsumed one may expire, a reader may come for one put recently. It
+  fails at once with :class:`PoolExhaustedError` (``put_pool_full``) when every slot in use
+  holds a published payload no reader claimed, none expires before the deadline, and even the
+  youngest has waited longer than the put may still wait: only a reader coming for one could
+  help, none came for any of them in that long, and a waiting put holds its caller (an
+  engine's KV blocks) for nothing. The message says how many payloads of how many bytes hold
+  the pool, their ages and when they expire.
 
 Keys are ``"<key>@<from>_<to>"`` with every part escaped; at most 1024 characters.
 
@@ -58,6 +78,9 @@ key                       default      meaning
 ``shm_threshold_bytes``   65536        accepted (reference; >= 0); attribute ``threshold``; every
                                        payload goes through the pool (as the newest reference)
 ``inline_small_payloads`` ``False``    accepted (reference); equivalent: payloads are pooled
+``buffer_ttl_seconds``    300          an unconsumed payload is freed this many seconds after
+                                       its put, with a WARNING naming it (a number >= 0;
+                                       0: never); a reader that comes later misses
 ``poll_us``               1000         a blocking wait polls its sockets this many microseconds
                                        before it sleeps (0-100000; 0: never), yielding the CPU
                                        between polls: lower latency for payloads that come soon
@@ -168,6 +191,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._mesh.send,
             self._mesh.drop,
             reserve=self.config.reserve_bytes,
+            ttl_s=self.config.buffer_ttl_s,
         )
         self._recv = RecvSide(self._mesh, poll_s=self.config.poll_us / 1e6)
         try:
@@ -330,7 +354,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         """The sender's hot path: ``write`` fills a pool slot of ``nbytes`` in place (one copy).
 
         Waits for space until ``deadline`` (``math.inf``: ``put_timeout_s``), then raises
-        :class:`PoolExhaustedError`; a payload larger than the pool raises it at once. Raises
+        :class:`PoolExhaustedError`; a payload larger than the pool raises it at once, and so
+        does a pool full of payloads that no reader came for (module docstring). Raises
         ``ConnectorClosedError`` after close and ``ValueError`` for an unusable key. If ``write``
         raises, the slot is freed, nothing is published and the exception propagates.
         """
@@ -421,14 +446,17 @@ class SharedMemoryConnector(OmniConnectorBase):
     def health(self) -> dict[str, Any]:
         """Status, pool occupancy, the pool's population (``pool_populated_bytes``,
         ``pool_reserve_bytes``, ``pool_reserve_ready``, ``pool_reserve_s``, ``pool_prefault``:
-        a stage may poll ``pool_reserve_ready`` before its first request) and counters; cheap
-        and never raising."""
+        a stage may poll ``pool_reserve_ready`` before its first request), what is unconsumed
+        (``published``, ``published_bytes``, ``oldest_published_s``; ``buffer_ttl_seconds``)
+        and counters (among them ``ttl_reaped`` / ``bytes_ttl_reaped``: payloads freed unconsumed
+        by their TTL, ``put_pool_full``: puts refused at once); cheap and never raising."""
         return {
             "status": "closed" if self._closed else "healthy",
             "type": "SharedMemoryConnector",
             "namespace": self.namespace,
             "instance": self.instance,
             "threshold": self.threshold,
+            "buffer_ttl_seconds": self.config.buffer_ttl_s,
             "peers": len(self._mesh.links(local=False)),
             **self._store.snapshot(),
             **self._recv.snapshot(),
