@@ -197,6 +197,91 @@ def test_a_config_with_fewer_layers_than_received_is_refused(
             receive_hf_cache(receiver, "three", config=models["fp32"].config)
 
 
+def _pairs(layers: int = 2, heads: int = 2, dim: int = 8, dtype: Any = torch.float32) -> Any:
+    return tuple(
+        (torch.zeros(1, heads, 3, dim, dtype=dtype), torch.ones(1, heads, 3, dim, dtype=dtype))
+        for _ in range(layers)
+    )
+
+
+@pytest.mark.parametrize(
+    ("pairs", "change", "match"),
+    [
+        (
+            _pairs(layers=1),
+            {},
+            r"received 1 layers, the model config has 2 \(num_hidden_layers\)",
+        ),
+        (
+            _pairs(layers=3),
+            {},
+            r"received 3 layers, the model config has 2 \(num_hidden_layers\)",
+        ),
+        (
+            _pairs(heads=4),
+            {},
+            r"received 4 KV heads, the model config has 2 \(num_key_value_heads\)",
+        ),
+        (_pairs(dim=16), {}, r"received head size 16, the model config has 8 \(head_dim\)"),
+        (
+            _pairs(),
+            {"dtype": "bfloat16"},
+            r"dtype torch.float32, the model expects torch.bfloat16 \(config.dtype\)",
+        ),
+    ],
+)
+def test_received_kv_is_checked_against_the_model_config(
+    models: dict[str, Any],
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+    pairs: Any,
+    change: dict[str, Any],
+    match: str,
+) -> None:
+    """Both sides named, and raised before transformers builds anything from the KV."""
+    config = models["fp32"].config.__class__(**models["fp32"].config.to_dict())
+    for key, value in change.items():
+        setattr(config, key, value)  # e.g. what from_pretrained records
+    built: list[Any] = []
+    monkeypatch.setattr(transformers, "DynamicCache", lambda *a, **k: built.append(a))
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "mismatch", pairs).ok
+        with pytest.raises(HFCacheError, match=match):
+            receive_hf_cache(receiver, "mismatch", config=config)
+    assert built == []
+
+
+def test_dtype_argument_checks_the_models_real_dtype(
+    models: dict[str, Any], namespace: str
+) -> None:
+    model = models["bf16"]  # built with .to(): config.dtype says nothing, model.dtype does
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "fp32-kv", _pairs()).ok
+        with pytest.raises(
+            HFCacheError, match=r"float32, the model expects torch.bfloat16 \(dtype=\)"
+        ):
+            receive_hf_cache(receiver, "fp32-kv", config=model.config, dtype=model.dtype)
+        assert send_hf_cache(sender, "bf16-kv", _pairs(dtype=torch.bfloat16)).ok
+        cache, result = receive_hf_cache(receiver, "bf16-kv", config=model.config, dtype="bfloat16")
+        assert result.ok and cache.get_seq_length() == 3
+
+
+def test_finiteness_is_checked_only_when_asked(models: dict[str, Any], namespace: str) -> None:
+    bad = _pairs()
+    bad[1][0][0, 1, 2, 3] = float("nan")
+    sender, receiver = _pair(namespace)
+    config = models["fp32"].config
+    with sender, receiver:
+        assert send_hf_cache(sender, "nan-1", bad).ok
+        cache, result = receive_hf_cache(receiver, "nan-1", config=config)  # off by default
+        assert result.ok and cache is not None
+        assert send_hf_cache(sender, "nan-2", bad).ok
+        with pytest.raises(HFCacheError, match="layer 1 holds NaN or infinite values"):
+            receive_hf_cache(receiver, "nan-2", config=config, check_finite=True)
+
+
 def test_a_sliding_window_cache_is_refused(namespace: str) -> None:
     config = transformers.MistralConfig(
         vocab_size=96,

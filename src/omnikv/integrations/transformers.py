@@ -34,7 +34,7 @@ from omnikv.sender import SendResult, SendStatus
 if TYPE_CHECKING:
     from omnikv.manager import OmniKVTransferManager
 
-__all__ = ["HFCacheError", "cache_to_pairs", "receive_hf_cache", "send_hf_cache"]
+__all__ = ["HFCacheError", "cache_to_pairs", "check_kv", "receive_hf_cache", "send_hf_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ _ACCEPTED = (
 
 
 class HFCacheError(OmniKVError, ValueError):
-    """A transformers cache omnikv cannot send (batch > 1, uneven layers, wrong shape)."""
+    """A transformers cache omnikv cannot send (batch > 1, uneven layers, wrong shape), or
+    received KV that does not fit the model (layers, heads, head size, dtype)."""
 
 
 def _filled(idx: int, layer: Any) -> tuple[Any, Any]:
@@ -152,6 +153,8 @@ def receive_hf_cache(
     *,
     config: Any = None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    check_finite: bool = False,
 ) -> tuple[Any, ReceiveResult]:
     """Receive one request's KV as a ``DynamicCache`` ready for ``model(...)`` / ``generate``.
 
@@ -161,35 +164,135 @@ def receive_hf_cache(
     ``result.metadata`` is the payload's metadata, ``custom_metadata`` keys included;
     ``result.kv`` keeps no tensors (the cache has its own copy, as ``DynamicCache`` makes one),
     so nothing received stays pinned once this returns.
+
+    Before anything reaches transformers the received KV is checked (:func:`check_kv`): every
+    layer holds K and V ``[seq, kv_heads, head_dim]`` of one shape and dtype; with ``config``,
+    the layer count (more or fewer), KV heads, head size and dtype (``config.dtype``, set by
+    ``from_pretrained``) match the model; ``dtype`` (e.g. ``model.dtype``) is checked when given
+    and wins over the config's. ``check_finite`` (off by default: one pass over the KV) also
+    refuses NaN or infinite values. A mismatch raises :class:`HFCacheError` naming both sides;
+    the received KV is released first.
     """
     target = torch.device(device) if device is not None else None
     result = manager.receive_kv_cache_result(str(request_id), target)
     kv = result.kv
     if not result.ok or kv is None:
         return None, result
-    cache = _dynamic_cache(kv.key_cache, kv.value_cache, config)
+    try:
+        check_kv(kv.key_cache, kv.value_cache, config, dtype=dtype, check_finite=check_finite)
+        cache = _dynamic_cache(kv.key_cache, kv.value_cache, config)
+    except HFCacheError:
+        kv.release()
+        raise
     # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
     bare = dataclasses.replace(kv, key_cache=[], value_cache=[])
     kv.release()
     return cache, dataclasses.replace(result, kv=bare)
 
 
+def _text_config(config: Any) -> Any:
+    """The decoder's config (``get_text_config()`` of a multimodal config; else ``config``)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _positive_int(config: Any, name: str) -> int | None:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _as_dtype(value: Any, source: str) -> torch.dtype | None:
+    """A torch dtype from a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``);
+    ``None`` for ``None`` / ``"auto"``; :class:`HFCacheError` for anything else."""
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return None if value == "auto" else value
+    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    if not isinstance(found, torch.dtype):
+        raise HFCacheError(f"{source} {value!r} is not a torch dtype")
+    return found
+
+
+def _model_shape(config: Any) -> dict[str, tuple[int | None, str]]:
+    """What the model expects: layer count, KV heads and head size, each with the key it came
+    from (``None`` where the config does not say)."""
+    text = _text_config(config)
+    layers = _positive_int(text, "num_hidden_layers")
+    heads = _positive_int(text, "num_attention_heads")
+    kv_heads, kv_key = _positive_int(text, "num_key_value_heads"), "num_key_value_heads"
+    if kv_heads is None:
+        kv_heads, kv_key = heads, "num_attention_heads"
+    head_dim, dim_key = _positive_int(text, "head_dim"), "head_dim"
+    hidden = _positive_int(text, "hidden_size")
+    if head_dim is None and hidden is not None and heads:
+        head_dim, dim_key = hidden // heads, "hidden_size / num_attention_heads"
+    return {
+        "layers": (layers, "num_hidden_layers"),
+        "kv_heads": (kv_heads, kv_key),
+        "head_dim": (head_dim, dim_key),
+    }
+
+
+def _check_layer(idx: int, k: Any, v: Any, first: Any, check_finite: bool) -> None:
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise HFCacheError(f"received KV has an empty layer {idx}")
+    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype:
+        raise HFCacheError(
+            f"received layer {idx}: K {tuple(k.shape)} {k.dtype}, V {tuple(v.shape)} "
+            f"{v.dtype}; expected K and V of one shape [seq, kv_heads, head_dim]"
+        )
+    if k.shape != first.shape or k.dtype != first.dtype:
+        raise HFCacheError(
+            f"received layer {idx}: {tuple(k.shape)} {k.dtype}, layer 0: "
+            f"{tuple(first.shape)} {first.dtype}; every layer must match"
+        )
+    if check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise HFCacheError(f"received layer {idx} holds NaN or infinite values")
+
+
+def check_kv(
+    keys: Sequence[Any],
+    values: Sequence[Any],
+    config: Any = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    check_finite: bool = False,
+) -> None:
+    """Check received per-layer K/V (``[seq, kv_heads, head_dim]``) against each other and the
+    model; raises :class:`HFCacheError` naming what arrived and what the model expects.
+
+    Called by :func:`receive_hf_cache` before transformers sees the KV. See there for what is
+    compared; keys the config does not have are not compared.
+    """
+    if len(keys) != len(values) or not keys:
+        raise HFCacheError(f"received {len(keys)} K and {len(values)} V layers")
+    for idx, (k, v) in enumerate(zip(keys, values, strict=True)):
+        _check_layer(idx, k, v, keys[0], check_finite)
+    first: torch.Tensor = keys[0]
+    got = {"layers": len(keys), "kv_heads": int(first.shape[1]), "head_dim": int(first.shape[2])}
+    if config is not None:
+        said = {"layers": "{} layers", "kv_heads": "{} KV heads", "head_dim": "head size {}"}
+        for what, (want, key) in _model_shape(config).items():
+            if want is not None and got[what] != want:
+                arrived = said[what].format(got[what])
+                raise HFCacheError(f"received {arrived}, the model config has {want} ({key})")
+    want_dtype = _as_dtype(dtype, "dtype=")
+    source = "dtype="
+    if want_dtype is None and config is not None:
+        text = _text_config(config)
+        raw = getattr(text, "dtype", None) or getattr(config, "dtype", None)
+        want_dtype, source = _as_dtype(raw, "config.dtype"), "config.dtype"
+    if want_dtype is not None and first.dtype != want_dtype:
+        raise HFCacheError(
+            f"received KV of dtype {first.dtype}, the model expects {want_dtype} ({source}); "
+            "send the KV in the model's dtype or load the model in the KV's"
+        )
+
+
 def _dynamic_cache(keys: Sequence[Any], values: Sequence[Any], config: Any) -> Any:
     from transformers import DynamicCache
 
-    pairs = [
-        (_from_tokens(k), _from_tokens(v))
-        for k, v in zip(keys, values, strict=True)
-        if k is not None and v is not None
-    ]
-    if len(pairs) != len(keys):
-        raise HFCacheError(f"received KV has {len(keys) - len(pairs)} empty layer(s)")
-    try:
-        return DynamicCache(pairs, config=config)
-    except IndexError as exc:  # more received layers than the config has
-        raise HFCacheError(
-            f"received {len(pairs)} layers, which the given config does not describe: {exc}"
-        ) from exc
+    pairs = [(_from_tokens(k), _from_tokens(v)) for k, v in zip(keys, values, strict=True)]
+    return DynamicCache(pairs, config=config)
 
 
 def _from_tokens(t: torch.Tensor) -> torch.Tensor:
