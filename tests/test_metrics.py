@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -25,8 +27,9 @@ def test_snapshot_counts_outcomes_bytes_and_phases() -> None:
     snap = m.snapshot()
     assert snap["outcomes"] == {"send.failed": 1, "send.sent": 1}
     assert snap["bytes"] == {"send": 100}
-    assert snap["phases_ms"]["send.encode"] == {"count": 2, "mean": 3.0}
-    assert snap["phases_ms"]["send.put"] == {"count": 1, "mean": 4.0}
+    encode, put = snap["phases_ms"]["send.encode"], snap["phases_ms"]["send.put"]
+    assert (encode["count"], encode["mean"], encode["max"]) == (2, 3.0, 4.0)
+    assert (put["count"], put["mean"], put["p50"], put["p99"]) == (1, 4.0, 4.0, 4.0)
 
 
 def test_record_is_deferred_but_bounded_and_reads_its_timings_at_once() -> None:
@@ -41,7 +44,8 @@ def test_record_is_deferred_but_bounded_and_reads_its_timings_at_once() -> None:
     assert m._outcomes == {}  # queued, not folded yet
     snap = m.snapshot()
     assert snap["outcomes"] == {"recv.ok": 2} and snap["bytes"] == {"recv": 20}
-    assert snap["phases_ms"]["recv.wait"] == {"count": 1, "mean": 1.0}
+    wait = snap["phases_ms"]["recv.wait"]
+    assert (wait["count"], wait["mean"], wait["max"]) == (1, 1.0, 1.0)
     for _ in range(3 * TransferMetrics.FOLD_AT):
         m.record("send", "sent", 1, {"put_ms": 0.5})
         assert len(m._pending) <= TransferMetrics.FOLD_AT  # two folded per record above it
@@ -105,13 +109,14 @@ def test_histogram_buckets_are_upper_bounds_inclusive_and_overflow_to_inf() -> N
     """A value equal to a bound counts in that bound's bucket (Prometheus' ``le``); one above the
     last bound goes to +Inf; the process totals see the same observations."""
     h = metrics._Histogram()
-    for value in (0.0, 0.1, 0.1000001, 1.0, 5000.0, 5000.1, 1e9):
+    for value in (0.0, 0.1, 0.1000001, 1.0, 30000.0, 30000.1, 1e9):
         h.observe(value)
     bounds = metrics.BUCKETS_MS
-    assert h.buckets[bounds.index(0.1)] == 2  # 0.0 and 0.1
-    assert h.buckets[bounds.index(0.5)] == 1  # just above 0.1
+    assert h.buckets[bounds.index(0.05)] == 1  # 0.0
+    assert h.buckets[bounds.index(0.1)] == 1  # 0.1
+    assert h.buckets[bounds.index(0.2)] == 1  # just above 0.1
     assert h.buckets[bounds.index(1)] == 1
-    assert h.buckets[bounds.index(5000)] == 1
+    assert h.buckets[bounds.index(30000)] == 1
     assert h.buckets[-1] == 2  # +Inf
     assert h.count == 7 and sum(h.buckets) == 7
     parent_before = metrics._PROCESS.snapshot()["phases_ms"].get("recv.decode", {"count": 0})
@@ -119,3 +124,69 @@ def test_histogram_buckets_are_upper_bounds_inclusive_and_overflow_to_inf() -> N
     m.record("recv", "ok", 1, {"decode_ms": 0.2})
     after = metrics._PROCESS.snapshot()["phases_ms"]["recv.decode"]
     assert after["count"] == parent_before["count"] + 1
+
+
+def test_snapshot_percentiles_follow_the_distribution() -> None:
+    """p50/p90/p99 within one bucket of the true value, never outside what was observed."""
+    m = TransferMetrics(process_wide=False)
+    values = [0.3 + 0.01 * i for i in range(90)] + [40.0 + i for i in range(10)]  # 10% slow
+    for v in values:
+        m.record("recv", "ok", 1, {"wait_ms": v})
+    wait = m.snapshot()["phases_ms"]["recv.wait"]
+    assert wait["count"] == 100 and wait["max"] == 49.0
+    # the true values (the 50th, 90th and 99th of 100) and their buckets: 0.79 in (0.5, 1],
+    # 1.19 in (1, 2], 48 in (20, 50] (whose top is cut to the largest value seen, 49)
+    assert 0.5 <= wait["p50"] <= 1.0
+    assert 1.0 <= wait["p90"] <= 2.0
+    assert 20.0 <= wait["p99"] <= 49.0
+    assert wait["p50"] <= wait["p90"] <= wait["p99"] <= wait["max"]
+    single = TransferMetrics(process_wide=False)
+    single.record("send", "sent", 1, {"put_ms": 123.0})
+    put = single.snapshot()["phases_ms"]["send.put"]
+    assert put["p50"] == put["p99"] == put["max"] == 123.0  # one value: exact
+
+
+def test_histogram_quantiles_past_the_last_bound_stay_below_the_largest_value() -> None:
+    h = metrics._Histogram()
+    for v in (1e5, 2e5, 4e5):
+        h.observe(v)
+    assert 1e5 <= h.quantile(0.5) <= 4e5 and h.quantile(1.0) == 4e5
+    assert metrics._Histogram().quantile(0.5) == 0.0
+
+
+def test_serve_exposes_metrics_over_http_on_loopback() -> None:
+    import urllib.request
+
+    registry = CollectorRegistry()
+    server = metrics.serve(0, registry=registry)
+    try:
+        assert server.host == "127.0.0.1" and server.port > 0
+        m = TransferMetrics()
+        m.record("recv", "ok", 64, {"wait_ms": 2.0})
+        with urllib.request.urlopen(server.url, timeout=5) as response:
+            text = response.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert "omnikv_phase_seconds" in families and "omnikv_requests" in families
+        buckets = [
+            s for s in families["omnikv_phase_seconds"].samples if s.name.endswith("_bucket")
+        ]
+        assert any(s.labels.get("phase") == "wait" for s in buckets)
+    finally:
+        server.close()
+        metrics.unregister(registry)
+
+
+def test_a_managers_snapshot_has_percentiles(manager_pair: Any) -> None:
+    import torch
+
+    sender, receiver = manager_pair()
+    caches = [torch.ones(2, 3, 4, 2, 8) for _ in range(2)]
+    for i in range(5):
+        sender.handle_finished_requests_kv_transfer(
+            {f"r{i}": {"block_ids": [0, 1], "seq_len": 6}}, caches, 4, "float32"
+        )
+        assert receiver.receive_kv_cache_for_request(f"r{i}")[0] is not None
+    for manager, phase in ((sender, "send.encode_put"), (receiver, "recv.wait")):
+        stats = manager.metrics.snapshot()["phases_ms"][phase]
+        assert stats["count"] == 5
+        assert 0.0 <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]

@@ -10,46 +10,116 @@ process:
 * ``omnikv_bytes_total{direction}`` (counter),
 * ``omnikv_phase_seconds{direction, phase}`` (histogram; buckets :data:`BUCKETS_MS` / 1000).
 
+Prometheus computes percentiles from the histogram (``histogram_quantile(0.99, ...)``);
+:meth:`TransferMetrics.snapshot` gives them directly (``p50``/``p90``/``p99``, interpolated within
+a bucket as Prometheus does, and kept inside the smallest and largest value seen). To serve
+``/metrics`` without an application server of one's own, :func:`serve` starts
+``prometheus_client``'s HTTP endpoint (loopback by default)::
+
+    server = omnikv.metrics.serve(9400)      # http://127.0.0.1:9400/metrics
+    ...
+    server.close()
+
 Recording is cheap and thread-safe and never raises; ``prometheus_client`` is imported only by
-:func:`register`.
+:func:`register` and :func:`serve`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["BUCKETS_MS", "TransferMetrics", "register", "unregister"]
+__all__ = [
+    "BUCKETS_MS",
+    "PERCENTILES",
+    "MetricsServer",
+    "TransferMetrics",
+    "register",
+    "serve",
+    "unregister",
+]
 
-#: Histogram bucket upper bounds in milliseconds.
-BUCKETS_MS: tuple[float, ...] = (0.1, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000)
+#: Histogram bucket upper bounds in milliseconds (1-2-5 steps from 50 us to 30 s).
+BUCKETS_MS: tuple[float, ...] = (
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    20,
+    50,
+    100,
+    200,
+    500,
+    1000,
+    2000,
+    5000,
+    10000,
+    30000,
+)
+#: The percentiles :meth:`TransferMetrics.snapshot` reports for every phase.
+PERCENTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
 
 class _Histogram:
-    __slots__ = ("buckets", "count", "total")
+    __slots__ = ("buckets", "count", "high", "low", "total")
 
     def __init__(self) -> None:
         self.buckets = [0] * (len(BUCKETS_MS) + 1)  # per bucket, the last one is +Inf
         self.count = 0
         self.total = 0.0
+        self.low = math.inf
+        self.high = -math.inf
 
     def observe(self, value: float) -> None:
         self.count += 1
         self.total += value
+        self.low = min(self.low, value)
+        self.high = max(self.high, value)
         # the first bound >= value; past the last bound: the +Inf bucket
         self.buckets[bisect_left(BUCKETS_MS, value)] += 1
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile (0 < q <= 1), interpolated linearly within its bucket (as
+        Prometheus' ``histogram_quantile``) and kept within the smallest and largest value seen;
+        0.0 when empty."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        below = 0
+        for i, n in enumerate(self.buckets):
+            if n and below + n >= rank:
+                lower = BUCKETS_MS[i - 1] if i else 0.0
+                upper = BUCKETS_MS[i] if i < len(BUCKETS_MS) else self.high
+                lower, upper = max(lower, self.low), min(upper, self.high)
+                return lower + (upper - lower) * max(0.0, rank - below) / n
+            below += n
+        return self.high
+
+    def summary(self) -> dict[str, float]:
+        """``count``, ``mean``, :data:`PERCENTILES` and ``max`` (ms), for :meth:`snapshot`."""
+        out = {"count": self.count, "mean": self.total / self.count if self.count else 0.0}
+        out.update((name, self.quantile(q)) for name, q in PERCENTILES)
+        out["max"] = self.high if self.count else 0.0
+        return out
 
     def copy(self) -> _Histogram:
         out = _Histogram()
         out.buckets, out.count, out.total = list(self.buckets), self.count, self.total
+        out.low, out.high = self.low, self.high
         return out
 
 
@@ -125,15 +195,16 @@ class TransferMetrics:
                     hist.observe(value)
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain-data copy: outcomes, bytes, and per-phase count / mean (ms)."""
+        """Plain-data copy: outcomes, bytes, and per phase (``"recv.wait"``, ...) its ``count``,
+        ``mean``, ``p50``, ``p90``, ``p99`` and ``max`` in milliseconds (percentiles from the
+        histogram: exact to within one bucket of :data:`BUCKETS_MS`)."""
         self._fold()
         with self._lock:
             return {
                 "outcomes": {f"{d}.{s}": n for (d, s), n in sorted(self._outcomes.items())},
                 "bytes": dict(self._bytes),
                 "phases_ms": {
-                    f"{d}.{p}": {"count": h.count, "mean": h.total / h.count if h.count else 0.0}
-                    for (d, p), h in sorted(self._phases.items())
+                    f"{d}.{p}": h.summary() for (d, p), h in sorted(self._phases.items())
                 },
             }
 
@@ -223,3 +294,44 @@ def unregister(registry: CollectorRegistry | None = None) -> None:
         collector = _registered.pop(target, None)
         if collector is not None:
             target.unregister(collector)  # type: ignore[arg-type]
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint made by :func:`serve`; :meth:`close` stops it."""
+
+    host: str
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metrics``."""
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and join the server thread. Idempotent."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve(
+    port: int = 0, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None
+) -> MetricsServer:
+    """Serve Prometheus' text format at ``http://addr:port/metrics`` from a daemon thread.
+
+    For a process that has no HTTP server of its own: registers omnikv's collector with
+    ``registry`` (:func:`register`; default: ``prometheus_client.REGISTRY``, so the process's
+    other metrics are served too) and starts ``prometheus_client.start_http_server``. Binds
+    ``addr`` as given: loopback unless told otherwise. ``port`` 0 picks a free port (see
+    :attr:`MetricsServer.port`). Raises ``ImportError`` naming the extra without
+    ``prometheus_client`` and ``OSError`` when the address cannot be bound.
+    """
+    register(registry)
+    import prometheus_client
+
+    target = prometheus_client.REGISTRY if registry is None else registry
+    server, thread = prometheus_client.start_http_server(port, addr=addr, registry=target)
+    return MetricsServer(addr, int(server.server_port), server, thread)
