@@ -409,13 +409,14 @@ def test_a_different_model_never_loads(edge: Any) -> None:
 
 # -- concurrency and deadlines --------------------------------------------------------------------
 def test_bogus_loads_do_not_delay_a_genuine_one(edge: Any) -> None:
-    """Three admitted loads that will never arrive, then a genuine one: it is not queued."""
+    """Three admitted loads that will never arrive, then a genuine one, on ONE main load thread:
+    each bogus load leaves it after ``load_first_wait_s`` to wait on the waiting pool."""
     from omnikv.integrations.vllm.binding import new_transfer_id
 
     ns = edge.consumer_omni["connector_config"]["namespace"]
     conn = dict(edge.conn)
     slow = {"stage_id": 1, "recv_timeout": 5.0, "connector_config": conn}
-    consumer = _pair("kv_consumer", slow)
+    consumer = _pair("kv_consumer", slow, max_concurrent_loads=1, load_first_wait_s=0.1)
     edge.made.append(consumer)
     from omnikv.integrations.vllm.binding import producer_tag
 

@@ -2,7 +2,11 @@
 
 Runs in ``.venv-vllm`` (``make test-vllm``); skipped where vLLM is not installed. Four engines
 (producer and consumer, float32 and bfloat16) start once for the module, in parallel; they talk
-over SharedMemoryConnector in a namespace of their own.
+over SharedMemoryConnector in a namespace of their own. The float32 pair runs with prefix caching
+(vLLM's served default), the bfloat16 pair with an ``auth_secret``.
+
+The attacks here are what a served deployment meets: clients that send ids that were never
+issued, ids stolen from another client, KV that does not fit the request, ``n > 1``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             slow = "SlowSharedMemoryConnector" if role == "kv_producer" else "SharedMemoryConnector"
             omni = shm_omni_kv_config(ns, role, recv_timeout=4.0, connector=slow)
             configs.append(
-                {"model": str(models[dtype]), "dtype": dtype, "role": role, "omni_kv_config": omni}
+                {
+                    "model": str(models[dtype]),
+                    "dtype": dtype,
+                    "role": role,
+                    "omni_kv_config": omni,
+                    "prefix_caching": dtype == "float32",
+                    "connector_extra": {"auth_secret": "engine-secret"}
+                    if dtype == "bfloat16"
+                    else {},
+                }
             )
             logs.append(root / f"{role}-{dtype}.log")
     engines = start_test_engines(configs, logs, timeout=600)
@@ -137,30 +150,173 @@ def test_producer_keeps_serving_while_a_send_is_in_flight(setup: dict[str, Any])
     assert _tokens(got) == _tokens(reference)
 
 
-def test_miss_and_mismatch_fall_back_to_recomputation(setup: dict[str, Any]) -> None:
-    from omnikv.integrations.vllm import token_digest
+def _never_issued(params: dict[str, Any], salt: int = 0) -> dict[str, Any]:
+    """The params with the random part of the id replaced: well-formed, right tag, never sent
+    (and without the client's binding, so that admission lets it through to a wait)."""
+    tid = params["omnikv_transfer_id"]
+    head, nonce = tid[: len("okv1-") + 9], tid[len("okv1-") + 9 :]
+    rnd = random.Random(f"{tid}/{salt}")
+    fresh = "".join(rnd.choice("0123456789abcdef") for _ in nonce)
+    out = dict(params, omnikv_transfer_id=head + fresh)
+    out.pop("omnikv_binding", None)
+    return out
 
-    _, consumer = setup["pairs"]["float32"]
-    (prompt,) = _prompts(3, (70,))
-    reference = _tokens(consumer.call("generate", prompts=[prompt], max_tokens=8))
-    missing = {
-        "do_remote_prefill": True,
-        "omnikv_transfer_id": "never-sent",
-        "omnikv_num_tokens": len(prompt),
-        "omnikv_token_digest": token_digest(prompt),
+
+def _counts(engine: Any) -> dict[str, int]:
+    return dict(engine.call("stats")["stats"]) | {
+        f"scheduler.{k}": v for k, v in engine.call("scheduler_stats")["stats"].items()
     }
-    other = dict(missing, omnikv_token_digest=token_digest(prompt[::-1]))
-    before = consumer.call("stats")["stats"]
+
+
+def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def test_ids_that_cannot_be_ours_are_refused_at_once_and_misses_fall_back(
+    setup: dict[str, Any],
+) -> None:
+    producer, consumer = setup["pairs"]["float32"]
+    (prompt,) = _prompts(3, (70,))
+    (params,) = _send(producer, [prompt])
+    reference = _tokens(consumer.call("generate", prompts=[prompt], max_tokens=8))
+    garbage = dict(params, omnikv_transfer_id="never-sent")
+    foreign = dict(params, omnikv_transfer_id="okv1-deadbeef-" + "0" * 32)
+    before = _counts(consumer)
     got = consumer.call(
-        "generate", prompts=[prompt, prompt], max_tokens=8, kv_transfer_params=[missing, other]
+        "generate",
+        prompts=[prompt] * 3,
+        max_tokens=8,
+        kv_transfer_params=[garbage, foreign, _never_issued(params)],
     )
-    after = consumer.call("stats")["stats"]
-    assert _tokens(got) == reference * 2
-    # The miss was attempted, timed out and counted; the mismatching digest was never loaded.
-    assert after.get("loads_fallback", 0) - before.get("loads_fallback", 0) == 1
-    assert after.get("loads_ok", 0) == before.get("loads_ok", 0)
-    record = consumer.call("record", transfer_id="never-sent")["record"]
-    assert record["ok"] is False and "timeout" in record["reason"]
+    after = _counts(consumer)
+    assert _tokens(got) == reference * 3
+    # Malformed and foreign ids were refused at admission; the well-formed one was waited for.
+    assert _delta(after, before, "scheduler.loads_refused") == 2
+    assert _delta(after, before, "loads_failed") == 1
+    assert _delta(after, before, "loads_ok") == 0
+    record = consumer.call("record", transfer_id=_never_issued(params)["omnikv_transfer_id"])
+    assert record["record"]["ok"] is False and "timeout" in record["record"]["reason"]
+
+
+def test_bogus_ids_do_not_delay_a_genuine_load(setup: dict[str, Any]) -> None:
+    """Three never-issued ids (each waits its 4 s recv_timeout) and a genuine one, one batch."""
+    producer, consumer = setup["pairs"]["float32"]
+    prompts = _prompts(5, (50, 51, 52, 53))
+    params = _send(producer, prompts[3:])
+    bogus = [_never_issued(params[0], i) for i in range(3)]
+    before = _counts(consumer)
+    got = consumer.call(
+        "generate", prompts=prompts, max_tokens=4, kv_transfer_params=[*bogus, params[0]]
+    )
+    after = _counts(consumer)
+    reference = consumer.call("generate", prompts=prompts, max_tokens=4)
+    assert _tokens(got) == _tokens(reference)
+    assert _delta(after, before, "loads_ok") == 1
+    assert _delta(after, before, "loads_failed") == 3
+    record = consumer.call("record", transfer_id=params[0]["omnikv_transfer_id"])["record"]
+    assert record["ok"] and record["end"] - record["submitted"] < 1.0  # not behind 3 x 4 s
+
+
+def test_a_stolen_id_neither_loads_into_another_prompt_nor_destroys_the_payload(
+    setup: dict[str, Any],
+) -> None:
+    producer, consumer = setup["pairs"]["float32"]
+    victim_prompt, thief_prompt = _prompts(6, (66, 66))
+    (params,) = _send(producer, [victim_prompt])
+    stolen = {k: v for k, v in params.items() if k != "omnikv_binding"}
+    before = _counts(consumer)
+    thief = consumer.call(
+        "generate", prompts=[thief_prompt], max_tokens=8, kv_transfer_params=[stolen]
+    )
+    victim = consumer.call(
+        "generate", prompts=[victim_prompt], max_tokens=8, kv_transfer_params=[params]
+    )
+    after = _counts(consumer)
+    assert _delta(after, before, "loads_failed") == 1  # the thief waited and recomputed
+    assert _delta(after, before, "loads_ok") == 1  # the victim's payload was still there
+    ref = consumer.call("generate", prompts=[thief_prompt, victim_prompt], max_tokens=8)
+    assert _tokens(thief) + _tokens(victim) == _tokens(ref)
+
+
+def test_kv_for_another_cache_salt_is_never_loaded_nor_cached(setup: dict[str, Any]) -> None:
+    """Same tokens, other salt: another tenant's KV never loads; the prefix cache stays clean."""
+    producer, consumer = setup["pairs"]["float32"]
+    (prompt,) = _prompts(7, (90,))
+    sent = producer.call(
+        "sample",
+        requests=[
+            {
+                "prompt": prompt,
+                "max_tokens": 1,
+                "cache_salt": "tenant-a",
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
+        ],
+    )
+    params = sent["outputs"][0]["kv_transfer_params"]
+    producer.call("pump", transfer_ids=[params["omnikv_transfer_id"]])
+    stripped = {k: v for k, v in params.items() if k != "omnikv_binding"}
+    before = _counts(consumer)
+    got = consumer.call(
+        "sample",
+        requests=[
+            {"prompt": prompt, "cache_salt": "tenant-b", "kv_transfer_params": stripped},
+            {"prompt": prompt, "cache_salt": "tenant-c", "kv_transfer_params": params},
+        ],
+    )
+    after = _counts(consumer)
+    assert _delta(after, before, "loads_ok") == 0
+    assert _delta(after, before, "loads_failed") == 1  # looked up its own key: a miss
+    assert _delta(after, before, "scheduler.loads_refused") == 1  # the client's binding differs
+    plain = consumer.call("sample", requests=[{"prompt": prompt}, {"prompt": prompt}])
+    reference = _tokens(consumer.call("generate", prompts=[prompt], max_tokens=8))
+    assert [o["samples"][0] for o in got["outputs"]] == reference * 2
+    assert [o["samples"][0] for o in plain["outputs"]] == reference * 2
+
+
+def test_n_greater_than_one_loads_once(setup: dict[str, Any]) -> None:
+    producer, consumer = setup["pairs"]["float32"]
+    (prompt,) = _prompts(8, (80,))
+    (params,) = _send(producer, [prompt])
+    before = _counts(consumer)
+    got = consumer.call(
+        "sample",
+        requests=[
+            {"prompt": prompt, "n": 3, "temperature": 0.8, "seed": 1, "kv_transfer_params": params}
+        ],
+    )
+    after = _counts(consumer)
+    assert len(got["outputs"][0]["samples"]) == 3
+    assert _delta(after, before, "loads_ok") == 1
+    assert _delta(after, before, "loads_failed") == 0
+
+
+def test_with_a_secret_forged_ids_are_refused_and_nothing_is_poisoned(
+    setup: dict[str, Any],
+) -> None:
+    producer, consumer = setup["pairs"]["bfloat16"]
+    (prompt,) = _prompts(9, (60,))
+    (params,) = _send(producer, [prompt])
+    assert len(params["omnikv_transfer_id"].split("-")) == 4
+    tid = params["omnikv_transfer_id"]
+    forged = dict(params, omnikv_transfer_id=tid[:-4] + ("0000" if tid[-4:] != "0000" else "1111"))
+    other_prompt = _prompts(10, (60,))[0]
+    before = _counts(consumer)
+    got = consumer.call(
+        "generate",
+        prompts=[prompt, other_prompt],
+        max_tokens=8,
+        kv_transfer_params=[forged, {k: v for k, v in params.items() if k != "omnikv_binding"}],
+    )
+    after = _counts(consumer)
+    assert _delta(after, before, "scheduler.loads_refused") == 2
+    assert _delta(after, before, "loads_ok") + _delta(after, before, "loads_failed") == 0
+    reference = consumer.call("generate", prompts=[prompt, other_prompt], max_tokens=8)
+    assert _tokens(got) == _tokens(reference)
+    # The genuine params still load.
+    again = consumer.call("generate", prompts=[prompt], max_tokens=8, kv_transfer_params=[params])
+    assert _tokens(again) == _tokens(reference)[:1]
+    assert _delta(_counts(consumer), after, "loads_ok") == 1
 
 
 def test_vllm_producer_to_transformers_consumer(setup: dict[str, Any]) -> None:
@@ -170,14 +326,16 @@ def test_vllm_producer_to_transformers_consumer(setup: dict[str, Any]) -> None:
 
     from omnikv.bench.vllm import shm_omni_kv_config
     from omnikv.config import config_from_dict, options_from_dict
+    from omnikv.integrations.vllm import payload_key
     from omnikv.manager import OmniKVTransferManager
 
     producer, _ = setup["pairs"]["float32"]
     (prompt,) = _prompts(4, (77,))
     (params,) = _send(producer, [prompt])
     cfg = shm_omni_kv_config(f"{setup['namespace']}-float32", "kv_consumer", recv_timeout=10.0)
+    key = payload_key(params["omnikv_transfer_id"], params["omnikv_binding"])
     with OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)) as manager:
-        result = manager.receive_kv_cache_result(params["omnikv_transfer_id"])
+        result = manager.receive_kv_cache_result(key)
         assert result.ok, result.reason
         assert result.data is not None
         blocks = result.data["layer_blocks"]

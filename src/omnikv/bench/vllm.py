@@ -222,7 +222,10 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
             kv_connector_module_path="omnikv.integrations.vllm",
             kv_role=cfg["role"],
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"omni_kv_config": cfg["omni_kv_config"]},
+            kv_connector_extra_config={
+                "omni_kv_config": cfg["omni_kv_config"],
+                **cfg.get("connector_extra", {}),
+            },
         )
     max_len = int(cfg.get("max_model_len", 512))
     return LLM(
@@ -232,7 +235,7 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
         block_size=32,
         max_model_len=max_len,
         max_num_batched_tokens=max_len,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
         kv_transfer_config=ktc,
         seed=0,
     )

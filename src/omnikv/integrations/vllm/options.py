@@ -10,6 +10,9 @@ Keys:
 * ``vllm_kv_layout``: the cache layout, when the attention backend does not say it.
 * ``max_concurrent_loads`` (16): loads in flight at once on a consumer worker; more wait in
   order, each still bound by its own deadline (counted from admission).
+* ``load_first_wait_s`` (0.5): how long a load waits for its KV on those threads; one whose KV
+  has not arrived by then waits out the rest of its deadline on one of ``max_waiting_loads``
+  (64) other threads, so ids that never arrive cannot hold up loads whose KV is there.
 * ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
 * ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
   request and payloads a MAC over their bytes. Falls back to
@@ -30,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omnikv.config import parse_bool, parse_int, parse_secret
+from omnikv.config import parse_bool, parse_int, parse_positive, parse_secret
 from omnikv.errors import ConfigError
 from omnikv.integrations.vllm.binding import is_tag, producer_tag
 from omnikv.layouts import VLLM_LAYOUTS
@@ -45,6 +48,8 @@ _KNOWN = frozenset(
         "vllm_kv_layout",
         "max_concurrent_loads",
         "max_concurrent_sends",
+        "max_waiting_loads",
+        "load_first_wait_s",
         "auth_secret",
         "model_id",
         "producer_tag",
@@ -61,6 +66,8 @@ class ConnectorOptions:
     omni_kv_config: dict[str, Any]
     layout: str | None
     max_concurrent_loads: int
+    max_waiting_loads: int
+    load_first_wait_s: float
     max_concurrent_sends: int
     secret: bytes | None
     model_id: str | None
@@ -121,6 +128,8 @@ def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -
         max_concurrent_loads=parse_int(
             "max_concurrent_loads", extra.get("max_concurrent_loads"), 16
         ),
+        max_waiting_loads=parse_int("max_waiting_loads", extra.get("max_waiting_loads"), 64),
+        load_first_wait_s=parse_positive("load_first_wait_s", extra.get("load_first_wait_s"), 0.5),
         max_concurrent_sends=parse_int(
             "max_concurrent_sends", extra.get("max_concurrent_sends"), 4
         ),

@@ -13,6 +13,11 @@ Guarantees:
   and ``max_concurrent_loads`` threads), so one slow or stuck transfer never serialises the
   others. Each load's deadline counts from its admission; a load still queued at its deadline
   fails at once, without waiting.
+* **Loads that wait do not hold up loads that are ready.** A load waits at most
+  ``load_first_wait_s`` on the main pool; if its KV has not arrived by then (a never-issued id,
+  a slow producer), it moves to a second pool (``max_waiting_loads`` threads) for the rest of its
+  deadline, and the main pool's thread takes the next load. Ids that never arrive can fill the
+  waiting pool, never the main one.
 * **Check before write.** A load looks up only the key its own binding gives (see
   :mod:`.binding`); what it receives is then checked whole (binding, MAC with ``auth_secret``,
   layer count, tokens, heads, head size, dtype, optionally finiteness) before a byte is written
@@ -49,6 +54,7 @@ from omnikv.integrations.vllm.options import ConnectorOptions
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
 from omnikv.layouts import BlockGather, scatter_tokens, vllm_layer_kv_views
 from omnikv.manager import OmniKVTransferManager
+from omnikv.receiver import ReceiveStatus
 
 __all__ = ["META_BINDING", "META_MAC", "WorkerSide"]
 
@@ -59,6 +65,27 @@ META_BINDING = "omnikv_binding"
 META_MAC = "omnikv_mac"
 
 LayerViews = tuple[torch.Tensor, torch.Tensor]
+#: Failure warnings are logged at most once per this many seconds (each failure: DEBUG).
+WARN_EVERY_S = 10.0
+
+
+class _RateLimitedWarning:
+    """One WARNING per :data:`WARN_EVERY_S` with the count of failures since the last one, so
+    that a client sending nonsense cannot flood the server's log (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = -WARN_EVERY_S
+        self._count = 0
+
+    def warn(self, template: str, detail: str | None) -> None:
+        with self._lock:
+            self._count += 1
+            now = time.monotonic()
+            if now - self._last < WARN_EVERY_S:
+                return
+            count, self._count, self._last = self._count, 0, now
+        logger.warning(template, count, WARN_EVERY_S, detail)
 
 
 class WorkerSide:
@@ -78,6 +105,10 @@ class WorkerSide:
         self._load_pool = ThreadPoolExecutor(
             options.max_concurrent_loads, thread_name_prefix="omnikv-vllm-load"
         )
+        self._wait_pool = ThreadPoolExecutor(
+            options.max_waiting_loads, thread_name_prefix="omnikv-vllm-wait"
+        )
+        self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._running = 0
@@ -144,7 +175,7 @@ class WorkerSide:
             self._running += len(starts)
         for spec, deadline, abort in starts:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
-            self._load_pool.submit(self._load, spec, deadline, abort)
+            self._load_pool.submit(self._load, spec, deadline, abort, True)
 
     def start_sends(self) -> None:
         """``wait_for_save``: start the sends noted at bind (asynchronous; the blocks stay
@@ -199,7 +230,7 @@ class WorkerSide:
             if reason is None:
                 reason, nbytes = self._put(spec)
         except Exception as exc:  # the thread must always report, or the blocks stay held
-            logger.exception("OmniKVConnector: send of %s raised", spec.transfer_id)
+            logger.debug("OmniKVConnector: send of %s raised", spec.transfer_id, exc_info=True)
             reason = f"{type(exc).__name__}: {exc}"
         ok = reason is None
         end = time.monotonic()
@@ -219,7 +250,12 @@ class WorkerSide:
             self._sent.add(spec.req_id)
             self._done()
         if not ok:
-            logger.error("OmniKVConnector: send of %s failed: %s", spec.transfer_id, reason)
+            logger.debug("OmniKVConnector: send of %s failed: %s", spec.transfer_id, reason)
+            self._warned.warn(
+                "OmniKVConnector: %d send(s) failed in the last %.0f s (see the sends_failed "
+                "count); latest: %s",
+                reason,
+            )
 
     def _put(self, spec: SendSpec) -> tuple[str | None, int]:
         views: list[Any] = list(self.views.values())
@@ -252,15 +288,22 @@ class WorkerSide:
         return f"{result.status.value}: {result.reason}", 0
 
     # -- consumer ---------------------------------------------------------------------------
-    def _load(self, spec: LoadSpec, deadline: float, abort: threading.Event) -> None:
+    def _load(self, spec: LoadSpec, deadline: float, abort: threading.Event, first: bool) -> None:
+        """One attempt of a load: on the main pool (``first``) bounded by ``load_first_wait_s``,
+        then, if nothing arrived, once more on the waiting pool until the deadline."""
         t0 = time.monotonic()
         reason = self.layout_error
         nbytes = 0
         try:
             if reason is None:
-                reason, nbytes = self._receive_into_blocks(spec, deadline, abort)
+                until = min(deadline, t0 + self.options.load_first_wait_s) if first else deadline
+                outcome = self._receive_into_blocks(spec, deadline, until, abort)
+                if outcome is None:  # not there yet: wait for it off the main pool
+                    self._wait_pool.submit(self._load, spec, deadline, abort, False)
+                    return
+                reason, nbytes = outcome
         except Exception as exc:  # any failure means: recompute, never use the blocks
-            logger.exception("OmniKVConnector: load of %s raised", spec.transfer_id)
+            logger.debug("OmniKVConnector: load of %s raised", spec.transfer_id, exc_info=True)
             reason = f"{type(exc).__name__}: {exc}"
         ok = reason is None
         end = time.monotonic()
@@ -269,7 +312,6 @@ class WorkerSide:
             block_ids=list(spec.block_ids),
             num_tokens=spec.end,
             loaded_from=spec.start,
-            start=t0,
             end=end,
             ok=ok,
             reason=reason,
@@ -278,7 +320,7 @@ class WorkerSide:
             self.counters.add("loads_ok")
             self.counters.add("tokens_loaded", spec.end - spec.start)
             self.counters.add("bytes_loaded", nbytes)
-            self.counters.observe("load_seconds", end - t0)
+            self.counters.observe("load_seconds", end - (deadline - spec.remaining_s))
         else:
             self.counters.add("loads_failed")
         with self._lock:
@@ -288,21 +330,30 @@ class WorkerSide:
                 self._failed.add(spec.req_id)
             self._done()
         if not ok:
-            logger.warning(
-                "OmniKVConnector: KV of %s (request %s) not loaded, recomputing the prefill: %s",
+            logger.debug(
+                "OmniKVConnector: KV of %s (request %s) not loaded: %s",
                 spec.transfer_id,
                 spec.req_id,
                 reason,
             )
+            self._warned.warn(
+                "OmniKVConnector: %d load(s) failed and recomputed their prefill in the last "
+                "%.0f s (see the loads_failed count); latest: %s",
+                reason,
+            )
 
     def _receive_into_blocks(
-        self, spec: LoadSpec, deadline: float, abort: threading.Event
-    ) -> tuple[str | None, int]:
+        self, spec: LoadSpec, deadline: float, until: float, abort: threading.Event
+    ) -> tuple[str | None, int] | None:
+        """Receive ``spec``'s payload until ``until``, check it, write it: (reason, bytes), or
+        ``None`` when nothing arrived by ``until`` and the deadline is still ahead."""
         if abort.is_set():
             return "cancelled: the request was aborted", 0
         if time.monotonic() >= deadline:
             return "timeout: recv_timeout passed before the load could start", 0
-        result = self.manager.receive_kv_cache_result(spec.key, deadline=deadline, abort=abort)
+        result = self.manager.receive_kv_cache_result(spec.key, deadline=until, abort=abort)
+        if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
+            return None
         if not result.ok or result.data is None:
             return f"receive {result.status.value}: {result.reason}", 0
         data = result.data
@@ -352,5 +403,6 @@ class WorkerSide:
             for event in self._aborts.values():
                 event.set()
         self._send_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)  # may still hand loads to the waiting pool
+        self._wait_pool.shutdown(wait=True)
         self.manager.close()
