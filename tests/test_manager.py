@@ -452,3 +452,24 @@ def test_a_reference_merger_gets_the_shards_of_every_sender_rank(
     data, _ = receiver.receive_kv_cache_for_request("m")
     assert data is not None and len(merged) == 1 and len(merged[0]) == 2
     assert [p["block_ids"] for p in merged[0]] == [[0], [1]] and data["block_ids"] == [1]
+
+
+def test_a_quiet_receive_logs_its_miss_at_debug_only(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Callers that count misses themselves (the vLLM consumer) keep clients from flooding logs."""
+    import logging
+
+    receiver = make_manager("receiver")
+    with caplog.at_level(logging.DEBUG, logger="omnikv.receiver"):
+        quiet = receiver.receive_kv_cache_result(
+            "never-sent", deadline=time.monotonic() + 0.05, quiet=True
+        )
+        assert quiet.status.value == "timeout"
+        assert [r.levelno for r in caplog.records if r.name == "omnikv.receiver"] == [logging.DEBUG]
+        caplog.clear()
+        loud = receiver.receive_kv_cache_result("never-sent", deadline=time.monotonic() + 0.05)
+        assert loud.status.value == "timeout"
+        assert [r.levelno for r in caplog.records if r.name == "omnikv.receiver"] == [
+            logging.WARNING
+        ]

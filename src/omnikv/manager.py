@@ -267,8 +267,10 @@ class OmniKVTransferManager:
         sender_info: dict[str, Any] | None = None,
         deadline: float | None = None,
         abort: Event | None = None,
+        quiet: bool = False,
     ) -> ReceiveResult:
-        """:meth:`receive_kv_cache_for_request` as a ReceiveResult; ``abort`` -> ``CANCELLED``."""
+        """:meth:`receive_kv_cache_for_request` as a ReceiveResult; ``abort`` -> ``CANCELLED``;
+        ``quiet``: a miss is logged at DEBUG, not WARNING (the caller counts misses)."""
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
         deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
@@ -279,6 +281,7 @@ class OmniKVTransferManager:
             per_call=per_call,
             target_device=target_device,
             abort=abort,
+            quiet=quiet,
         )
         return self._log.received(result)
 

@@ -225,8 +225,12 @@ class KVReceiver:
         per_call: bool = False,
         target_device: torch.device | str | None = None,
         abort: threading.Event | None = None,
+        quiet: bool = False,
     ) -> ReceiveResult:
         """:meth:`fetch` as a :class:`ReceiveResult`; raises only ``KVPrefetchConsumeError``.
+
+        A miss is logged at WARNING (timeout) or ERROR, or at DEBUG with ``quiet`` (for callers
+        that count and report misses themselves, so that clients cannot flood the log).
 
         ``deadline`` ``None``: ``recv_timeout`` from now; ``sender``: this call's endpoint
         (``per_call``), else :attr:`sender`. A result kept by
@@ -256,7 +260,7 @@ class KVReceiver:
                 trace=trace,
             )
         except OmniKVError as exc:
-            return self._miss(request_id, exc, t0, trace.keys)
+            return self._miss(request_id, exc, t0, trace.keys, quiet)
         waited = trace.timings_ms.get("wait_ms", 0.0) / 1e3
         return ReceiveResult(
             request_id, ReceiveStatus.OK, kv, kv.nbytes, trace.keys, None, waited, trace.timings_ms
@@ -281,11 +285,16 @@ class KVReceiver:
         return ReceiveResult(request_id, status, reason=reason)
 
     @staticmethod
-    def _miss(request_id: str, exc: OmniKVError, t0: float, keys: list[str]) -> ReceiveResult:
+    def _miss(
+        request_id: str, exc: OmniKVError, t0: float, keys: list[str], quiet: bool
+    ) -> ReceiveResult:
         status = next((s for kind, s in _STATUS if isinstance(exc, kind)), None)
         if status is None:
             raise exc
-        log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
+        if quiet:
+            log = logger.debug
+        else:
+            log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
         log("KV receive for %s failed (%s): %s", request_id, status.value, exc)
         return ReceiveResult(request_id, status, None, 0, keys, str(exc), time.monotonic() - t0)
 

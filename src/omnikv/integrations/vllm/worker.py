@@ -351,7 +351,9 @@ class WorkerSide:
             return "cancelled: the request was aborted", 0
         if time.monotonic() >= deadline:
             return "timeout: recv_timeout passed before the load could start", 0
-        result = self.manager.receive_kv_cache_result(spec.key, deadline=until, abort=abort)
+        result = self.manager.receive_kv_cache_result(
+            spec.key, deadline=until, abort=abort, quiet=True
+        )
         if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
             return None
         if not result.ok or result.data is None:
