@@ -320,7 +320,9 @@ class WorkerSide:
             self.counters.add("loads_ok")
             self.counters.add("tokens_loaded", spec.end - spec.start)
             self.counters.add("bytes_loaded", nbytes)
-            self.counters.observe("load_seconds", end - (deadline - spec.remaining_s))
+            # From admission: the deadline is ``recv_timeout`` after it, on this worker's clock.
+            admitted = deadline - self.manager.config.recv_timeout
+            self.counters.observe("load_seconds", end - admitted)
         else:
             self.counters.add("loads_failed")
         with self._lock:
