@@ -1,0 +1,276 @@
+"""examples/pd_router.py against stand-in servers (aiohttp apps on loopback): what it sends to the
+producer and the consumer, streaming pass-through, errors, /v1/models and /health. The router
+in front of real vLLM servers is tested in tests/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402 - after the skip
+
+ROUTER_PATH = Path(__file__).resolve().parents[1] / "examples" / "pd_router.py"
+PARAMS = {"do_remote_prefill": True, "omnikv_transfer_id": "okv1-0123abcd-" + "5" * 32}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _load_router() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pd_router", ROUTER_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pd_router"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pd_router = _load_router()
+
+
+class Upstream:
+    """A stand-in for one vLLM server: records what it was sent, answers with ``handler``."""
+
+    def __init__(self, handler: Handler | None = None) -> None:
+        self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.handler = handler
+        self.app = web.Application()
+        self.app.router.add_post("/v1/completions", self._post)
+        self.app.router.add_post("/v1/chat/completions", self._post)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self.health_status = 200
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append((request.path, body, dict(request.headers)))
+        if self.handler is not None:
+            return await self.handler(request)
+        return web.json_response({"choices": [{"text": " w1"}], "kv_transfer_params": PARAMS})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+
+@asynccontextmanager
+async def _serve(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def _deployment(
+    producer: Upstream, consumer: Upstream, *, consumer_url: str | None = None
+) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    async with _serve(producer.app) as p_url, _serve(consumer.app) as c_url:
+        app = pd_router.build_app(p_url, consumer_url or c_url, timeout_s=10.0)
+        async with _serve(app) as r_url, aiohttp.ClientSession() as session:
+            yield r_url, session
+
+
+def _run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+
+
+def _post_once(producer: Upstream, consumer: Upstream, path: str, body: Any) -> tuple[int, Any]:
+    """One POST through a router in front of ``producer`` and ``consumer``: (status, JSON)."""
+    out: list[tuple[int, Any]] = []
+
+    async def go() -> None:
+        async with (
+            _deployment(producer, consumer) as (url, session),
+            session.post(url + path, json=body) as r,
+        ):
+            out.append((r.status, await r.json()))
+
+    _run(go())
+    return out[0]
+
+
+BODY = {
+    "model": "tiny",
+    "prompt": [5, 6, 7],
+    "max_tokens": 16,
+    "temperature": 0.0,
+    "n": 2,
+    "stream_options": {"include_usage": True},
+    "kv_transfer_params": {"do_remote_prefill": True, "omnikv_transfer_id": "stolen"},
+}
+
+
+def test_prefill_on_the_producer_then_decode_on_the_consumer_with_its_params() -> None:
+    producer, consumer = Upstream(), Upstream()
+
+    async def go() -> None:
+        async with _deployment(producer, consumer) as (url, session):
+            headers = {"Authorization": "Bearer k"}
+            async with session.post(url + "/v1/completions", json=BODY, headers=headers) as r:
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["text"] == " w1"
+
+    _run(go())
+    ((p_path, sent, p_headers),) = producer.requests
+    ((c_path, got, c_headers),) = consumer.requests
+    assert p_path == c_path == "/v1/completions"
+    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["n"] == 1
+    assert sent["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "stream_options" not in sent and sent["prompt"] == BODY["prompt"]
+    # The consumer gets the client's request as it was, with the producer's params only.
+    assert got == {**BODY, "kv_transfer_params": PARAMS}
+    assert p_headers["Authorization"] == c_headers["Authorization"] == "Bearer k"
+
+
+def test_chat_completions_take_the_same_path() -> None:
+    producer, consumer = Upstream(), Upstream()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}]}
+    body |= {"max_completion_tokens": 9}
+
+    async def go() -> None:
+        async with (
+            _deployment(producer, consumer) as (url, session),
+            session.post(url + "/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status == 200
+
+    _run(go())
+    sent, got = producer.requests[0][1], consumer.requests[0][1]
+    assert producer.requests[0][0] == consumer.requests[0][0] == "/v1/chat/completions"
+    assert sent["max_tokens"] == 1 and "max_completion_tokens" not in sent
+    assert got == {**body, "kv_transfer_params": PARAMS}
+
+
+def test_a_stream_passes_through_chunk_by_chunk() -> None:
+    release = asyncio.Event()
+    chunks = [
+        b'data: {"choices": [{"text": " w1"}]}\n\n',
+        b'data: {"choices": [{"text": " w2"}]}\n\n',
+    ]
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse()
+        out.content_type = "text/event-stream"
+        await out.prepare(request)
+        await out.write(chunks[0])
+        await asyncio.wait_for(release.wait(), 10)  # the client saw chunk 0 first
+        await out.write(chunks[1])
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    producer, consumer = Upstream(), Upstream(stream)
+    received: list[bytes] = []
+
+    async def go() -> None:
+        async with _deployment(producer, consumer) as (url, session):
+            body = {"model": "tiny", "prompt": "w1", "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.content_type == "text/event-stream"
+                async for line in r.content:
+                    received.append(line)
+                    release.set()
+
+    _run(go())
+    assert b"".join(received) == b"".join(chunks) + b"data: [DONE]\n\n"
+    assert producer.requests[0][1]["stream"] is False
+    assert consumer.requests[0][1]["stream"] is True
+
+
+def test_a_producer_error_comes_back_with_its_status_and_the_consumer_is_not_asked() -> None:
+    error = {"error": {"message": "The model `x` does not exist.", "code": 404}}
+
+    async def not_found(request: web.Request) -> web.StreamResponse:
+        return web.json_response(error, status=404)
+
+    producer, consumer = Upstream(not_found), Upstream()
+
+    async def go() -> None:
+        async with (
+            _deployment(producer, consumer) as (url, session),
+            session.post(url + "/v1/completions", json={"model": "x"}) as r,
+        ):
+            assert r.status == 404 and await r.json() == error
+
+    _run(go())
+    assert consumer.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_consumer_error_comes_back_with_its_status(stream: bool) -> None:
+    async def bad_request(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "too long", "code": 400}}, status=400)
+
+    producer, consumer = Upstream(), Upstream(bad_request)
+
+    body = {"model": "tiny", "prompt": "w1", "stream": stream}
+    status, answer = _post_once(producer, consumer, "/v1/completions", body)
+    assert status == 400 and answer["error"]["message"] == "too long"
+
+
+def test_router_errors_bad_bodies_and_an_unreachable_server() -> None:
+    producer, consumer = Upstream(), Upstream()
+
+    async def go() -> None:
+        dead = "http://127.0.0.1:9"  # discard port: nothing listens there
+        async with _deployment(producer, consumer, consumer_url=dead) as (url, session):
+            async with session.post(url + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400 and (await r.json())["error"]["code"] == 400
+            async with session.post(url + "/v1/completions", json=[1, 2]) as r:
+                assert r.status == 400
+            async with session.post(url + "/v1/completions", json={"prompt": "w1"}) as r:
+                assert r.status == 502 and "upstream" in (await r.json())["error"]["message"]
+            async with session.get(url + "/health") as r:
+                assert r.status == 503 and await r.json() == {"producer": 200, "consumer": 0}
+
+    _run(go())
+    assert len(producer.requests) == 1  # the bad bodies never reached a server
+
+
+def test_without_params_from_the_producer_the_consumer_gets_none() -> None:
+    async def no_params(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"choices": [{"text": " w1"}], "kv_transfer_params": None})
+
+    producer, consumer = Upstream(no_params), Upstream()
+
+    async def go() -> None:
+        async with (
+            _deployment(producer, consumer) as (url, session),
+            session.post(url + "/v1/completions", json=BODY) as r,
+        ):
+            assert r.status == 200
+
+    _run(go())
+    assert "kv_transfer_params" not in consumer.requests[0][1]
+
+
+def test_models_and_health_are_proxied() -> None:
+    producer, consumer = Upstream(), Upstream()
+
+    async def go() -> None:
+        async with _deployment(producer, consumer) as (url, session):
+            async with session.get(url + "/v1/models") as r:
+                assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+            async with session.get(url + "/health") as r:
+                assert r.status == 200
+            producer.health_status = 500
+            async with session.get(url + "/health") as r:
+                assert r.status == 503 and json.loads(await r.text())["producer"] == 500
+
+    _run(go())
