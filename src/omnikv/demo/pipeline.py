@@ -375,18 +375,24 @@ def _report(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnikv demo", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny", choices=["tiny", "hf-llama"])
+    p.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", "hf-llama"],
+        help="tiny: a built-in toy model; hf-llama: a small transformers Llama",
+    )
     p.add_argument(
         "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="hf-llama's dtype"
     )
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--requests", type=int, default=4, help="requests to hand over")
+    p.add_argument("--prompt-len", type=int, default=200, help="prompt length in tokens")
     p.add_argument("--prompt-lens", default="", help="comma-separated prompt lengths")
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens stage 1 decodes")
     p.add_argument(
         "--connector",
         default="SharedMemoryConnector",
         choices=["SharedMemoryConnector", "LocalConnector"],
+        help="the transport between the two stage processes",
     )
     p.add_argument(
         "--realistic-tokens",
