@@ -243,35 +243,31 @@ def test_kv_for_another_cache_salt_is_never_loaded_nor_cached(setup: dict[str, A
     producer, consumer = setup["pairs"]["float32"]
     (prompt,) = _prompts(7, (90,))
     sent = producer.call(
-        "sample",
-        requests=[
-            {
-                "prompt": prompt,
-                "max_tokens": 1,
-                "cache_salt": "tenant-a",
-                "kv_transfer_params": {"do_remote_decode": True},
-            }
-        ],
+        "generate",
+        prompts=[prompt],
+        max_tokens=1,
+        cache_salts=["tenant-a"],
+        kv_transfer_params=[{"do_remote_decode": True}],
     )
     params = sent["outputs"][0]["kv_transfer_params"]
     producer.call("pump", transfer_ids=[params["omnikv_transfer_id"]])
     stripped = {k: v for k, v in params.items() if k != "omnikv_binding"}
     before = _counts(consumer)
     got = consumer.call(
-        "sample",
-        requests=[
-            {"prompt": prompt, "cache_salt": "tenant-b", "kv_transfer_params": stripped},
-            {"prompt": prompt, "cache_salt": "tenant-c", "kv_transfer_params": params},
-        ],
+        "generate",
+        prompts=[prompt, prompt],
+        max_tokens=8,
+        cache_salts=["tenant-b", "tenant-c"],
+        kv_transfer_params=[stripped, params],
     )
     after = _counts(consumer)
     assert _delta(after, before, "loads_ok") == 0
     assert _delta(after, before, "loads_failed") == 1  # looked up its own key: a miss
     assert _delta(after, before, "scheduler.loads_refused") == 1  # the client's binding differs
-    plain = consumer.call("sample", requests=[{"prompt": prompt}, {"prompt": prompt}])
+    plain = consumer.call("generate", prompts=[prompt, prompt], max_tokens=8)
     reference = _tokens(consumer.call("generate", prompts=[prompt], max_tokens=8))
-    assert [o["samples"][0] for o in got["outputs"]] == reference * 2
-    assert [o["samples"][0] for o in plain["outputs"]] == reference * 2
+    assert _tokens(got) == reference * 2
+    assert _tokens(plain) == reference * 2
 
 
 def test_n_greater_than_one_loads_once(setup: dict[str, Any]) -> None:
@@ -280,10 +276,13 @@ def test_n_greater_than_one_loads_once(setup: dict[str, Any]) -> None:
     (params,) = _send(producer, [prompt])
     before = _counts(consumer)
     got = consumer.call(
-        "sample",
-        requests=[
-            {"prompt": prompt, "n": 3, "temperature": 0.8, "seed": 1, "kv_transfer_params": params}
-        ],
+        "generate",
+        prompts=[prompt],
+        max_tokens=8,
+        n=3,
+        temperature=0.8,
+        seed=1,
+        kv_transfer_params=[params],
     )
     after = _counts(consumer)
     assert len(got["outputs"][0]["samples"]) == 3

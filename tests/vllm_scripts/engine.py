@@ -6,8 +6,7 @@ is reachable through vLLM's ``get_kv_transfer_group()``. Extra commands: ``pump`
 while sends are in flight: a server's engine loop does this by itself, ``has_pending_push_work``),
 ``stats`` (the worker's counts), ``scheduler_stats`` (the scheduler half's: admission refusals),
 ``record``, ``dump`` (a transfer's tokens as float32 .npz), ``set_delay`` (a delay before every put
-of ``SlowSharedMemoryConnector``) and ``sample`` (generation with ``cache_salt``, ``n`` and a
-temperature, which ``generate`` does not take).
+of ``SlowSharedMemoryConnector``).
 """
 
 from __future__ import annotations
@@ -72,44 +71,6 @@ def op_dump(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"path": cmd["path"], "num_tokens": n}
 
 
-def op_sample(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    """Generation with per-prompt ``cache_salt``, ``n`` and ``temperature`` (seeded)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts, params = [], []
-    for item in cmd["requests"]:
-        prompt = TokensPrompt(prompt_token_ids=list(item["prompt"]))
-        if item.get("cache_salt") is not None:
-            prompt["cache_salt"] = item["cache_salt"]
-        prompts.append(prompt)
-        kv = item.get("kv_transfer_params")
-        params.append(
-            SamplingParams(
-                n=int(item.get("n", 1)),
-                temperature=float(item.get("temperature", 0.0)),
-                seed=int(item.get("seed", 0)),
-                max_tokens=int(item.get("max_tokens", 8)),
-                ignore_eos=True,
-                extra_args={"kv_transfer_params": kv} if kv else None,
-            )
-        )
-    t0 = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    t1 = time.monotonic()
-    return {
-        "t_start": t0,
-        "t_end": t1,
-        "outputs": [
-            {
-                "samples": [list(c.token_ids) for c in o.outputs],
-                "kv_transfer_params": o.kv_transfer_params,
-            }
-            for o in outs
-        ],
-    }
-
-
 def op_scheduler_stats(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     """The scheduler half's cumulative counts (the engine core runs in this process)."""
     core = llm.llm_engine.engine_core.engine_core
@@ -125,7 +86,6 @@ OPS = {
     "pump": op_pump,
     "dump": op_dump,
     "set_delay": op_set_delay,
-    "sample": op_sample,
     "scheduler_stats": op_scheduler_stats,
     "stats": lambda llm, cmd: {"stats": _connector().stats()},
     "record": lambda llm, cmd: {"record": _connector().transfer_record(cmd["transfer_id"])},

@@ -242,18 +242,30 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
 
 
 def op_generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    """Greedy generation of token-id prompts; optional per-prompt ``kv_transfer_params``."""
+    """Generation of token-id prompts, greedy unless told; per prompt optional
+    ``kv_transfer_params`` and ``cache_salts``; ``n``, ``temperature`` and ``seed`` for all.
+
+    Replies ``tokens`` (the first sample) and ``samples`` (all ``n``) per prompt.
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
-    n = len(prompts)
+    n = len(cmd["prompts"])
+    salts = cmd.get("cache_salts") or [None] * n
+    prompts = []
+    for p, salt in zip(cmd["prompts"], salts, strict=True):
+        prompt = TokensPrompt(prompt_token_ids=list(p))
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        prompts.append(prompt)
     max_tokens = cmd.get("max_tokens", 8)
     max_tokens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
     kv_params = cmd.get("kv_transfer_params") or [None] * n
     params = [
         SamplingParams(
-            temperature=0.0,
+            n=int(cmd.get("n", 1)),
+            temperature=float(cmd.get("temperature", 0.0)),
+            seed=int(cmd.get("seed", 0)),
             max_tokens=int(m),
             ignore_eos=True,
             extra_args={"kv_transfer_params": kp} if kp else None,
@@ -267,7 +279,11 @@ def op_generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         "t_start": t0,
         "t_end": t1,
         "outputs": [
-            {"tokens": list(o.outputs[0].token_ids), "kv_transfer_params": o.kv_transfer_params}
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "samples": [list(c.token_ids) for c in o.outputs],
+                "kv_transfer_params": o.kv_transfer_params,
+            }
             for o in outs
         ],
     }

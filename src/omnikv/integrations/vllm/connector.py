@@ -12,19 +12,12 @@ from typing import Any
 
 import torch
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorRole,
-        KVConnectorTransferResults,
-    )
-except ImportError as exc:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
-        f"importing it failed: {exc}"
-    ) from exc
-
 from omnikv.config import config_from_dict
+from omnikv.integrations.vllm._vllm import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 from omnikv.integrations.vllm.binding import model_fingerprint
 from omnikv.integrations.vllm.metadata import OmniKVConnectorMetadata
 from omnikv.integrations.vllm.options import parse_options

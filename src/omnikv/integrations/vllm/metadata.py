@@ -9,13 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-except ImportError as exc:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
-        f"importing it failed: {exc}"
-    ) from exc
+from omnikv.integrations.vllm._vllm import KVConnectorMetadata
 
 __all__ = ["LoadSpec", "OmniKVConnectorMetadata", "SendSpec"]
 

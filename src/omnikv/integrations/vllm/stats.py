@@ -19,16 +19,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
-        KVConnectorStats,
-    )
-except ImportError as exc:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
-        f"importing it failed: {exc}"
-    ) from exc
+from omnikv.integrations.vllm._vllm import KVConnectorPromMetrics, KVConnectorStats
 
 __all__ = [
     "COUNTS",

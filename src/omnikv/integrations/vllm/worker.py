@@ -38,16 +38,9 @@ from typing import Any
 
 import torch
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError as exc:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "omnikv.integrations.vllm needs vLLM (pip install 'omnikv[vllm]'); "
-        f"importing it failed: {exc}"
-    ) from exc
-
 from omnikv.config import config_from_dict, options_from_dict
 from omnikv.errors import OmniKVError
+from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
 from omnikv.integrations.vllm.binding import kv_mac, mac_matches
 from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
 from omnikv.integrations.vllm.options import ConnectorOptions
