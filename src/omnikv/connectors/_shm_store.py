@@ -240,14 +240,15 @@ class Unconsumed:
         )
 
     def status(self, now: float) -> dict[str, Any]:
-        """``published``, ``published_bytes``, ``oldest_published_s`` (0.0 when none) and the
-        expiry counters, for ``health()``."""
-        entries = self._entries.values()
-        oldest = min((e.published_at for e in entries), default=now)
+        """``published``, ``published_bytes``, ``oldest_published_s`` and
+        ``youngest_published_s`` (ages in seconds; 0.0 when none) and the expiry counters, for
+        ``health()``."""
+        ages = [now - e.published_at for e in self._entries.values()]
         return {
-            "published": len(entries),
-            "published_bytes": sum(e.nbytes for e in entries),
-            "oldest_published_s": now - oldest,
+            "published": len(ages),
+            "published_bytes": sum(e.nbytes for e in self._entries.values()),
+            "oldest_published_s": max(ages, default=0.0),
+            "youngest_published_s": min(ages, default=0.0),
             **self.counters,
         }
 

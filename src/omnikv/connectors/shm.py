@@ -447,7 +447,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         """Status, pool occupancy, the pool's population (``pool_populated_bytes``,
         ``pool_reserve_bytes``, ``pool_reserve_ready``, ``pool_reserve_s``, ``pool_prefault``:
         a stage may poll ``pool_reserve_ready`` before its first request), what is unconsumed
-        (``published``, ``published_bytes``, ``oldest_published_s``; ``buffer_ttl_seconds``)
+        (``published``, ``published_bytes``, ``oldest_published_s``, ``youngest_published_s``;
+        ``buffer_ttl_seconds``)
         and counters (among them ``ttl_reaped`` / ``bytes_ttl_reaped``: payloads freed unconsumed
         by their TTL, ``put_pool_full``: puts refused at once); cheap and never raising."""
         return {
