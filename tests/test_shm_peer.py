@@ -13,6 +13,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -104,6 +105,10 @@ def peer_main(conn: Connection, config: dict[str, Any]) -> None:
                 for i in range(n):
                     c.put_packed("0", "1", f"c{i}", 64 * 1024, filler(i % 251))
                     conn.send(("progress", i))
+            elif op == "held":  # what each held view holds now: (size, min, max)
+                conn.send(("held", [_span(b.tensor) for b in held]))
+            elif op == "race":  # see _race
+                conn.send(_race(c, conn.send, *cmd[1:]))
             elif op == "release":
                 for b in held:
                     b.release()
@@ -119,6 +124,50 @@ def peer_main(conn: Connection, config: dict[str, Any]) -> None:
                 conn.send(("error", f"unknown op {op}"))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _span(t: Any) -> tuple[int, int, int]:
+    """``(size, min, max)`` of a byte view (``(0, -1, -1)`` when empty)."""
+    if not t.numel():
+        return 0, -1, -1
+    return int(t.numel()), int(t.min()), int(t.max())
+
+
+def _race(
+    c: Any,
+    report: Callable[[tuple[Any, ...]], None],
+    n: int,
+    skip_every: int,
+    hold_every: int,
+    timeout: float,
+    lag: float,
+) -> tuple[Any, ...]:
+    """A slow client: take ``r0``.. ``r{n-1}`` (every ``skip_every``-th never asked for), each
+    asked for ``lag * (i % 4)`` seconds late (its think time, so that some asks meet their
+    payload's expiry) and waited for at most ``timeout``; every byte of what arrives must be
+    ``i % 251``. ``report(("raced", i))`` after each key. Every ``hold_every``-th view taken is
+    kept until the end and checked again then. Returns ``("race", got, missed, wrong)``
+    (``wrong``: payloads with a byte that was not theirs)."""
+    got = missed = wrong = 0
+    held: list[tuple[int, Any]] = []
+    for i in range(n):
+        if i % skip_every:
+            threading.Event().wait(lag * (i % 4))
+            buf = c.wait("0", "1", f"r{i}", deadline=time.monotonic() + timeout)
+            if buf is None:
+                missed += 1
+            else:
+                got += 1
+                wrong += int(_span(buf.tensor)[1:] != (i % 251, i % 251))
+                if got % hold_every:
+                    buf.release()
+                else:
+                    held.append((i, buf))
+        report(("raced", i))
+    for i, buf in held:
+        wrong += int(_span(buf.tensor)[1:] != (i % 251, i % 251))
+        buf.release()
+    return "race", got, missed, wrong
 
 
 class Peer:
