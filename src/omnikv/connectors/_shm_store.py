@@ -136,9 +136,11 @@ class Unconsumed:
         return old
 
     def pop(self, key: str) -> Entry | None:
+        """A reader claims ``key`` (its want): the entry leaves and can no longer expire."""
         return self._entries.pop(key, None)
 
     def pop_matching(self, match: Callable[[str], bool]) -> list[Entry]:
+        """``cleanup``: the entries whose transport key matches leave (the caller frees them)."""
         return [self._entries.pop(k) for k in [k for k in self._entries if match(k)]]
 
     def clear(self) -> list[Entry]:

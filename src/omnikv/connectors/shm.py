@@ -37,15 +37,15 @@ Design (one page; the parts live in ``_shm_*`` modules):
   so no reader ever sees its slot reused. A timer thread sleeps until the next expiry; puts
   and wants also free what is due before they look. The default bounds what clients that ask
   for KV and never come back (a served deployment) can hold: a pool that fills with such
-  payloads empties within ``buffer_ttl_seconds``; 0 keeps the behaviour of a pipeline whose
-  every payload is awaited (they wait for a reader, ``cleanup`` or close).
+  payloads empties within ``buffer_ttl_seconds``. With 0 a payload waits for a reader,
+  ``cleanup`` or close however long that takes (a pipeline whose every payload is awaited).
 * **A full pool.** A put that finds no space waits until its deadline while space can come
   back: readers holding payloads are asked to migrate them, a payload being written may go to
   a waiting reader, an unconsumed one may expire, a reader may come for one put recently. It
   fails at once with :class:`PoolExhaustedError` (``put_pool_full``) when every slot in use
   holds a published payload no reader claimed, none expires before the deadline, and even the
-  youngest has waited longer than the put may still wait: only a reader coming for one could
-  help, none came for any of them in that long, and a waiting put holds its caller (an
+  youngest has waited at least as long as the put may still wait: only a reader coming for one
+  could help, none came for any of them in that long, and a waiting put holds its caller (an
   engine's KV blocks) for nothing. The message says how many payloads of how many bytes hold
   the pool, their ages and when they expire.
 
