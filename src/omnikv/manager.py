@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from threading import Event
 from typing import Any
@@ -218,7 +218,7 @@ class OmniKVTransferManager:
     def handle_finished_requests_kv_transfer(
         self,
         finished_reqs: dict[str, dict[str, Any]],
-        kv_caches: list[LayerKV],
+        kv_caches: Sequence[LayerKV],
         block_size: int,
         cache_dtype: str,
         request_id_resolver: Callable[[str], str] | None = None,
