@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from omnikv.errors import KVMismatchError, OmniKVError
 from omnikv.layouts import (
     VLLM_BHNC_LAYOUT,
     VLLM_CPU_LAYOUT,
@@ -80,13 +81,13 @@ def test_cpu_scatter_then_gather_roundtrip(dtype: torch.dtype) -> None:
     assert not kv[2, 3:].any() and not vv[2, 3:].any()
 
 
-def test_scatter_from_an_offset_and_with_cast() -> None:
+def test_scatter_from_an_offset() -> None:
     blocks = torch.zeros(BLOCKS, BS, HEADS, DIM, dtype=torch.bfloat16)
-    src = _tokens(6, 3)
+    src = _tokens(6, 3).to(torch.bfloat16)
     scatter_tokens(blocks, [3, 1, 4], src, start=5)  # tokens 5..10: block 1 from 1, block 4
     got = BlockGather(blocks, (3, 1, 4), 11).materialize()
     assert not got[:5].any()
-    assert torch.equal(got[5:], src.to(torch.bfloat16))
+    assert torch.equal(got[5:], src)
     assert not blocks[3].any()
 
 
@@ -158,10 +159,34 @@ def test_layer_views_refuse_unknown_layout() -> None:
 
 def test_scatter_refuses_bad_input_and_writes_nothing() -> None:
     blocks = torch.zeros(BLOCKS, BS, HEADS, DIM)
-    with pytest.raises(ExtractionError, match="token shape"):
+    with pytest.raises(KVMismatchError, match="token shape"):
         scatter_tokens(blocks, [0], torch.zeros(2, HEADS + 1, DIM))
     with pytest.raises(ExtractionError, match="do not fit"):
         scatter_tokens(blocks, [0, 1], torch.zeros(9, HEADS, DIM))
     with pytest.raises(ExtractionError, match="outside a cache"):
         scatter_tokens(blocks, [0, BLOCKS], torch.ones(6, HEADS, DIM))
     assert not blocks.any()
+
+
+@pytest.mark.parametrize(
+    ("src", "what"),
+    [
+        (torch.ones(6, HEADS, DIM, dtype=torch.float64), r"float32, got torch\.float64"),
+        (torch.ones(6, HEADS, DIM, dtype=torch.bfloat16), r"float32, got torch\.bfloat16"),
+        (torch.ones(6, HEADS, DIM, dtype=torch.int32), r"float32, got torch\.int32"),
+        (torch.ones(6, HEADS * DIM), r"expected tokens of shape \[n, 3, 8\]"),
+        (torch.ones(6, 1, HEADS, DIM), r"got token shape \(1, 3, 8\)"),
+        (torch.tensor(1.0), r"got token shape \(\)"),
+    ],
+)
+def test_scatter_refuses_kv_that_does_not_fit_and_names_it(src: torch.Tensor, what: str) -> None:
+    """Received KV of another dtype or shape is refused with a typed error (never cast)."""
+    blocks = torch.zeros(BLOCKS, BS, HEADS, DIM)
+    with pytest.raises(KVMismatchError, match=what) as info:
+        scatter_tokens(blocks, [0, 1], src)
+    assert isinstance(info.value, OmniKVError) and not blocks.any()
+
+
+def test_scatter_refuses_a_cache_without_blocks() -> None:
+    with pytest.raises(KVMismatchError, match="cache blocks"):
+        scatter_tokens(torch.zeros(BS), [0], torch.zeros(1))

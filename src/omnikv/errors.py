@@ -29,6 +29,7 @@ __all__ = [
     "ConnectorUnavailableError",
     "DecodeError",
     "EncodeError",
+    "KVMismatchError",
     "KVPrefetchConsumeError",
     "OmniKVError",
     "PayloadError",
@@ -60,6 +61,11 @@ class DecodeError(PayloadError):
 
 class EncodeError(PayloadError):
     """A KV payload cannot be represented in the wire format (e.g. non-JSON metadata)."""
+
+
+class KVMismatchError(PayloadError):
+    """Received KV does not fit where it is to be written or handed over (rank, shape, dtype,
+    or values); the message names what did not fit, what was expected and what was found."""
 
 
 class ConnectorError(OmniKVError):
