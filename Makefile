@@ -60,7 +60,8 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
-	  tests/test_layouts_vllm.py tests/test_vllm_connector.py tests/test_vllm_engine.py $(PYTEST_ARGS)
+	  tests/test_layouts_vllm.py tests/test_vllm_connector.py tests/test_vllm_engine.py \
+	  tests/test_vllm_serve.py $(PYTEST_ARGS)
 
 bench: $(BASE_STAMP)
 	$(VENV)/bin/omnikv bench all
