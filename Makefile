@@ -37,8 +37,8 @@ demo: $(BASE_STAMP)
 	$(VENV)/bin/omnikv demo
 
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 # Installs happen first (they need the registries); the suite then runs in a loopback-only netns.
@@ -61,7 +61,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
 	  tests/test_layouts_vllm.py tests/test_vllm_connector.py tests/test_vllm_engine.py \
-	  tests/test_vllm_serve.py $(PYTEST_ARGS)
+	  tests/test_vllm_serve.py tests/test_examples_vllm.py $(PYTEST_ARGS)
 
 bench: $(BASE_STAMP)
 	$(VENV)/bin/omnikv bench all
