@@ -178,3 +178,24 @@ def test_servers_are_waited_for_and_stopped_by_pid(tmp_path: Path) -> None:
             serve.wait_healthy([bad], timeout=30)
     finally:
         bad.stop(timeout=5)
+
+
+def test_the_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    loads = {"loads_ok": 2, "loads_failed": 9, "loads_refused": 0}
+    hostile = {"rate": 8.0, "sent": 40, "skipped": 0, "answered": {"200": 30}, "errors": 0}
+    pd = serve.CaseResult("pd", 4, 1024, 4, [0.1, 0.2, 0.3], 0, 1, 2.0, [], loads=loads)
+    attacked = serve.CaseResult(
+        "hostile", 4, 1024, 4, [0.5], 1, 2, 5.0, ["HTTP 500: x"], loads=loads, hostile=hostile
+    )
+    alone = serve.CaseResult("recompute", 4, 1024, 4, [0.1] * 4, 0, 0, 1.0, [], loads=None)
+    assert (pd.recomputed(), attacked.recomputed(), alone.recomputed()) == (1, 0, None)
+    assert "loads: ok 2, failed 9, refused 0" in serve._describe(pd)
+    assert "hostile sent 40" in serve._describe(attacked) and "HTTP 500" in serve._describe(
+        attacked
+    )
+    assert "connector counters not on /metrics" in serve._describe(alone)
+    serve._summary([pd, attacked, alone])
+    rows = capsys.readouterr().out.splitlines()[-3:]
+    assert rows[0] == "| 4 | 1024 | (a) PD through omnikv | 200 | 300 | 1.50 | 3/4 | 9 | 1 |"
+    assert rows[2].endswith("| 4.00 | 4/4 | n/a | - |")
+    assert pd.as_dict()["completed_without_loaded_kv"] == 1

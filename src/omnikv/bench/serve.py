@@ -586,6 +586,14 @@ class CaseResult:
     def completed(self) -> int:
         return len(self.ttfts)
 
+    def recomputed(self) -> int | None:
+        """Completed requests of the measured clients whose KV was not loaded (through the
+        router: ``completed - loads_ok``, as no hostile load can succeed); ``None`` when the
+        consumer does not export its counters or the case does not load."""
+        if self.loads is None or self.case == "recompute":
+            return None
+        return max(0, self.completed - self.loads["loads_ok"])
+
     @property
     def per_second(self) -> float:
         return self.completed / self.wall_s if self.wall_s > 0 else 0.0
@@ -609,6 +617,7 @@ class CaseResult:
             "ttft": st.as_dict() if st else None,
             "errors": self.errors[:5],
             "loads": self.loads,
+            "completed_without_loaded_kv": self.recomputed(),
             "connector_warnings": self.warnings,
             "connector_warnings_naming_hostile_ids": self.hostile_warnings,
             "hostile": self.hostile,
@@ -745,7 +754,7 @@ def _warm_up(dep: Deployment, sizes: Sequence[int], max_tokens: int) -> None:
 
 def _describe(case: CaseResult) -> str:
     loads = (
-        "loads " + ", ".join(f"{k} {v}" for k, v in case.loads.items())
+        "loads: " + ", ".join(f"{k.removeprefix('loads_')} {v}" for k, v in case.loads.items())
         if case.loads is not None
         else "connector counters not on /metrics"
     )
@@ -771,15 +780,21 @@ def _ms(st: Stats | None, attr: str) -> str:
 
 def _summary(results: Sequence[CaseResult]) -> None:
     """One line per cell: TTFT median / p99 (ms) and req/s per case; connector fallbacks."""
-    print("\nsummary: TTFT median / p99 in ms, completed req/s; fallbacks = loads_failed")
-    print("| clients | tokens | case | TTFT p50 | TTFT p99 | req/s | completed | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\nsummary: TTFT median / p99 in ms, completed req/s; loads failed (all, hostile ones "
+        "included) and completed requests of the measured clients whose KV was not loaded"
+    )
+    head = "| clients | tokens | case | TTFT p50 | TTFT p99 | req/s | completed | loads failed |"
+    print(head + " not loaded |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         st = r.stats()
-        fallbacks = "n/a" if r.loads is None else str(r.loads.get("loads_failed", 0))
+        failed = "n/a" if r.loads is None else str(r.loads.get("loads_failed", 0))
+        recomputed = r.recomputed()
         print(
             f"| {r.clients} | {r.tokens} | {CASE_TITLES[r.case]} | {_ms(st, 'median')} | "
-            f"{_ms(st, 'p99')} | {r.per_second:.2f} | {r.completed}/{r.requests} | {fallbacks} |"
+            f"{_ms(st, 'p99')} | {r.per_second:.2f} | {r.completed}/{r.requests} | {failed} | "
+            f"{'-' if recomputed is None else recomputed} |"
         )
 
 
