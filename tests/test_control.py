@@ -2,13 +2,14 @@
 
 The attack tests run a real server process and real client sockets inside ``unshare -n`` (see
 ``mooncake_helpers.run_scenario``): a client's signed ``hello``/``query``/``pull``/``ping`` are
-captured as they leave its socket and re-sent byte for byte, from another socket and from the
-same one; the replays must get no answer and reach no handler (the server counts what its
-handler saw, and a ``pull`` there stands for "writes the requester's memory").
+captured as they leave its connection and re-sent byte for byte, from another connection and
+from the same one; the replays must get no answer and reach no handler (the server counts what
+its handler saw, and a ``pull`` there stands for "writes the requester's memory").
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -24,8 +25,6 @@ from omnikv.connectors._control import (
     ReplayGuard,
     Schema,
 )
-
-zmq = pytest.importorskip("zmq")
 
 SCHEMA = Schema(
     requests={
@@ -128,11 +127,9 @@ def test_an_oversized_message_is_refused_before_sending() -> None:
 # -- real server process, real sockets -----------------------------------------------------------
 def _server_peer(port: int, secret: bytes | None, out_q: Any, in_q: Any) -> None:
     """A control server whose handler records what reached it (pull = a memory write)."""
-    import zmq as zmq_mod
+    from omnikv.connectors._control import Request
+    from omnikv.connectors._control_server import ControlServer
 
-    from omnikv.connectors._control import ControlServer, Request
-
-    ctx = zmq_mod.Context()
     seen: list[list[Any]] = []
 
     def handler(req: Request) -> None:
@@ -142,49 +139,50 @@ def _server_peer(port: int, secret: bytes | None, out_q: Any, in_q: Any) -> None
         else:
             server.answer(req, {"op": "done", "size": req.msg["cap"]})
 
-    server = ControlServer(ctx, ControlCodec(SCHEMA, secret), ("127.0.0.1", port), handler)
+    server = ControlServer(ControlCodec(SCHEMA, secret), ("127.0.0.1", port), handler)
     server.start()
     out_q.put("ready")
     in_q.get()
     server.close()
-    ctx.destroy(linger=0)
     out_q.put({"seen": seen, "rejected": server.rejected})
 
 
 class _Tap:
-    """Wraps a zmq socket; records every multipart message sent through it."""
+    """Wraps a client connection (``Link``); records every message sent through it."""
 
-    def __init__(self, sock: Any, log: list[list[bytes]]) -> None:
-        self._sock = sock
+    def __init__(self, link: Any, log: list[list[bytes]]) -> None:
+        self._link = link
         self._log = log
 
-    def send_multipart(self, frames: list[bytes]) -> None:
+    def send(self, frames: list[bytes]) -> bool:
         self._log.append(list(frames))
-        self._sock.send_multipart(frames)
+        return bool(self._link.send(frames))
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
+        return getattr(self._link, name)
 
 
-def _replay(ctx: Any, port: int, frames: list[bytes], sock: Any = None) -> bool:
-    """Send ``frames`` verbatim (new DEALER unless ``sock``); True when anything answers."""
-    own = sock is None
+def _link(port: int) -> Any:
+    from omnikv.connectors._control_client import Link
+
+    return Link(socket.create_connection(("127.0.0.1", port), timeout=5), 4096)
+
+
+def _replay(port: int, frames: list[bytes], link: Any = None) -> bool:
+    """Send ``frames`` verbatim (on a new connection unless ``link``); True when anything
+    answers within 0.5 s (a connection the server closes answers nothing)."""
+    own = link is None
     if own:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        link = _link(port)
     try:
-        sock.send_multipart(frames)
-        return bool(sock.poll(500))
+        return link.send(frames) and link.recv(0.5) is not None
     finally:
         if own:
-            sock.close(0)
+            link.close()
 
 
 def scenario_replay(secret: str | None) -> dict[str, Any]:
-    import zmq as zmq_mod
-
-    from omnikv.connectors import _control
+    from omnikv.connectors._control_client import ControlClient
 
     (port,) = free_ports(1)
     key = secret.encode() if secret else None
@@ -193,32 +191,28 @@ def scenario_replay(secret: str | None) -> dict[str, Any]:
     res: dict[str, Any] = {}
     with peers(proc):
         assert out_q.get(timeout=30) == "ready"
-        ctx = zmq_mod.Context()
-        client = _control.ControlClient(
-            ctx, ControlCodec(SCHEMA, key), {"sess": "127.0.0.1:1", "base": 4096, "len": 8192}
+        client = ControlClient(
+            ControlCodec(SCHEMA, key), {"sess": "127.0.0.1:1", "base": 4096, "len": 8192}
         )
         wire: list[list[bytes]] = []
         orig_connect = client._connect
-        client._connect = lambda ep: _Tap(orig_connect(ep), wire)  # type: ignore[method-assign]
+        client._connect = lambda ep, t: _Tap(orig_connect(ep, t), wire)  # type: ignore[method-assign]
         chan = client.channel(("127.0.0.1", port), 10.0)
         assert chan is not None
         res["query"] = chan.request({"op": "query", "key": "k", "wait_ms": 0}, 5.0)["size"]
         res["pull"] = chan.request({"op": "pull", "key": "k", "dst": 4096, "cap": 64}, 5.0)["size"]
         res["ping"] = chan.request({"op": "ping"}, 5.0)["op"]
         hello, query, pull, ping = wire
-        # verbatim replays: from a fresh socket, a fresh socket after its own replayed hello, and
-        # on the very socket that sent them
-        res["other_socket"] = [_replay(ctx, port, m) for m in (query, pull, ping)]
-        attacker = ctx.socket(zmq_mod.DEALER)
-        attacker.setsockopt(zmq_mod.LINGER, 0)
-        attacker.connect(f"tcp://127.0.0.1:{port}")
-        res["after_hello"] = [_replay(ctx, port, m, attacker) for m in (hello, query, pull, ping)]
-        attacker.close(0)
-        res["same_socket"] = [_replay(ctx, port, m, chan.sock) for m in (query, pull, ping)]
+        # verbatim replays: from a fresh connection, a fresh connection after its own replayed
+        # hello, and on the very connection that sent them
+        res["other_socket"] = [_replay(port, m) for m in (query, pull, ping)]
+        attacker = _link(port)
+        res["after_hello"] = [_replay(port, m, attacker) for m in (hello, query, pull, ping)]
+        attacker.close()
+        res["same_socket"] = [_replay(port, m, chan.link) for m in (query, pull, ping)]
         # the genuine client keeps working afterwards
         res["still_served"] = chan.request({"op": "ping"}, 5.0) is not None
         client.close()
-        ctx.destroy(linger=0)
         in_q.put("stop")
         res.update(out_q.get(timeout=30))
     return res
@@ -249,10 +243,240 @@ def test_replays_on_the_same_socket_get_no_answer(replay_signed: dict[str, Any])
 @pytest.mark.slow
 def test_replays_reach_no_handler(replay_signed: dict[str, Any]) -> None:
     assert replay_signed["seen"] == [["query", "k", "127.0.0.1:1"], ["pull", "k", "127.0.0.1:1"]]
-    assert replay_signed["rejected"] == 10
+    # three from fresh connections, the replayed hello (its connection is dropped then, so what
+    # follows on it never arrives), three on the genuine connection
+    assert replay_signed["rejected"] == 7
 
 
 @pytest.mark.slow
 def test_without_a_secret_only_the_handshaken_socket_is_served() -> None:
     res = run_scenario(__file__, "scenario_replay", {"secret": None}, timeout=90)
     assert res["query"] == 7 and res["other_socket"] == [False, False, False]
+
+
+# -- admission: caps, timeouts, channels that go with their connections (issue 26) ------------
+def _server(**limits: Any) -> Any:
+    """A started server on a free loopback port that answers ``query`` with size 7."""
+    from omnikv.connectors._control import ServerLimits
+    from omnikv.connectors._control_server import ControlServer
+
+    (port,) = free_ports(1)
+
+    def handler(req: Any) -> None:
+        server.answer(req, {"op": "info", "found": True, "size": 7})
+
+    server = ControlServer(
+        _codec(None), ("127.0.0.1", port), handler, limits=ServerLimits(**limits)
+    )
+    server.start()
+    server.port = port  # type: ignore[attr-defined]
+    return server
+
+
+def _client(**kw: Any) -> Any:
+    from omnikv.connectors._control_client import ControlClient
+
+    return ControlClient(_codec(None), {"sess": "s", "base": 0, "len": 1}, **kw)
+
+
+def _wait_closed(sock: socket.socket, timeout_s: float) -> float | None:
+    """Seconds until the server closed ``sock`` (EOF or reset), ``None`` if it did not."""
+    t0 = time.monotonic()
+    sock.settimeout(timeout_s)
+    try:
+        data = sock.recv(1)
+    except TimeoutError:
+        return None
+    except OSError:
+        data = b""
+    return time.monotonic() - t0 if data == b"" else None
+
+
+def _raw(port: int, source: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def _refused(port: int) -> bool:
+    """Whether the server closes a new connection at once (maybe before connect returns)."""
+    try:
+        sock = _raw(port)
+    except ConnectionResetError:
+        return True
+    try:
+        return _wait_closed(sock, 5.0) is not None
+    finally:
+        sock.close()
+
+
+def _until(cond: Any, timeout_s: float = 5.0) -> bool:
+    """Poll ``cond`` (the server's counters, updated by its thread) every 5 ms until it holds."""
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)  # polls another thread's counters; synchronises nothing
+    return True
+
+
+def test_a_silent_connection_is_dropped_at_the_handshake_timeout() -> None:
+    server = _server(handshake_timeout_s=0.3)
+    try:
+        sock = _raw(server.port)
+        took = _wait_closed(sock, 5.0)
+        assert took is not None and 0.2 < took < 2.0, took
+        assert server.stats()["handshake_timeouts"] == 1
+        sock.close()
+    finally:
+        server.close()
+
+
+def test_an_invalid_first_message_drops_the_connection_at_once() -> None:
+    from omnikv.connectors._control import pack_message
+
+    server = _server()
+    try:
+        for garbage in (pack_message([b"\xc1"]), b"\xff" * 64):  # undecodable; header > max
+            sock = _raw(server.port)
+            sock.sendall(garbage)
+            took = _wait_closed(sock, 5.0)
+            assert took is not None and took < 1.0
+            sock.close()
+        assert server.stats()["dropped_connections"] == 2 and server.rejected == 2
+    finally:
+        server.close()
+
+
+def test_the_per_peer_cap_evicts_connections_without_a_channel_never_channels() -> None:
+    server = _server(max_connections_per_peer=3)
+    client = _client()
+    try:
+        chan = client.channel(("127.0.0.1", server.port), 5.0)
+        assert chan is not None
+        idle = [_raw(server.port) for _ in range(2)]  # the cap (3) is reached
+        newer = _raw(server.port)  # evicts the oldest idle connection, not the channel
+        assert _wait_closed(idle[0], 5.0) is not None
+        assert _until(lambda: server.stats()["evicted_connections"] == 1)
+        # a channel is never evicted: with the cap full of channels, newcomers are refused
+        others = [_client() for _ in range(2)]
+        for c in others:
+            assert c.channel(("127.0.0.1", server.port), 5.0) is not None  # evict idle[1], newer
+        assert _refused(server.port)
+        assert server.stats()["refused_connections"] >= 1
+        reply = chan.request({"op": "query", "key": "k", "wait_ms": 0}, 5.0)
+        assert reply is not None and reply["size"] == 7 and not chan.closed
+        # another address has its own allowance
+        other = _raw(server.port, source="127.0.0.2")
+        assert _wait_closed(other, 0.3) is None
+        for s in (*idle, newer, other):
+            s.close()
+        for c in others:
+            c.close()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_the_total_cap_evicts_the_oldest_connection_without_a_channel() -> None:
+    server = _server(max_connections=2)
+    client = _client()
+    try:
+        first = _raw(server.port, "127.0.0.2")
+        second = _raw(server.port, "127.0.0.3")
+        assert _until(lambda: server.stats()["connections"] == 2)
+        chan = client.channel(("127.0.0.1", server.port), 5.0)  # evicts ``first``
+        assert chan is not None
+        assert _wait_closed(first, 5.0) is not None
+        assert _wait_closed(second, 0.2) is None
+        assert server.stats()["connections"] == 2 and server.stats()["channels"] == 1
+        first.close()
+        second.close()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_channel_goes_with_its_connection() -> None:
+    server = _server()
+    client = _client()
+    try:
+        chan = client.channel(("127.0.0.1", server.port), 5.0)
+        assert chan is not None
+        assert _until(lambda: server.stats()["channels"] == 1)
+        t0 = time.monotonic()
+        assert client.channel(("127.0.0.1", server.port), 5.0) is chan  # reused, at once
+        assert time.monotonic() - t0 < 0.5
+        client.discard(("127.0.0.1", server.port))
+        assert _until(lambda: server.stats()["connections"] == 0)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_an_idle_channel_is_closed_and_the_client_greets_again() -> None:
+    server = _server(idle_timeout_s=0.3)
+    client = _client()
+    endpoint = ("127.0.0.1", server.port)
+    try:
+        chan = client.channel(endpoint, 5.0)
+        assert chan is not None
+        assert _until(lambda: server.stats()["idle_closed"] == 1)
+        assert chan.request({"op": "ping"}, 5.0) is None and chan.closed  # at once, not at 5 s
+        again = client.channel(endpoint, 5.0)
+        assert again is not None and again is not chan
+        assert again.request({"op": "query", "key": "k", "wait_ms": 0}, 5.0) is not None
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_refused_connection_is_retried_until_the_timeout() -> None:
+    (port,) = free_ports(1)
+    client = _client()
+    try:
+        t0 = time.monotonic()
+        assert client.channel(("127.0.0.1", port), 0.3) is None
+        assert 0.25 < time.monotonic() - t0 < 1.5
+    finally:
+        client.close()
+
+
+def test_limits_are_checked() -> None:
+    from omnikv.connectors._control import ServerLimits
+
+    with pytest.raises(ValueError, match=">= 1"):
+        ServerLimits(max_connections=0)
+    with pytest.raises(ValueError, match="handshake_timeout_s"):
+        ServerLimits(handshake_timeout_s=0)
+
+
+_NOFILE_CHILD = r"""
+import json, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+from omnikv.connectors._control import ServerLimits
+from omnikv.connectors._control_server import effective_max_connections
+low = effective_max_connections(ServerLimits())
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+import omnikv.connectors._control_server as srv
+srv._nofile_raised = False
+capped = effective_max_connections(ServerLimits())
+print(json.dumps({"soft": soft, "hard": hard, "raised_cap": low, "capped": capped}))
+"""
+
+
+def test_the_soft_descriptor_limit_is_raised_and_bounds_the_connections() -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOFILE_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["soft"] == res["hard"] == 512, res  # raised to the hard limit
+    assert res["raised_cap"] < 256 and res["capped"] < 64, res  # half of what is left

@@ -325,40 +325,37 @@ def test_the_killed_transfer_slot_is_freed_later(failures: dict[str, Any]) -> No
 
 # -- scenario: replay attack on the control port (issue 13 item 1) --------------------------------
 def _tap_client(recv: Any) -> list[list[bytes]]:
-    """Record every multipart message the receiver's control client sends (its wire bytes)."""
+    """Record every message the receiver's control client sends (its wire frames)."""
     wire: list[list[bytes]] = []
     client = recv._receiver._client  # test hook: where the control messages leave
     connect: Callable[..., Any] = client._connect
 
     class Tap:
-        def __init__(self, sock: Any) -> None:
-            self._sock = sock
+        def __init__(self, link: Any) -> None:
+            self._link = link
 
-        def send_multipart(self, frames: list[bytes]) -> None:
+        def send(self, frames: list[bytes]) -> bool:
             wire.append(list(frames))
-            self._sock.send_multipart(frames)
+            return bool(self._link.send(frames))
 
         def __getattr__(self, name: str) -> Any:
-            return getattr(self._sock, name)
+            return getattr(self._link, name)
 
-    client._connect = lambda ep: Tap(connect(ep))
+    client._connect = lambda ep, timeout_s: Tap(connect(ep, timeout_s))
     return wire
 
 
 def _replayed_answers(port: int, messages: list[list[bytes]]) -> list[bool]:
-    """Re-send each message verbatim from a fresh socket; True where anything answered."""
-    import zmq
+    """Re-send each message verbatim on a fresh connection; True where anything answered."""
+    import socket
 
-    ctx = zmq.Context()
+    from omnikv.connectors._control_client import Link
+
     answers = []
     for frames in messages:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart(frames)
-        answers.append(bool(sock.poll(1000)))
-        sock.close(0)
-    ctx.destroy(linger=0)
+        link = Link(socket.create_connection(("127.0.0.1", port), timeout=5), 4096)
+        answers.append(link.send(frames) and link.recv(1.0) is not None)
+        link.close()
     return answers
 
 

@@ -1,33 +1,45 @@
-"""The control plane of pull-model engines (Mooncake Transfer Engine, NIXL): msgpack over pyzmq.
+"""The control plane of pull-model engines (Mooncake Transfer Engine, NIXL): msgpack over TCP.
 
-One implementation of the wire rules, the authentication and the replay protection, used by
-every pull-model connector; each engine only declares the fields of its own messages
-(:class:`Schema`) and handles the requests that reach it.
+One implementation of the wire rules, the authentication, the replay protection and the
+admission limits, used by every pull-model connector; each engine only declares the fields of its
+own messages (:class:`Schema`) and handles the requests that reach it. This module holds the
+rules; :mod:`omnikv.connectors._control_server` the server (one listener thread, admission,
+timeouts) and :mod:`omnikv.connectors._control_client` the client (one channel per thread and
+server).
 
-Wire format. A message is one or two zmq frames: a msgpack map (the body) and, when the
-connectors share a secret, an HMAC-SHA256 of the body. Every body carries ``v`` (protocol
-version), ``op``, ``n`` (16 random bytes, the nonce) and ``ts`` (the sender's wall clock,
-seconds); replies add ``re``, the nonce of the request they answer. The MAC covers the whole
-body, so nonce and timestamp are authenticated with the rest. Bodies are bounded
-(``max_message_bytes``, 4 KiB unless the engine asks for more), MAC-checked before they are
-parsed, parsed with msgpack limits, then checked against the schema (types, non-negative ints,
-bounded strings), all before anything else looks at them.
+Wire format. A message travels over one TCP connection as a 6-byte header (body length, 4 bytes
+big-endian; MAC length, 2 bytes: 0 or 32), a msgpack map (the body) and, when the connectors
+share a secret, an HMAC-SHA256 of the body. Every body carries ``v`` (protocol version), ``op``,
+``n`` (16 random bytes, the nonce) and ``ts`` (the sender's wall clock, seconds); replies add
+``re``, the nonce of the request they answer. The MAC covers the whole body, so nonce and
+timestamp are authenticated with the rest. Bodies are bounded (``max_message_bytes``, 4 KiB
+unless the engine asks for more: a larger header closes the connection before anything is
+buffered), MAC-checked before they are parsed, parsed with msgpack limits, then checked against
+the schema (types, non-negative ints, bounded strings), all before anything else looks at them.
 
-Channels. A client opens one DEALER socket per thread and server and first sends ``hello`` with
-its self-description (``peer``: for the Transfer Engine its session and the address range of its
-receive pool). The server answers ``welcome`` with a fresh random channel token and remembers
-``(zmq routing id -> token, peer)``. Every later request must come from that routing id and carry
-that token; requests from anywhere else get no answer. Handlers see the channel's ``peer``, so an
-engine can refuse a pull that would write outside the memory its requester declared.
+Channels. A client opens one connection per thread and server and first sends ``hello`` with its
+self-description (``peer``: for the Transfer Engine its session and the address range of its
+receive pool). The server answers ``welcome`` with a fresh random channel token and keeps
+``(token, peer)`` with that connection, and only as long as the connection lives. Every later
+request must come on that connection and carry that token; requests from anywhere else get no
+answer. Handlers see the channel's ``peer``, so an engine can refuse a pull that would write
+outside the memory its requester declared.
+
+Admission (:class:`ServerLimits`). The server caps connections in total and per peer address,
+drops a connection that has not completed its ``hello`` within the handshake timeout or that
+sent anything invalid before it, closes channels idle past the idle timeout, and turns on TCP
+keepalive (the heartbeat) so a vanished peer's connection goes too. New connections never evict
+a channel: past a cap they evict the oldest connection still without a channel, or are refused.
 
 Replay protection (with a secret). The server (and the client, for replies) rejects a timestamp
 more than ``window_s`` (default 30 s) away from its own clock and a nonce it has already accepted
 within the window (nonces are remembered for twice the window, the longest time in which a
 timestamp can still pass). A message captured on the wire and re-sent byte for byte, from
-another socket or the same one, is dropped without an answer and changes nothing; after a
+another connection or the same one, is dropped without an answer and changes nothing; after a
 server restart the old channel tokens are unknown, so captured requests fail there too.
 
-Rejected messages are counted (``rejected``) and logged at WARNING; nothing is answered to them.
+Rejected messages are counted (``rejected``) and logged at WARNING (the first ten, then one in a
+thousand); nothing is answered to them.
 
 Using it (an engine connector)::
 
@@ -36,13 +48,14 @@ Using it (an engine connector)::
                     hello={"agent": str, "md": bytes})          # what a receiver declares
     codec = ControlCodec(SCHEMA, secret, window_s=30.0, max_message_bytes=64 << 10)
     # sender: handler(req) runs on the listener thread; answer from any thread
-    server = ControlServer(zmq_ctx, codec, (host, port), handler, tick=tick, name="omnikv-x")
+    server = ControlServer(codec, (host, port), handler, tick=tick, name="omnikv-x",
+                           limits=ServerLimits())
     server.start(); ...; server.answer(req, {"op": "info", "found": True, "size": n})
     # receiver: one channel per thread and sender, opened with the hello
-    client = ControlClient(zmq_ctx, codec, {"agent": name, "md": metadata})
+    client = ControlClient(codec, {"agent": name, "md": metadata})
     chan = client.channel((host, port), timeout_s)   # None: no welcome (wrong secret, down)
     reply = chan.request({"op": "query", "key": k, "wait_ms": 0}, timeout_s)
-    # close: server.close(); client.close(); zmq_ctx.destroy(linger=0)
+    # close: server.close(); client.close()
 
 ``req.peer`` is what that receiver declared in its hello: check every request against it.
 """
@@ -50,39 +63,37 @@ Using it (an engine connector)::
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import hmac
-import logging
 import math
 import os
+import socket
+import struct
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from omnikv.errors import ConnectorUnavailableError
-
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_WINDOW_S",
+    "FRAME_HEADER",
+    "MAC_BYTES",
     "PROTOCOL_VERSION",
-    "Channel",
-    "ControlClient",
     "ControlCodec",
-    "ControlServer",
     "Endpoint",
+    "MessageReader",
     "ProtocolError",
     "ReplayGuard",
     "Request",
     "Schema",
+    "ServerLimits",
+    "pack_message",
+    "set_keepalive",
 ]
-
-logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2
 DEFAULT_MAX_MESSAGE_BYTES = 4096
@@ -92,8 +103,8 @@ TOKEN_BYTES = 16
 MAC_BYTES = 32
 MAX_STR_CHARS = 1024
 MAX_REPLAY_ENTRIES = 1 << 17
-MAX_PEERS = 4096
-_LOUD_REJECTS = 10
+#: Header of every message on a connection: body length, MAC length (0 or ``MAC_BYTES``).
+FRAME_HEADER = struct.Struct("!IH")
 
 Fields = Mapping[str, type | tuple[type, ...]]
 Endpoint = tuple[str, int]
@@ -283,7 +294,68 @@ class ControlCodec:
         return msg
 
 
-# -- server ----------------------------------------------------------------------------------------
+# -- framing ---------------------------------------------------------------------------------------
+def pack_message(frames: Sequence[bytes]) -> bytes:
+    """One message as it goes on a connection: header, body and (when signed) the MAC."""
+    body = frames[0]
+    mac = frames[1] if len(frames) > 1 else b""
+    return FRAME_HEADER.pack(len(body), len(mac)) + body + mac
+
+
+class MessageReader:
+    """Splits the bytes of one connection into messages (``[body]`` or ``[body, mac]``).
+
+    Used by the server (per connection) and the client (per channel). A header announcing a body
+    over ``max_body`` bytes or a MAC of another length than ``MAC_BYTES`` raises
+    :class:`ProtocolError` before anything of it is buffered: the caller closes the connection.
+    Holds at most one message plus what arrived after it.
+    """
+
+    __slots__ = ("_buf", "_max")
+
+    def __init__(self, max_body: int) -> None:
+        self._buf = bytearray()
+        self._max = max_body
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def next(self) -> list[bytes] | None:
+        """The next complete message, or ``None`` until more bytes arrive."""
+        buf = self._buf
+        if len(buf) < FRAME_HEADER.size:
+            return None
+        body_len, mac_len = FRAME_HEADER.unpack_from(buf)
+        if body_len > self._max or mac_len not in (0, MAC_BYTES):
+            raise ProtocolError(
+                f"message header announces {body_len} bytes (max {self._max}) and a "
+                f"{mac_len}-byte MAC"
+            )
+        end = FRAME_HEADER.size + body_len + mac_len
+        if len(buf) < end:
+            return None
+        body = bytes(buf[FRAME_HEADER.size : FRAME_HEADER.size + body_len])
+        frames = [body, bytes(buf[FRAME_HEADER.size + body_len : end])] if mac_len else [body]
+        del buf[:end]
+        return frames
+
+
+def set_keepalive(sock: socket.socket, interval_s: float) -> None:
+    """TCP keepalive as the connection's heartbeat: probes after ``interval_s`` of silence, then
+    every ``interval_s``; three unanswered probes close the connection (server and client)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    secs = max(1, round(interval_s))
+    for name, value in (("TCP_KEEPIDLE", secs), ("TCP_KEEPINTVL", secs), ("TCP_KEEPCNT", 3)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+# -- what the server hands its engine, and how it admits connections --------------------------
 @dataclass(frozen=True)
 class Request:
     """A validated request on an established channel (handed to the engine's handler)."""
@@ -299,318 +371,36 @@ class Request:
         return n
 
 
-@dataclass
-class _Channel:
-    token: bytes
-    peer: dict[str, Any]
+@dataclass(frozen=True)
+class ServerLimits:
+    """How a control server admits and keeps connections (config keys of the pull connectors).
 
+    * ``max_connections`` (``max_connections``, 1024): open connections in total; the server
+      lowers it to half the file descriptors left under ``RLIMIT_NOFILE`` at start, so a flood
+      never takes the descriptors its engine needs;
+    * ``max_connections_per_peer`` (``max_connections_per_peer``, 64): per peer IP address;
+    * ``handshake_timeout_s`` (``handshake_timeout_seconds``, 5): time from accept to a valid
+      ``hello``; a connection past it, or one that sends anything invalid before it, is dropped;
+    * ``idle_timeout_s`` (``idle_timeout_seconds``, 300): a channel without traffic either way
+      for this long is closed (its client reconnects and says hello again on next use); keep it
+      above the long-poll hold (5 s);
+    * ``heartbeat_s`` (``heartbeat_seconds``, 10): TCP keepalive of every connection.
 
-Handler = Callable[[Request], None]
-Tick = Callable[[], float]
-
-
-class ControlServer:
-    """A ROUTER socket served by one listener thread.
-
-    ``handler`` runs on the listener thread for every valid request on an established channel
-    (except ``ping``, answered here) and must not block; it answers through :meth:`reply` (any
-    thread). ``tick`` (optional) runs after every loop turn and returns the seconds until it
-    wants to run again (long-poll expiries, TTL sweeps). Construction binds the socket or raises
-    :class:`~omnikv.errors.ConnectorUnavailableError`, leaving no socket open.
+    Past a cap, a new connection evicts the oldest connection that has no channel yet (of that
+    peer for the per-peer cap) or, when there is none, is refused: live channels are never
+    evicted by new connections.
     """
 
-    def __init__(
-        self,
-        ctx: Any,
-        codec: ControlCodec,
-        address: Endpoint,
-        handler: Handler,
-        *,
-        tick: Tick | None = None,
-        name: str = "omnikv-control",
-        max_peers: int = MAX_PEERS,
-    ) -> None:
-        import zmq
+    max_connections: int = 1024
+    max_connections_per_peer: int = 64
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 300.0
+    heartbeat_s: float = 10.0
 
-        self._zmq = zmq
-        self._codec = codec
-        self._handler = handler
-        self._tick = tick
-        self._name = name
-        self._max_peers = max_peers
-        self._channels: collections.OrderedDict[bytes, _Channel] = collections.OrderedDict()
-        self._outbox: collections.deque[tuple[bytes, list[bytes]]] = collections.deque()
-        self._stop = threading.Event()
-        self._wake_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.rejected = 0
-        self._sockets: list[Any] = []
-        try:
-            self._router = self._open(ctx, zmq.ROUTER)
-            self._router.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes + 256)
-            self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            self._bind(address)
-            wake_addr = f"inproc://{name}-{uuid.uuid4().hex}"
-            self._wake_pull = self._open(ctx, zmq.PULL)
-            self._wake_pull.bind(wake_addr)
-            self._wake_push = self._open(ctx, zmq.PUSH)
-            self._wake_push.connect(wake_addr)
-        except BaseException:
-            self._close_sockets()
-            raise
-
-    def _open(self, ctx: Any, kind: int) -> Any:
-        sock = ctx.socket(kind)
-        sock.setsockopt(self._zmq.LINGER, 0)
-        self._sockets.append(sock)
-        return sock
-
-    def _bind(self, address: Endpoint) -> None:
-        url = f"tcp://{address[0]}:{address[1]}"
-        try:
-            self._router.bind(url)
-        except self._zmq.ZMQError as exc:
-            raise ConnectorUnavailableError(f"cannot bind the control socket {url}: {exc}") from exc
-
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._listen, name=f"{self._name}-listener", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
-    def wake(self) -> None:
-        """Make the listener run a loop turn now (e.g. after a put, for long-polls)."""
-        with self._wake_lock, contextlib.suppress(self._zmq.ZMQError):
-            self._wake_push.send(b"", self._zmq.NOBLOCK)
-
-    def reply(self, ident: bytes, request_nonce: bytes, msg: Mapping[str, Any]) -> None:
-        """Queue the answer to a request (thread-safe; sent by the listener)."""
-        _, frames = self._codec.encode(msg, reply_to=request_nonce)
-        self._outbox.append((ident, frames))
-        self.wake()
-
-    def answer(self, req: Request, msg: Mapping[str, Any]) -> None:
-        self.reply(req.ident, req.nonce, msg)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop and join the listener, then close the sockets. Idempotent."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            self.wake()
-            thread.join(timeout=timeout)
-            if thread.is_alive():
-                logger.error("%s listener did not stop within %.1fs", self._name, timeout)
-                return
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        with self._wake_lock:
-            for sock in self._sockets:
-                with contextlib.suppress(Exception):
-                    sock.close(0)
-            self._sockets.clear()
-
-    # -- listener thread ---------------------------------------------------------------------------
-    def _listen(self) -> None:
-        zmq = self._zmq
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_pull, zmq.POLLIN)
-        timeout = 1.0
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(max(0, math.ceil(min(timeout, 1.0) * 1000))))
-                if self._wake_pull in events:
-                    self._drain_wakes()
-                if self._router in events:
-                    self._receive_batch()
-                timeout = self._tick() if self._tick is not None else 1.0
-                self._flush_outbox()
-        except Exception:
-            logger.exception("%s listener failed", self._name)
-
-    def _drain_wakes(self) -> None:
-        with contextlib.suppress(self._zmq.Again):
-            for _ in range(1024):
-                self._wake_pull.recv(self._zmq.NOBLOCK)
-
-    def _receive_batch(self) -> None:
-        for _ in range(256):
-            try:
-                frames = self._router.recv_multipart(self._zmq.NOBLOCK)
-            except self._zmq.Again:
-                return
-            self._handle(frames)
-
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            ident, frames = self._outbox.popleft()
-            with contextlib.suppress(self._zmq.ZMQError):
-                self._router.send_multipart([ident, *frames], self._zmq.NOBLOCK)
-
-    def _reject(self, why: str) -> None:
-        self.rejected += 1
-        # the first few at WARNING, then one in a thousand: a flood must not flood the log
-        if self.rejected <= _LOUD_REJECTS or self.rejected % 1000 == 0:
-            logger.warning(
-                "%s rejected a control message (%d so far): %s", self._name, self.rejected, why
-            )
-        else:
-            logger.debug("%s rejected a control message: %s", self._name, why)
-
-    def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) < 2:
-            self._reject("no routing id")
-            return
-        ident = frames[0]
-        try:
-            msg = self._codec.decode_request(frames[1:])
-        except ProtocolError as exc:
-            self._reject(str(exc))
-            return
-        if msg["op"] == "hello":
-            self._welcome(ident, msg)
-            return
-        chan = self._channels.get(ident)
-        tok = msg.get("tok")
-        if chan is None or not isinstance(tok, bytes) or not hmac.compare_digest(tok, chan.token):
-            self._reject(f"{msg['op']} outside an established channel")
-            return
-        self._channels.move_to_end(ident)
-        if msg["op"] == "ping":
-            self.reply(ident, msg["n"], {"op": "pong"})
-            return
-        self._handler(Request(ident, msg["op"], msg, chan.peer))
-
-    def _welcome(self, ident: bytes, msg: dict[str, Any]) -> None:
-        token = os.urandom(TOKEN_BYTES)
-        self._channels[ident] = _Channel(token, dict(msg["peer"]))
-        self._channels.move_to_end(ident)
-        while len(self._channels) > self._max_peers:
-            self._channels.popitem(last=False)
-        self.reply(ident, msg["n"], {"op": "welcome", "tok": token})
-
-
-# -- client ----------------------------------------------------------------------------------------
-class Channel:
-    """One DEALER socket to one server, owned by one thread, after a completed hello."""
-
-    def __init__(self, client: ControlClient, sock: Any, token: bytes) -> None:
-        self._client = client
-        self.sock = sock
-        self.token = token
-
-    def send(self, msg: Mapping[str, Any]) -> bytes:
-        """Send a request on this channel; returns its nonce (match replies with it)."""
-        nonce, frames = self._client.codec.encode({**msg, "tok": self.token})
-        self.sock.send_multipart(frames)
-        return nonce
-
-    def recv(
-        self, nonces: set[bytes] | frozenset[bytes], timeout_s: float
-    ) -> dict[str, Any] | None:
-        """The next valid reply to one of ``nonces`` within ``timeout_s``; ``None`` otherwise."""
-        return self._client.recv(self.sock, nonces, timeout_s)
-
-    def request(self, msg: Mapping[str, Any], timeout_s: float) -> dict[str, Any] | None:
-        return self.recv({self.send(msg)}, timeout_s)
-
-
-class ControlClient:
-    """Channels to servers, one per (thread, endpoint), each opened with a ``hello``.
-
-    ``hello`` is this client's self-description (the schema's hello fields). A channel whose
-    server stays silent should be dropped with :meth:`discard`, so the next call reconnects and
-    says hello again (a restarted server knows no old channel).
-    """
-
-    def __init__(self, ctx: Any, codec: ControlCodec, hello: Mapping[str, Any]) -> None:
-        import zmq
-
-        self._zmq = zmq
-        self._ctx = ctx
-        self.codec = codec
-        self._hello = dict(hello)
-        self._tls = threading.local()
-        self._sockets: set[Any] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self.rejected = 0
-
-    def _mine(self) -> dict[Endpoint, Channel]:
-        chans: dict[Endpoint, Channel] | None = getattr(self._tls, "chans", None)
-        if chans is None:
-            chans = self._tls.chans = {}
-        return chans
-
-    def channel(self, endpoint: Endpoint, timeout_s: float) -> Channel | None:
-        """This thread's channel to ``endpoint``; says hello first if new (``None``: no welcome)."""
-        chans = self._mine()
-        chan = chans.get(endpoint)
-        if chan is not None:
-            return chan
-        sock = self._connect(endpoint)
-        nonce, frames = self.codec.encode({"op": "hello", "peer": self._hello})
-        sock.send_multipart(frames)
-        reply = self.recv(sock, {nonce}, timeout_s)
-        if reply is None or reply["op"] != "welcome":
-            self._close(sock)
-            return None
-        chan = chans[endpoint] = Channel(self, sock, reply["tok"])
-        return chan
-
-    def discard(self, endpoint: Endpoint) -> None:
-        """Drop this thread's channel to ``endpoint`` (after silence or an error)."""
-        chan = self._mine().pop(endpoint, None)
-        if chan is not None:
-            self._close(chan.sock)
-
-    def _connect(self, endpoint: Endpoint) -> Any:
-        zmq = self._zmq
-        with self._lock:
-            if self._closed:
-                raise ConnectorUnavailableError("control client is closed")
-            sock = self._ctx.socket(zmq.DEALER)
-            self._sockets.add(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_message_bytes + 256)
-        sock.connect(f"tcp://{endpoint[0]}:{endpoint[1]}")
-        return sock
-
-    def _close(self, sock: Any) -> None:
-        with self._lock:
-            self._sockets.discard(sock)
-        with contextlib.suppress(Exception):
-            sock.close(0)
-
-    def recv(
-        self, sock: Any, nonces: set[bytes] | frozenset[bytes], timeout_s: float
-    ) -> dict[str, Any] | None:
-        end = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            left = end - time.monotonic()
-            if left <= 0 or not sock.poll(math.ceil(left * 1000)):
-                return None
-            try:
-                msg = self.codec.decode_reply(sock.recv_multipart())
-            except ProtocolError as exc:
-                self.rejected += 1
-                logger.warning("rejected a control reply: %s", exc)
-                continue
-            if msg.get("re") in nonces:
-                return msg
-
-    def close(self) -> None:
-        """Close every channel of every thread. Idempotent."""
-        with self._lock:
-            self._closed = True
-            socks = list(self._sockets)
-            self._sockets.clear()
-        for sock in socks:
-            with contextlib.suppress(Exception):
-                sock.close(0)
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_connections_per_peer < 1:
+            raise ValueError("connection limits must be >= 1")
+        for name in ("handshake_timeout_s", "idle_timeout_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

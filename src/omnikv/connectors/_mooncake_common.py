@@ -61,13 +61,12 @@ _MISSING_HINT = (
 def unavailable_reason() -> str | None:
     """Why the Mooncake connectors cannot run here (with the install hint), or ``None``.
 
-    Imports the engine, the store and pyzmq. Called by ``omnikv bench mooncake`` before it
+    Imports the engine and the store. Called by ``omnikv bench mooncake`` before it
     starts peers, and by the engine tests to decide whether to skip.
     """
     try:
         import mooncake.engine
         import mooncake.store  # noqa: F401
-        import zmq  # noqa: F401
     except (ImportError, OSError) as exc:  # OSError: a missing libibverbs
         return f"{_MISSING_HINT}: {exc}"
     return None

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from omnikv.connectors._control import DEFAULT_WINDOW_S, Endpoint
+from omnikv.connectors._control import DEFAULT_WINDOW_S, Endpoint, ServerLimits
 from omnikv.connectors._mooncake_common import (
+    config_count,
     config_port,
     config_seconds,
     parse_size,
@@ -97,6 +98,17 @@ def _put_timeout(value: Any) -> float:
     return float(value)
 
 
+def _limits(cfg: Mapping[str, Any]) -> ServerLimits:
+    """The control port's admission limits from ``cfg`` (``ConfigError`` names the key)."""
+    return ServerLimits(
+        max_connections=config_count(cfg, "max_connections", 1024),
+        max_connections_per_peer=config_count(cfg, "max_connections_per_peer", 64),
+        handshake_timeout_s=config_seconds(cfg, "handshake_timeout_seconds", 5.0),
+        idle_timeout_s=config_seconds(cfg, "idle_timeout_seconds", 300.0),
+        heartbeat_s=config_seconds(cfg, "heartbeat_seconds", 10.0),
+    )
+
+
 @dataclass(frozen=True)
 class PullSettings:
     """The configuration keys both pull connectors read, checked once (``ConfigError`` names
@@ -114,6 +126,7 @@ class PullSettings:
     put_timeout_s: float
     secret: bytes | None
     default_sender: tuple[str, int] | None
+    limits: ServerLimits
 
     @staticmethod
     def common(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,7 +136,12 @@ class PullSettings:
         ``host``, ``memory_pool_size`` (1 GiB), ``buffer_ttl_seconds`` (300),
         ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
         ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30), ``put_timeout_s`` (0),
-        ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender).
+        ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender),
+        and the control port's admission limits (``limits``, a
+        :class:`~omnikv.connectors._control.ServerLimits`): ``max_connections`` (1024),
+        ``max_connections_per_peer`` (64),
+        ``handshake_timeout_seconds`` (5), ``idle_timeout_seconds`` (300),
+        ``heartbeat_seconds`` (10; a receiver's keepalive too).
         """
         role = cfg.get("role", "sender")
         if role not in {"sender", "receiver"}:
@@ -150,6 +168,7 @@ class PullSettings:
             "put_timeout_s": _put_timeout(cfg.get("put_timeout_s", 0.0)),
             "secret": _secret(cfg.get("auth_secret")),
             "default_sender": default_sender,
+            "limits": _limits(cfg),
         }
 
 

@@ -2,8 +2,9 @@
 
 Data plane: one NIXL agent per connector (backends from ``backends``, default ``["UCX"]``) with
 one registered, pre-faulted host pool. Control plane: :mod:`omnikv.connectors._control`
-(msgpack over pyzmq, HMAC + nonce + timestamp with ``auth_secret``), shared with the Mooncake
-Transfer Engine connector; the NIXL messages are in :mod:`omnikv.connectors.nixl_protocol`.
+(msgpack over TCP, HMAC + nonce + timestamp with ``auth_secret``, capped connections, handshake
+and idle timeouts), shared with the Mooncake Transfer Engine connector; the NIXL messages are in
+:mod:`omnikv.connectors.nixl_protocol`.
 
 How a payload moves:
 
@@ -36,7 +37,9 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-from omnikv.connectors._control import ControlClient, ControlCodec, ControlServer
+from omnikv.connectors._control import ControlCodec
+from omnikv.connectors._control_client import ControlClient
+from omnikv.connectors._control_server import ControlServer
 from omnikv.connectors._mooncake_common import warn_unauthenticated
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._pull import PullConnector
@@ -71,7 +74,12 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
     ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
     (60), ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30: the replay window),
-    ``put_timeout_s`` (0: the reference-shaped ``put`` tries once).
+    ``put_timeout_s`` (0: the reference-shaped ``put`` tries once), and the control port's
+    admission limits: ``max_connections`` (1024, lowered to half the file
+    descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
+    ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),
+    ``idle_timeout_seconds`` (300: a channel without traffic is closed), ``heartbeat_seconds``
+    (10: TCP keepalive). See :class:`~omnikv.connectors._control.ServerLimits`.
     """
 
     supports_zero_copy_put: ClassVar[bool] = True
@@ -89,7 +97,6 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
         self._lock = threading.Lock()
         self._agent: NixlAgent | None = None
         self._pool: HostPool | None = None
-        self._ctx: Any = None
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
         self._sender = None
@@ -101,7 +108,7 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
             raise
         self._closed = False
         logger.info(
-            "NixlConnector %s on %s (agent %s, zmq %s, backends %s, pool %d bytes)",
+            "NixlConnector %s on %s (agent %s, control port %s, backends %s, pool %d bytes)",
             s.role,
             s.host,
             self.agent_name,
@@ -111,13 +118,10 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
         )
 
     def _build(self, s: NixlSettings) -> None:
-        import zmq
-
         self.agent_name = f"omnikv-nixl-{s.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent = NixlAgent(self.agent_name, s.backends)
         self._pool = HostPool(s.pool_size)
         self._agent.register(self._pool.address, self._pool.size)
-        self._ctx = zmq.Context()
         codec = ControlCodec(
             SCHEMA, s.secret, window_s=s.window_s, max_message_bytes=MAX_MESSAGE_BYTES
         )
@@ -127,24 +131,25 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
                 warn_unauthenticated(s.host, "NIXL sender")
             side = NixlSenderSide(s, self._agent, self._pool, self._counters, self._lock)
             self._server = ControlServer(
-                self._ctx,
                 codec,
                 (s.host, s.zmq_port),
                 side.handle,
                 tick=side.tick,
                 name="omnikv-nixl",
+                limits=s.limits,
             )
             side.attach(self._server)
             self._sender = side
             self._server.start()
         else:
-            self._client = ControlClient(self._ctx, codec, {"agent": self.agent_name})
+            hello = {"agent": self.agent_name}
+            self._client = ControlClient(codec, hello, heartbeat_s=s.limits.heartbeat_s)
             self._receiver = NixlReceiverSide(
                 s, self._agent, self._pool, self._client, self._counters, self._lock
             )
 
     def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return _zmq_errors(what)
+        return _control_errors(what)
 
     # == common ===================================================================================
     def health(self) -> dict[str, Any]:
@@ -153,6 +158,8 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
         side_stats: dict[str, int] = {}
         if self._sender is not None:
             side_stats.update(self._sender.stats())
+        if self._server is not None:
+            side_stats.update(self._server.stats())
         if self._receiver is not None:
             side_stats.update(self._receiver.stats())
         return {
@@ -209,10 +216,6 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
         if self._agent is not None:
             self._agent.close()  # deregisters: NIXL refuses any later access to the pool
             self._agent = None
-        if self._ctx is not None:
-            with contextlib.suppress(Exception):
-                self._ctx.term()
-            self._ctx = None
         if self._pool is not None:
             if not quiet:
                 logger.error("a NIXL READ may still be running at close; leaving the pool mapped")
@@ -222,11 +225,10 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
 
 
 @contextlib.contextmanager
-def _zmq_errors(what: str) -> Iterator[None]:
-    """Control-socket failures as ``ConnectorUnavailableError`` (the zmq half of the mapping)."""
-    import zmq
-
+def _control_errors(what: str) -> Iterator[None]:
+    """Control-socket failures as ``ConnectorUnavailableError`` (the socket half of the mapping;
+    NIXL's own errors are translated by :func:`~omnikv.connectors.nixl_agent.nixl_errors`)."""
     try:
         yield
-    except zmq.ZMQError as exc:
+    except OSError as exc:
         raise ConnectorUnavailableError(f"{what}: control channel failed: {exc}") from exc

@@ -64,7 +64,6 @@ def unavailable_reason() -> str | None:
     """Why the NIXL connector cannot run here (with the install hint), or ``None``."""
     try:
         import_nixl()
-        import zmq  # noqa: F401
     except (ImportError, OSError) as exc:
         return str(exc)
     return None

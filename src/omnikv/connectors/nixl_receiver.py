@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors._control import Channel, ControlClient, Endpoint
+from omnikv.connectors._control import Endpoint
+from omnikv.connectors._control_client import Channel, ControlClient
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._pull import LateArrivals, deliver
 from omnikv.connectors._stats import Counters
@@ -225,6 +226,8 @@ class NixlReceiverSide:
             if now >= end:
                 return None
             reply = chan.recv({nonce, *pings}, min(ping_every, end - now))
+            if reply is None and chan.closed:
+                self._gone(endpoint, f"claiming {key} (it closed the control connection)")
             if reply is not None and reply.get("re") == nonce:
                 return reply
             if reply is not None:
@@ -315,7 +318,7 @@ class NixlReceiverSide:
             if pings and chan.recv(pings, _PONG_POLL_S) is not None:
                 heard = now
                 pings.clear()
-            yield state, now - heard > self._s.peer_timeout_s
+            yield state, chan.closed or now - heard > self._s.peer_timeout_s
             if now >= end:
                 return
             if now >= next_ping:

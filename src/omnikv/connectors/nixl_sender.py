@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omnikv.connectors._control import ControlServer, Request
+from omnikv.connectors._control import Request
+from omnikv.connectors._control_server import ControlServer
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._pull import published
 from omnikv.connectors._stats import Counters

@@ -3,8 +3,8 @@
 * :mod:`.protocol`: control messages, limits, configuration, error translation.
 * :mod:`.sender`: publishing, long-polled queries, pull workers, TTL.
 * :mod:`.receiver`: queries, receive slots, pulls, quarantine, late arrivals.
-* :mod:`.connector`: :class:`MooncakeTransferEngineConnector`, which owns the engine, the pool and
-  the zmq context and picks its sides once, from ``role``.
+* :mod:`.connector`: :class:`MooncakeTransferEngineConnector`, which owns the engine and the pool
+  and picks its sides once, from ``role``.
 
 ``omnikv.connectors.mooncake_te:MooncakeTransferEngineConnector`` is the public path.
 """

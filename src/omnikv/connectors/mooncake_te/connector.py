@@ -2,10 +2,11 @@
 
 Data plane: the Mooncake Transfer Engine (``protocol`` "tcp" everywhere, "rdma" where the
 hardware exists), one registered, pre-faulted host pool per process. Control plane:
-:mod:`omnikv.connectors._control` (msgpack over pyzmq, optionally authenticated with a shared
-secret, replay-proof). The role is chosen once, at construction: every connector can receive
-(:class:`~.receiver.ReceiverSide`); a ``role="sender"`` connector also publishes and serves pulls
-(:class:`~.sender.SenderSide`) on its control port.
+:mod:`omnikv.connectors._control` (msgpack over TCP, optionally authenticated with a shared
+secret, replay-proof, with capped connections and handshake/idle timeouts). The role is chosen
+once, at construction: every connector can receive (:class:`~.receiver.ReceiverSide`); a
+``role="sender"`` connector also publishes and serves pulls (:class:`~.sender.SenderSide`) on
+its control port.
 
 ``close`` stops and joins every thread, closes every socket, waits for in-flight writes,
 unregisters the pool from the engine and unmaps it; a failed constructor leaves nothing open.
@@ -37,6 +38,9 @@ __all__ = ["MooncakeTransferEngineConnector"]
 
 logger = logging.getLogger(__name__)
 
+#: What ``health()`` shows of a sender side on a connector that has none.
+_NO_SENDER = {"entries": 0, "inflight": 0, "connections": 0, "channels": 0}
+
 
 class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     """Cross-node KV hand-off over the Mooncake Transfer Engine (pull model, consume-once).
@@ -50,7 +54,12 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     ``auth_secret`` (shared by all peers; without it anyone who reaches the port can pull),
     ``auth_window_seconds`` (30: the replay window), ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
-    (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0).
+    (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0), and the
+    control port's admission limits: ``max_connections`` (1024, lowered to half the file
+    descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
+    ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),
+    ``idle_timeout_seconds`` (300: a channel without traffic is closed), ``heartbeat_seconds``
+    (10: TCP keepalive). See :class:`~omnikv.connectors._control.ServerLimits`.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -65,8 +74,6 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         )
         self.put_timeout_s = cfg.put_timeout_s
         self._default_sender = cfg.default_sender
-        import zmq
-
         engine_cls = import_mooncake_engine()
         set_tcp_bind_address(cfg.host)
         if cfg.role == "sender" and cfg.secret is None:
@@ -75,20 +82,18 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         self._engine: Any = None
         self._pool: HostPool | None = None
         self._registered = False
-        self._ctx: Any = None
         self._sender = None
         self._receiver = None
         try:
             with te_errors("Transfer Engine set-up"):
                 self._open_engine(engine_cls)
-                self._ctx = zmq.Context()
                 self._open_sides()
         except BaseException:
             self._teardown()
             raise
         self._closed = False
         logger.info(
-            "MooncakeTransferEngineConnector %s on %s (rpc %d, zmq %s, %s, pool %d bytes)",
+            "MooncakeTransferEngineConnector %s on %s (rpc %d, control port %s, %s, pool %d bytes)",
             self.role,
             self.host,
             self.rpc_port,
@@ -117,9 +122,9 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         cfg, pool = self._cfg, self._pool
         assert pool is not None
         codec = ControlCodec(SCHEMA, cfg.secret, window_s=cfg.window_s)
-        self._receiver = ReceiverSide(cfg, self._ctx, codec, self.session_id, pool, self._counters)
+        self._receiver = ReceiverSide(cfg, codec, self.session_id, pool, self._counters)
         if cfg.role == "sender":
-            self._sender = SenderSide(cfg, self._ctx, codec, self._engine, pool, self._counters)
+            self._sender = SenderSide(cfg, codec, self._engine, pool, self._counters)
 
     def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         return te_errors(what)
@@ -137,7 +142,7 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         for side in (self._sender, self._receiver):
             if side is not None:
                 counters["rejected_messages"] += side.rejected
-        sender = self._sender.stats() if self._sender is not None else {"entries": 0, "inflight": 0}
+        sender = self._sender.stats() if self._sender is not None else _NO_SENDER
         receiver = self._receiver.stats() if self._receiver is not None else {}
         return {
             "status": "closed" if self._closed else "healthy",
@@ -174,9 +179,6 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         idle = sender.close() if sender is not None else True
         if receiver is not None:
             receiver.close()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)  # closes any socket left behind: term() cannot hang
-            self._ctx = None
         if not idle:
             logger.error("a transfer is still running at close; leaving the pool mapped")
             return

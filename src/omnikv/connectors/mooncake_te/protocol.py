@@ -55,15 +55,11 @@ SCHEMA = Schema(
 
 @contextlib.contextmanager
 def te_errors(what: str) -> Iterator[None]:
-    """Translate the engine's and pyzmq's failures into omnikv errors (the TE boundary)."""
-    import zmq
-
+    """Translate the engine's and the sockets' failures into omnikv errors (the TE boundary)."""
     try:
         yield
     except ConnectorError:
         raise
-    except zmq.ZMQError as exc:
-        raise ConnectorUnavailableError(f"{what}: control channel failed: {exc}") from exc
     except (RuntimeError, OSError) as exc:
         raise ConnectorUnavailableError(f"{what}: Transfer Engine failed: {exc}") from exc
 

@@ -21,9 +21,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from omnikv.connectors._control import Channel, ControlClient, ControlCodec
+from omnikv.connectors._control import ControlCodec
+from omnikv.connectors._control_client import Channel, ControlClient
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._pull import LateArrivals, deliver
 from omnikv.connectors._stats import Counters
@@ -73,7 +74,6 @@ class ReceiverSide:
     def __init__(
         self,
         cfg: TEConfig,
-        ctx: Any,
         codec: ControlCodec,
         session_id: str,
         pool: HostPool,
@@ -83,7 +83,7 @@ class ReceiverSide:
         self._pool = pool
         self._counters = counters
         hello = {"sess": session_id, "base": pool.address, "len": pool.size}
-        self._client = ControlClient(ctx, codec, hello)
+        self._client = ControlClient(codec, hello, heartbeat_s=cfg.limits.heartbeat_s)
         self._lock = threading.Lock()
         self._quarantine: dict[str, _Quarantined] = {}
         self._late = LateArrivals(pool, counters)
@@ -177,20 +177,26 @@ class ReceiverSide:
                 self._quarantine_slot(pull)
                 return None
             if now - pull.heard > self._cfg.peer_timeout_s:
-                self._quarantine_slot(pull)
-                self._client.discard(pull.endpoint)
-                self._counters.add("peer_gone")
-                raise PeerGoneError(
-                    f"sender {pull.endpoint[0]}:{pull.endpoint[1]} silent for "
-                    f"{now - pull.heard:.1f}s while transferring {pull.key}"
-                )
+                self._gone(pull, f"silent for {now - pull.heard:.1f}s")
             reply = chan.recv(nonces, min(ping_every, end - now))
+            if reply is None and chan.closed:
+                self._gone(pull, "closed the control connection")
             if reply is None:
                 nonces.add(chan.send({"op": "ping"}))
                 continue
             pull.heard = time.monotonic()
             if reply["op"] != "pong":
                 return self._finish(pull, reply)
+
+    def _gone(self, pull: _Pull, how: str) -> NoReturn:
+        """The sender of ``pull`` went away mid-transfer: quarantine the slot (the write may
+        still run), forget the channel, raise ``PeerGoneError``."""
+        self._quarantine_slot(pull)
+        self._client.discard(pull.endpoint)
+        self._counters.add("peer_gone")
+        raise PeerGoneError(
+            f"sender {pull.endpoint[0]}:{pull.endpoint[1]} {how} while transferring {pull.key}"
+        )
 
     def _finish(self, pull: _Pull, reply: dict[str, Any]) -> ManagedBuffer | None:
         if reply["op"] == "done":

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from omnikv.connectors._control import ControlCodec, ControlServer, Request
+from omnikv.connectors._control import ControlCodec, Request
+from omnikv.connectors._control_server import ControlServer
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._pull import published
 from omnikv.connectors._stats import Counters
@@ -69,7 +70,6 @@ class SenderSide:
     def __init__(
         self,
         cfg: TEConfig,
-        ctx: Any,
         codec: ControlCodec,
         engine: Any,
         pool: HostPool,
@@ -90,12 +90,12 @@ class SenderSide:
         self._next_sweep = time.monotonic() + self._sweep_every
         assert cfg.zmq_port is not None
         self._server = ControlServer(
-            ctx,
             codec,
             (cfg.host, cfg.zmq_port),
             self._handle,
             tick=self._tick,
             name="omnikv-te",
+            limits=cfg.limits,
         )
         try:
             self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="omnikv-te-pull")
@@ -291,7 +291,8 @@ class SenderSide:
     # -- state and shutdown ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"entries": len(self._entries), "inflight": self._inflight}
+            mine = {"entries": len(self._entries), "inflight": self._inflight}
+        return {**mine, **self._server.stats()}
 
     @property
     def rejected(self) -> int:
