@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from omnikv import OmniKVCacheConfig, OmniKVTransferManager
-from omnikv.connectors._shm_config import AUTO_RESERVE, ShmConfig
+from omnikv.connectors._shm_config import AUTO_RESERVE, RESERVE_SLACK, ShmConfig
 from omnikv.connectors.shm import SharedMemoryConnector
 from omnikv.errors import ConfigError
 from test_shm_peer import Peer, own_memfd_maps, peer_pool, start_peer
@@ -73,9 +73,9 @@ def _wait_ready(c: SharedMemoryConnector, timeout: float = 30.0) -> dict[str, An
 @pytest.mark.parametrize(
     ("value", "grow", "reserve", "auto"),
     [
-        (None, True, 256 * MIB, True),  # the default
-        ("auto", True, 256 * MIB, True),
-        (" AUTO ", True, 256 * MIB, True),
+        (None, True, AUTO_RESERVE, True),  # the default: nothing declared, 16 MiB
+        ("auto", True, AUTO_RESERVE, True),
+        (" AUTO ", True, AUTO_RESERVE, True),
         (True, True, 0, False),  # grow with use only
         ("true", True, 0, False),
         (False, False, 0, False),  # no background work at all
@@ -94,7 +94,7 @@ def test_prefault_values_parse(value: Any, grow: bool, reserve: int, auto: bool)
 
 def test_the_auto_reserve_starts_when_the_connector_is_known_to_send() -> None:
     small = ShmConfig.parse({"pool_size_bytes": "1MiB"})
-    assert small.reserve_bytes == MIB  # min(pool, 256 MiB): a tiny pool costs a tiny reserve
+    assert small.reserve_bytes == MIB  # min(pool, 16 MiB): a tiny pool costs a tiny reserve
     assert ShmConfig.parse({}).reserve_bytes == AUTO_RESERVE
     starts = {
         (prefault, role): ShmConfig.parse({"prefault": prefault, "role": role}).reserve_at_start
@@ -108,9 +108,47 @@ def test_the_auto_reserve_starts_when_the_connector_is_known_to_send() -> None:
     }
 
 
+def test_the_auto_reserve_follows_what_the_stage_declares_it_sends() -> None:
+    assert AUTO_RESERVE == 16 * MIB  # nothing declared: a small default, not 256 MiB
+    assert ShmConfig.parse({}).reserve_source == "default (nothing declared)"
+    declared = ShmConfig.parse({"expected_payload_bytes": "224MiB"})
+    assert declared.reserve_bytes == 224 * MIB + RESERVE_SLACK
+    assert declared.reserve_source == "expected_payload_bytes"
+    small = ShmConfig.parse({"expected_payload_bytes": 64 * 1024})  # a 64 KiB stage: ~1 MiB
+    assert small.reserve_bytes == 64 * 1024 + RESERVE_SLACK
+    # Qwen2.5-7B: 28 layers x 2 x 4 KV heads x 128 x fp16 = 57344 bytes per token
+    kv = ShmConfig.parse({"kv_bytes_per_token": 57344, "max_model_len": "4096"})
+    assert kv.reserve_bytes == 57344 * 4096 + RESERVE_SLACK
+    assert kv.reserve_source == "kv_bytes_per_token x max_model_len"
+    # one of the two alone declares nothing; the explicit size wins over the model's
+    assert ShmConfig.parse({"max_model_len": 4096}).reserve_bytes == AUTO_RESERVE
+    both = {"expected_payload_bytes": MIB, "kv_bytes_per_token": 57344, "max_model_len": 4096}
+    assert ShmConfig.parse(both).reserve_bytes == MIB + RESERVE_SLACK
+    # never more than the pool; an explicit prefault is taken as given
+    assert ShmConfig.parse({**both, "pool_size_bytes": "1MiB"}).reserve_bytes == MIB
+    explicit = ShmConfig.parse({**both, "prefault": "8MiB"})
+    assert (explicit.reserve_bytes, explicit.reserve_source) == (8 * MIB, "prefault (explicit)")
+    off = ShmConfig.parse({**both, "prefault": False})
+    assert (off.reserve_bytes, off.reserve_source) == (0, "none (prefault)")
+
+
+def test_a_declared_payload_larger_than_the_pool_is_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = ShmConfig.parse({"expected_payload_bytes": "2GiB", "pool_size_bytes": "1GiB"})
+    assert cfg.reserve_bytes == GIB  # clamped
+    assert "expected_payload_bytes 2147483648 exceeds pool_size_bytes" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [
+        ("expected_payload_bytes", "big"),
+        ("expected_payload_bytes", -1),
+        ("kv_bytes_per_token", -1),
+        ("kv_bytes_per_token", 1.5),
+        ("max_model_len", "long"),
+        ("max_model_len", True),
         ("prefault", "sometimes"),
         ("prefault", "automatic"),
         ("prefault", "yes"),
@@ -132,9 +170,8 @@ def test_bad_prefault_and_role_values_are_config_errors(key: str, value: Any) ->
 def test_a_sender_populates_its_reserve_in_the_background_and_reports_it(namespace: str) -> None:
     before = _rss_shmem()
     t0 = time.monotonic()
-    c = SharedMemoryConnector(
-        {"namespace": namespace, "pool_size_bytes": "64MiB", "role": "sender", "linger_s": 0}
-    )
+    config = {"namespace": namespace, "pool_size_bytes": "64MiB", "role": "sender"}
+    c = SharedMemoryConnector({**config, "linger_s": 0, "expected_payload_bytes": "63MiB"})
     try:
         assert time.monotonic() - t0 < 5.0  # the constructor does not populate
         first = c.health()
@@ -146,6 +183,32 @@ def test_a_sender_populates_its_reserve_in_the_background_and_reports_it(namespa
         # the kernel agrees: the pages are mapped in this process (the sender's two mappings
         # share them; 1 MiB of slack for the interpreter's own shared pages coming and going)
         assert _rss_shmem() - before >= 63 * MIB
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("declared", "reserve", "source"),
+    [
+        ({}, AUTO_RESERVE, "default (nothing declared)"),
+        ({"expected_payload_bytes": "64KiB"}, 64 * 1024 + RESERVE_SLACK, "expected_payload_bytes"),
+    ],
+)
+def test_a_sender_holds_what_it_declares_not_256_mib(
+    namespace: str, declared: dict[str, Any], reserve: int, source: str
+) -> None:
+    before = _rss_shmem()
+    c = SharedMemoryConnector(
+        {"namespace": namespace, "role": "sender", "linger_s": 0, **declared}
+    )  # the default pool: 1 GiB, committed as it is used
+    try:
+        health = _wait_ready(c)
+        assert health["pool_size_bytes"] == GIB
+        assert (health["pool_reserve_bytes"], health["pool_reserve_source"]) == (reserve, source)
+        assert health["pool_populated_bytes"] == reserve
+        grown = _rss_shmem() - before
+        assert reserve - MIB <= grown <= reserve + 2 * MIB, grown  # the kernel agrees
     finally:
         c.close()
 

@@ -17,6 +17,7 @@ from omnikv.errors import ConfigError
 
 __all__ = [
     "AUTO_RESERVE",
+    "RESERVE_SLACK",
     "DEFAULT_BUFFER_TTL_S",
     "DEFAULT_POLL_US",
     "DEFAULT_POOL_SIZE",
@@ -37,8 +38,11 @@ DEFAULT_POLL_US = 1000
 MIN_POOL_SIZE = 4096
 #: ``buffer_ttl_seconds`` when the config has none (the Mooncake TE and NIXL connectors' default).
 DEFAULT_BUFFER_TTL_S = 300.0
-#: ``prefault: "auto"``: a sending connector populates min(pool_size_bytes, this) at start.
-AUTO_RESERVE = 256 << 20
+#: ``prefault: "auto"`` when the stage declares nothing about what it sends: a sending connector
+#: populates min(pool_size_bytes, this) at start (a few short prompts' KV of a 7B model).
+AUTO_RESERVE = 16 << 20
+#: Added to a declared payload size for the payload's header and per-tensor alignment.
+RESERVE_SLACK = 1 << 20
 ROLES = ("sender", "receiver")
 MAX_NAMESPACE_CHARS = 255
 _KNOWN_CONFIG = frozenset(
@@ -57,6 +61,9 @@ _KNOWN_CONFIG = frozenset(
         "inline_small_payloads",
         "poll_us",
         "buffer_ttl_seconds",
+        "expected_payload_bytes",
+        "kv_bytes_per_token",
+        "max_model_len",
     }
 )
 
@@ -120,7 +127,7 @@ class ShmConfig:
     pool_size: int = DEFAULT_POOL_SIZE
     prefault: bool = True  # populate ahead of use (2x the high-water mark) in the background
     prefault_bytes: int = 0  # an explicit start-up reserve
-    prefault_auto: bool = True  # reserve min(pool_size, AUTO_RESERVE) once the connector sends
+    prefault_auto: bool = True  # reserve what the stage declares (see reserve_bytes) once it sends
     role: str | None = None  # "sender" / "receiver" (the manager's factory says), None: unknown
     put_timeout_s: float = 30.0
     get_timeout_s: float = 0.1
@@ -130,6 +137,10 @@ class ShmConfig:
     inline_small_payloads: bool = False
     poll_us: int = DEFAULT_POLL_US  # a blocking wait polls its sockets this long, then sleeps
     buffer_ttl_s: float = DEFAULT_BUFFER_TTL_S  # an unconsumed payload is freed then; 0: never
+    # what the stage declares it sends (sizes the "auto" reserve; 0: not declared)
+    expected_payload_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    max_model_len: int = 0
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
@@ -142,6 +153,14 @@ class ShmConfig:
         if pool_size < MIN_POOL_SIZE:
             raise ConfigError(f"pool_size_bytes must be >= {MIN_POOL_SIZE}, got {pool_size}")
         prefault, prefault_bytes, prefault_auto = parse_prefault(cfg.get("prefault"))
+        expected = parse_size("expected_payload_bytes", cfg.get("expected_payload_bytes"), 0)
+        if expected > pool_size:
+            logger.warning(
+                "SharedMemoryConnector: expected_payload_bytes %d exceeds pool_size_bytes %d;"
+                " payloads that large can never fit (raise pool_size_bytes)",
+                expected,
+                pool_size,
+            )
         return cls(
             namespace=parse_namespace(cfg.get("namespace")),
             pool_size=pool_size,
@@ -163,14 +182,44 @@ class ShmConfig:
             buffer_ttl_s=parse_number(
                 "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
             ),
+            expected_payload_bytes=expected,
+            kv_bytes_per_token=parse_int(
+                "kv_bytes_per_token", cfg.get("kv_bytes_per_token"), 0, minimum=0
+            ),
+            max_model_len=parse_int("max_model_len", cfg.get("max_model_len"), 0, minimum=0),
         )
 
     @property
+    def declared_payload_bytes(self) -> int:
+        """The largest payload the stage declares it sends: ``expected_payload_bytes``, else
+        ``kv_bytes_per_token * max_model_len`` when both are given, else 0 (not declared)."""
+        if self.expected_payload_bytes:
+            return self.expected_payload_bytes
+        return self.kv_bytes_per_token * self.max_model_len
+
+    @property
     def reserve_bytes(self) -> int:
-        """The start-up reserve: how much of the pool is populated before it is used."""
+        """The start-up reserve: how much of the pool is populated before it is used.
+
+        ``prefault: "auto"`` follows what the stage declares it sends (that size plus
+        :data:`RESERVE_SLACK`, so its first payload of that size finds its pages populated), else
+        :data:`AUTO_RESERVE`; an explicit byte count is taken as given. Never more than the pool.
+        """
         if self.prefault_auto:
-            return min(self.pool_size, AUTO_RESERVE)
+            declared = self.declared_payload_bytes
+            return min(self.pool_size, declared + RESERVE_SLACK if declared else AUTO_RESERVE)
         return min(self.prefault_bytes, self.pool_size)
+
+    @property
+    def reserve_source(self) -> str:
+        """Where :attr:`reserve_bytes` comes from, in words (``health()``, ``omnikv doctor``)."""
+        if not self.prefault_auto:
+            return "prefault (explicit)" if self.reserve_bytes else "none (prefault)"
+        if self.expected_payload_bytes:
+            return "expected_payload_bytes"
+        if self.declared_payload_bytes:
+            return "kv_bytes_per_token x max_model_len"
+        return "default (nothing declared)"
 
     @property
     def reserve_at_start(self) -> bool:

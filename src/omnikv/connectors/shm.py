@@ -6,12 +6,14 @@ Design (one page; the parts live in ``_shm_*`` modules):
   ``memfd`` (no name in ``/dev/shm``), ``0600``, sealed against resizing, sized by
   ``pool_size_bytes`` (default 1 GiB), made in microseconds and *not* populated: memory is
   committed as it is used. With ``prefault`` (``"auto"``) a background thread populates a
-  start-up reserve (min(pool, 256 MiB)) as soon as the connector is known to send (constructor
-  with ``role: "sender"``, which the manager's factory passes; else the first put), then stays
-  ahead of the high-water mark; nothing ever waits for it. Slots come from the one allocator
-  (``_pool.BufferAllocator``); a put that finds no space waits (woken by every free) until the
-  caller's deadline, then raises :class:`PoolExhaustedError`, or raises it at once when the
-  pool is full of payloads nobody came for (see *Lifetime*).
+  start-up reserve as soon as the connector is known to send (constructor with
+  ``role: "sender"``, which the manager's factory passes; else the first put), then stays
+  ahead of the high-water mark; nothing ever waits for it. The reserve follows what the stage
+  declares it sends (``expected_payload_bytes``, or ``kv_bytes_per_token`` x
+  ``max_model_len``: that plus 1 MiB), else 16 MiB; never more than the pool. Slots come
+  from the one allocator (``_pool.BufferAllocator``); a put that finds no space waits (woken
+  by every free) until the caller's deadline, then raises :class:`PoolExhaustedError`, or
+  raises it at once when the pool is full of payloads nobody came for (see *Lifetime*).
 * **Mesh** (``_shm_mesh``, ``_shm_wire``). Every connector binds a listener in the Linux
   *abstract* Unix namespace (random suffix) and connects to its namespace's peers (non-blocking,
   bounded) under a per-namespace ``flock`` in a directory only its uid can write; peers of
@@ -55,39 +57,47 @@ Config keys (``connector_config = {"type": "SharedMemoryConnector", ...}``; all 
 strictly by :mod:`omnikv.connectors._shm_config`: a bad value is a ``ConfigError`` naming the key;
 booleans are ``True``/``False`` or ``"true"``/``"false"``):
 
-========================  ===========  =====================================================
-key                       default      meaning
-========================  ===========  =====================================================
-``namespace``             ``default``  connectors meet only within one namespace (per uid);
-                                       1-255 printable characters
-``pool_size_bytes``       1 GiB        this connector's send pool (>= 4096; an int or ``"1GiB"``);
-                                       the most it keeps unconsumed; a larger payload is refused
-``prefault``              ``"auto"``   ``"auto"``: populate min(pool, 256 MiB) in the background
-                                       once sending (see ``role``), then ahead of use;
-                                       ``True``: only ahead of use (2x the high-water mark);
-                                       a byte count: that reserve at start; ``False``: never
-``role``                  (unknown)    ``"sender"`` / ``"receiver"`` (the manager's factory
-                                       passes it): a sender makes its pool and starts the
-                                       ``"auto"`` reserve in the constructor, a receiver never
-``put_timeout_s``         30           a put's wait for space when the caller gives no deadline
-                                       (>= 0; 0: try once)
-``get_timeout_s``         0.1          how long a non-blocking ``get`` waits for peers' answers
-``join_timeout_s``        10           longest the constructor waits for the namespace lock
-``linger_s``              30           on close / exit, wait this long for unconsumed payloads
-                                       (>= 0; 0: drop at once)
-``shm_threshold_bytes``   65536        accepted (reference; >= 0); attribute ``threshold``; every
-                                       payload goes through the pool (as the newest reference)
-``inline_small_payloads`` ``False``    accepted (reference); equivalent: payloads are pooled
-``buffer_ttl_seconds``    300          an unconsumed payload is freed this many seconds after
-                                       its put, with a WARNING naming it (a number >= 0;
-                                       0: never); a reader that comes later misses
-``poll_us``               1000         a blocking wait polls its sockets this many microseconds
-                                       before it sleeps (0-100000; 0: never), yielding the CPU
-                                       between polls: lower latency for payloads that come soon
-                                       (a VM's idle CPU is slow to wake), at up to that much CPU
-                                       per wait
-``type``, ``name``        (ignored)    accepted for the factory; unknown keys are logged
-========================  ===========  =====================================================
+==========================  ===========  =====================================================
+key                         default      meaning
+==========================  ===========  =====================================================
+``namespace``               ``default``  connectors meet only within one namespace (per uid);
+                                         1-255 printable characters
+``pool_size_bytes``         1 GiB        this connector's send pool (>= 4096; an int or ``"1GiB"``);
+                                         the most it keeps unconsumed; a larger payload is refused
+``prefault``                ``"auto"``   ``"auto"``: populate a reserve in the background once
+                                         sending (see ``role``; sized by the next three keys,
+                                         else 16 MiB), then ahead of use;
+                                         ``True``: only ahead of use (2x the high-water mark);
+                                         a byte count: that reserve at start; ``False``: never
+``expected_payload_bytes``  (none)       the largest payload the stage sends (a byte count): the
+                                         ``"auto"`` reserve is this plus 1 MiB (its header and
+                                         alignment); a WARNING if it exceeds the pool
+``kv_bytes_per_token``      (none)       with ``max_model_len`` (both ints >= 0), the same
+``max_model_len``           (none)       declaration from the model: a rank's KV bytes per token
+                                         (layers x 2 x KV heads x head size x dtype size / TP)
+                                         times the longest sequence
+``role``                    (unknown)    ``"sender"`` / ``"receiver"`` (the manager's factory
+                                         passes it): a sender makes its pool and starts the
+                                         ``"auto"`` reserve in the constructor, a receiver never
+``put_timeout_s``           30           a put's wait for space when the caller gives no deadline
+                                         (>= 0; 0: try once)
+``get_timeout_s``           0.1          how long a non-blocking ``get`` waits for peers' answers
+``join_timeout_s``          10           longest the constructor waits for the namespace lock
+``linger_s``                30           on close / exit, wait this long for unconsumed payloads
+                                         (>= 0; 0: drop at once)
+``shm_threshold_bytes``     65536        accepted (reference; >= 0); attribute ``threshold``; every
+                                         payload goes through the pool (as the newest reference)
+``inline_small_payloads``   ``False``    accepted (reference); equivalent: payloads are pooled
+``buffer_ttl_seconds``      300          an unconsumed payload is freed this many seconds after
+                                         its put, with a WARNING naming it (a number >= 0;
+                                         0: never); a reader that comes later misses
+``poll_us``                 1000         a blocking wait polls its sockets this many microseconds
+                                         before it sleeps (0-100000; 0: never), yielding the CPU
+                                         between polls: lower latency for payloads that come soon
+                                         (a VM's idle CPU is slow to wake), at up to that much CPU
+                                         per wait
+``type``, ``name``          (ignored)    accepted for the factory; unknown keys are logged
+==========================  ===========  =====================================================
 """
 
 from __future__ import annotations
@@ -458,6 +468,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             "instance": self.instance,
             "threshold": self.threshold,
             "buffer_ttl_seconds": self.config.buffer_ttl_s,
+            "pool_reserve_source": self.config.reserve_source,
             "peers": len(self._mesh.links(local=False)),
             **self._store.snapshot(),
             **self._recv.snapshot(),
