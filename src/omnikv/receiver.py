@@ -159,6 +159,34 @@ def _wait_sliced(
             return got
 
 
+def _missing(
+    connector: OmniConnectorBase,
+    stages: tuple[str, str],
+    key: str,
+    metadata: dict[str, Any] | None,
+    request_id: str,
+    t0: float,
+    taken: int,
+) -> OmniKVError:
+    """The error of a receive whose wait for ``key`` found nothing by its deadline: a
+    :class:`ReceiveTimeout`, or :class:`PeerGoneError` when the connector knows the sender is
+    gone; with what the connector can say about why (:meth:`OmniConnectorBase.explain_miss`:
+    e.g. which senders were seen and which keys wait there)."""
+    detail = f"key {key} missing"
+    if taken:
+        detail += f"; {taken} shard(s) already taken were dropped"
+    report = connector.explain_miss(*stages, key, metadata=metadata)
+    waited = time.monotonic() - t0
+    if report is None:
+        return ReceiveTimeout(request_id, waited, detail)
+    if report.peer_gone:
+        return PeerGoneError(
+            f"KV for request {request_id!r} did not arrive within {waited:.3f}s and its sender"
+            f" is gone ({detail}; {report.detail})"
+        )
+    return ReceiveTimeout(request_id, waited, f"{detail}; {report.detail}")
+
+
 def _names_device(target: torch.device | str | None, device: torch.device) -> bool:
     """Whether ``target`` is ``device`` (``None``: stay where it is). A name torch does not
     know is not: the device move then fails, after the consume, as a consume error."""
@@ -375,10 +403,7 @@ class KVReceiver:
                 meta = source_metadata(endpoint[0], from_rank, endpoint[1])
                 got = _wait_sliced(connector, stages, key, deadline, meta, abort)
                 if got is None:
-                    detail = f"key {key} missing"
-                    if raws:
-                        detail += f"; {len(raws)} shard(s) already taken were dropped"
-                    raise ReceiveTimeout(request_id, time.monotonic() - t0, detail)
+                    raise _missing(connector, stages, key, meta, request_id, t0, len(raws))
                 raws.append(got)
         except BaseException:
             for buf in raws:

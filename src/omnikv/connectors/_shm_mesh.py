@@ -98,6 +98,7 @@ class Link:
         self.fds: deque[int] = deque()
         self.fds_received = 0
         self.pool: PeerPool | None = None  # the peer's pool, mapped here
+        self.sender = False  # the peer said it sends (hello) or passed its pool
         self.pool_sent = False  # our pool's descriptor was sent on this link
 
     def read_buffer(self) -> memoryview:

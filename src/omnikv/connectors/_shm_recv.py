@@ -64,6 +64,8 @@ class _Want:
     pending: set[Link] = field(default_factory=set)  # non-blocking: peers yet to answer
     senders_lost: list[str] = field(default_factory=list)
     leader: bool = False  # its thread serves the mesh: wake the mesh, not (only) the event
+    probe: bool = False  # asks what peers hold (``probe``), never takes an offer
+    answers: list[tuple[Link, Any]] = field(default_factory=list)  # a probe's answers
 
 
 class RecvSide:
@@ -119,6 +121,29 @@ class RecvSide:
             lost = ", ".join(want.senders_lost)
             raise PeerGoneError(f"sender(s) {lost} went away while waiting for {key}")
         return offer
+
+    def probe(self, key: str, deadline: float) -> list[tuple[Link, Any]]:
+        """Ask every peer (and ourselves) what it holds unconsumed, for explaining a miss of
+        ``key`` (``SharedMemoryConnector.explain_miss``): each answers ``miss`` with a summary
+        (``_shm_diag.probe_answer``) and never offers. A peer of an older version answers a
+        plain ``miss``, or offers the key, which is returned at once. Waits until every peer
+        answered or ``deadline``; the (link, answer) pairs that came. Never raises."""
+        links = self._mesh.links()
+        with self._lock:
+            want = _Want(self._next_wid, key, False, probe=True, pending=set(links))
+            self._next_wid += 1
+            self._wants[want.wid] = want
+        for link in links:
+            if not self._mesh.send(link, [["want", want.wid, key, False, "probe"]]):
+                with self._lock:
+                    want.pending.discard(link)
+        self._mesh.resume()  # the answers are read by the I/O thread
+        while not self._answered(want) and remaining(deadline) > 0:
+            want.event.wait(min(remaining(deadline), 3600.0))
+            want.event.clear()
+        with self._lock:
+            self._wants.pop(want.wid, None)
+            return list(want.answers)
 
     def _wait(self, want: _Want, deadline: float) -> None:
         """Until ``want`` is answered (or cannot be any more) or ``deadline``. A blocking want
@@ -212,7 +237,7 @@ class RecvSide:
         with self._lock:
             early = self._early_evicts.pop((link, token), None) is not None
             want = self._wants.get(wid)
-            if want is not None and want.offer is None and not self.closed:
+            if want is not None and want.offer is None and not self.closed and not want.probe:
                 want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
                 # held from now on, so an evict that overtakes the waiter's wake-up is served
                 self._holding[(link, token)] = (want.offer, region)
@@ -230,10 +255,14 @@ class RecvSide:
         if want.leader and not self._mesh.leading():
             self._mesh.wake()
 
-    def on_miss(self, link: Link, wid: int) -> None:
+    def on_miss(self, link: Link, wid: int, answer: Any = None) -> None:
+        """A peer does not hold what a non-blocking want asked for (for a probe: ``answer``
+        says what it holds)."""
         with self._lock:
             want = self._wants.get(wid)
             if want is not None:
+                if want.probe and link in want.pending:
+                    want.answers.append((link, answer))
                 want.pending.discard(link)
                 want.event.set()
 
@@ -269,7 +298,7 @@ class RecvSide:
                 if link in want.pending:
                     want.pending.discard(link)
                     self._signal(want)
-                if want.block and link.pool is not None and want.offer is None:
+                if want.block and link.sender and want.offer is None:
                     want.senders_lost.append(link.peer)
                     self._signal(want)
 

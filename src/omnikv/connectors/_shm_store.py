@@ -31,6 +31,7 @@ Per-peer state is bounded: at most :data:`MAX_WANTS_PER_LINK` blocking wants per
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -112,6 +113,10 @@ class Unconsumed:
 
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
+
+    def newest(self, limit: int) -> list[str]:
+        """The keys of the ``limit`` payloads published last, newest first."""
+        return list(itertools.islice(reversed(self._entries), limit))
 
     def expiry(self, entry: Entry) -> float:
         """When ``entry`` expires (monotonic; ``math.inf`` when expiry is off)."""
@@ -572,6 +577,13 @@ class SendStore:
             for e in entries:
                 self.free(e)
         return [e.label for e in entries]
+
+    def published_summary(self, key: str, limit: int) -> dict[str, Any]:
+        """A probe's answer (``_shm_diag``): how many payloads are published here, the newest
+        ``limit`` keys, and whether ``key`` is one of them."""
+        with self._lock:
+            n, has = len(self._published), key in self._published
+            return {"n": n, "keys": self._published.newest(limit), "has": has}
 
     def flush(self, deadline: float) -> list[str]:
         """Wait until every published payload was taken by a reader, or ``deadline``; the

@@ -14,6 +14,8 @@ Who calls what:
   (vllm-omni 0.30): a receive bounded by an absolute deadline in ``get``'s shape (built on
   ``wait``), the hook after a receive gave up, and the sender's reaping of consumed payloads.
 * ``cleanup``: the receiver or an orchestrator, to drop what a request left unconsumed.
+* ``explain_miss``: the receiver, once after a ``wait`` returned ``None`` at its deadline, to say
+  why in the timeout it reports (and whether the sender is gone).
 * ``health``: anyone, any time; cheap, never raises.
 * ``close``: the owner, once or more (idempotent); afterwards put/get raise
   ``ConnectorClosedError``.
@@ -45,6 +47,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -61,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GetResult",
     "ManagedBuffer",
+    "MissReport",
     "OmniConnectorBase",
     "PutResult",
     "SlotRelease",
@@ -401,6 +405,19 @@ def get_result(buf: ManagedBuffer) -> GetResult:
     return buf, buf.size
 
 
+@dataclass(frozen=True)
+class MissReport:
+    """Why a wait found nothing, as a transport knows it (:meth:`OmniConnectorBase.explain_miss`).
+
+    ``detail`` is one line for the receive's reason (which senders were seen, what they hold);
+    ``peer_gone``: the sender is known to be gone (the receive is then ``peer_gone``, not
+    ``timeout``).
+    """
+
+    detail: str
+    peer_gone: bool = False
+
+
 class OmniConnectorBase(ABC):
     """Base class of every omnikv transport (see the module docstring for the contract).
 
@@ -552,8 +569,28 @@ class OmniConnectorBase(ABC):
         never raising. Default: nothing to reap (the transport tracks consumption itself).
         """
 
-    def cleanup(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """Drop anything left unconsumed for ``request_id`` (see :func:`matches_request`)."""
+    def cleanup(self, request_id: str) -> bool | None:
+        """Drop anything left unconsumed for ``request_id`` (see :func:`matches_request`).
+
+        A transport that can tell returns whether anything was dropped (the shared-memory
+        connector does, as the reference's 0.32 does); the default returns ``None``."""
+        return None
+
+    def explain_miss(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> MissReport | None:
+        """Why :meth:`wait` for ``get_key`` found nothing by its deadline, as far as known.
+
+        Called by the receiver once per receive that timed out, after that wait returned, with
+        the wait's arguments. Takes at most a small bounded time (it may ask peers), consumes
+        nothing and never raises. Default: ``None`` (nothing known beyond the timeout).
+        """
+        return None
 
     def flush(self, timeout: float | None = None) -> list[str]:
         """Wait up to ``timeout`` seconds for published payloads to be consumed; returns the

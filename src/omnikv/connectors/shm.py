@@ -21,16 +21,26 @@ Design (one page; the parts live in ``_shm_*`` modules):
   sockets; a thread blocked in ``wait`` serves them itself meanwhile (at once, on a selector of
   its own; the I/O thread parks when it next runs), so its offer is read where it is needed, and
   a put first reads wants that arrived while it wrote.
-* **Protocol** (msgpack frames, no pickle; ``_shm_recv``). ``want`` / ``offer`` / ``release``,
-  consume-once; the pool descriptor is passed once per connection and checked (memfd, seals,
-  size) before it is mapped. The ``local`` link makes a ``get`` on the instance that did the
-  ``put`` work the same way.
+* **Protocol** (msgpack frames, no pickle; ``_shm_protocol``, ``_shm_recv``). ``want`` /
+  ``offer`` / ``release``, consume-once; the pool descriptor is passed once per connection and
+  checked (memfd, seals, size) before it is mapped. The ``local`` link makes a ``get`` on the
+  instance that did the ``put`` work the same way. ``cleanup`` / ``cleanup_prefix`` are carried
+  out by every connector of the namespace, which answer how many payloads they dropped
+  (``_shm_cleanup``).
 * **Lifetime.** A reader may keep what it received as long as it likes: when the sender's pool
   is full, holders migrate their spans to private memory (one copy) and give the slots back; a
   receiver that closes migrates what it still holds first (senders reuse those slots). A
-  sender that closes or exits normally lingers up to ``linger_s`` for unconsumed payloads, then
-  logs a WARNING naming what it dropped; :meth:`flush` waits explicitly. SIGKILL drops at once
-  (nothing leaks: memfds and abstract names die with their process).
+  sender that closes or exits normally lingers up to ``linger_s`` for unconsumed payloads (one
+  INFO line when it starts: how many, up to how long), then logs a WARNING naming what it
+  dropped; :meth:`flush` waits explicitly. SIGKILL drops at once (nothing leaks: memfds and
+  abstract names die with their process).
+* **Senders gone, waits explained.** A connector that sends says so to its peers (``hello``)
+  and keeps a record in the namespace while it lives (``_shm_registry``: a locked file the
+  kernel unlocks when the process dies). A wait whose sender went away during it raises
+  :class:`PeerGoneError` at its deadline; a receive that found nothing asks
+  :meth:`explain_miss` (``_shm_diag``), which names the senders alive, those gone (closed, or
+  died: also before this connector started) and the keys that wait unconsumed at them, and
+  makes the receive ``peer_gone`` when no sender lives and one went.
 * **Expiry.** A payload published and claimed by no reader for ``buffer_ttl_seconds`` (300,
   as the Mooncake TE and NIXL connectors; 0: never) after its put is freed: its key is
   forgotten (a reader that comes later misses, as for a key never put), a WARNING names its
@@ -85,9 +95,15 @@ key                         default      meaning
 ``join_timeout_s``          10           longest the constructor waits for the namespace lock
 ``linger_s``                30           on close / exit, wait this long for unconsumed payloads
                                          (>= 0; 0: drop at once)
-``shm_threshold_bytes``     65536        accepted (reference; >= 0); attribute ``threshold``; every
-                                         payload goes through the pool (as the newest reference)
-``inline_small_payloads``   ``False``    accepted (reference); equivalent: payloads are pooled
+``shm_threshold_bytes``     65536        (reference; >= 0; attribute ``threshold``) the largest
+                                         payload that ``inline_small_payloads`` sends inline
+``inline_small_payloads``   ``False``    (reference) ``True``: the reference-shaped ``put`` of
+                                         a payload whose serialized form is at most
+                                         ``shm_threshold_bytes`` stores nothing and returns it
+                                         in its metadata (``{"inline_bytes", "size"}``);
+                                         ``get`` / ``wait`` / ``get_with_deadline`` given that
+                                         metadata decode it (``put_packed``, the manager's
+                                         path, always uses the pool)
 ``buffer_ttl_seconds``      300          an unconsumed payload is freed this many seconds after
                                          its put, with a WARNING naming it (a number >= 0;
                                          0: never); a reader that comes later misses
@@ -107,25 +123,30 @@ import logging
 import math
 import multiprocessing.util
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omnikv.connectors import _shm_codec as codec
+from omnikv.connectors._shm_cleanup import Cleanups
 from omnikv.connectors._shm_config import DEFAULT_POOL_SIZE, ShmConfig
+from omnikv.connectors._shm_diag import SenderWatch
 from omnikv.connectors._shm_mesh import Link, Mesh, random_instance
 from omnikv.connectors._shm_pool import PeerPool, SenderPool
+from omnikv.connectors._shm_protocol import Dispatcher
 from omnikv.connectors._shm_recv import Offer, RecvSide
+from omnikv.connectors._shm_registry import SenderRecord
 from omnikv.connectors._shm_store import Entry, SendStore
-from omnikv.connectors._shm_wire import escape_key, namespace_prefix, transport_key
+from omnikv.connectors._shm_wire import namespace_prefix, transport_key
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
+    MissReport,
     OmniConnectorBase,
     PutResult,
     Writer,
-    matches_request,
 )
 from omnikv.errors import (
     ConnectorClosedError,
@@ -138,9 +159,8 @@ __all__ = ["DEFAULT_POOL_SIZE", "SharedMemoryConnector"]
 
 logger = logging.getLogger(__name__)
 
-# leading non-negative int arguments of each control message
-_INT_ARGS = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
-_INT_ARGS.update({"want": 1, "pool": 2})
+#: Longest wait for the peers' answers when a receive that found nothing asks them why.
+PROBE_S = 0.05
 
 
 @contextlib.contextmanager
@@ -204,6 +224,12 @@ class SharedMemoryConnector(OmniConnectorBase):
             ttl_s=self.config.buffer_ttl_s,
         )
         self._recv = RecvSide(self._mesh, poll_s=self.config.poll_us / 1e6)
+        self._cleanups = Cleanups(self._mesh, self._store)
+        self._dispatcher = Dispatcher(self._mesh, self._store, self._recv, self._cleanups)
+        self._watch = SenderWatch(self._mesh.prefix, self.namespace, self.instance)
+        self._sends = threading.Lock()  # held while this connector starts to send
+        self._record: SenderRecord | None = None  # the namespace's record of us, once we send
+        self._sending = False
         try:
             self._mesh.join(self.config.join_timeout_s)
         except (OSError, TimeoutError) as exc:
@@ -212,6 +238,8 @@ class SharedMemoryConnector(OmniConnectorBase):
                 f"cannot join shared-memory namespace {self.namespace!r}: {exc}"
             ) from exc
         self._closed = False
+        if self.config.role == "sender":
+            self._start_sending()
         if self.config.reserve_at_start:
             # a sending stage populates its reserve while it starts (model load, ...), so its
             # first request does not pay for fresh pages
@@ -231,7 +259,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # -- mesh handler -------------------------------------------------------------------------
     def on_link_up(self, link: Link) -> list[list[Any]]:
-        return self._recv.blocking_wants()
+        return [*self._recv.blocking_wants(), *([self._hello()] if self._sending else [])]
 
     def resume_io_at_once(self) -> bool:
         """Mesh callback when a leading waiter leaves: the I/O thread must serve again at once
@@ -242,52 +270,32 @@ class SharedMemoryConnector(OmniConnectorBase):
     def on_link_gone(self, link: Link) -> None:
         self._store.on_link_gone(link)
         self._recv.on_link_gone(link)
+        self._cleanups.on_link_gone(link)
+        self._watch.lost(link)
 
     def on_message(self, link: Link, msg: list[Any]) -> None:
-        """Validate and dispatch one control message (``ValueError`` drops the peer)."""
-        kind, args = msg[0], msg[1:]
-        n = _INT_ARGS.get(kind, 0)
-        if len(args) < n:
-            raise ValueError(f"malformed {kind!r} message")
-        for v in args[:n]:  # a loop, not any(<generator>): this runs for every message
-            if type(v) is not int or v < 0:  # bool is not int here
-                raise ValueError(f"malformed {kind!r} message")
-        self._dispatch(link, kind, args)
+        """Validate and dispatch one control message (``_shm_protocol``; ``ValueError`` drops
+        the peer)."""
+        self._dispatcher.on_message(link, msg)
 
-    def _dispatch(self, link: Link, kind: str, args: list[Any]) -> None:
-        if kind == "want":
-            if len(args) < 3 or not isinstance(args[1], str):
-                raise ValueError("want key must be a string")
-            self._store.on_want(link, args[0], args[1], bool(args[2]))
-        elif kind == "offer":
-            self._recv.on_offer(link, ["offer", *args])
-        elif kind in ("release", "return"):
-            self._store.on_release(link, args[0], republish=kind == "return")
-        elif kind == "cancel":
-            self._store.on_cancel(link, args[0])
-        elif kind == "miss":
-            self._recv.on_miss(link, args[0])
-        elif kind == "evict":
-            self._recv.on_evict(link, args[0])
-        elif kind == "pool":
-            self._on_pool(link, args[0], args[1])
-        elif kind == "hello":
-            link.peer = str(args[0]) if args else link.peer
-        elif kind == "cleanup":
-            if args and isinstance(args[0], str):
-                self._cleanup_local(args[0])
-        else:
-            raise ValueError(f"unknown control message {kind!r}")
+    def _hello(self) -> list[Any]:
+        return ["hello", self.instance, os.getpid(), "sender"]
 
-    def _on_pool(self, link: Link, pool_id: int, size: int) -> None:
-        fd = link.take_fd()
-        if link.pool is not None:
-            os.close(fd)
-            raise ValueError("a second pool on one connection")
-        try:
-            link.pool = PeerPool(pool_id, fd, size)
-        except OSError as exc:
-            raise ValueError(f"cannot map the peer's pool: {exc}") from exc
+    def _start_sending(self) -> None:
+        """This connector sends from now on (its role says so, or its first put): tell every
+        peer (a receive can then tell a sender that went away) and keep a record in the
+        namespace (``_shm_registry``: receivers started later learn of us, also if we die).
+        Once; a record that cannot be made is logged at DEBUG (diagnostics only)."""
+        with self._sends:
+            if self._sending:
+                return
+            self._sending = True
+            try:
+                self._record = SenderRecord(self._mesh.prefix, self.instance)
+            except OSError as exc:
+                logger.debug("no sender record in namespace %r: %s", self.namespace, exc)
+        for link in self._mesh.links(local=False):
+            self._mesh.send(link, [self._hello()])
 
     # -- sending ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -319,6 +327,10 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._store.write_slot(entry, write)
             self._pump()
             self._store.publish(entry)
+        if self._record is not None:
+            self._record.touch()
+        elif not self._sending:
+            self._start_sending()
         logger.debug("SharedMemoryConnector put %s (%d bytes at %d of %d)", key, nbytes, offset,
                      alloc.total)  # fmt: skip
         return True, nbytes, {"key": key, "size": nbytes, "shm": {"name": key, "size": nbytes}}
@@ -334,7 +346,10 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
         """Reference-shaped put: ``data`` is copied into the pool once; ``(False, 0, None)`` on
-        failure (the reason is logged). Waits for space at most ``put_timeout_s``.
+        failure (the reason is logged). Waits for space at most ``put_timeout_s``. With
+        ``inline_small_payloads``, data whose serialized form is at most ``shm_threshold_bytes``
+        is not stored: it travels in the metadata returned (``{"inline_bytes", "size"}``), and
+        ``get`` / ``wait`` given that metadata decode it from there.
 
         Bytes-like data comes back from ``get`` as ``bytes``; a 1-D ``uint8`` tensor / array as
         a :class:`ManagedBuffer`; anything else is framed by the one object encoder
@@ -343,8 +358,14 @@ class SharedMemoryConnector(OmniConnectorBase):
         metadata returned (``{"key", "size", "shm": {"name", "size"}}``) is accepted by ``get``.
         """
         try:
+            self._check_open()
             key = transport_key(put_key, from_stage, to_stage)
-            kind, nbytes, write = codec.prepare(data)
+            small = None
+            if self.config.inline_small_payloads:
+                small = codec.serialize_small(data, self.threshold)
+                if small is not None and len(small) <= self.threshold:
+                    return True, len(small), {"inline_bytes": small, "size": len(small)}
+            kind, nbytes, write = codec.prepare(data, small)
             deadline = time.monotonic() + self.put_timeout_s
             return self._put(key, put_key, nbytes, write, kind, deadline)
         except (OmniKVError, ValueError, TypeError, OverflowError) as exc:
@@ -394,6 +415,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         """
         self._check_open()
         try:
+            inline = codec.inline_payload(metadata)
+            if inline is not None:
+                return codec.decode_inline(inline), len(inline)
             key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
             offer = self._take(key, False, time.monotonic() + self.config.get_timeout_s)
             if offer is None:
@@ -426,25 +450,78 @@ class SharedMemoryConnector(OmniConnectorBase):
         the deadline (nothing consumed) or if closed meanwhile. Raises :class:`PeerGoneError`
         when a sender connected during the wait went away and nothing arrived.
         """
+        inline = codec.inline_payload(metadata)
+        if inline is not None:
+            self._check_open()
+            return ManagedBuffer.host(codec.inline_frame(inline))
         key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
         offer = self._take(key, True, deadline)
         return None if offer is None else self._recv.materialize(offer)
 
-    def cleanup(self, request_id: str) -> None:
-        """Drop unconsumed payloads of ``request_id`` here and at every peer of the namespace.
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> GetResult | None:
+        """The base's (built on :meth:`wait`), except that a payload that travelled inline is
+        decoded from ``metadata`` at once, with its put's size, as :meth:`get` does."""
+        if codec.inline_payload(metadata) is not None:
+            return self.get(from_stage, to_stage, get_key, metadata)
+        return super().get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=deadline)
+
+    def explain_miss(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> MissReport | None:
+        """Why a wait for ``get_key`` found nothing (see ``_shm_diag``): which senders of the
+        namespace live, which went away (closed, or died: also before this connector started)
+        and which keys wait unconsumed at them; ``peer_gone`` when none lives and one went.
+        Asks the peers, waiting for their answers at most :data:`PROBE_S` (``get_timeout_s``
+        if shorter). ``None`` once closed or for an unusable key; never raises."""
+        if self._closed:
+            return None
+        try:
+            key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
+        except ValueError:
+            return None
+        wait_s = min(PROBE_S, self.config.get_timeout_s)
+        answers = self._recv.probe(key, time.monotonic() + wait_s)
+        return self._watch.explain(key, self._mesh.links(local=False), answers)
+
+    def cleanup(self, request_id: str) -> bool:
+        """Drop unconsumed payloads of ``request_id`` here and at every peer of the namespace;
+        True when any went (the reference's 0.32 returns whether it removed something).
 
         Matches keys by :func:`~omnikv.connectors.base.matches_request` (the reference's rule:
-        the key equals the id, starts with ``id_`` or ends with ``_id``). Payloads already held
-        by readers are theirs to release.
+        the key equals the id, starts with ``id_`` or ends with ``_id``), on every stage edge.
+        Waits for the peers' answers at most ``get_timeout_s`` (a peer that answers later
+        still drops its payloads, uncounted). Payloads already held by readers are theirs to
+        release. After close: False.
         """
-        self._cleanup_local(request_id)
-        for link in self._mesh.links(local=False):
-            self._mesh.send(link, [["cleanup", request_id]])
+        if self._closed:
+            return False
+        return self._cleanups.run(request_id, "request", self.config.get_timeout_s) > 0
 
-    def _cleanup_local(self, request_id: str) -> None:
-        rid = escape_key(request_id)
-        for label in self._store.drop_matching(lambda key: matches_request(key, rid)):
-            logger.debug("cleanup dropped %s", label)
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Drop every unconsumed payload whose key (as given to ``put``) starts with ``prefix``,
+        on every stage edge, here and at every peer of the namespace (the reference's 0.32, for
+        the keys of one request's chunks); how many went, counted as :meth:`cleanup` counts.
+        An empty ``prefix`` is a ``ValueError`` (it would drop every stage's payloads). After
+        close: 0.
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"cleanup_prefix needs a non-empty string, got {prefix!r:.60}")
+        if self._closed:
+            return 0
+        return self._cleanups.run(prefix, "prefix", self.config.get_timeout_s)
 
     # -- lifetime -----------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> list[str]:
@@ -482,15 +559,13 @@ class SharedMemoryConnector(OmniConnectorBase):
         if self._closed:
             return
         if linger and self.config.linger_s > 0:
-            left = self.flush(self.config.linger_s)
-            if left:
-                logger.info(
-                    "SharedMemoryConnector lingered %.1fs for readers", self.config.linger_s
-                )
+            self._linger(self.config.linger_s)
         self._closed = True
         self._recv.close()
         dropped = self._store.close()
         self._mesh.close()
+        if self._record is not None:
+            self._record.close()
         if dropped:
             logger.warning(
                 "SharedMemoryConnector %s dropped %d unconsumed payload(s): %s",
@@ -499,6 +574,22 @@ class SharedMemoryConnector(OmniConnectorBase):
                 ", ".join(dropped[:20]) + (" ..." if len(dropped) > 20 else ""),
             )
         logger.debug("SharedMemoryConnector %s closed", self.instance)
+
+    def _linger(self, linger_s: float) -> None:
+        """Close (or process exit) with payloads unconsumed: one INFO line saying how many and
+        for how long at most, then wait for readers to take them (see :meth:`flush`)."""
+        status = self._store.snapshot()
+        if not status["published"]:
+            return
+        logger.info(
+            "SharedMemoryConnector %s: waiting up to %gs (linger_s) for receivers to take %d"
+            " unconsumed payload(s) of %d bytes",
+            self.instance,
+            linger_s,
+            status["published"],
+            status["published_bytes"],
+        )
+        self.flush(linger_s)
 
     def __del__(self) -> None:
         # garbage collection never lingers (a process exit or close() does)
