@@ -126,3 +126,9 @@ def test_doctor_reports_the_integrations(capsys: pytest.CaptureFixture[str]) -> 
         assert vllm == "not installed (pip install 'omnikv[vllm]')"
     else:
         assert vllm.startswith(("ok (vllm ", "unavailable: "))
+
+
+def test_doctor_reports_the_shared_memory_send_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    pool = _doctor_lines(capsys)["shared-memory send pool"]
+    assert pool.startswith("1024 MiB, committed as used; start-up reserve 16 MiB")
+    assert "set expected_payload_bytes, or kv_bytes_per_token and max_model_len" in pool

@@ -110,7 +110,7 @@ def test_the_auto_reserve_starts_when_the_connector_is_known_to_send() -> None:
 
 def test_the_auto_reserve_follows_what_the_stage_declares_it_sends() -> None:
     assert AUTO_RESERVE == 16 * MIB  # nothing declared: a small default, not 256 MiB
-    assert ShmConfig.parse({}).reserve_source == "default (nothing declared)"
+    assert ShmConfig.parse({}).reserve_source == "default, nothing declared"
     declared = ShmConfig.parse({"expected_payload_bytes": "224MiB"})
     assert declared.reserve_bytes == 224 * MIB + RESERVE_SLACK
     assert declared.reserve_source == "expected_payload_bytes"
@@ -127,9 +127,9 @@ def test_the_auto_reserve_follows_what_the_stage_declares_it_sends() -> None:
     # never more than the pool; an explicit prefault is taken as given
     assert ShmConfig.parse({**both, "pool_size_bytes": "1MiB"}).reserve_bytes == MIB
     explicit = ShmConfig.parse({**both, "prefault": "8MiB"})
-    assert (explicit.reserve_bytes, explicit.reserve_source) == (8 * MIB, "prefault (explicit)")
+    assert (explicit.reserve_bytes, explicit.reserve_source) == (8 * MIB, "prefault")
     off = ShmConfig.parse({**both, "prefault": False})
-    assert (off.reserve_bytes, off.reserve_source) == (0, "none (prefault)")
+    assert (off.reserve_bytes, off.reserve_source) == (0, "none, prefault off")
 
 
 def test_a_declared_payload_larger_than_the_pool_is_a_warning(
@@ -191,7 +191,7 @@ def test_a_sender_populates_its_reserve_in_the_background_and_reports_it(namespa
 @pytest.mark.parametrize(
     ("declared", "reserve", "source"),
     [
-        ({}, AUTO_RESERVE, "default (nothing declared)"),
+        ({}, AUTO_RESERVE, "default, nothing declared"),
         ({"expected_payload_bytes": "64KiB"}, 64 * 1024 + RESERVE_SLACK, "expected_payload_bytes"),
     ],
 )

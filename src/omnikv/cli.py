@@ -164,6 +164,9 @@ def _doctor() -> int:
     print(f"cuda available: {torch.cuda.is_available()}")
     for name in OmniConnectorFactory.list_connectors():
         print(f"connector {name}: {connector_status(name)}")
+    from omnikv.connectors._shm_config import ShmConfig
+
+    print(f"shared-memory send pool: {ShmConfig.parse({'role': 'sender'}).describe_pool()}")
     for name in ("transformers", "vllm"):
         print(f"integration {name}: {_integration_status(name)}")
     from omnikv.parallel import ParallelContext
@@ -202,8 +205,9 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="check connectors and integrations in this environment",
         description="Report Python, torch and CUDA; whether each connector's engine can be "
-        "imported here (Mooncake, NIXL, ...); whether the transformers and vLLM integrations "
-        "import; and where the parallel state would come from.",
+        "imported here (Mooncake, NIXL, ...); the shared-memory send pool's default size and "
+        "start-up reserve; whether the transformers and vLLM integrations import; and where "
+        "the parallel state would come from.",
     )
     return parser
 

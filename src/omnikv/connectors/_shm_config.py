@@ -214,12 +214,26 @@ class ShmConfig:
     def reserve_source(self) -> str:
         """Where :attr:`reserve_bytes` comes from, in words (``health()``, ``omnikv doctor``)."""
         if not self.prefault_auto:
-            return "prefault (explicit)" if self.reserve_bytes else "none (prefault)"
+            return "prefault" if self.reserve_bytes else "none, prefault off"
         if self.expected_payload_bytes:
             return "expected_payload_bytes"
         if self.declared_payload_bytes:
             return "kv_bytes_per_token x max_model_len"
-        return "default (nothing declared)"
+        return "default, nothing declared"
+
+    def describe_pool(self) -> str:
+        """The send pool and its start-up reserve in words, for ``omnikv doctor``."""
+        mib = 1 << 20
+        text = (
+            f"{self.pool_size / mib:g} MiB, committed as used; start-up reserve"
+            f" {self.reserve_bytes / mib:g} MiB ({self.reserve_source}"
+        )
+        if self.prefault_auto and not self.declared_payload_bytes:
+            text += (
+                "; set expected_payload_bytes, or kv_bytes_per_token and max_model_len, in the"
+                " connector_config to size it to what the stage sends"
+            )
+        return text + ")"
 
     @property
     def reserve_at_start(self) -> bool:
