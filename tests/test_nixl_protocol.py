@@ -19,6 +19,24 @@ def test_defaults_match_the_transfer_engine_connector() -> None:
     assert s.host == "127.0.0.1" and s.backends == ("UCX",) and s.pool_size == 1 << 30
     assert (s.ttl_s, s.peer_timeout_s, s.quarantine_dead_s) == (300.0, 5.0, 60.0)
     assert s.secret is None and s.default_sender is None
+    assert s.max_leases == 8
+    lim = s.limits
+    assert (lim.max_connections, lim.max_connections_per_peer) == (1024, 64)
+    assert (lim.handshake_timeout_s, lim.idle_timeout_s, lim.heartbeat_s) == (5.0, 300.0, 10.0)
+
+
+def test_admission_and_lease_keys_are_read() -> None:
+    s = _settings(
+        max_connections=10,
+        max_connections_per_peer=2,
+        handshake_timeout_seconds=0.5,
+        idle_timeout_seconds=60,
+        heartbeat_seconds=3,
+        max_leases_per_entry=2,
+    )
+    assert s.limits.max_connections == 10 and s.limits.max_connections_per_peer == 2
+    assert (s.limits.handshake_timeout_s, s.limits.idle_timeout_s) == (0.5, 60.0)
+    assert s.limits.heartbeat_s == 3.0 and s.max_leases == 2
 
 
 def test_receiver_needs_no_port_and_takes_a_default_sender() -> None:
@@ -45,6 +63,14 @@ def test_receiver_needs_no_port_and_takes_a_default_sender() -> None:
         ("quarantine_dead_seconds", True),
         ("auth_window_seconds", 0),
         ("put_timeout_s", -1),
+        ("max_connections", 0),
+        ("max_connections", "10"),
+        ("max_connections_per_peer", True),
+        ("handshake_timeout_seconds", 0),
+        ("idle_timeout_seconds", float("inf")),
+        ("heartbeat_seconds", -1),
+        ("max_leases_per_entry", 0),
+        ("max_leases_per_entry", 2.5),
     ],
 )
 def test_bad_values_are_config_errors(key: str, value: Any) -> None:

@@ -9,6 +9,9 @@ genuine receiver's own among them), as if from other hosts and from the receiver
   Transfer Engine sender whose process runs at ``RLIMIT_NOFILE`` 1024; the genuine receiver
   still gets its payload within its deadline, and the idle connections are dropped by the
   handshake timeout.
+* Endless leases (NIXL, item 3): a peer that claims an entry again and again without reading
+  it, or claims and aborts in a loop, no longer holds it: it is freed at its TTL (counted from
+  the put, across re-leases) or after ``max_leases_per_entry`` leases, and reported.
 * Hello flood (no secret): 4,300 ``hello`` messages, each on a new connection, 100 of them kept
   open (80 from one address, past its cap of 64), sent after the genuine NIXL receiver opened
   its channel; that channel is never evicted and the receiver is served on it within a deadline
@@ -54,9 +57,25 @@ def te_sender_at_nofile(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
 
 
 def nixl_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
+    """A NIXL sender peer; ``warnings`` answers the WARNING lines its sending side logged."""
+    import logging
+
     from omnikv.connectors.nixl import NixlConnector
 
-    serve_sender(NixlConnector(cfg), out_q, in_q, {})
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    side_log = logging.getLogger("omnikv.connectors.nixl_sender")
+    side_log.addHandler(Keep(logging.WARNING))
+    side_log.setLevel(logging.WARNING)
+
+    def warnings() -> tuple[Any, ...]:
+        return ("warnings", list(seen))
+
+    serve_sender(NixlConnector(cfg), out_q, in_q, {"warnings": warnings})
 
 
 # -- the attackers ---------------------------------------------------------------------------------
@@ -315,3 +334,136 @@ def test_channels_go_with_their_connections_and_are_bounded_per_peer(
     # the kept channels and the receiver's; the 4,200 closed ones are gone with their connections
     assert h["channels"] == PER_PEER + KEPT_RECEIVER_ADDRESS + 1, h
     assert h["refused_connections"] == KEPT_ONE_ADDRESS - PER_PEER, h
+
+
+# -- scenario: NIXL leases that never end (item 3) ------------------------------------------------
+TTL_S = 2.0
+MAX_LEASES = 8
+
+
+def _nixl_codec() -> Any:
+    from omnikv.connectors._control import ControlCodec
+    from omnikv.connectors.nixl_protocol import MAX_MESSAGE_BYTES, SCHEMA
+
+    return ControlCodec(SCHEMA, None, max_message_bytes=MAX_MESSAGE_BYTES)
+
+
+def keep_claiming(endpoint: tuple[str, int], key: str, stop: Any, out: dict[str, Any]) -> None:
+    """Claim ``key`` again and again (each claim parked until the last lease ends), never READ
+    and never abort, until ``stop`` is set: a peer that holds an entry by leasing it forever."""
+    import uuid
+
+    from omnikv.connectors._control_client import ControlClient
+
+    client = ControlClient(_nixl_codec(), {"agent": "hog"})
+    out["grants"] = 0
+    try:
+        chan = client.channel(endpoint, 5.0)
+        assert chan is not None
+        while not stop.is_set():
+            claim = {"op": "claim", "key": key, "wait_ms": 1000, "xid": uuid.uuid4().hex}
+            reply = chan.request({**claim, "budget_ms": 200}, 3.0)
+            if reply is not None and reply["op"] == "grant" and reply["found"]:
+                out["grants"] += 1
+    finally:
+        client.close()
+
+
+def claim_and_abort(endpoint: tuple[str, int], key: str, times: int) -> int:
+    """Claim ``key`` and abort the lease at once, ``times`` times; how many claims were granted."""
+    import uuid
+
+    from omnikv.connectors._control_client import ControlClient
+
+    client = ControlClient(_nixl_codec(), {"agent": "churn"})
+    granted = 0
+    try:
+        chan = client.channel(endpoint, 5.0)
+        assert chan is not None
+        for _ in range(times):
+            xid = uuid.uuid4().hex
+            claim = {"op": "claim", "key": key, "wait_ms": 0, "xid": xid, "budget_ms": 1000}
+            reply = chan.request(claim, 3.0)
+            if reply is not None and reply["found"]:
+                granted += 1
+                chan.send({"op": "abort", "xid": xid})
+    finally:
+        client.close()
+    return granted
+
+
+def scenario_endless_leases() -> dict[str, Any]:
+    import threading
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    (zport,) = free_ports(1)
+    endpoint = ("127.0.0.1", zport)
+    cfg = {
+        "host": "127.0.0.1",
+        "role": "sender",
+        "zmq_port": zport,
+        "memory_pool_size": 16 * MiB,
+        "peer_timeout_seconds": 0.5,
+        "buffer_ttl_seconds": TTL_S,
+        "max_leases_per_entry": MAX_LEASES,
+    }
+    res: dict[str, Any] = {}
+    proc, out_q, in_q = start_sender(nixl_sender, cfg)
+    with peers(proc):
+        # 1. re-leased back to back: the TTL still applies, while the peer keeps claiming
+        ask(in_q, out_q, "put", "hogged", MiB, 1, 5.0)
+        stop, hog = threading.Event(), {}
+        t0 = time.monotonic()
+        th = threading.Thread(target=keep_claiming, args=(endpoint, "hogged@0_1", stop, hog))
+        th.start()
+        try:
+            health = ask(in_q, out_q, "health")[1]
+            while health["pool_used"] and time.monotonic() - t0 < TTL_S + 5.0:
+                time.sleep(0.05)  # polls the sender's TTL sweep; synchronises nothing
+                health = ask(in_q, out_q, "health")[1]
+            res["freed_after_s"] = time.monotonic() - t0
+            res["hogged"] = {k: health[k] for k in ("entries", "pool_used", "ttl_reaped")}
+            res["hog_alive"] = th.is_alive()
+        finally:
+            stop.set()
+            th.join(timeout=10)
+        res["hog_grants"] = hog.get("grants")
+        # 2. leased and given back again and again: the number of leases is capped
+        ask(in_q, out_q, "put", "churned", MiB, 2, 5.0)
+        t0 = time.monotonic()
+        res["churn_grants"] = claim_and_abort(endpoint, "churned@0_1", 3 * MAX_LEASES)
+        health = ask(in_q, out_q, "health")[1]
+        res["churn_s"] = time.monotonic() - t0
+        res["churned"] = {k: health.get(k) for k in ("entries", "pool_used", "lease_limit_reaped")}
+        res["warnings"] = ask(in_q, out_q, "warnings")[1]
+        ask(in_q, out_q, "close")
+    return res
+
+
+@pytest.fixture(scope="module")
+def endless_leases() -> dict[str, Any]:
+    if nixl_skip_reason() is not None:
+        pytest.skip(str(nixl_skip_reason()))
+    return run_scenario(__file__, "scenario_endless_leases", timeout=120)
+
+
+def test_an_entry_re_leased_forever_is_freed_at_its_ttl(endless_leases: dict[str, Any]) -> None:
+    r = endless_leases
+    assert r["hog_alive"], r  # the peer was still claiming when the entry went
+    assert r["hogged"] == {"entries": 0, "pool_used": 0, "ttl_reaped": 1}, r
+    # the TTL, the sweep (every TTL / 2) and one lease (200 ms + 0.5 s) at most
+    assert r["freed_after_s"] < TTL_S + TTL_S / 2 + 0.7 + 1.0, r
+    assert r["hog_grants"] >= 2, r  # it was re-leased before
+
+
+def test_the_number_of_leases_per_entry_is_capped(endless_leases: dict[str, Any]) -> None:
+    r = endless_leases
+    assert r["churn_grants"] == MAX_LEASES, r
+    assert r["churned"] == {"entries": 0, "pool_used": 0, "lease_limit_reaped": 1}, r
+    assert r["churn_s"] < TTL_S, r  # freed by the cap, not by the TTL
+
+
+def test_freed_entries_are_reported(endless_leases: dict[str, Any]) -> None:
+    warnings = endless_leases["warnings"]
+    assert any("hogged@0_1" in w and "TTL" in w for w in warnings), warnings
+    assert any("churned@0_1" in w and "leases" in w for w in warnings), warnings

@@ -74,7 +74,9 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
     ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
     (60), ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30: the replay window),
-    ``put_timeout_s`` (0: the reference-shaped ``put`` tries once), and the control port's
+    ``put_timeout_s`` (0: the reference-shaped ``put`` tries once), ``max_leases_per_entry``
+    (8: a sender drops an entry leased that often without a completed READ; its
+    ``buffer_ttl_seconds`` counts from the put across re-leases), and the control port's
     admission limits: ``max_connections`` (1024, lowered to half the file
     descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
     ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),

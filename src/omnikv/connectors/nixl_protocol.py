@@ -10,6 +10,9 @@ Messages (on :mod:`omnikv.connectors._control`, which adds the envelope, ``hello
 * ``claim`` {``key``, ``wait_ms``, ``xid``, ``budget_ms``} -> ``grant`` {``found``, ``size``,
   ``addr``, ``agent``}: long-polls until the key is there (at most ``wait_ms``), then leases it
   to the transfer ``xid`` for ``budget_ms`` plus a grace: nobody else can claim it meanwhile.
+  An entry is leased at most ``max_leases_per_entry`` times and never past its
+  ``buffer_ttl_seconds`` (counted from the put); then it is dropped, freed once no lease is
+  out, and reported.
 * ``abort`` {``xid``}: the receiver will not read (no receive slot): the lease ends now.
 
 The receiver then READs ``size`` bytes at ``addr`` from the sender's registered pool with the
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import Schema
+from omnikv.connectors._mooncake_common import config_count
 from omnikv.connectors._pull import (
     PULL_COUNTER_NAMES,
     PullSettings,
@@ -64,6 +68,7 @@ COUNTER_NAMES = (
     "grants",
     "consumed",
     "lease_expired",
+    "lease_limit_reaped",
     "aborted",
     "foreign_notifications",
 )
@@ -81,10 +86,17 @@ def _backends(value: Any) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class NixlSettings(PullSettings):
     """The NIXL connector's configuration, checked once (``ConfigError`` names the key): the
-    pull connectors' keys (:class:`~omnikv.connectors._pull.PullSettings`) and ``backends``."""
+    pull connectors' keys (:class:`~omnikv.connectors._pull.PullSettings`), ``backends``
+    (``["UCX"]``) and ``max_leases_per_entry`` (8: how often a sender leases one entry before
+    it drops it unconsumed)."""
 
     backends: tuple[str, ...]
+    max_leases: int
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> NixlSettings:
-        return cls(**PullSettings.common(cfg), backends=_backends(cfg.get("backends", ["UCX"])))
+        return cls(
+            **PullSettings.common(cfg),
+            backends=_backends(cfg.get("backends", ["UCX"])),
+            max_leases=config_count(cfg, "max_leases_per_entry", 8),
+        )

@@ -5,8 +5,14 @@ caller encode into it and publishes it under its transport key. Receivers ``clai
 long-poll: held until the key is there), which leases the entry to one transfer id; the receiver
 READs the bytes and NIXL delivers the transfer id to this agent as a notification, which frees
 the entry (consume-once). A lease that sees no notification within its budget plus
-``peer_timeout_seconds`` ends (the entry can be claimed again); entries older than
-``buffer_ttl_seconds`` that nobody holds are dropped.
+``peer_timeout_seconds`` ends (the entry can be claimed again).
+
+An entry is never held forever by claims that do not complete: it is leased at most
+``max_leases_per_entry`` times, and ``buffer_ttl_seconds`` counts from the put across every
+re-lease. Past either, the entry is dropped (no claim is granted any more), its slot is freed
+at once or, if a lease is out, when that lease ends (at most one lease budget plus
+``peer_timeout_seconds`` later), and it is reported: a WARNING naming the key and a counter
+(``ttl_reaped`` / ``lease_limit_reaped``).
 
 Everything that touches the entries runs under one lock; the control listener thread also polls
 NIXL's notifications (finely while leases are out) and sweeps leases and the TTL.
@@ -54,6 +60,7 @@ class _Entry:
     lease_agent: str = ""
     lease_until: float = 0.0
     consumed: bool = False
+    leases: int = 0
 
 
 @dataclass
@@ -146,11 +153,20 @@ class NixlSenderSide:
                 return False
             if len(self._by_xid) >= MAX_XIDS:
                 return False
-            entry.lease = msg["xid"]
-            entry.lease_agent = str(req.peer.get("agent", ""))
-            budget = min(msg["budget_ms"] / 1000.0, transfer_budget_s(entry.size))
-            entry.lease_until = now + budget + self._s.peer_timeout_s
-            self._by_xid[entry.lease] = entry
+            why = self._spent(entry, now)
+            if why:
+                self._drop_locked(entry)  # no lease is out: its slot goes now
+            else:
+                entry.lease = msg["xid"]
+                entry.leases += 1
+                entry.lease_agent = str(req.peer.get("agent", ""))
+                budget = min(msg["budget_ms"] / 1000.0, transfer_budget_s(entry.size))
+                entry.lease_until = now + budget + self._s.peer_timeout_s
+                self._by_xid[entry.lease] = entry
+        if why:
+            self._pool.allocator.free(entry.offset)
+            self._report(entry, why, now)
+            return False
         assert self.server is not None
         addr = self._pool.address + entry.offset
         grant = {"found": True, "size": entry.size, "addr": addr, "agent": self._agent.name}
@@ -158,6 +174,34 @@ class NixlSenderSide:
         self._counters.add("grants")
         logger.debug("leased %s to transfer %s", entry.key, entry.lease)
         return True
+
+    def _spent(self, entry: _Entry, now: float) -> str:
+        """Why ``entry`` may not be leased again (``"ttl"``, ``"leases"``), or ``""``."""
+        if now - entry.created >= self._s.ttl_s:
+            return "ttl"
+        if entry.leases >= self._s.max_leases:
+            return "leases"
+        return ""
+
+    def _report(self, entry: _Entry, why: str, now: float) -> None:
+        """Count and log an entry dropped unconsumed (by the TTL or the lease cap)."""
+        if why == "ttl":
+            self._counters.add("ttl_reaped")
+            logger.warning(
+                "dropped %s after %.1f s unconsumed (TTL %.0f s; leased %d times)",
+                entry.key,
+                now - entry.created,
+                self._s.ttl_s,
+                entry.leases,
+            )
+        else:
+            self._counters.add("lease_limit_reaped")
+            logger.warning(
+                "dropped %s unconsumed after %d leases without a completed READ "
+                "(max_leases_per_entry)",
+                entry.key,
+                entry.leases,
+            )
 
     def _answer_miss(self, req: Request) -> None:
         assert self.server is not None
@@ -248,16 +292,16 @@ class NixlSenderSide:
             self._end_lease(xid, "expired")
 
     def _reap_ttl(self, now: float) -> None:
+        """Drop the entries past their TTL, leased or not (a leased one's slot is freed when
+        its lease ends: :meth:`_end_lease`, :meth:`_consumed`)."""
         cutoff = now - self._s.ttl_s
         with self._lock:
-            old = [e for e in self._entries.values() if e.created < cutoff and e.lease is None]
-            for e in old:
-                self._drop_locked(e)
-        for e in old:
+            old = [e for e in self._entries.values() if e.created <= cutoff]
+            freeable = [e for e in old if self._drop_locked(e)]
+        for e in freeable:
             self._pool.allocator.free(e.offset)
-            logger.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._s.ttl_s)
-        if old:
-            self._counters.add("ttl_reaped", len(old))
+        for e in old:
+            self._report(e, "ttl", now)
 
     # -- common ------------------------------------------------------------------------------
     def cleanup(self, request_id: str) -> None:
