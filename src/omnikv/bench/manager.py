@@ -17,9 +17,11 @@ is a real first request (pool creation, connection, mapping):
 * **64 KiB**: 2 layers, 2 KV heads, dim 64, fp16, 64 tokens (targets: p50 <= 0.5 ms, p99 <= 2 ms);
 * **memcpy** of each payload's size in the same run (aligned, pre-faulted: the ceiling).
 
-Before the first request the sender waits (polling ``health()``, bounded) until its pool's
-start-up reserve (``prefault: "auto"``, or ``--prefault-mib``) is populated, as it would be in
-a stage that loads a model first; how long that took in the background is printed. Reported
+The sender stage declares the case's payload size (``expected_payload_bytes``), so its pool's
+start-up reserve (``prefault: "auto"``) is sized for it (``--prefault-mib`` sets it instead in
+the 224 MiB case). Before the first request the sender waits (polling ``health()``, bounded)
+until that reserve is populated, as it would be in a stage that loads a model first; how long
+that took in the background is printed. Reported
 per case: the first request, then steady state (median, spread, p99), and the sender's RSS at
 the first request (its shared-memory part: the populated pool). Data is verified
 on the receiver against caches it rebuilds from the same seed (first, last and every 64 KiB
@@ -116,7 +118,12 @@ def _caches(shape: Shape) -> list[torch.Tensor]:
 
 
 def _config(
-    namespace: str, role: str, pool: int, prefault: int | str = "auto", poll_us: int | None = None
+    namespace: str,
+    role: str,
+    pool: int,
+    prefault: int | str = "auto",
+    poll_us: int | None = None,
+    expected: int = 0,
 ) -> Any:
     from omnikv import OmniKVCacheConfig
 
@@ -127,7 +134,13 @@ def _config(
     }
     if role == "sender":
         return OmniKVCacheConfig(
-            connector_config={**conn, "linger_s": 0, "prefault": prefault},
+            # the stage declares what it sends: the "auto" reserve is sized for it
+            connector_config={
+                **conn,
+                "linger_s": 0,
+                "prefault": prefault,
+                "expected_payload_bytes": expected,
+            },
             from_stage="0",
             to_stage="1",
             need_send_cache=True,
@@ -276,7 +289,7 @@ def _run_case(
     prefault: int | str = "auto"
     if key == "224MiB" and args.prefault_mib:
         prefault = args.prefault_mib * MIB
-    mgr = OmniKVTransferManager(_config(namespace, "sender", pool, prefault))
+    mgr = OmniKVTransferManager(_config(namespace, "sender", pool, prefault, None, shape.nbytes))
     _settle_heap(not args.no_gc_freeze)
     # a stage starts well before its first request: its pool is prepared meanwhile
     mem = _await_reserve(mgr)
@@ -355,7 +368,8 @@ def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, st
     caches = _caches(shape)
     chan.send("new", namespace, "64KiB", args.pool_mib * MIB, not args.no_gc_freeze, args.poll_us)
     chan.expect("ok")
-    mgr = OmniKVTransferManager(_config(namespace, "sender", args.pool_mib * MIB))
+    pool = args.pool_mib * MIB
+    mgr = OmniKVTransferManager(_config(namespace, "sender", pool, expected=shape.nbytes))
     prof = cProfile.Profile()
     try:
         for i in range(20):
