@@ -199,3 +199,20 @@ def test_the_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows[0] == "| 4 | 1024 | (a) PD through omnikv | 200 | 300 | 1.50 | 3/4 | 9 | 1 |"
     assert rows[2].endswith("| 4.00 | 4/4 | n/a | - |")
     assert pd.as_dict()["completed_without_loaded_kv"] == 1
+
+
+def test_drain_waits_for_a_quiet_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Consumer:
+        url = "http://127.0.0.1:1"
+
+    class Dep:
+        consumer = Consumer()
+
+    busy = {"vllm:num_requests_running": 1.0}
+    quiet = {"vllm:num_requests_running": 0.0, 'vllm:request_success{finished_reason="stop"}': 3}
+    seen = iter([busy, busy, quiet | {"vllm:omnikv_loads_failed": 1.0}])
+    monkeypatch.setattr(serve, "fetch_metrics", lambda url: next(seen, quiet))
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    assert serve._drain(Dep(), timeout=30, quiet_s=0.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(serve, "fetch_metrics", lambda url: busy)
+    assert not serve._drain(Dep(), timeout=0.0, quiet_s=0.0)  # type: ignore[arg-type]

@@ -728,15 +728,25 @@ def _run_case(
     )
 
 
-def _drain(dep: Deployment, timeout: float) -> bool:
-    """Wait (bounded) until the consumer has no request running or waiting."""
+def _drain(dep: Deployment, timeout: float, quiet_s: float = 3.0) -> bool:
+    """Wait (bounded by ``timeout``) until the consumer is quiet: no request running or waiting
+    in its engine and no request finished or load ended for ``quiet_s`` seconds (requests the
+    server accepted but has not handed to its engine yet show up only that way)."""
     deadline = time.monotonic() + timeout
+    names = ["vllm:request_success", *(f"vllm:omnikv_{n}" for n in LOAD_COUNTS)]
+    last: tuple[float, ...] | None = None
+    quiet_since = time.monotonic()
     while True:
         m = fetch_metrics(dep.consumer.url)
         busy = m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
-        if m and busy == 0:
+        done = tuple(sum(v for k, v in m.items() if k == n or k.startswith(n + "{")) for n in names)
+        now = time.monotonic()
+        if not m or busy or done != last:
+            quiet_since = now
+        elif now - quiet_since >= quiet_s:
             return True
-        if time.monotonic() > deadline:
+        last = done
+        if now > deadline:
             return False
         time.sleep(0.5)
 
