@@ -72,3 +72,18 @@ def test_settings_need_a_port_for_a_sender_and_a_known_role() -> None:
         PullSettings.common({"role": "receiver", "put_timeout_s": -1})
     s = PullSettings.common({"role": "receiver", "sender_host": "h", "sender_zmq_port": 9})
     assert s["zmq_port"] is None and s["default_sender"] == ("h", 9)
+
+
+def test_admission_limits_are_parsed_strictly() -> None:
+    s = PullSettings.common({"role": "receiver", "max_connections": 5, "heartbeat_seconds": 2})
+    assert s["limits"].max_connections == 5 and s["limits"].heartbeat_s == 2.0
+    assert s["limits"].max_connections_per_peer == 64
+    for key, bad in (
+        ("max_connections", 0),
+        ("max_connections_per_peer", "8"),
+        ("handshake_timeout_seconds", 0),
+        ("idle_timeout_seconds", -5),
+        ("heartbeat_seconds", True),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            PullSettings.common({"role": "receiver", key: bad})
