@@ -299,7 +299,7 @@ class RecvSide:
                     want.pending.discard(link)
                     self._signal(want)
                 if want.block and link.sender and want.offer is None:
-                    want.senders_lost.append(link.peer)
+                    want.senders_lost.append(f"pid {link.pid} ({link.peer})")
                     self._signal(want)
 
     def snapshot(self) -> dict[str, Any]:
