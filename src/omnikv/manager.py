@@ -269,8 +269,7 @@ class OmniKVTransferManager:
         abort: Event | None = None,
         quiet: bool = False,
     ) -> ReceiveResult:
-        """:meth:`receive_kv_cache_for_request` as a ReceiveResult; ``abort`` -> ``CANCELLED``;
-        ``quiet``: a miss is logged at DEBUG, not WARNING (the caller counts misses)."""
+        """:meth:`receive_kv_cache_for_request` as a ReceiveResult (:meth:`KVReceiver.receive`)."""
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
         deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
