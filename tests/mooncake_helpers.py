@@ -87,11 +87,19 @@ _UNSHARE: bool | None = None
 
 
 def run_scenario(
-    module_file: str, func: str, params: dict[str, Any] | None = None, timeout: float = 60.0
+    module_file: str,
+    func: str,
+    params: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    *,
+    private_shm: bool = False,
 ) -> dict[str, Any]:
     """Run ``func(**params)`` of ``module_file`` in an isolated child; return its dict.
 
-    Raises ``AssertionError`` with the child's output when it fails or overruns ``timeout``.
+    ``private_shm``: where the child runs in its own network namespace, it also gets its own
+    mount namespace with an empty ``/dev/shm`` (so what it finds there, it created; the result's
+    ``_private_shm`` says whether that was possible). Raises ``AssertionError`` with the child's
+    output when it fails or overruns ``timeout``.
     """
     global _UNSHARE
     if _UNSHARE is None:
@@ -107,7 +115,10 @@ def run_scenario(
         func,
         json.dumps(params or {}),
     ]
-    if _UNSHARE:
+    if _UNSHARE and private_shm:
+        setup = 'ip link set lo up && mount -t tmpfs -o size=1g omnikv-shm /dev/shm && exec "$@"'
+        cmd = ["unshare", "-n", "-m", "--propagation", "private", "sh", "-c", setup, "sh", *cmd]
+    elif _UNSHARE:
         cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     proc = subprocess.Popen(
         cmd,
@@ -130,6 +141,7 @@ def run_scenario(
         raise AssertionError(f"scenario {func} failed (rc {proc.returncode}):\n{out[-6000:]}")
     result: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX) :])
     result["_isolated"] = bool(_UNSHARE)
+    result["_private_shm"] = bool(_UNSHARE and private_shm)
     return result
 
 

@@ -480,3 +480,29 @@ def test_the_soft_descriptor_limit_is_raised_and_bounds_the_connections() -> Non
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["soft"] == res["hard"] == 512, res  # raised to the hard limit
     assert res["raised_cap"] < 256 and res["capped"] < 64, res  # half of what is left
+
+
+def test_channels_to_servers_gone_and_of_ended_threads_are_closed() -> None:
+    """A long-lived client meeting servers in turn keeps no connection to the ones gone."""
+    import threading
+
+    first, second = _server(), _server()
+    client = _client()
+    try:
+        old = client.channel(("127.0.0.1", first.port), 5.0)
+        assert old is not None and client.has_channel(("127.0.0.1", first.port))
+        first.close()  # the sender goes away: its connection is closed under the channel
+        held: list[Any] = []
+        worker = threading.Thread(
+            target=lambda: held.append(client.channel(("127.0.0.1", second.port), 5.0))
+        )
+        worker.start()
+        worker.join(timeout=10)
+        assert held and held[0] is not None  # a thread that has ended now
+        assert client.channel(("127.0.0.1", second.port), 5.0) is not None  # sweeps first
+        assert old.closed and not client.has_channel(("127.0.0.1", first.port))
+        assert held[0].closed  # the ended thread's channel went too
+        assert len(client._links) == 1  # test hook: this thread's channel to ``second``
+    finally:
+        client.close()
+        second.close()

@@ -8,6 +8,7 @@ routes), not by a particular address.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import pytest
@@ -88,3 +89,17 @@ def test_flags_accept_booleans_and_their_names() -> None:
     assert common.config_flag({"f": True}, "f", False) is True
     assert common.config_flag({}, "f", True) is True
     assert common.config_port("50051", "zmq_port") == 50051
+
+
+def test_engine_defaults_leave_the_operator_s_environment_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MC_TCP_ENABLE_CONNECTION_POOL", raising=False)
+    monkeypatch.delenv("MC_DISABLE_METACACHE", raising=False)
+    common.set_tcp_connection_pool(False)
+    common.set_metadata_cache(False)
+    assert os.environ["MC_TCP_ENABLE_CONNECTION_POOL"] == "0"
+    assert os.environ["MC_DISABLE_METACACHE"] == "1"
+    monkeypatch.setenv("MC_TCP_ENABLE_CONNECTION_POOL", "1")
+    common.set_tcp_connection_pool(False)  # the operator's value wins
+    assert os.environ["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"

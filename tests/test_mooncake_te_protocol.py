@@ -20,6 +20,8 @@ def test_defaults_follow_the_reference() -> None:
     cfg = TEConfig.parse(_sender())
     assert (cfg.workers, cfg.ttl_s, cfg.peer_timeout_s, cfg.window_s) == (4, 300.0, 5.0, 30.0)
     assert cfg.pool_size == 1 << 30 and cfg.secret is None and cfg.protocol == "tcp"
+    assert not cfg.tcp_connection_pool and not cfg.metadata_cache
+    assert TEConfig.parse(_sender(metadata_cache="true", tcp_connection_pool=True)).metadata_cache
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,9 @@ def test_defaults_follow_the_reference() -> None:
         ({"role": "both"}, "role"),
         ({"memory_pool_size": 0}, "memory_pool_size"),
         ({"memory_pool_device": "cuda"}, "memory_pool_device"),
+        ({"tcp_connection_pool": "yes"}, "tcp_connection_pool"),
+        ({"metadata_cache": 1}, "metadata_cache"),
+        ({"max_connections_per_peer": 0}, "max_connections_per_peer"),
     ],
 )
 def test_bad_values_are_config_errors_naming_the_key(extra: dict[str, object], key: str) -> None:

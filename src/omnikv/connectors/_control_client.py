@@ -6,6 +6,11 @@ answered with a ``welcome``; it belongs to the thread that opened it. A channel 
 (idle timeout, restart, eviction of a peer that never said hello) is noticed before it is
 reused, and the next :meth:`ControlClient.channel` connects and says hello again; a request in
 flight on it ends at once (:attr:`Channel.closed`) instead of waiting out its timeout.
+
+Nothing is kept for servers that went away: before each new connection the client closes the
+calling thread's channels whose server closed them and every channel of a thread that has
+ended, so a long-lived receiver that meets many senders in turn holds no descriptor for the
+ones gone.
 """
 
 from __future__ import annotations
@@ -45,12 +50,16 @@ class Link:
     """One connection: framing, timeouts and end of stream. Owned by one thread (its channel's);
     :meth:`close` may come from another (the client's ``close``)."""
 
-    __slots__ = ("closed", "reader", "sock")
+    __slots__ = ("closed", "endpoint", "owner", "reader", "sock")
 
-    def __init__(self, sock: socket.socket, max_body: int) -> None:
+    def __init__(
+        self, sock: socket.socket, max_body: int, endpoint: Endpoint | None = None
+    ) -> None:
         self.sock = sock
         self.reader = MessageReader(max_body)
         self.closed = False
+        self.endpoint = endpoint
+        self.owner = threading.current_thread()
 
     def send(self, frames: list[bytes]) -> bool:
         """Send one message; ``False`` (and :attr:`closed`) when the connection is gone."""
@@ -181,6 +190,7 @@ class ControlClient:
             if chan.link.alive():
                 return chan
             self.discard(endpoint)
+        self._sweep(chans)
         end = time.monotonic() + max(0.0, timeout_s)
         delay = _RETRY_FIRST_S
         while True:
@@ -210,6 +220,23 @@ class ControlClient:
         token: bytes = reply["tok"]
         return token
 
+    def _sweep(self, chans: dict[Endpoint, Channel]) -> None:
+        """Close the links nobody can use: this thread's whose server closed them, and every
+        link of a thread that has ended (their channels went with the thread)."""
+        for endpoint, chan in list(chans.items()):
+            if not chan.link.alive():
+                del chans[endpoint]
+                self._close(chan.link)
+        with self._lock:
+            dead = [lk for lk in self._links if lk.closed or not lk.owner.is_alive()]
+        for link in dead:
+            self._close(link)
+
+    def has_channel(self, endpoint: Endpoint) -> bool:
+        """Whether any thread holds a channel to ``endpoint`` not known to be closed."""
+        with self._lock:
+            return any(lk.endpoint == endpoint and not lk.closed for lk in self._links)
+
     def discard(self, endpoint: Endpoint) -> None:
         """Drop this thread's channel to ``endpoint`` (after silence or an error)."""
         chan = self._mine().pop(endpoint, None)
@@ -233,7 +260,7 @@ class ControlClient:
         except OSError:
             sock.close()
             return None
-        link = Link(sock, self.codec.max_message_bytes)
+        link = Link(sock, self.codec.max_message_bytes, endpoint)
         with self._lock:
             if self._closing.is_set():
                 link.close()

@@ -27,7 +27,9 @@ from omnikv.connectors._mooncake_common import (
     import_mooncake_store,
     parse_size,
     resolve_host,
+    set_metadata_cache,
     set_tcp_bind_address,
+    set_tcp_connection_pool,
 )
 from omnikv.connectors._pool import HostPool
 from omnikv.connectors._stats import Counters
@@ -99,7 +101,13 @@ class MooncakeStoreConnector(OmniConnectorBase):
     ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries),
     ``max_tracked_keys`` (4096: how many of its own puts a client remembers for ``cleanup``;
     beyond it, keys another client consumed are forgotten first, then the oldest),
-    ``put_timeout_s`` (0: how long the reference-shaped ``put`` waits for pool space).
+    ``put_timeout_s`` (0: how long the reference-shaped ``put`` waits for pool space),
+    ``tcp_connection_pool`` (false: Mooncake's TCP transport keeps a connection per peer and
+    never closes it when the peer goes, so a long-lived client would hold one descriptor per
+    client it ever exchanged objects with; ``MC_TCP_ENABLE_CONNECTION_POOL`` in the
+    environment wins), ``metadata_cache`` (false: Mooncake caches each peer's segment
+    description by host:port, stale once a restarted client reuses a port;
+    ``MC_DISABLE_METACACHE`` in the environment wins).
     """
 
     supports_raw_data: ClassVar[bool] = True
@@ -117,6 +125,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         local_buf = parse_size(cfg.get("local_buffer_size", 64 << 20), "local_buffer_size")
         pool_size = parse_size(cfg.get("memory_pool_size", 512 << 20), "memory_pool_size")
         self.remove_after_get = config_flag(cfg, "remove_after_get", True)
+        tcp_pool = config_flag(cfg, "tcp_connection_pool", False)
+        metadata_cache = config_flag(cfg, "metadata_cache", False)
         replicas = config_count(cfg, "replica_num", 1)
         probe_s = config_seconds(cfg, "master_probe_timeout_s", 3.0)
         self.put_timeout_s = float(cfg.get("put_timeout_s", 0.0))
@@ -124,6 +134,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         store_cls, replicate_cls = import_mooncake_store()
         _probe_master(self.master, probe_s)
         set_tcp_bind_address(self.host)
+        set_tcp_connection_pool(tcp_pool)
+        set_metadata_cache(metadata_cache)
         self._lock = threading.Lock()
         # Keys this client put and has not seen consumed, oldest first (for cleanup()).
         self._put_keys: collections.OrderedDict[str, None] = collections.OrderedDict()

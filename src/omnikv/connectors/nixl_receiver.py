@@ -157,11 +157,16 @@ class NixlReceiverSide:
 
     # -- metadata ----------------------------------------------------------------------------
     def _remote(self, endpoint: Endpoint, chan: Channel, deadline: float) -> str | None:
-        """The sender's NIXL agent name, loading its metadata on first contact."""
+        """The sender's NIXL agent name, loading its metadata on first contact (and forgetting
+        the agents of senders no thread holds a channel to any more)."""
         with self._lock:
             name = self._remotes.get(endpoint)
+            others = [ep for ep in self._remotes if ep != endpoint]
         if name is not None:
             return name
+        for other in others:
+            if not self._client.has_channel(other):
+                self._forget_remote(other)
         reply = chan.request({"op": "meta"}, min(remaining(deadline), self._s.peer_timeout_s))
         if reply is None or reply["op"] != "agentmd":
             self._client.discard(endpoint)

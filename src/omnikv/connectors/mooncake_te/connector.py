@@ -23,7 +23,9 @@ from typing import Any
 from omnikv.connectors._control import ControlCodec
 from omnikv.connectors._mooncake_common import (
     import_mooncake_engine,
+    set_metadata_cache,
     set_tcp_bind_address,
+    set_tcp_connection_pool,
     warn_unauthenticated,
 )
 from omnikv.connectors._pool import HostPool
@@ -54,7 +56,13 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     ``auth_secret`` (shared by all peers; without it anyone who reaches the port can pull),
     ``auth_window_seconds`` (30: the replay window), ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
-    (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0), and the
+    (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0),
+    ``tcp_connection_pool`` (false: Mooncake's TCP transport keeps a connection per peer and
+    never closes it when the peer goes, so a long-lived engine would hold one descriptor per
+    peer it ever served; ``MC_TCP_ENABLE_CONNECTION_POOL`` in the environment wins),
+    ``metadata_cache`` (false: Mooncake caches each peer's segment description by host:port, so
+    a receiver that restarts on a port an earlier one used would be refused every write for as
+    long as the sender lives; ``MC_DISABLE_METACACHE`` in the environment wins), and the
     control port's admission limits: ``max_connections`` (1024, lowered to half the file
     descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
     ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),
@@ -76,6 +84,8 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         self._default_sender = cfg.default_sender
         engine_cls = import_mooncake_engine()
         set_tcp_bind_address(cfg.host)
+        set_tcp_connection_pool(cfg.tcp_connection_pool)
+        set_metadata_cache(cfg.metadata_cache)
         if cfg.role == "sender" and cfg.secret is None:
             warn_unauthenticated(cfg.host, "Transfer Engine sender")
         self._counters = Counters(COUNTER_NAMES)

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors._control import Schema
-from omnikv.connectors._mooncake_common import (
-    config_count,
-)
+from omnikv.connectors._mooncake_common import config_count, config_flag
 from omnikv.connectors._pull import (
     PULL_COUNTER_NAMES,
     PullSettings,
@@ -68,11 +66,16 @@ def te_errors(what: str) -> Iterator[None]:
 class TEConfig(PullSettings):
     """The connector's configuration, parsed and validated once (``ConfigError`` naming the key):
     the pull connectors' keys (:class:`~omnikv.connectors._pull.PullSettings`) and ``protocol``
-    ("tcp"), ``device_name`` (""), ``workers`` (4), ``memory_pool_device`` ("cpu" only)."""
+    ("tcp"), ``device_name`` (""), ``workers`` (4), ``memory_pool_device`` ("cpu" only),
+    ``tcp_connection_pool`` and ``metadata_cache`` (false: see
+    :func:`~omnikv.connectors._mooncake_common.set_tcp_connection_pool` and
+    :func:`~omnikv.connectors._mooncake_common.set_metadata_cache`)."""
 
     protocol: str
     device_name: str
     workers: int
+    tcp_connection_pool: bool
+    metadata_cache: bool
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> TEConfig:
@@ -86,6 +89,8 @@ class TEConfig(PullSettings):
             protocol=str(cfg.get("protocol", "tcp")),
             device_name=str(cfg.get("device_name", "") or ""),
             workers=config_count(cfg, "workers", 4),
+            tcp_connection_pool=config_flag(cfg, "tcp_connection_pool", False),
+            metadata_cache=config_flag(cfg, "metadata_cache", False),
         )
 
 

@@ -1,0 +1,276 @@
+"""Create/use/close cycles of the engine connectors leave the process as they found it (issue 26,
+item 6).
+
+One process per engine holds long-lived connectors (a long-running stage's) and runs cycles
+back to back; each cycle creates short-lived connectors, moves 64 KiB payloads between
+them and the long-lived ones, and closes them. The process measures itself after the first
+cycle, a middle one and the last: open file descriptors, OS threads, Python threads, memory
+mappings, memfds, ``/dev/shm`` entries (its own: the scenario gets an empty private
+``/dev/shm`` where the test may create namespaces), mappings of ``/dev/shm`` files and RSS. From
+the middle to the last checkpoint descriptors, memfds and ``/dev/shm`` stay unchanged, at most
+one lazily started library thread and a few mappings appear, and RSS grows by less than 16 MiB;
+from the first checkpoint on, the engines may add their one-time process state (the Store
+client keeps a keep-alive connection and threads per process) and nothing more.
+
+* NIXL: a new sender serves the long-lived receiver, or (every other cycle) a new receiver
+  reads from the long-lived sender; 200 cycles (checkpoints 1, 50, 200).
+* Mooncake Transfer Engine: one new connector per cycle serves the long-lived receiver and reads
+  from the long-lived sender; 60 cycles (1, 15, 60).
+* Mooncake Store: one new client per cycle exchanges an object each way with the long-lived
+  client, through one master; 30 cycles (1, 10, 30).
+
+The Mooncake counts are lower because Mooncake's own teardown dominates them: destroying a
+Transfer Engine waits for its handshake listener's one-second accept timeout and the Store
+client's ``close`` takes about two seconds, both holding the GIL (so cycles cannot overlap in
+one process). ``OMNIKV_CYCLES=200`` runs 200 cycles of every engine (about seven minutes). The
+three engines run at the same time, each in its own isolated child process. Before the fixes a
+long-lived receiver kept one descriptor per sender it had met (its control channel), every
+long-lived Mooncake engine one per peer (the TCP transport's pooled connection), and a
+long-lived Transfer Engine sender could no longer write to a receiver that came back on the
+port of an earlier one (Mooncake's descriptor cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from mooncake_helpers import Master, free_ports, mooncake_skip_reason, run_scenario
+from omnikv.connectors.nixl_agent import unavailable_reason as nixl_skip_reason
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+MiB = 1 << 20
+PAYLOAD = 64 << 10
+
+
+def _checkpoints(engine: str) -> list[int]:
+    full = int(os.environ.get("OMNIKV_CYCLES", "0") or 0)
+    if full:
+        return [1, max(2, full // 4), full]
+    return {"nixl": [1, 50, 200], "te": [1, 15, 60], "store": [1, 10, 30]}[engine]
+
+
+# -- what a process holds ------------------------------------------------------------------------
+def snapshot() -> dict[str, int]:
+    """This process's descriptors, threads, mappings, memfds, /dev/shm entries and RSS."""
+    fds = os.listdir("/proc/self/fd")
+    memfds = 0
+    for fd in fds:
+        try:
+            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            continue
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+        maps = fh.read().splitlines()
+    with open("/proc/self/status", encoding="ascii") as fh:
+        rss = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+    return {
+        "fds": len(fds),
+        "os_threads": len(os.listdir("/proc/self/task")),
+        "py_threads": threading.active_count(),
+        "maps": len(maps),
+        "memfds": memfds,
+        "shm_mapped": sum("/dev/shm/" in line for line in maps),
+        "shm_entries": len(os.listdir("/dev/shm")),
+        "rss_kib": rss,
+    }
+
+
+def _write(dst: Any) -> None:
+    dst.numpy()[:] = 7
+
+
+def _check(buf: Any) -> None:
+    assert buf is not None and buf.size == PAYLOAD and int(buf.tensor[-1]) == 7
+    buf.release()
+
+
+# -- one cycle per engine: a short-lived connector facing long-lived ones ------------------------
+def _long_lived(engine: str, master: Any) -> dict[str, Any]:
+    """The connectors that live through every cycle (a long-running stage's)."""
+    if engine == "nixl":
+        from omnikv.connectors.nixl import NixlConnector
+
+        (port,) = free_ports(1)
+        base = {"host": "127.0.0.1", "memory_pool_size": MiB}
+        return {
+            "sender": NixlConnector({**base, "role": "sender", "zmq_port": port}),
+            "receiver": NixlConnector({**base, "role": "receiver"}),
+            "port": port,
+        }
+    if engine == "te":
+        from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+        (port,) = free_ports(1)
+        base = {"host": "127.0.0.1", "memory_pool_size": MiB}
+        return {
+            "sender": MooncakeTransferEngineConnector({**base, "role": "sender", "zmq_port": port}),
+            "receiver": MooncakeTransferEngineConnector({**base, "role": "receiver"}),
+            "port": port,
+        }
+    return {"client": _store(master)}
+
+
+def _store(master: Any) -> Any:
+    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+
+    return MooncakeStoreConnector(
+        {
+            "host": "127.0.0.1",
+            "metadata_server": master.metadata_url,
+            "master_server_address": master.address,
+            "global_segment_size": 16 * MiB,
+            "local_buffer_size": 16 * MiB,
+            "memory_pool_size": MiB,
+        }
+    )
+
+
+def _hand_over(sender: Any, receiver: Any, key: str, port: int | None) -> None:
+    """``sender`` puts 64 KiB under ``key``; ``receiver`` waits for it and checks it."""
+    sender.put_packed("0", "1", key, PAYLOAD, _write, deadline=time.monotonic() + 10)
+    meta = None if port is None else {"source_host": "127.0.0.1", "source_port": port}
+    _check(receiver.wait("0", "1", key, deadline=time.monotonic() + 10, metadata=meta))
+
+
+def nixl_cycle(peers: dict[str, Any], i: int) -> None:
+    """A new sender serves the long-lived receiver (odd cycles), or a new receiver reads from
+    the long-lived sender (even cycles)."""
+    from omnikv.connectors.nixl import NixlConnector
+
+    base = {"host": "127.0.0.1", "memory_pool_size": MiB}
+    if i % 2:
+        (port,) = free_ports(1)
+        conn = NixlConnector({**base, "role": "sender", "zmq_port": port})
+        try:
+            _hand_over(conn, peers["receiver"], f"k{i}", port)
+        finally:
+            conn.close()
+    else:
+        conn = NixlConnector({**base, "role": "receiver"})
+        try:
+            _hand_over(peers["sender"], conn, f"k{i}", peers["port"])
+        finally:
+            conn.close()
+
+
+def te_cycle(peers: dict[str, Any], i: int) -> None:
+    """One new connector (a sender, which can receive too) serves the long-lived receiver and
+    reads from the long-lived sender."""
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    (port,) = free_ports(1)
+    conn = MooncakeTransferEngineConnector(
+        {"host": "127.0.0.1", "role": "sender", "zmq_port": port, "memory_pool_size": MiB}
+    )
+    try:
+        _hand_over(conn, peers["receiver"], f"a{i}", port)
+        _hand_over(peers["sender"], conn, f"b{i}", peers["port"])
+    finally:
+        conn.close()
+
+
+def store_cycle(peers: dict[str, Any], i: int) -> None:
+    """One new client stores an object the long-lived client takes, and takes one it stores."""
+    conn = _store(peers["master"])
+    try:
+        _hand_over(conn, peers["client"], f"a{i}", None)
+        _hand_over(peers["client"], conn, f"b{i}", None)
+    finally:
+        conn.close()
+
+
+def scenario_cycles(engine: str, checkpoints: list[int]) -> dict[str, Any]:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    cycle = {"nixl": nixl_cycle, "te": te_cycle, "store": store_cycle}[engine]
+    master = Master() if engine == "store" else None
+    res: dict[str, Any] = {"snapshots": {}, "before": snapshot()}
+    peers: dict[str, Any] = {}
+    try:
+        if master is not None:
+            master.start()
+        peers = {**_long_lived(engine, master), "master": master}
+        t0 = time.monotonic()
+        for i in range(1, checkpoints[-1] + 1):
+            cycle(peers, i)
+            if i in checkpoints:
+                res["snapshots"][str(i)] = snapshot()
+        res["seconds_per_cycle"] = (time.monotonic() - t0) / checkpoints[-1]
+    finally:
+        for name in ("receiver", "sender", "client"):
+            if name in peers:
+                peers[name].close()
+        if master is not None:
+            master.stop()
+    return res
+
+
+# -- the test ------------------------------------------------------------------------------------
+def _skip_reason(engine: str) -> str | None:
+    return nixl_skip_reason() if engine == "nixl" else mooncake_skip_reason()
+
+
+@pytest.fixture(scope="module")
+def cycles() -> dict[str, dict[str, Any]]:
+    """Each engine's scenario, the three at the same time (each bounded by its own timeout)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def run(engine: str) -> None:
+        if _skip_reason(engine) is not None:
+            out[engine] = {"skip": str(_skip_reason(engine))}
+            return
+        points = _checkpoints(engine)
+        try:
+            out[engine] = run_scenario(
+                __file__,
+                "scenario_cycles",
+                {"engine": engine, "checkpoints": points},
+                timeout=120 + 3.0 * points[-1],
+                private_shm=True,
+            )
+        except AssertionError as exc:
+            out[engine] = {"error": str(exc)}
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in ("te", "store", "nixl")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return out
+
+
+#: What may grow between the first and the last checkpoint: the engines' one-time process state
+#: (the Store client's keep-alive connection and threads; Mooncake starts one of them lazily).
+_WARM_UP = {"fds": 4, "os_threads": 2, "py_threads": 0, "maps": 16, "memfds": 0, "shm_mapped": 0}
+#: What may grow between the middle and the last checkpoint (a lazily started library thread may
+#: come late; a leak of one per cycle would show as tens or hundreds).
+_STEADY = {"fds": 0, "os_threads": 1, "py_threads": 0, "maps": 4, "memfds": 0, "shm_mapped": 0}
+_WARM_UP_RSS_KIB = 64 * 1024
+_STEADY_RSS_KIB = 16 * 1024
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", ["nixl", "te", "store"])
+def test_create_use_close_cycles_leave_nothing_behind(
+    cycles: dict[str, dict[str, Any]], engine: str
+) -> None:
+    res = cycles[engine]
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    assert "error" not in res, res.get("error", "")[-4000:]
+    first, middle, last = (res["snapshots"][str(n)] for n in _checkpoints(engine))
+    report = json.dumps({"seconds_per_cycle": res["seconds_per_cycle"], **res["snapshots"]})
+    for key, allowed in _WARM_UP.items():
+        assert last[key] <= first[key] + allowed, (key, report)
+        assert last[key] <= middle[key] + _STEADY[key], (key, report)
+    assert last["rss_kib"] <= first["rss_kib"] + _WARM_UP_RSS_KIB, report
+    assert last["rss_kib"] <= middle["rss_kib"] + _STEADY_RSS_KIB, report
+    if res["_private_shm"]:  # an empty /dev/shm of its own: every entry there is its own
+        assert first["shm_entries"] == middle["shm_entries"] == last["shm_entries"], report
