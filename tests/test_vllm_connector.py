@@ -681,3 +681,34 @@ def test_unknown_and_wrong_settings(edge: Any, caplog: pytest.LogCaptureFixture)
     ):
         with pytest.raises(ConfigError):
             parse_options(bad, producer=False, consumer=True)
+
+
+def test_a_shared_memory_producer_declares_its_payload_size() -> None:
+    """The shared-memory reserve is sized from the engine: 2 x layers x heads x head size x dtype
+    bytes per token, times max_model_len; declared keys win, other connectors are left alone."""
+    from omnikv.integrations.vllm.connector import _declare_payload_size
+
+    model = SimpleNamespace(
+        dtype=torch.bfloat16,
+        max_model_len=4096,
+        get_num_kv_heads=lambda parallel: 4,
+        get_num_layers=lambda parallel: 28,
+        get_head_size=lambda: 128,
+    )
+    vllm_config = SimpleNamespace(model_config=model, parallel_config=None)
+    cfg = {"need_send_cache": True, "connector_config": {"type": "SharedMemoryConnector"}}
+    _declare_payload_size(cfg, vllm_config)
+    assert cfg["connector_config"]["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2
+    assert cfg["connector_config"]["max_model_len"] == 4096
+    declared = {
+        "need_send_cache": True,
+        "connector_config": {"type": "SharedMemoryConnector", "max_model_len": 512},
+    }
+    _declare_payload_size(declared, vllm_config)
+    assert declared["connector_config"]["max_model_len"] == 512
+    for other in (
+        {"need_send_cache": True, "connector_config": {"type": "LocalConnector"}},
+        {"need_recv_cache": True, "connector_config": {"type": "SharedMemoryConnector"}},
+    ):
+        _declare_payload_size(other, vllm_config)
+        assert "kv_bytes_per_token" not in other["connector_config"]

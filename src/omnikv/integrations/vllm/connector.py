@@ -52,6 +52,26 @@ def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
     return layouts.pop()
 
 
+def _declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> None:
+    """Tell a shared-memory sender what one request's KV can weigh (``kv_bytes_per_token`` x
+    ``max_model_len``), so that its start-up reserve fits this engine; keys already set stay."""
+    conn = omni_kv_config.get("connector_config")
+    if not isinstance(conn, dict) or conn.get("type") != "SharedMemoryConnector":
+        return
+    if not omni_kv_config.get("need_send_cache"):
+        return
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        item = torch.empty((), dtype=model.dtype).element_size()
+        heads, layers = model.get_num_kv_heads(parallel), model.get_num_layers(parallel)
+        per_token = 2 * layers * heads * model.get_head_size() * item
+        max_len = int(model.max_model_len)
+    except (AttributeError, TypeError, ValueError):  # a config that cannot say: the default
+        return
+    conn.setdefault("kv_bytes_per_token", int(per_token))
+    conn.setdefault("max_model_len", max_len)
+
+
 class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM v1 KV connector shipping finished requests' prompt KV through omnikv."""
 
@@ -86,6 +106,7 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
             )
         else:
+            _declare_payload_size(options.omni_kv_config, vllm_config)
             self._worker = WorkerSide(options, int(vllm_config.cache_config.block_size))
 
     def _worker_side(self) -> WorkerSide:
