@@ -84,11 +84,11 @@ def serve_sender(
 
 
 def start_sender(peer: Callable[..., None], cfg: dict[str, Any], *queues: Any) -> Any:
-    """Spawn ``peer(cfg, out_q, in_q, *queues)`` and wait for its ``ready``:
-    ``(proc, out_q, in_q)``."""
+    """Spawn ``peer(cfg, out_q, in_q, *queues)`` and wait for its ``ready`` (60 s: importing
+    torch and an engine takes long on a loaded 2-core machine): ``(proc, out_q, in_q)``."""
     out_q, in_q = queue(), queue()
     proc = spawn(peer, cfg, out_q, in_q, *queues)
-    msg = out_q.get(timeout=30)
+    msg = out_q.get(timeout=60)
     assert msg[0] == "ready", msg
     return proc, out_q, in_q
 
