@@ -8,6 +8,7 @@ CPU_ATTN-layout caches. Attacks with real engines and processes: tests/test_vllm
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -712,3 +713,52 @@ def test_a_shared_memory_producer_declares_its_payload_size() -> None:
     ):
         _declare_payload_size(other, vllm_config)
         assert "kv_bytes_per_token" not in other["connector_config"]
+
+
+_PINNED_WORKER = r"""
+import json, os, sys, threading, time
+from types import SimpleNamespace
+os.sched_setaffinity(0, {0})  # what vLLM's CPU backend does to its worker's thread
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from omnikv.integrations.vllm import OmniKVConnector
+conn = {"type": "SharedMemoryConnector", "namespace": sys.argv[1], "pool_size_bytes": 4 << 20}
+omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn}
+ktc = KVTransferConfig(kv_connector="OmniKVConnector", kv_role="kv_producer",
+    kv_connector_module_path="omnikv.integrations.vllm",
+    kv_connector_extra_config={"omni_kv_config": omni, "vllm_kv_layout": "vllm_cpu"})
+cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=4))
+worker = OmniKVConnector(cfg, KVConnectorRole.WORKER, None)
+out = {}
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(l for l in f if l.startswith("Cpus_allowed_list"))
+    out[tid] = line.split(":")[1].strip()
+worker.shutdown()
+print(json.dumps({"main": out.pop(str(os.getpid())), "others": sorted(set(out.values()))}))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
+def test_transfer_threads_are_not_pinned_to_the_engines_core(namespace: str) -> None:
+    """vLLM's CPU backend pins its worker's thread to a compute core and threads inherit it:
+    omnikv's transport threads (here a shared-memory sender's) run on every allowed CPU."""
+    import json
+    import subprocess
+    import sys
+
+    from omnikv.integrations.vllm.worker import transfer_cpus
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _PINNED_WORKER, namespace],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["main"] == "0"
+    cpus = transfer_cpus()
+    assert cpus is not None and len(cpus) >= 2
+    assert report["others"] and "0" not in report["others"]  # no thread left on the pinned core

@@ -188,7 +188,6 @@ def test_an_unknown_transfer_id_is_not_loaded_and_does_not_spoil_the_real_one(de
     counts = load_counts(before[0], fetch_metrics(dep.consumer.url))
     assert counts is not None and counts["loads_ok"] == 0
     assert counts["loads_failed"] + counts["loads_refused"] == 1, counts
-    assert forged["omnikv_transfer_id"] in dep.consumer.log_since(before[1])
     # The genuine params still load: the forged attempt consumed nothing.
     before = _consumer_state(dep)
     got = _post(dep.consumer.url + "/v1/completions", _body(prompt, kv_transfer_params=params))

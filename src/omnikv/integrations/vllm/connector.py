@@ -60,8 +60,8 @@ def _declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> N
         return
     if not omni_kv_config.get("need_send_cache"):
         return
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
     try:
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
         item = torch.empty((), dtype=model.dtype).element_size()
         heads, layers = model.get_num_kv_heads(parallel), model.get_num_layers(parallel)
         per_token = 2 * layers * heads * model.get_head_size() * item

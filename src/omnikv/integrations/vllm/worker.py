@@ -22,6 +22,11 @@ Guarantees:
   :mod:`.binding`); what it receives is then checked whole (binding, MAC with ``auth_secret``,
   layer count, tokens, heads, head size, dtype, optionally finiteness) before a byte is written
   into vLLM's blocks. A refused payload leaves the blocks untouched and the request recomputes.
+* **Transfer threads are not pinned to the engine's compute core.** vLLM's CPU backend binds
+  the worker's thread to its compute cores, and threads inherit that binding; omnikv's send,
+  load and transport threads would then queue behind the engine's spinning loop (on a small
+  host two engines' workers share one core, and a load answered within milliseconds timed out).
+  They run on every CPU the process may use (:func:`transfer_cpus`).
 * **Every transfer ends.** Each send and load reports exactly once (``finished_sending`` /
   ``finished_recving``, plus ``failed_recving``), whatever it raised, so vLLM always frees the
   blocks it holds for it.
@@ -29,12 +34,14 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,7 +56,7 @@ from omnikv.layouts import BlockGather, scatter_tokens, vllm_layer_kv_views
 from omnikv.manager import OmniKVTransferManager
 from omnikv.receiver import ReceiveStatus
 
-__all__ = ["META_BINDING", "META_MAC", "WorkerSide"]
+__all__ = ["META_BINDING", "META_MAC", "WorkerSide", "transfer_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +65,61 @@ META_BINDING = "omnikv_binding"
 META_MAC = "omnikv_mac"
 
 LayerViews = tuple[torch.Tensor, torch.Tensor]
+_T = TypeVar("_T")
 #: Failure warnings are logged at most once per this many seconds (each failure: DEBUG).
 WARN_EVERY_S = 10.0
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def transfer_cpus() -> set[int] | None:
+    """The CPUs omnikv's transfer threads run on in a vLLM worker: every CPU the process's
+    cgroup allows (all CPUs without a cpuset), or ``None`` where affinity cannot be set."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = set(range(os.cpu_count() or 1))
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            cpus &= _parse_cpu_list(f.read()) or cpus
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def _use_cpus(cpus: set[int] | None) -> None:
+    """Thread initializer: run the calling thread on ``cpus`` (never raises)."""
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
+
+
+def _on_cpus(cpus: set[int] | None, build: Callable[[], _T]) -> _T:
+    """``build()`` on a short-lived thread that runs on ``cpus``, so that the threads it
+    starts inherit them; its result, or its exception re-raised here."""
+    box: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        _use_cpus(cpus)
+        try:
+            box.append(build())
+        except BaseException as exc:  # handed to the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="omnikv-vllm-init")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return box[0]
 
 
 class _RateLimitedWarning:
@@ -87,19 +147,33 @@ class WorkerSide:
     def __init__(self, options: ConnectorOptions, block_size: int) -> None:
         cfg = options.omni_kv_config
         self.options = options
-        self.manager = OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg))
+        cpus = transfer_cpus()
+        # Built on a thread with every CPU, so that the transport's own threads inherit that.
+        self.manager = _on_cpus(
+            cpus,
+            lambda: OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)),
+        )
         self.block_size = block_size
         self.counters = TransferCounters()
         self.views: dict[str, LayerViews] = {}
         self.layout_error: str | None = "register_kv_caches was not called"
         self._send_pool = ThreadPoolExecutor(
-            options.max_concurrent_sends, thread_name_prefix="omnikv-vllm-send"
+            options.max_concurrent_sends,
+            thread_name_prefix="omnikv-vllm-send",
+            initializer=_use_cpus,
+            initargs=(cpus,),
         )
         self._load_pool = ThreadPoolExecutor(
-            options.max_concurrent_loads, thread_name_prefix="omnikv-vllm-load"
+            options.max_concurrent_loads,
+            thread_name_prefix="omnikv-vllm-load",
+            initializer=_use_cpus,
+            initargs=(cpus,),
         )
         self._wait_pool = ThreadPoolExecutor(
-            options.max_waiting_loads, thread_name_prefix="omnikv-vllm-wait"
+            options.max_waiting_loads,
+            thread_name_prefix="omnikv-vllm-wait",
+            initializer=_use_cpus,
+            initargs=(cpus,),
         )
         self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
