@@ -122,6 +122,13 @@ def _on_cpus(cpus: set[int] | None, build: Callable[[], _T]) -> _T:
     return box[0]
 
 
+def _pool(size: int, role: str, cpus: set[int] | None) -> ThreadPoolExecutor:
+    """One of the worker's thread pools (sends, loads, waits), its threads on ``cpus``."""
+    return ThreadPoolExecutor(
+        size, thread_name_prefix=f"omnikv-vllm-{role}", initializer=_use_cpus, initargs=(cpus,)
+    )
+
+
 class _RateLimitedWarning:
     """One WARNING per :data:`WARN_EVERY_S` with the count of failures since the last one, so
     that a client sending nonsense cannot flood the server's log (thread-safe)."""
@@ -157,24 +164,9 @@ class WorkerSide:
         self.counters = TransferCounters()
         self.views: dict[str, LayerViews] = {}
         self.layout_error: str | None = "register_kv_caches was not called"
-        self._send_pool = ThreadPoolExecutor(
-            options.max_concurrent_sends,
-            thread_name_prefix="omnikv-vllm-send",
-            initializer=_use_cpus,
-            initargs=(cpus,),
-        )
-        self._load_pool = ThreadPoolExecutor(
-            options.max_concurrent_loads,
-            thread_name_prefix="omnikv-vllm-load",
-            initializer=_use_cpus,
-            initargs=(cpus,),
-        )
-        self._wait_pool = ThreadPoolExecutor(
-            options.max_waiting_loads,
-            thread_name_prefix="omnikv-vllm-wait",
-            initializer=_use_cpus,
-            initargs=(cpus,),
-        )
+        self._send_pool = _pool(options.max_concurrent_sends, "send", cpus)
+        self._load_pool = _pool(options.max_concurrent_loads, "load", cpus)
+        self._wait_pool = _pool(options.max_waiting_loads, "wait", cpus)
         self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
