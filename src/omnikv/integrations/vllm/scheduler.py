@@ -21,6 +21,7 @@ here blocks or raises for a request's parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -87,7 +88,7 @@ class SchedulerSide:
         self.recv_timeout = recv_timeout
         self.prefix_caching = prefix_caching
         self._sends: list[SendSpec] = []
-        self._loads: list[LoadSpec] = []
+        self._loads: list[tuple[LoadSpec, float]] = []  # with the absolute deadline
         self._cancels: list[str] = []
         #: ``loads_refused`` (reported through vLLM's scheduler-side connector stats).
         self.counters = TransferCounters()
@@ -182,18 +183,17 @@ class SchedulerSide:
         block_ids = tuple(int(b) for b in blocks.get_block_ids()[0])
         self._loading[admitted.key] = rid
         self._load_of[rid] = admitted.key
-        self._loads.append(
-            LoadSpec(
-                req_id=rid,
-                transfer_id=admitted.transfer_id,
-                key=admitted.key,
-                binding=admitted.binding,
-                block_ids=block_ids,
-                start=admitted.num_tokens - num_external,
-                end=admitted.num_tokens,
-                remaining_s=admitted.deadline,  # made relative in build()
-            )
+        spec = LoadSpec(
+            req_id=rid,
+            transfer_id=admitted.transfer_id,
+            key=admitted.key,
+            binding=admitted.binding,
+            block_ids=block_ids,
+            start=admitted.num_tokens - num_external,
+            end=admitted.num_tokens,
+            remaining_s=0.0,  # set in build(), when the metadata leaves
         )
+        self._loads.append((spec, admitted.deadline))
 
     def _settle(self, req_id: str, ok: bool) -> None:
         key = self._load_of.pop(req_id, None)
@@ -243,17 +243,8 @@ class SchedulerSide:
         """``build_connector_meta``: this step's sends, loads and cancels."""
         now = time.monotonic()
         loads = [
-            LoadSpec(
-                req_id=s.req_id,
-                transfer_id=s.transfer_id,
-                key=s.key,
-                binding=s.binding,
-                block_ids=s.block_ids,
-                start=s.start,
-                end=s.end,
-                remaining_s=max(0.0, s.remaining_s - now),
-            )
-            for s in self._loads
+            dataclasses.replace(spec, remaining_s=max(0.0, deadline - now))
+            for spec, deadline in self._loads
         ]
         meta = OmniKVConnectorMetadata(self._sends, loads, self._cancels)
         self._sends, self._loads, self._cancels = [], [], []
