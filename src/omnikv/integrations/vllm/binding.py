@@ -31,7 +31,7 @@ import hmac
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,6 @@ BINDING_HEX = 32
 MAX_TRANSFER_ID_CHARS = 96
 _ID_FORMAT = re.compile(r"okv1-([0-9a-f]{8})-([0-9a-f]{32})(?:-([0-9a-f]{32}))?")
 _TAG_FORMAT = re.compile(r"[0-9a-f]{8}")
-_HEX_BINDING = re.compile(r"[0-9a-f]{32}")
 
 
 def token_digest(token_ids: Sequence[int]) -> str:
@@ -182,11 +181,6 @@ def check_transfer_id(
     return None
 
 
-def is_binding(value: Any) -> bool:
-    """True for a well-formed binding (32 lowercase hex digits)."""
-    return isinstance(value, str) and _HEX_BINDING.fullmatch(value) is not None
-
-
 def _wire_bytes(t: torch.Tensor) -> bytes | memoryview:
     t = t.detach()
     if t.device.type != "cpu":
@@ -214,9 +208,3 @@ def kv_mac(secret: bytes, key: str, layers: Iterable[tuple[torch.Tensor, torch.T
 def mac_matches(expected: Any, actual: str) -> bool:
     """Constant-time comparison of a MAC read from a payload with the one computed here."""
     return isinstance(expected, str) and hmac.compare_digest(expected, actual)
-
-
-def client_binding(params: Mapping[str, Any], key: str) -> str | None:
-    """A binding the client sent under ``key`` if it is well-formed, else ``None``."""
-    value = params.get(key)
-    return value if is_binding(value) else None
