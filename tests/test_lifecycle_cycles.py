@@ -28,6 +28,10 @@ long-lived receiver kept one descriptor per sender it had met (its control chann
 long-lived Mooncake engine one per peer (the TCP transport's pooled connection), and a
 long-lived Transfer Engine sender could no longer write to a receiver that came back on the
 port of an earlier one (Mooncake's descriptor cache).
+
+Beside them runs the scenario of that last case: with the engine's port range narrowed to six
+ports, a receiver closes and a new one comes up on its port (once it has left TIME_WAIT, about a
+minute); the long-lived sender serves it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 MiB = 1 << 20
 PAYLOAD = 64 << 10
+#: The engine port range of the session-reuse scenario (its own network namespace where possible).
+REUSE_PORTS = (21000, 21005)
+REUSE_WAIT_S = 240.0
 
 
 def _checkpoints(engine: str) -> list[int]:
@@ -212,6 +219,44 @@ def scenario_cycles(engine: str, checkpoints: list[int]) -> dict[str, Any]:
     return res
 
 
+def scenario_session_reuse() -> dict[str, Any]:
+    """A long-lived sender serves a receiver, which closes; a new receiver comes up on the same
+    engine port (the port range is narrowed to six ports, so this happens within about a minute,
+    once the first one's port leaves TIME_WAIT) and is served too."""
+    for name in ("MC_MIN_PRC_PORT", "MC_MIN_RPC_PORT"):  # 0.3.x spells it PRC, later RPC
+        os.environ[name] = str(REUSE_PORTS[0])
+    for name in ("MC_MAX_PRC_PORT", "MC_MAX_RPC_PORT"):
+        os.environ[name] = str(REUSE_PORTS[1])
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    (port,) = free_ports(1)
+    base = {"host": "127.0.0.1", "memory_pool_size": MiB}
+    sender = MooncakeTransferEngineConnector({**base, "role": "sender", "zmq_port": port})
+    res: dict[str, Any] = {"attempts": 0}
+    try:
+        first = MooncakeTransferEngineConnector({**base, "role": "receiver"})
+        try:
+            _hand_over(sender, first, "first", port)
+            res["port"] = first.rpc_port
+        finally:
+            first.close()
+        end = time.monotonic() + REUSE_WAIT_S
+        while time.monotonic() < end:
+            res["attempts"] += 1
+            again = MooncakeTransferEngineConnector({**base, "role": "receiver"})
+            try:
+                if again.rpc_port == res["port"]:
+                    _hand_over(sender, again, "again", port)
+                    _hand_over(sender, again, "and-again", port)
+                    res["served_on_same_port"] = True
+                    break
+            finally:
+                again.close()
+    finally:
+        sender.close()
+    return res
+
+
 # -- the test ------------------------------------------------------------------------------------
 def _skip_reason(engine: str) -> str | None:
     return nixl_skip_reason() if engine == "nixl" else mooncake_skip_reason()
@@ -219,26 +264,31 @@ def _skip_reason(engine: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def cycles() -> dict[str, dict[str, Any]]:
-    """Each engine's scenario, the three at the same time (each bounded by its own timeout)."""
+    """Each engine's scenario and the session-reuse one (under ``"reuse"``), all at the same time
+    (each bounded by its own timeout)."""
     out: dict[str, dict[str, Any]] = {}
 
     def run(engine: str) -> None:
         if _skip_reason(engine) is not None:
             out[engine] = {"skip": str(_skip_reason(engine))}
             return
-        points = _checkpoints(engine)
+        points = _checkpoints("te" if engine == "reuse" else engine)
+        func, params = "scenario_cycles", {"engine": engine, "checkpoints": points}
+        if engine == "reuse":
+            func, params = "scenario_session_reuse", {}
         try:
             out[engine] = run_scenario(
                 __file__,
-                "scenario_cycles",
-                {"engine": engine, "checkpoints": points},
-                timeout=120 + 3.0 * points[-1],
+                func,
+                params,
+                timeout=REUSE_WAIT_S + 60 if engine == "reuse" else 120 + 3.0 * points[-1],
                 private_shm=True,
             )
         except AssertionError as exc:
             out[engine] = {"error": str(exc)}
 
-    threads = [threading.Thread(target=run, args=(e,)) for e in ("te", "store", "nixl")]
+    engines = ("te", "store", "nixl", "reuse")
+    threads = [threading.Thread(target=run, args=(e,)) for e in engines]
     for th in threads:
         th.start()
     for th in threads:
@@ -274,3 +324,16 @@ def test_create_use_close_cycles_leave_nothing_behind(
     assert last["rss_kib"] <= middle["rss_kib"] + _STEADY_RSS_KIB, report
     if res["_private_shm"]:  # an empty /dev/shm of its own: every entry there is its own
         assert first["shm_entries"] == middle["shm_entries"] == last["shm_entries"], report
+
+
+@pytest.mark.timeout(900)
+def test_receiver_back_on_an_earlier_receivers_port_is_served(
+    cycles: dict[str, dict[str, Any]],
+) -> None:
+    """The engine keeps the segment of a session name it wrote to; a new receiver with that name
+    (same host and port) used to get every write sent to the dead one's transport port."""
+    res = cycles["reuse"]
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    assert "error" not in res, res.get("error", "")[-4000:]
+    assert res.get("served_on_same_port"), res

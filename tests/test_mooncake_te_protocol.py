@@ -9,6 +9,11 @@ import pytest
 from omnikv.connectors._control import ControlCodec, ProtocolError
 from omnikv.connectors._mooncake_common import detect_local_address
 from omnikv.connectors.mooncake_te.protocol import SCHEMA, TEConfig, transfer_budget_s
+from omnikv.connectors.mooncake_te.sender import (
+    MAX_SESSION_RESPELLINGS,
+    SessionNames,
+    respell_session,
+)
 from omnikv.errors import ConfigError
 
 
@@ -72,6 +77,37 @@ def test_a_pull_must_name_its_destination_and_capacity() -> None:
 
 def test_a_hello_must_declare_session_and_pool() -> None:
     codec = ControlCodec(SCHEMA, None)
-    _, frames = codec.encode({"op": "hello", "peer": {"sess": "h:1", "base": 4096}})
+    _, frames = codec.encode({"op": "hello", "peer": {"sess": "h:1", "inc": b"t", "base": 4096}})
     with pytest.raises(ProtocolError, match="len"):
         codec.decode_request(frames)
+
+
+def test_a_hello_must_carry_the_receivers_token() -> None:
+    codec = ControlCodec(SCHEMA, None)
+    peer = {"sess": "h:1", "base": 4096, "len": 1}
+    _, frames = codec.encode({"op": "hello", "peer": peer})
+    with pytest.raises(ProtocolError, match="inc"):
+        codec.decode_request(frames)
+
+
+def test_a_session_name_is_respelt_in_its_port_only() -> None:
+    assert respell_session("10.0.0.5:15321", 0) == "10.0.0.5:15321"
+    assert respell_session("10.0.0.5:15321", 2) == "10.0.0.5:0015321"
+    assert respell_session("[::1]:15321", 1) == "[::1]:015321"
+
+
+def test_a_session_name_is_respelt_each_time_a_new_receiver_has_it() -> None:
+    names = SessionNames()
+    assert names.name_for("h:15000", b"a") == "h:15000"
+    assert names.name_for("h:15000", b"a") == "h:15000"  # the same receiver: the same name
+    assert names.name_for("h:16000", b"b") == "h:16000"  # another session: its own count
+    assert names.name_for("h:15000", b"c") == "h:015000"
+    assert names.name_for("h:15000", b"c") == "h:015000"
+    assert names.name_for("h:15000", b"a") == "h:0015000"  # never back to a name once used
+
+
+def test_a_session_name_respelt_too_often_is_refused() -> None:
+    names = SessionNames()
+    for i in range(MAX_SESSION_RESPELLINGS + 1):
+        assert names.name_for("h:15000", bytes([i % 256, i // 256]))
+    assert names.name_for("h:15000", b"one more") == ""

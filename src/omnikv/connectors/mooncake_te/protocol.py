@@ -1,11 +1,11 @@
 """What both sides of the Transfer Engine connector agree on: messages, limits, configuration.
 
 Control messages ride on :mod:`omnikv.connectors._control` (envelope, HMAC, nonces, replay
-window, channels). A receiver's ``hello`` declares its engine session and the address range of
-its registered receive pool; the sender writes only there. Requests: ``query`` (long-poll for a
-key's size), ``pull`` (write the entry into ``[dst, dst + cap)`` of the requester's pool),
-``status`` (what became of a transfer, for quarantined slots), ``ping``. Replies: ``info``,
-``done``, ``xstate``, ``pong``, ``error``.
+window, channels). A receiver's ``hello`` declares its engine session, a random token of the
+connector and the address range of its registered receive pool; the sender writes only there.
+Requests: ``query`` (long-poll for a key's size), ``pull`` (write the entry into
+``[dst, dst + cap)`` of the requester's pool), ``status`` (what became of a transfer, for
+quarantined slots), ``ping``. Replies: ``info``, ``done``, ``xstate``, ``pong``, ``error``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from omnikv.connectors._pull import (
 from omnikv.errors import ConfigError, ConnectorError, ConnectorUnavailableError
 
 __all__ = [
+    "INCARNATION_BYTES",
     "LONG_POLL_CAP_S",
     "SCHEMA",
     "XFER_HISTORY",
@@ -38,6 +39,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LONG_POLL_CAP_S = 5.0
+#: Bytes of the random token a receiving connector sends in its hello (one per connector).
+INCARNATION_BYTES = 16
 XFER_HISTORY = 4096
 
 SCHEMA = Schema(
@@ -47,7 +50,7 @@ SCHEMA = Schema(
         "status": {"xid": str},
     },
     replies={"info": {"found": bool, "size": int}, "done": {"size": int}, "xstate": {"state": str}},
-    hello={"sess": str, "base": int, "len": int},
+    hello={"sess": str, "inc": bytes, "base": int, "len": int},
 )
 
 

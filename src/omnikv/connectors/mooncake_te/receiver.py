@@ -9,14 +9,16 @@ the transfer (``status``) and frees the slot only once the transfer is known fin
 so no later allocation is overwritten. A quarantined transfer that did finish is kept as a late
 arrival and handed to the next ``get`` / ``wait`` of that key.
 
-Every channel to a sender starts with a ``hello`` that declares this receiver's engine session
-and pool range (see :mod:`omnikv.connectors._control`); a channel whose sender stays silent is
-dropped, so a restarted sender is greeted afresh.
+Every channel to a sender starts with a ``hello`` that declares this receiver's engine session,
+a random token of this connector (so a sender tells it from an earlier receiver that had the
+same session name) and its pool range (see :mod:`omnikv.connectors._control`); a channel whose
+sender stays silent is dropped, so a restarted sender is greeted afresh.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -30,6 +32,7 @@ from omnikv.connectors._pull import LateArrivals, deliver
 from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.mooncake_te.protocol import (
+    INCARNATION_BYTES,
     LONG_POLL_CAP_S,
     TEConfig,
     te_errors,
@@ -82,7 +85,12 @@ class ReceiverSide:
         self._cfg = cfg
         self._pool = pool
         self._counters = counters
-        hello = {"sess": session_id, "base": pool.address, "len": pool.size}
+        hello = {
+            "sess": session_id,
+            "inc": os.urandom(INCARNATION_BYTES),
+            "base": pool.address,
+            "len": pool.size,
+        }
         self._client = ControlClient(codec, hello, heartbeat_s=cfg.limits.heartbeat_s)
         self._lock = threading.Lock()
         self._quarantine: dict[str, _Quarantined] = {}

@@ -7,6 +7,14 @@ ends; a ``pull`` is checked (entry present and idle, capacity, destination insid
 requester declared in its hello) and handed to a worker, which writes the entry with
 ``transfer_sync_write`` into the requester's session and frees the slot on success
 (consume-once). Entries older than ``buffer_ttl_seconds`` are dropped, never one in flight.
+
+The engine keeps the segment it opened for a session name (``host:port``) for as long as it lives,
+and a write whose transport connection fails does not drop it. A receiver that starts on the
+port of an earlier one the engine wrote to (the engine picks its port among about 2,000) would
+therefore have every write sent to the dead one's transport port. Each receiving connector says
+hello with a random token; when a session name comes back with another token, the sender spells
+the name anew (one more leading zero in the port, which the engine parses to the same port) so the
+engine opens a fresh segment for it.
 """
 
 from __future__ import annotations
@@ -52,6 +60,45 @@ class _Waiter:
     expires: float
 
 
+#: How often one session name may come back with a new receiver before writes to it are refused
+#: (each time costs the name one leading zero in the port).
+MAX_SESSION_RESPELLINGS = 64
+
+
+def respell_session(session: str, generation: int) -> str:
+    """``session`` (``host:port``) with ``generation`` leading zeros in its port: the same peer
+    to the engine, a name it has not opened yet."""
+    host, _, port = session.rpartition(":")
+    return f"{host}:{'0' * generation}{port}"
+
+
+class SessionNames:
+    """The name under which the engine is to write to each receiver session (thread-safe).
+
+    Remembers, per session name written to, the token of the receiver written to last and how
+    often the name was respelt: one entry per ``host:port`` ever served, as the engine keeps one
+    segment per name itself.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[bytes, int]] = {}
+
+    def name_for(self, session: str, token: bytes) -> str:
+        """``session`` as the engine is to be given it for the receiver of ``token``: respelt
+        each time the name comes back with another token; ``""`` past
+        :data:`MAX_SESSION_RESPELLINGS`."""
+        with self._lock:
+            last = self._seen.get(session)
+            generation = 0 if last is None else last[1] + (last[0] != token)
+            if generation > MAX_SESSION_RESPELLINGS:
+                return ""
+            self._seen[session] = (token, generation)
+        if last is not None and generation != last[1]:
+            logger.info("session %s came back with a new receiver; writing to it afresh", session)
+        return respell_session(session, generation)
+
+
 def _pull_refusal(entry: _Entry | None, req: Request) -> str:
     """Why ``req`` (a pull) cannot be served now; ``""`` when it can."""
     if entry is None or entry.inflight:
@@ -84,6 +131,7 @@ class SenderSide:
         self._waiters: list[_Waiter] = []
         self._xfers: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._inflight = 0
+        self._sessions = SessionNames()
         self._idle = threading.Condition(self._lock)
         self._stopping = False
         self._sweep_every = max(0.05, min(10.0, cfg.ttl_s / 2))
@@ -225,7 +273,9 @@ class SenderSide:
     # -- pull workers ------------------------------------------------------------------------------
     def _write(self, req: Request, entry: _Entry) -> str:
         """One engine write of ``entry`` into the requester's slot; ``""`` or why it failed."""
-        sess = req.peer["sess"]
+        sess = self._sessions.name_for(req.peer["sess"], req.peer["inc"])
+        if not sess:
+            return f"session {req.peer['sess']} reused by too many receivers; restart the sender"
         t0 = time.perf_counter()
         try:
             rc = self._engine.transfer_sync_write(
