@@ -30,7 +30,7 @@ system-deps:
 	fi
 
 $(DEV_STAMP): $(BASE_STAMP) | system-deps
-	$(PIP) install -e '.[dev,mooncake,nixl,metrics,transformers]'
+	$(PIP) install -e '.[dev,mooncake,nixl,metrics,transformers,plot]'
 	touch $@
 
 demo: $(BASE_STAMP)

@@ -19,9 +19,11 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-__all__ = ["BENCHES", "bench_descriptions", "main", "plain_text"]
+__all__ = ["BENCHES", "PLOTTED", "bench_descriptions", "main", "plain_text", "plot_file_for"]
 
 BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl", "vllm", "serve")
+#: the benchmarks that measure over payload sizes next to memcpy and take ``--plot FILE``
+PLOTTED = ("shm", "manager")
 
 _DESCRIPTION = """\
 Move KV caches between the stages of an inference pipeline.
@@ -66,8 +68,31 @@ def _bench_help() -> str:
     lines.append("benchmarks:")
     for name, text in bench_descriptions().items():
         lines.append(f"  {name:<9} {text}")
-    lines += ["", "'omnikv bench NAME --help' gives a benchmark's options."]
+    lines += [
+        "",
+        "'omnikv bench NAME --help' gives a benchmark's options.",
+        "",
+        f"--plot FILE ({', '.join(PLOTTED)}; needs matplotlib: pip install 'omnikv[plot]'): also",
+        "write a PNG of latency (median, p99) and bandwidth against payload size, next to the",
+        "memcpy ceiling. 'omnikv bench all --plot x.png' writes x-shm.png and x-manager.png.",
+    ]
     return "\n".join(lines)
+
+
+def plot_file_for(plot: str, name: str) -> str:
+    """Where ``omnikv bench all --plot FILE`` puts benchmark ``name``'s figure: ``FILE`` with
+    ``-NAME`` before its suffix (``x.png`` -> ``x-shm.png``)."""
+    path = Path(plot)
+    return str(path.with_name(f"{path.stem}-{name}{path.suffix or '.png'}"))
+
+
+def _take_plot(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--plot FILE`` taken out of ``omnikv bench all``'s options: (FILE or None, the rest)."""
+    parser = argparse.ArgumentParser(prog="omnikv bench all", add_help=False, allow_abbrev=False)
+    parser.add_argument("--plot", metavar="FILE")
+    ns, rest = parser.parse_known_args(list(argv))
+    plot: str | None = ns.plot
+    return plot, rest
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -76,6 +101,12 @@ def _bench(argv: Sequence[str]) -> int:
         return 0 if argv else 2
     name, rest = argv[0], list(argv[1:])
     names = BENCHES if name == "all" else (name,)
+    plot: str | None = None
+    if name == "all":  # each benchmark that plots gets its own file; the others get no --plot
+        plot, rest = _take_plot(rest)
+        if plot is not None and (reason := _plot_unavailable()) is not None:
+            print(f"omnikv bench all: error: {reason}", file=sys.stderr)  # before any run
+            return 2
     rc = 0
     for n in names:
         if n not in BENCHES:
@@ -89,8 +120,15 @@ def _bench(argv: Sequence[str]) -> int:
             continue
         if module.__doc__:  # its parser's description: shown as plain text in --help
             module.__doc__ = plain_text(module.__doc__)
-        rc = module.main(rest) or rc
+        extra = ["--plot", plot_file_for(plot, n)] if plot is not None and n in PLOTTED else []
+        rc = module.main([*rest, *extra]) or rc
     return rc
+
+
+def _plot_unavailable() -> str | None:
+    from omnikv.bench.plot import unavailable_reason
+
+    return unavailable_reason()
 
 
 def _inspect(path: str) -> int:

@@ -25,7 +25,9 @@ that took in the background is printed. Reported
 per case: the first request, then steady state (median, spread, p99), and the sender's RSS at
 the first request (its shared-memory part: the populated pool). Data is verified
 on the receiver against caches it rebuilds from the same seed (first, last and every 64 KiB
-sample). ``--profile`` adds a cProfile breakdown of steady-state 64 KiB requests on both sides.
+sample). ``--profile`` adds a cProfile breakdown of steady-state 64 KiB requests on both sides;
+``--plot FILE`` writes a PNG of the steady-state latency and bandwidth against payload size, next
+to the memcpy of each size.
 The control channel is a socketpair carrying JSON lines (no pickle).
 """
 
@@ -49,6 +51,7 @@ from typing import Any
 import torch
 
 from omnikv.bench.common import JsonChannel, Stats, print_table, reap, write_json
+from omnikv.bench.plot import add_plot_option, require_plot, write_plot
 
 __all__ = ["main"]
 
@@ -423,9 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")
+    add_plot_option(parser)
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv or []))
+    require_plot(parser, args.plot)
     torch.set_num_threads(1)
     if args.role == "receiver":
         return _receiver(args.fd)
@@ -460,6 +465,8 @@ def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) ->
 def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
     cases = [("64KiB", args.small_iters)] + ([] if args.skip_large else [("224MiB", args.iters)])
     rows: list[Stats] = []
+    memcpys: list[Stats] = []  # and the steady state of the same cases: the plot's rows
+    steadies: list[Stats] = []
     out: dict[str, Any] = {"bench": "manager", "cases": {}}
     failures: list[str] = []
     targets: list[tuple[str, float, bool]] = []
@@ -473,6 +480,8 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
         failures += fails
         memcpy = _memcpy(SHAPES[key].nbytes, min(iters, 50))
         rows += [memcpy, steady]
+        memcpys.append(memcpy)
+        steadies.append(steady)
         _print_case(key, first, steady, mem)
         out["cases"][key] = {"first_s": first, "first_rss_mib": mem["rss_growth_mib"],
                              **mem, **steady.as_dict(), "memcpy": memcpy.as_dict()}  # fmt: skip
@@ -494,6 +503,14 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
         print("\ncProfile, receiver, steady-state 64 KiB requests (tottime)\n" + rx)
     out["targets_met"] = all(ok for _, _, ok in targets)
     write_json(args.json, out)
+    if args.plot:
+        write_plot(
+            args.plot,
+            {"through the managers (steady state)": steadies},
+            memcpys,
+            title="omnikv bench manager: paged KV through two managers",
+        )
+        print(f"plot written to {args.plot}")
     return 0 if out["targets_met"] else 1
 
 

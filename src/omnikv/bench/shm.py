@@ -13,7 +13,11 @@ moment the receiver holds usable data, read on ``CLOCK_MONOTONIC`` (one clock fo
   per message, the receiver copies it out and unlinks it (notified at once over a socket, so no
   0.5 s polling is charged to it); ours (view) must be >= 10 x faster;
 * **64 KiB**: small payloads, p50 <= 0.5 ms and p99 <= 2 ms;
-* **memcpy**: page-aligned, pre-faulted source and destination of the payload's size (ceiling).
+* **memcpy**: page-aligned, pre-faulted source and destination of the payload's size and of
+  64 KiB (the ceilings).
+
+``--plot FILE`` also writes a PNG of latency and bandwidth against payload size: the view path
+(the 64 KiB case and the large payload), copy-out and reference-style, next to memcpy.
 
 Data is verified on the receiver (first and last samples of every case, against a payload it
 rebuilds from the same seed; every 64 KiB sample in full). Warm-up samples are discarded. The
@@ -45,6 +49,7 @@ from omnikv.bench.common import (
     reap,
     write_json,
 )
+from omnikv.bench.plot import add_plot_option, require_plot, write_plot
 from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
 from omnikv.payload import decode
 
@@ -165,11 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", help="write results to this file")
+    add_plot_option(parser)
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--namespace", default="", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv or []))
+    require_plot(parser, args.plot)
 
     from omnikv.bench.common import MODELS
 
@@ -257,12 +264,9 @@ def _cases(
                 samples.append(float(t_got) - t0)
         return Stats(name, samples, nbytes)
 
-    memcpy = Stats("memcpy (aligned, pre-faulted)", [], n)
-    for i in range(args.warmup + args.iters):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if i >= args.warmup:
-            memcpy.samples.append(time.perf_counter() - t0)
+    memcpy = _memcpy("memcpy (aligned, pre-faulted)", src, dst, args.warmup, args.iters)
+    small_src, small_dst = _aligned(SMALL), _aligned(SMALL)
+    small_memcpy = _memcpy("memcpy 64 KiB", small_src, small_dst, args.warmup, args.small_iters)
     view = shm_case("view", "shm put->get, zero-copy view", args.iters, n)
     copy = shm_case("copy", "shm put->get, copy-out", args.iters, n)
     ref = Stats("reference-style (new segment)", [], n)
@@ -277,7 +281,24 @@ def _cases(
     small = shm_case("small", "shm put->get, 64 KiB", args.small_iters, SMALL)
     if failures:
         raise SystemExit(f"verification failed: {', '.join(failures[:5])}")
-    return {"memcpy": memcpy, "view": view, "copy": copy, "ref": ref, "small": small}
+    return {
+        "memcpy": memcpy,
+        "view": view,
+        "copy": copy,
+        "ref": ref,
+        "small": small,
+        "small_memcpy": small_memcpy,
+    }
+
+
+def _memcpy(name: str, src: torch.Tensor, dst: torch.Tensor, warmup: int, iters: int) -> Stats:
+    out = Stats(name, [], src.numel())
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= warmup:
+            out.samples.append(time.perf_counter() - t0)
+    return out
 
 
 def _report(args: argparse.Namespace, n: int, r: dict[str, Stats]) -> int:
@@ -285,7 +306,9 @@ def _report(args: argparse.Namespace, n: int, r: dict[str, Stats]) -> int:
     print_table(
         [memcpy, view, copy, ref], baseline=memcpy, title=f"{n / MIB:.0f} MiB (ratio = x memcpy)"
     )
-    print_table([small], title="64 KiB")
+    print_table(
+        [r["small_memcpy"], small], baseline=r["small_memcpy"], title="64 KiB (ratio = x memcpy)"
+    )
     view_ratio = memcpy.median / view.median
     copy_ratio = memcpy.median / copy.median
     vs_ref = ref.median / view.median
@@ -304,7 +327,7 @@ def _report(args: argparse.Namespace, n: int, r: dict[str, Stats]) -> int:
         {
             "bench": "shm",
             "nbytes": n,
-            "results": [s.as_dict() for s in (memcpy, view, copy, ref, small)],
+            "results": [s.as_dict() for s in (memcpy, view, copy, ref, small, r["small_memcpy"])],
             "ratios": {
                 "view_vs_memcpy": view_ratio,
                 "copy_vs_memcpy": copy_ratio,
@@ -315,6 +338,18 @@ def _report(args: argparse.Namespace, n: int, r: dict[str, Stats]) -> int:
             "targets_met": all(ok for _, _, ok in targets),
         },
     )
+    if args.plot:
+        write_plot(
+            args.plot,
+            {
+                "shm put->get, view": [small, view],
+                "shm put->get, copy-out": [copy],
+                "reference-style (new segment)": [ref],
+            },
+            [r["small_memcpy"], memcpy],
+            title="omnikv bench shm: put -> get across two processes",
+        )
+        print(f"plot written to {args.plot}")
     return 0 if all(ok for _, _, ok in targets) else 1
 
 
