@@ -196,10 +196,11 @@ def set_metadata_cache(enabled: bool) -> None:
     (``MC_DISABLE_METACACHE``). Called by the Mooncake connectors before their engine starts
     (``metadata_cache``, default false).
 
-    The cache is keyed by the peer's ``host:port``; a peer that restarts on a port an earlier
-    one used (the engine picks its port among about 2,000) gets every write refused
-    (``transfer_sync_write`` returns -1) for as long as the engine lives. Without the cache no
-    measurable time is lost per transfer here.
+    The cache is keyed by the peer's ``host:port``; without it a peer's description is fetched
+    afresh when the engine opens its segment, and no measurable time is lost per transfer. It
+    does not cover segments the engine already opened: those are kept by name for as long as
+    the engine lives (the Transfer Engine connector gives a returning name a new spelling; see
+    :mod:`omnikv.connectors.mooncake_te.sender`).
     """
     _engine_env("MC_DISABLE_METACACHE", "0" if enabled else "1", "metadata_cache")
 

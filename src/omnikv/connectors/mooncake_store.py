@@ -106,8 +106,10 @@ class MooncakeStoreConnector(OmniConnectorBase):
     never closes it when the peer goes, so a long-lived client would hold one descriptor per
     client it ever exchanged objects with; ``MC_TCP_ENABLE_CONNECTION_POOL`` in the
     environment wins), ``metadata_cache`` (false: Mooncake caches each peer's segment
-    description by host:port, stale once a restarted client reuses a port;
-    ``MC_DISABLE_METACACHE`` in the environment wins).
+    description by host:port; ``MC_DISABLE_METACACHE`` in the environment wins). A segment a
+    client opened stays open under its name for as long as the client lives, so a client that
+    starts under an earlier client's name is unreachable to the long-lived ones: give ``host``
+    as ``"ip:port"`` with a port no earlier client had where clients restart often.
     """
 
     supports_raw_data: ClassVar[bool] = True

@@ -60,9 +60,10 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     ``tcp_connection_pool`` (false: Mooncake's TCP transport keeps a connection per peer and
     never closes it when the peer goes, so a long-lived engine would hold one descriptor per
     peer it ever served; ``MC_TCP_ENABLE_CONNECTION_POOL`` in the environment wins),
-    ``metadata_cache`` (false: Mooncake caches each peer's segment description by host:port, so
-    a receiver that restarts on a port an earlier one used would be refused every write for as
-    long as the sender lives; ``MC_DISABLE_METACACHE`` in the environment wins), and the
+    ``metadata_cache`` (false: Mooncake caches each peer's segment description by host:port;
+    ``MC_DISABLE_METACACHE`` in the environment wins; a receiver that comes back on an earlier
+    one's host:port is written to under a new spelling of it, see
+    :mod:`~omnikv.connectors.mooncake_te.sender`), and the
     control port's admission limits: ``max_connections`` (1024, lowered to half the file
     descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
     ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),
