@@ -139,10 +139,8 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing per layer: a request's prompt KV is sent whole once it has finished."""
 
     def wait_for_save(self) -> None:
-        """Start the sends of requests that finished earlier; their blocks stay held by vLLM
-        until ``get_finished`` reports them, and the forward pass does not write them, so
-        nothing has to be waited for here."""
-        self._worker_side().start_sends()
+        """Nothing to wait for: sends are of requests that finished in earlier steps and start
+        at bind (see :mod:`.worker`)."""
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker_side().results(finished_req_ids)

@@ -1,11 +1,17 @@
 """The worker half of :class:`OmniKVConnector`: sends and loads on bounded thread pools.
 
 vLLM's model runner calls it once per step, on its own thread: ``bind_connector_metadata``
-(:meth:`WorkerSide.bind`: the step's sends are known from here on), ``start_load_kv``
-(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (:meth:`WorkerSide.start_sends`) and
+(:meth:`WorkerSide.bind`: the step's sends start here), ``start_load_kv``
+(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (nothing to do) and
 ``get_transfer_results`` (:meth:`WorkerSide.results`). With speculative decoding vLLM 0.32
-calls ``get_transfer_results`` before ``wait_for_save``; since sends are registered at bind,
-a finished request is reported whichever comes first.
+calls ``get_transfer_results`` before ``wait_for_save``; since sends start at bind, a finished
+request is reported whichever comes first.
+
+A send is of a request that finished in an earlier step: its blocks are complete and held by
+vLLM until :meth:`WorkerSide.results` reports the send, and the forward pass does not write
+them, so the send starts at bind, beside the step's forward pass. (Started after it, at
+``wait_for_save``, a send waited a whole step; on a busy producer whose prefill steps take
+seconds, consumers' loads timed out before the KV was even sent.)
 
 Guarantees:
 
@@ -171,7 +177,6 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._running = 0
-        self._pending_sends: list[SendSpec] = []
         self._pending_loads: list[LoadSpec] = []
         self._sending: set[str] = set()
         self._released: set[str] = set()
@@ -201,25 +206,16 @@ class WorkerSide:
 
     # -- per step ---------------------------------------------------------------------------
     def bind(self, meta: OmniKVConnectorMetadata) -> None:
-        """``bind_connector_metadata``: note the step's sends and loads, cancel what is gone.
-
-        Sends left over from a step whose ``wait_for_save`` never came are started here.
-        """
-        leftover = self._take_pending_sends()
+        """``bind_connector_metadata``: start the step's sends, note its loads, cancel what is
+        gone."""
         with self._lock:
             self._sending.update(s.req_id for s in meta.sends)
-            self._pending_sends.extend(meta.sends)
             self._pending_loads.extend(meta.loads)
             for rid in meta.cancels:
                 event = self._aborts.get(rid)
                 if event is not None:
                     event.set()
-        self._submit_sends(leftover)
-
-    def _take_pending_sends(self) -> list[SendSpec]:
-        with self._lock:
-            sends, self._pending_sends = self._pending_sends, []
-        return sends
+        self._submit_sends(meta.sends)
 
     def start_loads(self) -> None:
         """``start_load_kv``: start the loads noted at bind (asynchronous)."""
@@ -235,11 +231,6 @@ class WorkerSide:
         for spec, deadline, abort in starts:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
             self._load_pool.submit(self._load, spec, deadline, abort, True)
-
-    def start_sends(self) -> None:
-        """``wait_for_save``: start the sends noted at bind (asynchronous; the blocks stay
-        held by vLLM until :meth:`results` reports the request, so nothing needs to wait)."""
-        self._submit_sends(self._take_pending_sends())
 
     def _submit_sends(self, sends: list[SendSpec]) -> None:
         if not sends:
