@@ -4,7 +4,8 @@ Runs where vLLM is installed (``make test-vllm`` builds ``.venv-vllm``; elsewher
 says it is skipped). Three processes on this node: a producer and a consumer server
 (``python -m vllm.entrypoints.openai.api_server``, the tiny random-weight Llama of ``bench vllm``,
 ``--enforce-eager --block-size 32 --no-enable-prefix-caching``, OmniKVConnector over
-SharedMemoryConnector, ``kv_load_failure_policy="recompute"``) and the router of
+SharedMemoryConnector, ``kv_load_failure_policy="recompute"``; each engine's compute threads on
+its own half of the CPUs, see :func:`server_cpus`) and the router of
 ``examples/pd_router.py`` in front of them. Clients stream ``/v1/completions`` (greedy,
 ``ignore_eos``, token-id prompts of ``--tokens`` random tokens each, a new prompt per request)
 from 1, 4 and 16 concurrent clients (``--clients``); ``--requests`` requests per case, taken by
@@ -69,6 +70,7 @@ __all__ = [
     "parse_metrics",
     "post_json",
     "server_argv",
+    "server_cpus",
     "start_deployment",
     "wait_healthy",
 ]
@@ -309,6 +311,19 @@ class Deployment:
             server.stop()
 
 
+def server_cpus(role: str, cpus: Sequence[int] | None = None) -> str | None:
+    """The CPUs ``role``'s engine binds its compute threads to (``VLLM_CPU_OMP_THREADS_BIND``):
+    the producer the first half of ``cpus`` (default: those this process may use), the consumer
+    the second half, so the two engines do not spin on the same cores (as in a deployment, where
+    each has its own device); ``None`` (vLLM's own choice) with a single CPU."""
+    pool = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(pool) < 2:
+        return None
+    half = len(pool) // 2
+    mine = pool[:half] if role == "kv_producer" else pool[half:]
+    return ",".join(str(c) for c in mine)
+
+
 def start_deployment(
     workdir: Path,
     model: str | Path,
@@ -344,8 +359,10 @@ def start_deployment(
                 chat_template=chat_template,
             )
             name = role.removeprefix("kv_")
+            bind = server_cpus(role)
+            role_env = env if bind is None else env | {"VLLM_CPU_OMP_THREADS_BIND": bind}
             started.append(
-                ServerProcess(name, argv, port=port, log=workdir / f"{name}.log", env=env)
+                ServerProcess(name, argv, port=port, log=workdir / f"{name}.log", env=role_env)
             )
         urls = ["--producer", started[0].url, "--consumer", started[1].url]
         argv = [sys.executable, str(router), *urls, "--port", str(ports[2])]
