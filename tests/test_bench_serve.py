@@ -63,6 +63,14 @@ def test_server_argv_is_the_served_recipe() -> None:
     assert omni["connector_config"]["namespace"] == "ns" and omni["recv_timeout"] == 2
 
 
+def test_each_engine_gets_its_own_half_of_the_cpus() -> None:
+    assert serve.server_cpus("kv_producer", [0, 1]) == "0"
+    assert serve.server_cpus("kv_consumer", [0, 1]) == "1"
+    assert serve.server_cpus("kv_producer", [4, 5, 6, 7, 8]) == "4,5"
+    assert serve.server_cpus("kv_consumer", [4, 5, 6, 7, 8]) == "6,7,8"
+    assert serve.server_cpus("kv_consumer", [3]) is None  # one CPU: vLLM's own choice
+
+
 @pytest.mark.parametrize(
     ("tid", "kept", "alphabet"),
     [
