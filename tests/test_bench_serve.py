@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_defaults_are_the_issue_grid() -> None:
     ns = serve._parse([])
     assert (ns.clients, ns.tokens, ns.requests) == ("1,4,16", "256,1024,4096", 32)
-    assert ns.cases == "pd,recompute,hostile" and ns.hostile_rate == 8.0
+    assert ns.cases == "pd,recompute,hostile,busy" and ns.hostile_rate == 8.0
     ns = serve._parse(["--clients", "2", "--tokens", "64", "--requests", "3", "--cases", "pd"])
     assert (ns.clients, ns.tokens, ns.requests, ns.cases) == ("2", "64", 3, "pd")
 

@@ -17,13 +17,16 @@ the clients from one queue. Per case:
   straight to the consumer with unknown transfer ids: a genuine ``kv_transfer_params`` dict from
   the producer (for a prompt of ``--hostile-tokens``, short, so that the consumer's recompute of
   a refused request costs little: the attack is on the load path, not on compute) with the
-  random tail of its ``omnikv_transfer_id`` replaced by fresh characters, one per request.
+  random tail of its ``omnikv_transfer_id`` replaced by fresh characters, one per request;
+* **(d) busy**: (a) while a well-behaved client sends the same requests at the same rate without
+  ``kv_transfer_params``: the load those requests put on the consumer whatever their ids (they
+  are served either way), so that (c) against (d) is what the unknown ids cost the others.
 
 Reported: TTFT (time to the first streamed token, as the client sees it) median and p99,
 completed requests per second, and the consumer's loads: ``vllm:omnikv_loads_*`` from its
 ``/metrics`` where the connector exports them, and the warnings of ``omnikv.integrations.vllm``
-in its log. After a hostile case the consumer must drain within ``--drain-timeout``; a consumer
-that does not is restarted (and the output says so). HTTP control only; no pickle.
+in its log. After cases (c) and (d) the consumer must drain within ``--drain-timeout``; a
+consumer that does not is restarted (and the output says so). HTTP control only; no pickle.
 """
 
 from __future__ import annotations
@@ -82,11 +85,12 @@ DEFAULT_ROUTER = Path(__file__).resolve().parents[3] / "examples" / "pd_router.p
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: The connector's load counters on ``/metrics`` (``vllm:omnikv_<name>``), where it exports them.
 LOAD_COUNTS = ("loads_ok", "loads_failed", "loads_refused")
-CASES = ("pd", "recompute", "hostile")
+CASES = ("pd", "recompute", "hostile", "busy")
 CASE_TITLES = {
     "pd": "(a) PD through omnikv",
     "recompute": "(b) consumer recomputes",
     "hostile": "(c) PD + hostile client",
+    "busy": "(d) PD + same load, no ids",
 }
 _WARNING_LINE = re.compile(r" (?:WARNING|ERROR|CRITICAL) omnikv\.integrations\.vllm[\w.]*: ")
 _LABEL = re.compile(r'[A-Za-z_][A-Za-z0-9_]*="(?:[^"\\]|\\.)*"')
@@ -514,27 +518,30 @@ async def stream_completion(
 class HostileClient:
     """Sends ``rate`` requests per second to the consumer, each with a fresh unknown transfer id
     forged from ``params`` (a genuine dict for ``prompt``), without waiting for answers; at most
-    ``max_inflight`` open at once (more are skipped and counted)."""
+    ``max_inflight`` open at once (more are skipped and counted). With ``forge`` false it sends
+    the same requests without ``kv_transfer_params`` (case (d), its well-behaved twin)."""
 
     url: str
     prompt: list[int]
     params: Mapping[str, Any]
     rate: float
     max_inflight: int = 512
+    forge: bool = True
     forged_ids: set[str] = field(default_factory=set)
     sent: int = 0
     skipped: int = 0
     answered: dict[int, int] = field(default_factory=dict)
     errors: int = 0
 
-    async def _one(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
-        body = {
+    async def _one(self, session: aiohttp.ClientSession, params: dict[str, Any] | None) -> None:
+        body: dict[str, Any] = {
             "model": SERVED_MODEL,
             "prompt": self.prompt,
             "max_tokens": 1,
             "temperature": 0.0,
-            "kv_transfer_params": params,
         }
+        if params is not None:
+            body["kv_transfer_params"] = params
         try:
             async with session.post(self.url + "/v1/completions", json=body) as resp:
                 await resp.read()
@@ -556,10 +563,12 @@ class HostileClient:
                 if len(tasks) >= self.max_inflight:
                     self.skipped += 1
                 else:
-                    params = dict(self.params)
-                    tid = forge_transfer_id(str(params["omnikv_transfer_id"]))
-                    params["omnikv_transfer_id"] = tid
-                    self.forged_ids.add(tid)
+                    params: dict[str, Any] | None = None
+                    if self.forge:
+                        params = dict(self.params)
+                        tid = forge_transfer_id(str(params["omnikv_transfer_id"]))
+                        params["omnikv_transfer_id"] = tid
+                        self.forged_ids.add(tid)
                     task = asyncio.create_task(self._one(session, params))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -707,9 +716,12 @@ def _run_case(
 ) -> CaseResult:
     prompts = _prompts(ns.requests, tokens, seed)
     hostile = None
-    if case == "hostile":
+    if case in ("hostile", "busy"):
         (bait,) = _prompts(1, ns.hostile_tokens, seed + 1)
-        hostile = HostileClient(dep.consumer.url, bait, _genuine_params(dep, bait), ns.hostile_rate)
+        params = _genuine_params(dep, bait) if case == "hostile" else {}
+        hostile = HostileClient(
+            dep.consumer.url, bait, params, ns.hostile_rate, forge=case == "hostile"
+        )
     url = dep.consumer.url if case == "recompute" else dep.router.url
     before, offset = fetch_metrics(dep.consumer.url), dep.consumer.log_size()
     outcomes, wall = asyncio.run(
@@ -792,8 +804,9 @@ def _describe(case: CaseResult) -> str:
     )
     if case.hostile is not None:
         h = case.hostile
+        who = "hostile" if case.case == "hostile" else "well-behaved client"
         line += (
-            f" (+{case.hostile_warnings} naming hostile ids); hostile sent {h['sent']}, "
+            f" (+{case.hostile_warnings} naming hostile ids); {who} sent {h['sent']}, "
             f"answered {h['answered']}, errors {h['errors']}, skipped {h['skipped']}"
         )
     if case.errors:
@@ -853,7 +866,7 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 for k, case in enumerate(cases):
                     seed = 1000 * tokens + 10 * clients + k
                     cell.append(_run_case(dep, ns, case, clients, tokens, seed))
-                    if case == "hostile" and not _drain(dep, ns.drain_timeout):
+                    if case in ("hostile", "busy") and not _drain(dep, ns.drain_timeout):
                         print(
                             f"  the consumer did not drain within {ns.drain_timeout:.0f} s after "
                             "the hostile client stopped; restarting it"
@@ -885,14 +898,14 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tokens", default="256,1024,4096", help="prompt lengths, comma-separated")
     p.add_argument("--requests", type=int, default=32, help="requests per case")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--cases", default=",".join(CASES), help="of pd,recompute,hostile")
+    p.add_argument("--cases", default=",".join(CASES), help="of " + ",".join(CASES))
     p.add_argument("--hostile-rate", type=float, default=8.0, help="hostile requests per second")
     p.add_argument("--hostile-tokens", type=int, default=64, help="prompt of a hostile request")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--recv-timeout", type=float, default=5.0, help="consumer's recv_timeout (s)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="per request (s)")
     p.add_argument("--case-timeout", type=float, default=120.0, help="per case (s)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="after a hostile case (s)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="after cases (c) and (d) (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="server start (s)")
     p.add_argument("--router", default=str(DEFAULT_ROUTER), help="the router program")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
