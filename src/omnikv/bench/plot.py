@@ -17,7 +17,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omnikv.bench.common import Stats
 
@@ -178,28 +178,17 @@ def _draw(
 ) -> None:
     sizes = [st.nbytes for st in rows]
     zeros = [0.0] * len(rows)
+    style: dict[str, Any] = {
+        "label": label,
+        "capsize": 3,
+        "color": color,
+        "linestyle": linestyle,
+        "marker": "o",
+    }
     above = [max(0.0, st.p99 - st.median) for st in rows]
-    latency.errorbar(
-        sizes,
-        [st.median for st in rows],
-        yerr=[zeros, above],
-        label=label,
-        capsize=3,
-        color=color,
-        linestyle=linestyle,
-        marker="o",
-    )
+    latency.errorbar(sizes, [st.median for st in rows], yerr=[zeros, above], **style)
     below = [max(0.0, st.gbps() - st.gbps(st.p99)) for st in rows]
-    bandwidth.errorbar(
-        sizes,
-        [st.gbps() for st in rows],
-        yerr=[below, zeros],
-        label=label,
-        capsize=3,
-        color=color,
-        linestyle=linestyle,
-        marker="o",
-    )
+    bandwidth.errorbar(sizes, [st.gbps() for st in rows], yerr=[below, zeros], **style)
 
 
 def _size_axis(ax: Axes, sizes: Sequence[int]) -> None:

@@ -92,6 +92,8 @@ CASE_TITLES = {
     "hostile": "(c) PD + hostile client",
     "busy": "(d) PD + same load, no ids",
 }
+#: The cases with a second client beside the measured ones (after which the consumer drains).
+EXTRA_CLIENT_CASES = ("hostile", "busy")
 _WARNING_LINE = re.compile(r" (?:WARNING|ERROR|CRITICAL) omnikv\.integrations\.vllm[\w.]*: ")
 _LABEL = re.compile(r'[A-Za-z_][A-Za-z0-9_]*="(?:[^"\\]|\\.)*"')
 _ALPHABETS = (
@@ -716,7 +718,7 @@ def _run_case(
 ) -> CaseResult:
     prompts = _prompts(ns.requests, tokens, seed)
     hostile = None
-    if case in ("hostile", "busy"):
+    if case in EXTRA_CLIENT_CASES:
         (bait,) = _prompts(1, ns.hostile_tokens, seed + 1)
         params = _genuine_params(dep, bait) if case == "hostile" else {}
         hostile = HostileClient(
@@ -866,10 +868,11 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 for k, case in enumerate(cases):
                     seed = 1000 * tokens + 10 * clients + k
                     cell.append(_run_case(dep, ns, case, clients, tokens, seed))
-                    if case in ("hostile", "busy") and not _drain(dep, ns.drain_timeout):
+                    if case in EXTRA_CLIENT_CASES and not _drain(dep, ns.drain_timeout):
                         print(
                             f"  the consumer did not drain within {ns.drain_timeout:.0f} s after "
-                            "the hostile client stopped; restarting it"
+                            f"the {'hostile' if case == 'hostile' else 'well-behaved'} client "
+                            "stopped; restarting it"
                         )
                         dep.restart_consumer(ns.startup_timeout)
                         _warm_up(dep, sizes[:1], ns.max_tokens)
