@@ -44,7 +44,7 @@ lint: $(DEV_STAMP)
 # Installs happen first (they need the registries); the suite then runs in a loopback-only netns.
 # The create/use/close cycles (mostly waiting on the engines' teardown timers) run beside the
 # rest of the suite; their output follows it.
-CYCLES := tests/test_lifecycle_cycles.py
+CYCLES := tests/connectors/test_lifecycle_cycles.py
 test: lint $(VLLM_STAMP)
 	@log=$$(mktemp); \
 	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider $(CYCLES) $(PYTEST_ARGS) >$$log 2>&1 & \
@@ -69,8 +69,8 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
-	  tests/test_layouts_vllm.py tests/test_vllm_connector.py tests/test_vllm_engine.py \
-	  tests/test_vllm_serve.py tests/test_examples_vllm.py $(PYTEST_ARGS)
+	  tests/layouts/test_layouts_vllm.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_engine.py \
+	  tests/integrations/test_vllm_serve.py tests/test_examples_vllm.py $(PYTEST_ARGS)
 
 bench: $(BASE_STAMP)
 	$(VENV)/bin/omnikv bench all

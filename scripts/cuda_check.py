@@ -87,7 +87,7 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any], device: torch.device
 # -- 1 ----------------------------------------------------------------------------------------
 def check_codec(device: torch.device) -> str:
     _need_cuda(device)
-    from omnikv.payload import KVCacheTransferData
+    from omnikv.wire.transfer_data import KVCacheTransferData
 
     n = 0
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -170,8 +170,8 @@ def _expected(caches: list[Any]) -> dict[str, Any]:
 def check_local_device_payload(device: torch.device) -> str:
     _need_cuda(device)
     from omnikv.connectors.local import LocalConnector
-    from omnikv.payload import KVCacheTransferData
-    from omnikv.topology import legacy_kv_key
+    from omnikv.topology.keys import legacy_kv_key
+    from omnikv.wire.transfer_data import KVCacheTransferData
 
     ns = f"cuda-check-{uuid.uuid4().hex[:8]}"
     blocks = _layer_caches(device, torch.float16)
@@ -209,8 +209,8 @@ def check_shm_from_device_caches(device: torch.device) -> str:
 # -- 4 ----------------------------------------------------------------------------------------
 def check_stager_chunks(device: torch.device) -> str:
     _need_cuda(device)
-    from omnikv.prefetch import PinnedStager
-    from omnikv.received import ReceivedKV
+    from omnikv.transfer.received import ReceivedKV
+    from omnikv.transfer.staging import PinnedStager
 
     stager = PinnedStager(chunk_bytes=1 << 20)
     src = torch.randn(5 << 18, dtype=torch.float32)  # 5 MiB: 5 chunks, both reused
@@ -230,21 +230,21 @@ def check_stager_chunks(device: torch.device) -> str:
 
 # -- 5 ----------------------------------------------------------------------------------------
 def check_prefetch_side_stream(device: torch.device) -> str:
-    import omnikv.prefetch as pf_mod
+    from omnikv.transfer import staging
 
     ns = f"cuda-check-{uuid.uuid4().hex[:8]}"
     conn = {"type": "LocalConnector", "namespace": ns}
     sender, mgr = _send_manager(conn), _recv_manager(conn, prefetch=True)
     seen: dict[str, Any] = {}
     recorded: list[int] = []
-    real_record = pf_mod.record_stream_for
+    real_record = staging.record_stream_for
 
     def counting_record(data: Any) -> int:
         n = real_record(data)
         recorded.append(n)
         return n
 
-    pf_mod.record_stream_for = counting_record  # type: ignore[assignment]
+    staging.record_stream_for = counting_record  # type: ignore[assignment]
     try:
         caches = _paged(torch.device("cpu"), layers=3, fill=5.0)
         _send(sender, "pf-rid", caches)
@@ -295,7 +295,7 @@ def check_prefetch_side_stream(device: torch.device) -> str:
         torch.cuda.synchronize(device)
         return "copy on kv-prefetch thread, side stream, pinned chunks, record_stream x6"
     finally:
-        pf_mod.record_stream_for = real_record  # type: ignore[assignment]
+        staging.record_stream_for = real_record  # type: ignore[assignment]
         mgr.close()
         sender.close()
 
@@ -303,15 +303,19 @@ def check_prefetch_side_stream(device: torch.device) -> str:
 # -- 6 ----------------------------------------------------------------------------------------
 def check_free_memory_guard(device: torch.device) -> str:
     _need_cuda(device)
-    from omnikv.prefetch import KVPrefetcher, PrefetchStart
-    from omnikv.receiver import ReceiveResult, ReceiveStatus
+    from omnikv.config import OmniKVCacheConfig
+    from omnikv.transfer.prefetch import KVPrefetcher, PrefetchStart
+    from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
 
-    def receive(rid: str, dev: Any, info: Any, deadline: float, abort: Any) -> ReceiveResult:
-        return ReceiveResult(rid, ReceiveStatus.UNAVAILABLE, reason="guard check")
+    def receive(request_id: str, target_device: Any, **_: Any) -> ReceiveResult:
+        return ReceiveResult(request_id, ReceiveStatus.UNAVAILABLE, reason="guard check")
+
+    def config(ratio: float) -> OmniKVCacheConfig:
+        return OmniKVCacheConfig(recv_timeout=1.0, kv_prefetch_min_free_mem_ratio=ratio)
 
     free, total = torch.cuda.mem_get_info(device)
-    high = KVPrefetcher(receive, recv_timeout=1.0, min_free_mem_ratio=1.01)
-    low = KVPrefetcher(receive, recv_timeout=1.0, min_free_mem_ratio=1e-6)
+    high = KVPrefetcher(receive, config=config(1.01))
+    low = KVPrefetcher(receive, config=config(1e-6))
     try:
         assert high.start("g", {"h": 1}, device) is PrefetchStart.LOW_MEMORY
         assert low.start("g", {"h": 1}, device) is PrefetchStart.STARTED

@@ -23,7 +23,7 @@ import torch
 from omnikv import OmniKVTransferManager
 from omnikv.config import config_from_dict, options_from_dict, resolve_async_prefetch
 from omnikv.connectors.base import OmniConnectorBase
-from omnikv.topology import RankInfo
+from omnikv.topology.placement import RankInfo
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")

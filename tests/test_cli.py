@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnikv.cli import BENCHES, main, plain_text
-from omnikv.payload import KVCacheTransferData
+from omnikv.wire.transfer_data import KVCacheTransferData
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -68,8 +68,10 @@ def test_bench_help_describes_each_benchmark(capsys: pytest.CaptureFixture[str])
 
 
 def test_plain_text_drops_restructuredtext() -> None:
-    doc = "``omnikv bench x``: see :func:`omnikv.payload.decode` and **this**.\n\n* one\n* two"
-    assert plain_text(doc) == "omnikv bench x: see omnikv.payload.decode and this.\n\n- one\n- two"
+    doc = "``omnikv bench x``: see :func:`omnikv.wire.decode.decode` and **this**.\n\n* one\n* two"
+    assert (
+        plain_text(doc) == "omnikv bench x: see omnikv.wire.decode.decode and this.\n\n- one\n- two"
+    )
 
 
 def test_inspect_prints_the_payload_header(

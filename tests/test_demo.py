@@ -12,13 +12,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from support import paths
+
 pytestmark = pytest.mark.slow  # every test runs the demo as a process
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = paths.SRC
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:

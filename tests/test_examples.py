@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 from importlib.util import find_spec
-from pathlib import Path
 
 import pytest
 
+from support import paths
+
 pytestmark = [pytest.mark.slow]
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = paths.EXAMPLES
 
 
 def run_example(name: str, timeout: float = 300) -> str:

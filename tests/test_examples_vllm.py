@@ -9,9 +9,10 @@ import os
 import subprocess
 import sys
 from importlib.util import find_spec
-from pathlib import Path
 
 import pytest
+
+from support import paths
 
 pytestmark = [
     pytest.mark.slow,
@@ -22,7 +23,7 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vllm_offline_pd.py"
+EXAMPLE = paths.EXAMPLES / "vllm_offline_pd.py"
 
 
 def test_vllm_offline_pd() -> None:

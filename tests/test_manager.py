@@ -23,7 +23,7 @@ from omnikv import (
     SendStatus,
 )
 from omnikv.connectors.local import LocalConnector
-from omnikv.parallel import ParallelContext
+from omnikv.ranks.context import ParallelContext
 
 
 def test_send_receive_round_trip_legacy_key(manager_pair: PairFactory) -> None:
@@ -461,15 +461,17 @@ def test_a_quiet_receive_logs_its_miss_at_debug_only(
     import logging
 
     receiver = make_manager("receiver")
-    with caplog.at_level(logging.DEBUG, logger="omnikv.receiver"):
+    with caplog.at_level(logging.DEBUG, logger="omnikv.transfer.receive"):
         quiet = receiver.receive_kv_cache_result(
             "never-sent", deadline=time.monotonic() + 0.05, quiet=True
         )
         assert quiet.status.value == "timeout"
-        assert [r.levelno for r in caplog.records if r.name == "omnikv.receiver"] == [logging.DEBUG]
+        assert [r.levelno for r in caplog.records if r.name == "omnikv.transfer.receive"] == [
+            logging.DEBUG
+        ]
         caplog.clear()
         loud = receiver.receive_kv_cache_result("never-sent", deadline=time.monotonic() + 0.05)
         assert loud.status.value == "timeout"
-        assert [r.levelno for r in caplog.records if r.name == "omnikv.receiver"] == [
+        assert [r.levelno for r in caplog.records if r.name == "omnikv.transfer.receive"] == [
             logging.WARNING
         ]

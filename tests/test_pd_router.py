@@ -1,6 +1,6 @@
 """examples/pd_router.py against stand-in servers (aiohttp apps on loopback): what it sends to the
 producer and the consumer, streaming pass-through, errors, /v1/models and /health. The router
-in front of real vLLM servers is tested in tests/test_vllm_serve.py."""
+in front of real vLLM servers is tested in tests/integrations/test_vllm_serve.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,7 +18,9 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402 - after the skip
 
-ROUTER_PATH = Path(__file__).resolve().parents[1] / "examples" / "pd_router.py"
+from support import paths  # noqa: E402
+
+ROUTER_PATH = paths.EXAMPLES / "pd_router.py"
 PARAMS = {"do_remote_prefill": True, "omnikv_transfer_id": "okv1-0123abcd-" + "5" * 32}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import paths
+
+ROOT = paths.REPO
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 NAMESPACE = '"namespace": "quickstart"'

@@ -21,10 +21,10 @@ import torch
 from omnikv import OmniKVTransferManager
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
 from omnikv.connectors.local import LocalConnector
-from omnikv.connectors.shm import SharedMemoryConnector
-from omnikv.parallel import ParallelContext
-from omnikv.payload import KVCacheTransferData
-from omnikv.topology import KVTPTopology, slice_received_rank_shard
+from omnikv.connectors.shm.connector import SharedMemoryConnector
+from omnikv.ranks.context import ParallelContext
+from omnikv.topology.tp import KVTPTopology, slice_received_rank_shard
+from omnikv.wire.transfer_data import KVCacheTransferData
 
 SENDER_INFO = {"host": "127.0.0.1", "zmq_port": 50051}
 
@@ -164,6 +164,7 @@ def test_close_is_idempotent_and_creates_no_connector_later(
     sender = make_manager("sender")
     conn = sender.connector
     assert conn is not None
+    assert sender.get_connector is conn  # the reference's name, read as an attribute
     sender.close()
     assert conn.closed and sender.connector is None
     sender.close()
@@ -207,8 +208,7 @@ class _Group:
 def test_a_leaders_receive_without_a_device_lands_on_the_host(
     make_manager: Callable[..., OmniKVTransferManager], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import omnikv.manager as manager_module
-    from omnikv import distribution
+    from omnikv.ranks import distribution
 
     ctx = ParallelContext(world_group=_Group())  # type: ignore[arg-type]
     receiver = make_manager("receiver", parallel_context=ctx)
@@ -222,7 +222,7 @@ def test_a_leaders_receive_without_a_device_lands_on_the_host(
     def fake_apply(req: Any, payload: Any, target_device: Any = None) -> None:
         seen["apply"] = target_device
 
-    monkeypatch.setattr(manager_module, "distribute", fake_distribute)
+    monkeypatch.setattr(distribution, "distribute", fake_distribute)
     monkeypatch.setattr(distribution, "apply_request_kv_payload", fake_apply)
     req = SimpleNamespace(request_id="r", sampling_params=SimpleNamespace())
     receiver.receive_multi_kv_cache_distributed(req)  # no target_device, as a runner calls it

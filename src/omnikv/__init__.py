@@ -12,18 +12,19 @@ from omnikv.errors import (
     ConfigError,
     ConnectorError,
     DecodeError,
+    DistributionError,
     KVPrefetchConsumeError,
     OmniKVError,
     PayloadError,
     ReceiveTimeout,
 )
 from omnikv.manager import OmniKVTransferManager
-from omnikv.parallel import DistributionError, ParallelContext, ReceiveRole, TopoConfig
-from omnikv.payload import KVCacheTransferData
-from omnikv.prefetch import KVPrefetchJob
-from omnikv.receiver import ReceiveResult, ReceiveStatus
-from omnikv.sender import SendResult, SendStatus
-from omnikv.topology import KVTPTopology
+from omnikv.ranks.context import ParallelContext, ReceiveRole, TopoConfig
+from omnikv.topology.tp import KVTPTopology
+from omnikv.transfer.prefetch import KVPrefetchJob
+from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
+from omnikv.transfer.send import SendResult, SendStatus
+from omnikv.wire.transfer_data import KVCacheTransferData
 
 __version__ = "0.1.0"
 
@@ -33,10 +34,10 @@ __all__ = [
     "ConnectorSpec",
     "DecodeError",
     "DistributionError",
-    "KVTPTopology",
     "KVCacheTransferData",
     "KVPrefetchConsumeError",
     "KVPrefetchJob",
+    "KVTPTopology",
     "ManagedBuffer",
     "OmniConnectorBase",
     "OmniConnectorFactory",

@@ -21,7 +21,17 @@ from pathlib import Path
 
 __all__ = ["BENCHES", "PLOTTED", "bench_descriptions", "main", "plain_text", "plot_file_for"]
 
-BENCHES = ("codec", "shm", "manager", "dist", "prefetch", "mooncake", "nixl", "vllm", "serve")
+BENCHES = (
+    "codec",
+    "shm",
+    "manager",
+    "dist",
+    "prefetch",
+    "mooncake",
+    "nixl",
+    "vllm",
+    "serve",
+)
 #: the benchmarks that measure over payload sizes next to memcpy and take ``--plot FILE``
 PLOTTED = ("shm", "manager")
 
@@ -32,10 +42,10 @@ Move KV caches between the stages of an inference pipeline.
 # Connectors whose module imports without its engine: the engine is imported by these checks
 # (a function that returns why the connector cannot run here, or None).
 _ENGINE_CHECKS = {
-    "MooncakeConnector": "omnikv.connectors._mooncake_common:unavailable_reason",
-    "MooncakeStoreConnector": "omnikv.connectors._mooncake_common:unavailable_reason",
-    "MooncakeTransferEngineConnector": "omnikv.connectors._mooncake_common:unavailable_reason",
-    "NixlConnector": "omnikv.connectors.nixl_agent:unavailable_reason",
+    "MooncakeConnector": "omnikv.connectors.mooncake_te.engine:unavailable_reason",
+    "MooncakeStoreConnector": "omnikv.connectors.mooncake_te.engine:unavailable_reason",
+    "MooncakeTransferEngineConnector": "omnikv.connectors.mooncake_te.engine:unavailable_reason",
+    "NixlConnector": "omnikv.connectors.nixl.agent:unavailable_reason",
 }
 
 
@@ -132,7 +142,7 @@ def _plot_unavailable() -> str | None:
 
 
 def _inspect(path: str) -> int:
-    from omnikv.payload import decode
+    from omnikv.wire.decode import decode
 
     with open(path, "rb") as fh:
         raw = fh.read()
@@ -202,12 +212,12 @@ def _doctor() -> int:
     print(f"cuda available: {torch.cuda.is_available()}")
     for name in OmniConnectorFactory.list_connectors():
         print(f"connector {name}: {connector_status(name)}")
-    from omnikv.connectors._shm_config import ShmConfig
+    from omnikv.connectors.shm.config import ShmConfig
 
     print(f"shared-memory send pool: {ShmConfig.parse({'role': 'sender'}).describe_pool()}")
     for name in ("transformers", "vllm"):
         print(f"integration {name}: {_integration_status(name)}")
-    from omnikv.parallel import ParallelContext
+    from omnikv.ranks.context import ParallelContext
 
     print(f"parallel state: {ParallelContext.default().source}")
     return 0

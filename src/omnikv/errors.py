@@ -109,6 +109,27 @@ class ReceiveTimeout(OmniKVError, TimeoutError):
         super().__init__(msg)
 
 
+class ExtractionError(OmniKVError, ValueError):
+    """A request's KV cannot be extracted (bad block ids, missing seq_len, unknown layout)."""
+
+
+class DistributionError(OmniKVError):
+    """A group operation failed or timed out; the group is marked broken."""
+
+
+class HFCacheError(OmniKVError, ValueError):
+    """A transformers cache omnikv cannot send (batch > 1, uneven layers, wrong shape), or
+    received KV that does not fit the model (layers, heads, head size, dtype)."""
+
+
+class ProtocolError(ValueError):
+    """A control message failed authentication or validation (dropped and counted)."""
+
+
+class ReceiveCancelled(OmniKVError):
+    """The caller's ``abort`` event was set between two wait slices (nothing more consumed)."""
+
+
 class KVPrefetchConsumeError(RuntimeError):
     """Payload consumed from connector but post-get processing failed — sync retry impossible."""
 

@@ -1,36 +1,42 @@
 """``OmniKVTransferManager``: the seed API as a thin facade over factory.LazyConnector,
-topology (stages, ports, endpoints), sender, receiver and requests (CFG companions),
-distribution (rank hand-off, prefetch consume path), prefetch and results. Internals return
-typed results; the seed's dict is made here only."""
+topology (stages, ports, endpoints), transfer (send, receive, prefetch, requests, result logs)
+and ranks (the stage's roles and the leader -> followers hand-off). Internals return typed
+results; the seed's dict is made here only."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from threading import Event
 from typing import Any
 
 import torch
 
 from omnikv import config as _config
-from omnikv import requests as _requests
-from omnikv import topology
 from omnikv.config import OmniKVCacheConfig, TransferOptions
 from omnikv.connectors.base import OmniConnectorBase
-from omnikv.connectors.factory import LazyConnector, spec_for_stage
+from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import deadline_after
-from omnikv.distribution import StageRanks, consume_or_receive, distribute, receive_distributed
+from omnikv.errors import KVPrefetchConsumeError
 from omnikv.metrics import TransferMetrics
-from omnikv.parallel import TopoConfig
-from omnikv.parallel_discovery import discover_tp
-from omnikv.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchSlot
-from omnikv.receiver import DUMMY_REQUEST_ID, KVReceiver, ReceiveResult, ReceiveStatus
-from omnikv.requests import apply_received_kv, request_id_of
-from omnikv.results import TransferLog
-from omnikv.sender import KVSender, SendResult
-from omnikv.topology import RankInfo, SenderEndpoint, resolve_endpoint
+from omnikv.ranks.context import TopoConfig
+from omnikv.ranks.discovery import discover_tp
+from omnikv.ranks.distribution import StageRanks
+from omnikv.topology.keys import TransferHooks
+from omnikv.topology.placement import (
+    RankInfo,
+    SenderEndpoint,
+    StagePlacement,
+    rank_port,
+    resolve_endpoint,
+)
+from omnikv.transfer import requests as _requests
+from omnikv.transfer.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume
+from omnikv.transfer.receive import DUMMY_REQUEST_ID, KVReceiver, ReceiveResult, ReceiveStatus
+from omnikv.transfer.requests import apply_received_kv, request_id_of
+from omnikv.transfer.results import TransferLog
+from omnikv.transfer.send import KVSender, SendResult
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
@@ -46,7 +52,7 @@ class OmniKVTransferManager:
     """Unified management for OmniConnector and KV cache transfer, one per worker and stage.
 
     Hook slots (``kv_send_key_builder``, ``kv_recv_key_builder``, ``kv_payload_merger``,
-    ``kv_payload_slicer``) take the reference's signatures (:class:`topology.TransferHooks`).
+    ``kv_payload_slicer``) take the reference's signatures (:class:`TransferHooks`).
     A manager that will neither send nor receive warns once (only an INFO line when it was given a
     ``parallel_context``: it distributes among ranks); its results are ``not_configured``.
     """
@@ -64,12 +70,13 @@ class OmniKVTransferManager:
         self.parallel_context = parallel_context
         # Without an injected context: the host framework's TP group, else LOCAL_RANK.
         rank_info = parallel_context if parallel_context is not None else discover_tp()
-        place = topology.StagePlacement.of(config, rank_info)
+        place = StagePlacement.of(config, rank_info)
         self.send_stages, self.recv_stages = place.send_stages, place.recv_stages
         self.tp_topo, self.local_rank = place.topology, place.topology.local_rank
         retry = self.options.connector_retry_interval
-        spec = partial(spec_for_stage, config, self.local_rank)
-        lazy = self._lazy = LazyConnector(spec, retry_interval=retry, connector=connector)
+        lazy = self._lazy = LazyConnector.for_stage(
+            config, self.local_rank, retry_interval=retry, connector=connector
+        )
         has_conn = connector is not None or bool((config.connector_config or {}).get("type"))
         sends, receives = bool(config.need_send_cache), bool(config.need_recv_cache)
         ok = self.configured = has_conn and (sends or receives)
@@ -83,9 +90,9 @@ class OmniKVTransferManager:
         self._log = TransferLog(self.metrics)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
-        prefetch = bool(async_prefetch) and receives
-        self._prefetch = PrefetchSlot(self.receive_kv_cache_result, enabled=prefetch, config=config)
-        self._ranks = StageRanks(parallel_context, self.tp_topo, lambda: config.recv_timeout)
+        self._prefetch_on = bool(async_prefetch) and receives
+        self._prefetch = KVPrefetcher(self.receive_kv_cache_result, config=config)
+        self._ranks = StageRanks(parallel_context, self.tp_topo, config)
         for name in _HOOKS:
             setattr(self, name, None)
         if not ok and parallel_context is not None:
@@ -103,7 +110,7 @@ class OmniKVTransferManager:
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
         if name in _HOOKS and "_receiver" in self.__dict__:
-            hooks = topology.TransferHooks.of(*(self.__dict__.get(n) for n in _HOOKS))
+            hooks = TransferHooks.of(*(self.__dict__.get(n) for n in _HOOKS))
             self._sender.hooks = self._receiver.hooks = hooks
 
     @classmethod
@@ -195,7 +202,10 @@ class OmniKVTransferManager:
         """The connector, created on first use; a failed creation is retried after a back-off."""
         return self._lazy.get()
 
-    get_connector = property(lambda self: self.connector)
+    @property
+    def get_connector(self) -> OmniConnectorBase | None:
+        """:attr:`connector` under the reference's name (read as an attribute, not called)."""
+        return self.connector
 
     @property
     def _connector(self) -> OmniConnectorBase | None:  # the reference's slot, kept assignable
@@ -246,7 +256,7 @@ class OmniKVTransferManager:
             if endpoint is None:
                 logger.warning("Invalid sender_info format: %r", sender_info)
             return
-        (host, base), port = endpoint, topology.rank_port(endpoint[1], self.local_rank)
+        (host, base), port = endpoint, rank_port(endpoint[1], self.local_rank)
         self._receiver.sender = endpoint
         if self.config.connector_config is not None:
             self.config.connector_config.update(sender_host=host, sender_zmq_port=port)
@@ -360,15 +370,7 @@ class OmniKVTransferManager:
 
         Without ``target_device`` the payload is placed on the host, as in the reference.
         """
-        dl, topo, device = self._ranks.deadline(), self.topo_config, _on_host(target_device)
-        return distribute(topo, req, received=received, deadline=dl, target_device=device)
-
-    def _share(self, req: Any, fetch: Callable[[], bool], device: Any, counts: bool) -> bool:
-        # What leaders and followers apply after distributing lands on the host without a device.
-        host = _on_host(device)
-        dist = partial(self.distribute_kv_cache, req, host)
-        share = partial(receive_distributed, self.topo_config, req, fetch, target_device=host)
-        return share(lambda got: dist(received=got), self._ranks.deadline, received_counts=counts)
+        return self._ranks.distribute(req, target_device, received=received)
 
     def receive_multi_kv_cache_distributed(
         self,
@@ -377,27 +379,59 @@ class OmniKVTransferManager:
         target_device: torch.device | None = None,
     ) -> bool:
         """Fetch -> distribute -> apply; FOLLOWER skips fetch. True if this rank has the KV."""
-        fetch = partial(self.receive_multi_kv_cache, req, cfg_kv_collect_func, target_device)
-        return self._share(req, fetch, target_device, counts=False)
+        with self._ranks.receiving(req, target_device, received_counts=False) as rank:
+            if rank.fetches:
+                rank.received = self.receive_multi_kv_cache(req, cfg_kv_collect_func, target_device)
+        return rank.has_kv
 
     def consume_and_distribute_kv_cache(
         self, req: Any, target_device: torch.device | None = None
     ) -> bool:
         """Consume prefetched KV -> apply -> distribute; sync-receive on miss (not on an error)."""
-        consume = self._prefetch.consumer(request_id_of(req), target_device)
-        receive = partial(self._receive_result, req, target_device)
-        fetch = partial(consume_or_receive, req, consume, receive, partial(apply_received_kv, req))
-        return self._share(req, fetch, target_device, counts=True)
+        with self._ranks.receiving(req, target_device, received_counts=True) as rank:
+            if rank.fetches:
+                rank.received = self._consume_or_receive(req, target_device)
+        return rank.has_kv
+
+    def _consume_or_receive(self, req: Any, device: torch.device | None) -> bool:
+        """Apply the prefetched KV of ``req``, else receive it now; whether KV was applied.
+
+        The synchronous receive gets what is left of a timed-out prefetch's deadline (else a
+        fresh ``recv_timeout``). A consume error (payload consumed, unusable) is final.
+        """
+        rid = request_id_of(req)
+        found = PrefetchConsume(None)
+        if self.prefetch_enabled and rid is not None:
+            try:
+                found = self._prefetch.consume(rid, target_device=device)
+            except KVPrefetchConsumeError as exc:
+                logger.error("Prefetched KV of %s unusable; request cannot recover: %s", rid, exc)
+                return False
+        result = found.result
+        if (result is None or not result.ok) and found.sync_retry:
+            logger.debug("No prefetched KV for %s; receiving synchronously", rid)
+            try:
+                result = self._receive_result(req, device, found.retry_deadline)
+            except KVPrefetchConsumeError as exc:
+                logger.error("KV of %s consumed but unusable; request cannot recover: %s", rid, exc)
+                return False
+        kv = result.kv if result is not None and result.ok else None
+        if kv is not None:
+            apply_received_kv(req, kv)
+        return kv is not None
 
     @property
     def prefetch_enabled(self) -> bool:
         """Async prefetch is on (resolved flag) and this stage receives KV."""
-        return self._prefetch.enabled
+        return self._prefetch_on
 
     @property
     def prefetcher(self) -> KVPrefetcher | None:
-        """The background prefetcher, once ``start_prefetch`` made it (tests, diagnostics)."""
-        return self._prefetch.prefetcher
+        """The background prefetcher while prefetch is on (tests, diagnostics); ``None`` when off.
+
+        Its worker thread starts with the first prefetch.
+        """
+        return self._prefetch if self._prefetch_on else None
 
     def start_prefetch(
         self,
@@ -406,11 +440,12 @@ class OmniKVTransferManager:
     ) -> None:
         """Kick off a background KV load (non-blocking). No-op unless enabled, or on FOLLOWERs."""
         if self.prefetch_enabled and kv_prefetch_jobs and not self.topo_config.is_follower:
-            self._prefetch.start(kv_prefetch_jobs, target_device)
+            self._prefetch.start_jobs(kv_prefetch_jobs, target_device)
 
     def consume_prefetched_kv(self, req: Any) -> tuple[dict[str, Any] | None, int]:
         """Consume a prefetched KV; (None, 0) on miss; KVPrefetchConsumeError when unusable."""
-        kv = self._prefetch.consume(request_id_of(req))
+        rid = request_id_of(req)
+        kv = self._prefetch.consume_kv(rid) if rid is not None else None
         return (kv.to_dict(), kv.nbytes) if kv is not None else (None, 0)
 
     consume_loaded_kv = consume_prefetched_kv
@@ -422,7 +457,7 @@ class OmniKVTransferManager:
         (also when prefetch is off), False at the timeout; prefetched results stay for
         ``consume_*``. A negative or NaN ``timeout`` is a ``ValueError``.
         """
-        return self._prefetch.wait(deadline_after(timeout, "timeout"))
+        return self._prefetch.wait_idle(deadline_after(timeout, "timeout"))
 
     def shutdown_prefetch(self) -> None:
         """Cancel pending prefetches and stop the executor (call on teardown). Idempotent."""
@@ -442,11 +477,6 @@ class OmniKVTransferManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _on_host(device: torch.device | str | None) -> torch.device | str:
-    """``device``, or the host when none is given (the reference's distribution default)."""
-    return torch.device("cpu") if device is None else device
 
 
 def _warn_unset_stages(

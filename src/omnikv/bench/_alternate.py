@@ -37,9 +37,9 @@ from omnikv.bench.common import (
     realistic_payload,
     reap,
 )
-from omnikv.connectors._pool import HostPool
 from omnikv.connectors.base import ManagedBuffer
-from omnikv.payload import decode
+from omnikv.connectors.pool import HostPool
+from omnikv.wire.decode import decode
 
 __all__ = [
     "MIB",
@@ -148,9 +148,8 @@ class Source:
         """A ``put_packed`` writer that copies the pre-encoded bytes and records its own time.
 
         A single-threaded numpy copy: a parallel torch ``copy_`` leaves OpenMP workers spinning
-        for a while afterwards, and on a 2-core machine they slow the transfer that follows
-        (measured: an 8 MiB ``transfer_sync_write`` 4.5-5 ms after a numpy copy, 6-8 ms after a
-        2-thread torch copy), which would charge the writer's side effect to the transport.
+        for a while afterwards, and on a machine with few cores they slow the transfer that
+        follows, which would charge the writer's side effect to the transport.
         """
         src = self.view.numpy()
 
@@ -251,9 +250,21 @@ def spawn_sender(
     options) with one end of a socketpair passed by fd."""
     parent, child = socket.socketpair()
     cmd = [
-        sys.executable, "-m", "omnikv.cli", "bench", bench, "--role", "sender",
-        "--fd", str(child.fileno()), "--model", args.model, "--tokens", str(tokens), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "omnikv.cli",
+        "bench",
+        bench,
+        "--role",
+        "sender",
+        "--fd",
+        str(child.fileno()),
+        "--model",
+        args.model,
+        "--tokens",
+        str(tokens),
+        *extra,
+    ]
     try:
         proc = subprocess.Popen(cmd, pass_fds=[child.fileno()], env=dict(os.environ))
     except BaseException:
@@ -398,9 +409,17 @@ class TransportSamples:
         )
 
     def sample(
-        self, chan: JsonChannel, op: str, conn: Any, key: str, check: Check, label: str, *,
-        timed: bool, full: bool,
-    ) -> None:  # fmt: skip
+        self,
+        chan: JsonChannel,
+        op: str,
+        conn: Any,
+        key: str,
+        check: Check,
+        label: str,
+        *,
+        timed: bool,
+        full: bool,
+    ) -> None:
         """Ask the child to publish ``key`` (command ``op``), then time this side's ``wait``."""
         chan.send(op, key)
         _, t_put, _, t_writer = chan.expect("published")

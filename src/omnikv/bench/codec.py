@@ -22,7 +22,7 @@ import torch
 
 from omnikv.bench.common import measure, print_table, realistic_payload, write_json
 from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
-from omnikv.payload import decode, decode_kv
+from omnikv.wire.decode import decode, decode_kv
 
 __all__ = ["main"]
 
@@ -43,6 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     parser.add_argument("--json", help="write results to this file")
+    parser.add_argument(
+        "--no-targets",
+        action="store_true",
+        help="report the speed targets but exit 0 when one is missed (smoke runs on a busy "
+        "machine); a verification failure still fails",
+    )
     args = parser.parse_args(list(argv or []))
     repeat = 3 if args.quick else args.repeat
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -50,10 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = realistic_payload(args.model, args.tokens)
     plan = payload.plan()
     n = plan.nbytes
-    print(f"payload: {args.model}, {args.tokens} tokens, {n / 2**20:.1f} MiB, "
-          f"{2 * len(payload.layer_blocks['key_cache'])} tensors; torch threads "
-          f"{torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print(
+        f"payload: {args.model}, {args.tokens} tokens, {n / 2**20:.1f} MiB, "
+        f"{2 * len(payload.layer_blocks['key_cache'])} tensors; torch threads "
+        f"{torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs"
+    )
 
     dst = torch.empty(n, dtype=torch.uint8)
     dst.fill_(1)  # pre-fault
@@ -124,4 +132,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             "checksum_overhead": ck_cost,
         },
     )
-    return 0 if all(ok for _, _, ok in targets) else 1
+    return 0 if args.no_targets or all(ok for _, _, ok in targets) else 1

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from omnikv.payload import KVCacheTransferData
+from omnikv.wire.transfer_data import KVCacheTransferData
 
 __all__ = [
     "MODELS",

@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, init: str, tokens: int, repeat: int, out: Any) 
     import torch.distributed as dist
 
     from omnikv import OmniKVCacheConfig, OmniKVTransferManager
-    from omnikv.parallel import ParallelContext
+    from omnikv.ranks.context import ParallelContext
 
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

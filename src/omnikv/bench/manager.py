@@ -272,9 +272,11 @@ def _await_reserve(mgr: Any, timeout: float = 60.0) -> dict[str, float]:
             break
         time.sleep(0.005)  # a stage's start-up (model load) is what really fills this time
     took = health.get("pool_reserve_s")
-    return {"reserve_mib": health.get("pool_reserve_bytes", 0) / MIB,
-            "reserve_wait_s": time.monotonic() - t0,
-            "reserve_s": -1.0 if took is None else float(took)}  # fmt: skip
+    return {
+        "reserve_mib": health.get("pool_reserve_bytes", 0) / MIB,
+        "reserve_wait_s": time.monotonic() - t0,
+        "reserve_s": -1.0 if took is None else float(took),
+    }
 
 
 def _run_case(
@@ -303,13 +305,18 @@ def _run_case(
     try:
         for i in range(1 + args.warmup + iters):
             rss0 = _rss_mib() if i == 0 else 0.0
-            t0, t_got, ok = _one(chan, mgr, caches, shape, f"{key}-{i}", i, iters, args.gap_ms)
+            t0, t_got, ok = _one(
+                chan, mgr, caches, shape, rid=f"{key}-{i}", i=i, n=iters, gap_ms=args.gap_ms
+            )
             if not ok:
                 failures.append(f"{key} sample {i}")
             if i == 0:
                 first = t_got - t0
-                mem.update(rss_mib=_rss_mib(), rss_growth_mib=_rss_mib() - rss0,
-                           rss_shmem_mib=_rss_mib("RssShmem"))  # fmt: skip
+                mem.update(
+                    rss_mib=_rss_mib(),
+                    rss_growth_mib=_rss_mib() - rss0,
+                    rss_shmem_mib=_rss_mib("RssShmem"),
+                )
             elif i > args.warmup:
                 samples.append(t_got - t0)
     finally:
@@ -323,6 +330,7 @@ def _one(
     mgr: Any,
     caches: list[torch.Tensor],
     shape: Shape,
+    *,
     rid: str,
     i: int,
     n: int,
@@ -376,12 +384,12 @@ def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, st
     prof = cProfile.Profile()
     try:
         for i in range(20):
-            _one(chan, mgr, caches, shape, f"warm-{i}", i, 20)
+            _one(chan, mgr, caches, shape, rid=f"warm-{i}", i=i, n=20)
         chan.send("profile", "on")
         chan.expect("ok")
         for i in range(args.small_iters):
             prof.enable()
-            _one(chan, mgr, caches, shape, f"prof-{i}", i, args.small_iters)
+            _one(chan, mgr, caches, shape, rid=f"prof-{i}", i=i, n=args.small_iters)
             prof.disable()
         chan.send("profile", "off")
         rx_text = str(chan.expect("ok")[1])
@@ -426,6 +434,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")
+    parser.add_argument(
+        "--no-targets",
+        action="store_true",
+        help="report the speed targets but exit 0 when one is missed (smoke runs on a busy "
+        "machine); a verification failure still fails",
+    )
     add_plot_option(parser)
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
@@ -435,8 +449,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "receiver":
         return _receiver(args.fd)
     parent, child = socket.socketpair()
-    cmd = [sys.executable, "-m", "omnikv.cli", "bench", "manager", "--role", "receiver",
-           "--fd", str(child.fileno())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "omnikv.cli",
+        "bench",
+        "manager",
+        "--role",
+        "receiver",
+        "--fd",
+        str(child.fileno()),
+    ]
     proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
     child.close()
     chan = JsonChannel(parent)
@@ -451,9 +474,11 @@ def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) ->
     name = SHAPES[key].name
     if mem["reserve_mib"]:
         ready = "not ready" if mem["reserve_s"] < 0 else f"took {mem['reserve_s'] * 1e3:.0f} ms"
-        print(f"{name}: sender pool reserve of {mem['reserve_mib']:.0f} MiB prepared in the"
-              f" background while the stage started ({ready}; waited {mem['reserve_wait_s']:.3f} s"
-              " for it before the first request)")  # fmt: skip
+        print(
+            f"{name}: sender pool reserve of {mem['reserve_mib']:.0f} MiB prepared in the"
+            f" background while the stage started ({ready}; waited {mem['reserve_wait_s']:.3f} s"
+            " for it before the first request)"
+        )
     print(
         f"{name}: first request {first * 1e3:.3f} ms (steady median {steady.median * 1e3:.3f}"
         f" ms, p99 {steady.p99 * 1e3:.3f} ms; first - steady {(first - steady.median) * 1e3:+.1f}"
@@ -474,22 +499,35 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
         cpu0 = _cpu_s(child_pid)
         first, steady, mem, fails = _run_case(args, chan, key, iters)
         cpu1, n = _cpu_s(child_pid), 1 + args.warmup + iters
-        print(f"{SHAPES[key].name}: CPU per request (every thread, bench overhead included):"
-              f" sender {(cpu1[0] - cpu0[0]) / n * 1e6:.0f} us,"
-              f" receiver {(cpu1[1] - cpu0[1]) / n * 1e6:.0f} us")  # fmt: skip
+        print(
+            f"{SHAPES[key].name}: CPU per request (every thread, bench overhead included):"
+            f" sender {(cpu1[0] - cpu0[0]) / n * 1e6:.0f} us,"
+            f" receiver {(cpu1[1] - cpu0[1]) / n * 1e6:.0f} us"
+        )
         failures += fails
         memcpy = _memcpy(SHAPES[key].nbytes, min(iters, 50))
         rows += [memcpy, steady]
         memcpys.append(memcpy)
         steadies.append(steady)
         _print_case(key, first, steady, mem)
-        out["cases"][key] = {"first_s": first, "first_rss_mib": mem["rss_growth_mib"],
-                             **mem, **steady.as_dict(), "memcpy": memcpy.as_dict()}  # fmt: skip
-        targets.append((f"{key} first - steady <= 50 ms (ms)", (first - steady.median) * 1e3,
-                        first - steady.median <= 0.05))  # fmt: skip
+        out["cases"][key] = {
+            "first_s": first,
+            "first_rss_mib": mem["rss_growth_mib"],
+            **mem,
+            **steady.as_dict(),
+            "memcpy": memcpy.as_dict(),
+        }
+        targets.append(
+            (
+                f"{key} first - steady <= 50 ms (ms)",
+                (first - steady.median) * 1e3,
+                first - steady.median <= 0.05,
+            )
+        )
         if key == "64KiB":
-            targets.append(("64 KiB p50 <= 0.5 ms (ms)", steady.median * 1e3,
-                            steady.median <= 0.5e-3))  # fmt: skip
+            targets.append(
+                ("64 KiB p50 <= 0.5 ms (ms)", steady.median * 1e3, steady.median <= 0.5e-3)
+            )
             targets.append(("64 KiB p99 <= 2 ms (ms)", steady.p99 * 1e3, steady.p99 <= 2e-3))
     print_table(rows, title="through the managers, two processes (steady state)")
     if failures:
@@ -511,7 +549,7 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
             title="omnikv bench manager: paged KV through two managers",
         )
         print(f"plot written to {args.plot}")
-    return 0 if out["targets_met"] else 1
+    return 0 if args.no_targets or out["targets_met"] else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,7 +1,7 @@
 """``omnikv bench mooncake``: each omnikv Mooncake connector against the raw engine, same run.
 
 One run, the same bytes for every case: a KV payload (Qwen2.5-7B, 4096 tokens, fp16: 224 MiB by
-default) encoded once with :mod:`omnikv.payload`. The *sender* is a child process (started here
+default) encoded once with :mod:`omnikv.wire.encode`. The *sender* is a child process (started here
 with a socketpair for JSON-lines control messages, no pickle; killed by PID at the end); the
 *receiver* is this process. Raw and omnikv samples alternate (raw first on even rounds, omnikv
 first on odd ones) so drift hits both; warm-up rounds are discarded. Target: omnikv >= 0.85 x the
@@ -10,7 +10,7 @@ raw engine's throughput at 224 MiB (``ratio = raw median / omnikv median``).
 **Transfer Engine** (``--only te``; P2P handshake, tcp, loopback):
 
 * *raw TE write*: each process has its own ``TransferEngine`` and one registered, page-aligned,
-  pre-faulted buffer (:class:`~omnikv.connectors._pool.HostPool`); the sender's holds the encoded
+  pre-faulted buffer (:class:`~omnikv.connectors.pool.HostPool`); the sender's holds the encoded
   bytes. Timed in the sender: one ``transfer_sync_write`` of the whole payload into the
   receiver's buffer (a single 224 MiB transfer is accepted; when it returns 0 the bytes are at
   the receiver).
@@ -29,10 +29,10 @@ raw engine's throughput at 224 MiB (``ratio = raw median / omnikv median``).
 
 **Mooncake Store** (``--only store``; a real ``mooncake_master`` on free loopback ports, killed
 by PID at the end; HTTP metadata). Where the master places an object decides what put and get
-cost: into the putting client's own segment ``put_from`` is a local memcpy (~20 ms for 224 MiB
-here) and the get crosses TCP; into the getting client's segment the other way round; into any
-other client's segment (even one in the same process) both cross TCP. The master picks at
-random, which moves a single put+get between ~190 and ~500 ms whatever the connector. So by
+cost: into the putting client's own segment ``put_from`` is a local memcpy and the get crosses
+TCP; into the getting client's segment the other way round; into any other client's segment
+(even one in the same process) both cross TCP. The master picks at random, which moves a single
+put+get by a factor of two or more whatever the connector. So by
 default (``--store-placement holder``) a *holder* client in this process contributes the only
 segment that can take the payload (two payloads and a margin) and the four benchmarked clients
 contribute Mooncake's minimum (16 MiB): every object, raw or omnikv, travels sender -> holder ->
@@ -44,7 +44,7 @@ master's choice, as in a plain deployment. The placement of every sample is look
 * *raw put+get* = ``put_from`` of the registered sender buffer (timed in the sender) +
   ``get_into`` the registered receiver buffer (timed in the receiver); ``remove`` afterwards,
   untimed.
-* *omnikv put+wait*: :class:`~omnikv.connectors.mooncake_store.MooncakeStoreConnector`:
+* *omnikv put+wait*: :class:`~omnikv.connectors.mooncake_store.connector.MooncakeStoreConnector`:
   (``put_packed`` minus its writer's memcpy, which is measured inside the writer and reported on
   its own line) + ``wait`` with the object already stored (``get_size`` + ``get_into`` its
   registered pool + ``remove``).
@@ -101,8 +101,8 @@ from omnikv.bench.common import (
     write_json,
 )
 from omnikv.bench.mooncake_master import HOST, MooncakeMaster, free_ports
-from omnikv.connectors._mooncake_common import unavailable_reason
-from omnikv.connectors._pool import HostPool
+from omnikv.connectors.mooncake_te.engine import unavailable_reason
+from omnikv.connectors.pool import HostPool
 
 __all__ = ["main"]
 
@@ -232,7 +232,7 @@ class _Sender:
         client's endpoint (so the parent can name where objects were placed)."""
         from mooncake.store import ReplicateConfig
 
-        from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+        from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
 
         self.st_pool = HostPool(self.n)
         self.st_pool.tensor[: self.n].copy_(self.src.view)
@@ -398,7 +398,7 @@ def _store_case(ctx: _Ctx) -> dict[str, Stats]:
     Called by :func:`_run` with the sender child ready; starts and (in ``finally``) kills its own
     ``mooncake_master``, after every client has left. Raises BenchError on a failed step.
     """
-    from omnikv.connectors.mooncake_store import MooncakeStoreConnector
+    from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
 
     n, chan, check = ctx.n, ctx.chan, ctx.check
     raw = Stats("raw put+get", [], n)

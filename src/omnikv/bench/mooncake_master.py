@@ -1,6 +1,7 @@
 """A real ``mooncake_master`` on free loopback ports, for the benchmarks and the engine tests.
 
-Started by ``omnikv bench mooncake`` and by the Mooncake tests (``tests/mooncake_helpers.py``);
+Started by ``omnikv bench mooncake`` and by the Mooncake tests
+(``tests/support/mooncake_peers.py``);
 nothing in the library's transfer path uses it. The master binary ships in the Mooncake wheel
 (``pip install 'omnikv[mooncake]'``), next to the ``mooncake`` package. Every listener is bound
 to ``127.0.0.1`` (the binary's defaults listen on all interfaces), with the HTTP metadata server

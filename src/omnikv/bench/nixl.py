@@ -1,7 +1,7 @@
 """``omnikv bench nixl``: the NIXL connector's ``wait`` against a raw NIXL READ, same run.
 
 One run, the same bytes for both cases: a KV payload (Qwen2.5-7B, 4096 tokens, fp16: 224 MiB by
-default) encoded once with :mod:`omnikv.payload`. The *sender* is a child process (started here
+default) encoded once with :mod:`omnikv.wire.encode`. The *sender* is a child process (started here
 with a socketpair for JSON-lines control messages, no pickle; reaped by PID at the end); the
 *receiver* is this process. Both processes run NIXL agents with the UCX backend over loopback
 (``UCX_NET_DEVICES=lo`` unless set). Raw and omnikv samples alternate (raw first on even rounds,
@@ -9,12 +9,12 @@ omnikv first on odd ones) so drift hits both; warm-up rounds are discarded. Targ
 0.85 x the raw READ's throughput at 224 MiB (``ratio = raw median / omnikv median``).
 
 * *raw NIXL READ*: each process has its own ``nixl_agent`` (UCX) and one registered,
-  page-aligned, pre-faulted buffer (:class:`~omnikv.connectors._pool.HostPool`); the sender's
+  page-aligned, pre-faulted buffer (:class:`~omnikv.connectors.pool.HostPool`); the sender's
   holds the encoded bytes, the receiver loaded the sender's metadata once. Timed in the receiver:
   ``initialize_xfer`` (READ, with a notification, as the connector posts it), ``transfer``,
   polling ``check_xfer_state`` until ``DONE`` with the connector's schedule (sleeps of 20 us
   doubling to 500 us: a tight loop would take a core from UCX on small machines), ``release``.
-* *omnikv wait (transport)*: :class:`~omnikv.connectors.nixl.NixlConnector`. The sender
+* *omnikv wait (transport)*: :class:`~omnikv.connectors.nixl.connector.NixlConnector`. The sender
   ``put_packed``\\ s (its writer copies the pre-encoded bytes into the registered slot, one
   single-threaded numpy copy) and acks "published"; then the receiver times ``wait`` from the
   call to the returned buffer: claim (control round trip), receive-slot allocation, the READ,
@@ -69,9 +69,9 @@ from omnikv.bench.common import (
     write_json,
 )
 from omnikv.bench.mooncake_master import free_ports
-from omnikv.connectors._pool import HostPool
-from omnikv.connectors.nixl_agent import import_nixl, ucx_defaults, unavailable_reason
-from omnikv.connectors.nixl_receiver import POLL_CAP_S, POLL_FIRST_S
+from omnikv.connectors.nixl.agent import import_nixl, ucx_defaults, unavailable_reason
+from omnikv.connectors.nixl.receiver import POLL_CAP_S, POLL_FIRST_S
+from omnikv.connectors.pool import HostPool
 
 __all__ = ["main"]
 
@@ -142,7 +142,7 @@ class _Sender:
 
     def op_setup(self, zmq_port: int) -> list[Any]:
         """Raw agent over the source bytes, and the sender connector: ``["set_up", md, addr]``."""
-        from omnikv.connectors.nixl import NixlConnector
+        from omnikv.connectors.nixl.connector import NixlConnector
 
         self.raw = _RawAgent(f"bench-raw-tx-{os.getpid()}", self.src.pool)
         self.conn = NixlConnector(
@@ -203,7 +203,7 @@ def _rounds(
 
 def _case(chan: JsonChannel, check: Check, args: Any) -> _Results:
     """Set up both sides (raw agents, connectors), run the alternated rounds, tear down."""
-    from omnikv.connectors.nixl import NixlConnector
+    from omnikv.connectors.nixl.connector import NixlConnector
 
     n = check.n
     pool = HostPool(n)

@@ -50,7 +50,7 @@ def unavailable_reason() -> str | None:
     a run never ends without its figure."""
     try:
         import matplotlib
-        import matplotlib.backends.backend_agg  # the canvas write_plot draws on
+        import matplotlib.backends.backend_agg  # noqa: F401 - the canvas write_plot draws on
     except ImportError as exc:
         return f"--plot needs matplotlib, which is not importable here ({exc}): {INSTALL_HINT}"
     logger.debug("matplotlib %s available for --plot", matplotlib.__version__)
@@ -88,7 +88,7 @@ def human_size(nbytes: float) -> str:
 
 
 def human_seconds(seconds: float) -> str:
-    """``0.0001`` -> ``"100 µs"``, ``0.025`` -> ``"25 ms"`` (3 significant digits)."""
+    """``0.0001`` -> ``"100 µs"``, ``0.025`` -> ``"25 ms"`` (3 significant digits)."""  # noqa: RUF002
     for unit, scale in _TIME_UNITS:
         if seconds >= scale * (1 - 1e-9):
             return f"{seconds / scale:.3g} {unit}"

@@ -19,12 +19,25 @@ __all__ = ["ref_from_bytes", "ref_to_bytes"]
 _ALLOWED = {
     name: getattr(torch, name)
     for name in (
-        "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
-        "bfloat16", "complex64", "complex128", "float8_e4m3fn", "float8_e4m3fnuz",
-        "float8_e5m2", "float8_e5m2fnuz",
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
     )
     if isinstance(getattr(torch, name, None), torch.dtype)
-}  # fmt: skip
+}
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

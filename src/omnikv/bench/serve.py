@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SERVED_MODEL",
     "Deployment",
+    "ServedModel",
     "ServerProcess",
     "connector_warnings",
     "fetch_metrics",
@@ -134,20 +135,23 @@ def logging_config(omnikv_level: str = "INFO") -> dict[str, Any]:
     }
 
 
-def server_argv(
-    model: str | Path,
-    *,
-    role: str,
-    namespace: str,
-    port: int,
-    dtype: str = "float32",
-    max_model_len: int = 1024,
-    recv_timeout: float = 30.0,
-    chat_template: str | None = None,
-) -> list[str]:
+@dataclass(frozen=True)
+class ServedModel:
+    """What both servers of a deployment serve, and how: the model directory, the
+    SharedMemoryConnector namespace the two meet in, and the engine settings they share."""
+
+    model: str | Path
+    namespace: str
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    recv_timeout: float = 30.0
+    chat_template: str | None = None
+
+
+def server_argv(served: ServedModel, *, role: str, port: int) -> list[str]:
     """The command line of a producer (``role="kv_producer"``) or consumer (``"kv_consumer"``)
     OpenAI-compatible server on 127.0.0.1 with OmniKVConnector over SharedMemoryConnector in
-    ``namespace`` (the README's ``vllm serve`` recipe, as a list)."""
+    ``served.namespace`` (the README's ``vllm serve`` recipe, as a list)."""
     from omnikv.bench.vllm import shm_omni_kv_config
 
     kv_transfer_config = {
@@ -156,7 +160,9 @@ def server_argv(
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "omni_kv_config": shm_omni_kv_config(namespace, role, recv_timeout=recv_timeout)
+            "omni_kv_config": shm_omni_kv_config(
+                served.namespace, role, recv_timeout=served.recv_timeout
+            )
         },
     }
     argv = [
@@ -164,7 +170,7 @@ def server_argv(
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(model),
+        str(served.model),
         "--served-model-name",
         SERVED_MODEL,
         "--host",
@@ -172,19 +178,19 @@ def server_argv(
         "--port",
         str(port),
         "--dtype",
-        dtype,
+        served.dtype,
         "--enforce-eager",
         "--block-size",
         "32",
         "--max-model-len",
-        str(max_model_len),
+        str(served.max_model_len),
         "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
         "--kv-transfer-config",
         json.dumps(kv_transfer_config),
     ]
-    if chat_template is not None:
-        argv += ["--chat-template", chat_template]
+    if served.chat_template is not None:
+        argv += ["--chat-template", served.chat_template]
     return argv
 
 
@@ -332,14 +338,9 @@ def server_cpus(role: str, cpus: Sequence[int] | None = None) -> str | None:
 
 def start_deployment(
     workdir: Path,
-    model: str | Path,
+    served: ServedModel,
     *,
-    namespace: str,
-    dtype: str = "float32",
-    max_model_len: int = 1024,
-    recv_timeout: float = 30.0,
     router: str | Path = DEFAULT_ROUTER,
-    chat_template: str | None = None,
     omnikv_log_level: str = "INFO",
     timeout: float = 600.0,
 ) -> Deployment:
@@ -354,16 +355,7 @@ def start_deployment(
     started: list[ServerProcess] = []
     try:
         for role, port in (("kv_producer", ports[0]), ("kv_consumer", ports[1])):
-            argv = server_argv(
-                model,
-                role=role,
-                namespace=namespace,
-                port=port,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                recv_timeout=recv_timeout,
-                chat_template=chat_template,
-            )
+            argv = server_argv(served, role=role, port=port)
             name = role.removeprefix("kv_")
             bind = server_cpus(role)
             role_env = env if bind is None else env | {"VLLM_CPU_OMP_THREADS_BIND": bind}
@@ -848,16 +840,14 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cases = [c for c in ns.cases.split(",") if c]
     max_len = 32 * math.ceil((max(sizes) + ns.max_tokens + 1) / 32)
     model = build_tiny_llama(workdir / "model", ns.dtype, max_positions=max(8192, max_len))
-    dep = start_deployment(
-        workdir,
+    served = ServedModel(
         model,
         namespace=f"omnikv-bench-serve-{os.getpid()}-{secrets.token_hex(3)}",
         dtype=ns.dtype,
         max_model_len=max_len,
         recv_timeout=ns.recv_timeout,
-        router=ns.router,
-        timeout=ns.startup_timeout,
     )
+    dep = start_deployment(workdir, served, router=ns.router, timeout=ns.startup_timeout)
     out: dict[str, Any] = {"bench": "serve", "config": vars(ns), "results": [], "restarts": 0}
     results: list[CaseResult] = []
     try:

@@ -51,7 +51,7 @@ from omnikv.bench.common import (
 )
 from omnikv.bench.plot import add_plot_option, require_plot, write_plot
 from omnikv.bench.reference import ref_from_bytes, ref_to_bytes
-from omnikv.payload import decode
+from omnikv.wire.decode import decode
 
 __all__ = ["main"]
 
@@ -80,7 +80,7 @@ def _same(data: dict[str, Any], source: dict[str, list[torch.Tensor]]) -> bool:
 # -- receiver (child process) ------------------------------------------------------------------
 def _receiver(fd: int, namespace: str, model: str, tokens: int) -> int:
     """Child: serve ``[case, key, verify]`` commands until ``stop``; reply ``[t_got, ok]``."""
-    from omnikv.connectors.shm import SharedMemoryConnector
+    from omnikv.connectors.shm.connector import SharedMemoryConnector
 
     chan = JsonChannel(socket.socket(fileno=fd))
     source = realistic_payload(model, tokens).layer_blocks
@@ -170,6 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", help="write results to this file")
+    parser.add_argument(
+        "--no-targets",
+        action="store_true",
+        help="report the speed targets but exit 0 when one is missed (smoke runs on a busy "
+        "machine); a verification failure still fails",
+    )
     add_plot_option(parser)
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
@@ -191,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_sender(args: argparse.Namespace, tokens: int) -> int:
-    from omnikv.connectors.shm import SharedMemoryConnector
+    from omnikv.connectors.shm.connector import SharedMemoryConnector
 
     payload = realistic_payload(args.model, tokens)
     plan = payload.plan()
@@ -200,10 +206,24 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
     namespace = f"bench-{uuid.uuid4().hex[:12]}"
     parent, child = socket.socketpair()
     cmd = [
-        sys.executable, "-m", "omnikv.cli", "bench", "shm", "--role", "receiver",
-        "--fd", str(child.fileno()), "--namespace", namespace, "--model", args.model,
-        "--tokens", str(tokens), "--threads", str(args.threads),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "omnikv.cli",
+        "bench",
+        "shm",
+        "--role",
+        "receiver",
+        "--fd",
+        str(child.fileno()),
+        "--namespace",
+        namespace,
+        "--model",
+        args.model,
+        "--tokens",
+        str(tokens),
+        "--threads",
+        str(args.threads),
+    ]
     proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
     child.close()
     chan = JsonChannel(parent)
@@ -218,7 +238,9 @@ def _run_sender(args: argparse.Namespace, tokens: int) -> int:
         plan.pack_into(src)
         if not _same(decode(src), payload.layer_blocks):
             raise SystemExit("pack_into verification failed")
-        results = _cases(args, chan, tx, plan, payload, src, dst, leftovers)
+        results = _cases(
+            args, chan, tx, plan, payload=payload, src=src, dst=dst, leftovers=leftovers
+        )
     finally:
         reap(proc, chan)
         tx.close()
@@ -233,6 +255,7 @@ def _cases(
     chan: JsonChannel,
     tx: Any,
     plan: Any,
+    *,
     payload: Any,
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -350,7 +373,7 @@ def _report(args: argparse.Namespace, n: int, r: dict[str, Stats]) -> int:
             title="omnikv bench shm: put -> get across two processes",
         )
         print(f"plot written to {args.plot}")
-    return 0 if all(ok for _, _, ok in targets) else 1
+    return 0 if args.no_targets or all(ok for _, _, ok in targets) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

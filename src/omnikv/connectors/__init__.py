@@ -2,7 +2,7 @@
 
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
 from omnikv.connectors.factory import ConnectorSpec, OmniConnectorFactory, OmniTransferConfig
-from omnikv.serialization import OmniSerializer
+from omnikv.wire.serializer import OmniSerializer
 
 __all__ = [
     "ConnectorSpec",

@@ -25,7 +25,7 @@ Who calls what:
 ``wait`` returns a :class:`ManagedBuffer` (release it when done) or ``None``. ``get`` keeps the
 reference's shape, ``(obj, size)``: a :class:`ManagedBuffer` for raw payloads, the decoded object
 for objects published with the reference-shaped ``put`` (they travel as
-:func:`omnikv.serialization.encode_object` bytes, so ``wait`` hands them over as those bytes;
+:func:`omnikv.wire.serializer.encode_object` bytes, so ``wait`` hands them over as those bytes;
 :func:`get_result` turns such a buffer into the ``get`` shape). Transport failures are raised as
 :class:`~omnikv.errors.ConnectorError` subclasses from ``wait`` and ``put_packed`` (each backend
 translates its own errors at its boundary); the reference-shaped ``put`` / ``get`` report them as
@@ -56,10 +56,11 @@ import torch
 
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorError
-from omnikv.serialization import OmniSerializer, decode_object, encode_object, is_object
+from omnikv.wire.serializer import OmniSerializer, decode_object, encode_object, is_object
 
 if TYPE_CHECKING:
-    from omnikv.connectors._pool import BufferAllocator
+    from omnikv.connectors.boundary import ErrorMap
+    from omnikv.connectors.pool import BufferAllocator
 
 __all__ = [
     "GetResult",
@@ -82,8 +83,8 @@ PutResult = tuple[bool, int, "dict[str, Any] | None"]
 GetResult = tuple[Any, int]
 Writer = Callable[[torch.Tensor], object]
 """Fills a 1-D contiguous ``uint8`` tensor of exactly the requested size (see ``put_packed``).
-A writer that carries :data:`omnikv.payload.HOST_ARRAY_WRITER` may be given a host slot as a
-writable 1-D ``uint8`` numpy array instead (:meth:`omnikv.payload.PackedPayload.pack_into`)."""
+A writer that carries :data:`omnikv.wire.encode.HOST_ARRAY_WRITER` may be given a host slot as a
+writable 1-D ``uint8`` numpy array instead (:meth:`omnikv.wire.encode.PackedPayload.pack_into`)."""
 
 # Bounded polling for transports that cannot notify: start fine, back off to a small cap.
 _POLL_FIRST_S = 0.0005
@@ -418,24 +419,75 @@ class MissReport:
     peer_gone: bool = False
 
 
+def _put_packed_via_put(
+    self: OmniConnectorBase,
+    from_stage: str,
+    to_stage: str,
+    put_key: str,
+    nbytes: int,
+    write: Writer,
+    *,
+    deadline: float,
+) -> PutResult:
+    """``put_packed`` of a connector that defines only the reference's ``put``: the payload is
+    written into a host buffer of its own, then handed to ``put`` as bytes. ``deadline`` is the
+    caller's; ``put`` has no deadline of its own to honour it with."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    write(buf)
+    return self.put(from_stage, to_stage, put_key, bytes(buf.numpy()))
+
+
 class OmniConnectorBase(ABC):
     """Base class of every omnikv transport (see the module docstring for the contract).
 
-    Subclasses implement ``get`` and ``close`` and at least one of ``put`` / ``put_packed`` (each
-    default is written on top of the other); the rest have working defaults. Capabilities are
-    class attributes, never probed with ``hasattr``.
+    Subclasses implement ``put_packed``, ``get`` and ``close``; the reference-shaped ``put`` is
+    written on top of ``put_packed`` here, and the rest have working defaults. Capabilities are
+    class attributes read directly, never probed with ``hasattr``.
     """
 
     #: Accepts raw bytes / uint8 tensors / its own pool buffers without object encoding; the
     #: manager then hands it packed KV (through ``put_packed``).
     supports_raw_data: ClassVar[bool] = False
+    #: The table this connector translates its backend's errors with (``None``: no backend of
+    #: its own); see :mod:`omnikv.connectors.boundary`.
+    error_map: ClassVar[ErrorMap | None] = None
     #: Seconds the reference-shaped ``put`` waits for pool space (0: try once).
     put_timeout_s: float = 0.0
 
     def __init__(self) -> None:
         self._closed = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A connector written against the reference defines only ``put``: give it a
+        ``put_packed`` on top of that ``put`` (one extra copy) so it instantiates and serves the
+        manager unchanged. Connectors of this library implement ``put_packed`` themselves."""
+        super().__init_subclass__(**kwargs)
+        if "put" in cls.__dict__ and "put_packed" not in cls.__dict__:
+            cls.put_packed = _put_packed_via_put  # type: ignore[method-assign]
+
     # -- required -------------------------------------------------------------------------
+    @abstractmethod
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        """Publish a payload of ``nbytes`` bytes that ``write`` fills in place.
+
+        Called by the sender once per key and request (and by :meth:`put`). ``write`` is called
+        exactly once with a contiguous 1-D ``uint8`` tensor of ``nbytes`` bytes; transports with
+        pooled memory pass their own space, so the payload is encoded once, straight into the
+        memory that travels. Waits for that space until ``deadline``, then raises
+        :class:`~omnikv.errors.PoolExhaustedError`. If ``write`` raises, nothing is published
+        and the exception propagates. Returns ``(ok, size, metadata)`` as :meth:`put` does;
+        transport failures raise :class:`~omnikv.errors.ConnectorError` subclasses.
+        """
+
     @abstractmethod
     def get(
         self,
@@ -450,19 +502,15 @@ class OmniConnectorBase(ABC):
     def close(self) -> None:
         """Release every resource. Idempotent."""
 
-    # -- put: the reference shape on top of put_packed (or the reverse) ----------------------
+    # -- put: the reference shape on top of put_packed ---------------------------------------
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
         """Publish ``data`` under ``put_key`` for the edge ``from_stage -> to_stage``.
 
         Raw data (bytes-like, tensors, arrays) travels as is, anything else framed by
-        :func:`omnikv.serialization.encode_object`. One copy into the transport's memory
+        :func:`omnikv.wire.serializer.encode_object`. One copy into the transport's memory
         (``put_packed``), waiting ``put_timeout_s`` for space. Returns ``(ok, size, metadata)``;
         ``(False, 0, None)`` on any failure (logged).
         """
-        if type(self).put_packed is OmniConnectorBase.put_packed:
-            raise NotImplementedError(
-                f"{type(self).__name__} implements neither put nor put_packed"
-            )
         try:
             src = _encoded(data)
 
@@ -476,33 +524,6 @@ class OmniConnectorBase(ABC):
         except (ConnectorError, ValueError, TypeError) as exc:
             logger.error("%s put of %s failed: %s", type(self).__name__, put_key, exc)
             return False, 0, None
-
-    def put_packed(
-        self,
-        from_stage: str,
-        to_stage: str,
-        put_key: str,
-        nbytes: int,
-        write: Writer,
-        *,
-        deadline: float,
-    ) -> PutResult:
-        """Publish a payload of ``nbytes`` bytes that ``write`` fills in place.
-
-        ``write`` is called exactly once with a contiguous 1-D ``uint8`` tensor of ``nbytes``
-        bytes; transports with pooled memory pass their own space, so the payload is encoded once,
-        straight into the memory that travels. Waits for that space until ``deadline``, then
-        raises :class:`~omnikv.errors.PoolExhaustedError`. If ``write`` raises, nothing is
-        published and the exception propagates. The default stages into a fresh host buffer and
-        calls ``put``.
-        """
-        if type(self).put is OmniConnectorBase.put:
-            raise NotImplementedError(
-                f"{type(self).__name__} implements neither put nor put_packed"
-            )
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        write(buf)
-        return self.put(from_stage, to_stage, put_key, buf)
 
     # -- optional, with defaults ----------------------------------------------------------
     def wait(

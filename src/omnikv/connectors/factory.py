@@ -8,6 +8,7 @@ a different target under a taken name is a ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -19,16 +20,16 @@ from importlib import metadata as importlib_metadata
 from typing import Any, ClassVar
 
 from omnikv.connectors.base import OmniConnectorBase
-from omnikv.topology import engine_connector_config
+from omnikv.topology.placement import engine_connector_config
 
 __all__ = [
     "TRANSFER_ENGINE_CONNECTOR_NAMES",
     "ConnectorSpec",
     "LazyConnector",
-    "spec_for_stage",
-    "spec_from_config",
     "OmniConnectorFactory",
     "OmniTransferConfig",
+    "spec_for_stage",
+    "spec_from_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -200,8 +201,9 @@ def spec_from_config(
     """What a stage's ``connector_config`` asks to build (``None`` without a ``type``).
 
     Every key but ``type`` is passed on; pull-model (transfer-engine) connectors also get their
-    role, stages and this rank's port (:func:`omnikv.topology.engine_connector_config`), the
-    shared-memory connector its ``role`` (unless the config sets one).
+    role, stages and this rank's port
+    (:func:`omnikv.topology.placement.engine_connector_config`), the shared-memory connector its
+    ``role`` (unless the config sets one).
     """
     if not connector_config or not connector_config.get("type"):
         return None
@@ -261,6 +263,24 @@ class LazyConnector:
         self._retry_at = 0.0
         #: Why the last creation failed (``None`` after a success or before any attempt).
         self.error: str | None = None
+
+    @classmethod
+    def for_stage(
+        cls,
+        config: Any,
+        local_rank: int,
+        *,
+        retry_interval: float = 5.0,
+        connector: OmniConnectorBase | None = None,
+    ) -> LazyConnector:
+        """The lazy connector of one stage's ``OmniKVCacheConfig`` on ``local_rank`` (built by
+        the manager). The spec is read from ``config`` at each attempt (:func:`spec_for_stage`),
+        so an endpoint written into it later is seen."""
+        return cls(
+            functools.partial(spec_for_stage, config, local_rank),
+            retry_interval=retry_interval,
+            connector=connector,
+        )
 
     @property
     def current(self) -> OmniConnectorBase | None:

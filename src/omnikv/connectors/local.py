@@ -9,9 +9,10 @@ pool space until its deadline (then ``PoolExhaustedError``); ``wait`` is woken b
 a condition variable (no polling); consume-once ``get``, ``cleanup``, ``flush``, ``health`` and an
 idempotent ``close``.
 
-Config keys: ``namespace``; ``pool_size`` (bytes, default 1 GiB of virtual memory, taken by the
-first connector of a namespace; pages are touched only as payloads use them); ``put_timeout_s``
-(how long the reference-shaped ``put`` waits for space, default 0).
+Config keys (read by :mod:`omnikv.values`): ``namespace``; ``pool_size`` (bytes or ``"512MB"``,
+default 1 GiB of virtual memory, taken by the first connector of a namespace; pages are touched
+only as payloads use them); ``put_timeout_s`` (seconds >= 0 the reference-shaped ``put`` waits
+for space, default 0).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from omnikv.connectors._pool import BufferAllocator
-from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import (
     GetResult,
     ManagedBuffer,
@@ -40,8 +39,11 @@ from omnikv.connectors.base import (
     get_result,
     matches_request,
 )
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.pool import BufferAllocator
 from omnikv.deadline import remaining
-from omnikv.errors import ConfigError, ConnectorClosedError
+from omnikv.errors import ConnectorClosedError
+from omnikv.values import parse_number, parse_size
 
 __all__ = ["LocalConnector"]
 
@@ -88,12 +90,6 @@ class _Store:
         self.users = 0
 
 
-def _pool_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"pool_size must be a positive number of bytes, got {value!r}")
-    return value
-
-
 class LocalConnector(OmniConnectorBase):
     """Keyed in-memory hand-off between managers of one process, over a shared pool."""
 
@@ -106,15 +102,15 @@ class LocalConnector(OmniConnectorBase):
         super().__init__()
         cfg = dict(config or {})
         self.namespace = str(cfg.get("namespace", "default"))
-        size = _pool_size(cfg.get("pool_size", _DEFAULT_POOL))
-        self.put_timeout_s = float(cfg.get("put_timeout_s", 0.0))
+        size = parse_size("pool_size", cfg.get("pool_size"), _DEFAULT_POOL)
+        self.put_timeout_s = parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0)
         with self._stores_lock:
             store = self._stores.get(self.namespace)
             if store is None:
                 store = self._stores[self.namespace] = _Store(size)
             store.users += 1
         self._store = store
-        self._counters = Counters(("puts", "gets", "misses", "bytes_put", "bytes_got"))
+        self._counters = Counters(("puts", "put_bytes", "gets", "get_bytes", "misses"))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -142,7 +138,7 @@ class LocalConnector(OmniConnectorBase):
         if old is not None:
             pool.allocator.free(old.offset)
         self._counters.add("puts")
-        self._counters.add("bytes_put", nbytes)
+        self._counters.add("put_bytes", nbytes)
         logger.debug("LocalConnector put %s (%d bytes)", key, nbytes)
         return True, nbytes, {"key": key, "size": nbytes}
 
@@ -152,7 +148,7 @@ class LocalConnector(OmniConnectorBase):
             return None
         self._store.cond.notify_all()  # flush() waits for consumption
         self._counters.add("gets")
-        self._counters.add("bytes_got", item.size)
+        self._counters.add("get_bytes", item.size)
         pool = self._store.pool
         return ManagedBuffer(pool.slot(item.offset, item.size), SlotRelease(pool, item.offset))
 

@@ -410,12 +410,32 @@ def _parser() -> argparse.ArgumentParser:
 
 def _stage1_cmd(ns: argparse.Namespace, namespace: str) -> list[str]:
     cmd = [
-        sys.executable, "-m", "omnikv.demo.pipeline", "--role", "stage1",
-        "--namespace", namespace, "--connector", ns.connector, "--model", ns.model,
-        "--dtype", ns.dtype, "--requests", str(ns.requests), "--prompt-len", str(ns.prompt_len),
-        "--prompt-lens", ns.prompt_lens, "--new-tokens", str(ns.new_tokens),
-        "--timeout", str(ns.timeout), "--realistic-tokens", str(ns.realistic_tokens),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "omnikv.demo.pipeline",
+        "--role",
+        "stage1",
+        "--namespace",
+        namespace,
+        "--connector",
+        ns.connector,
+        "--model",
+        ns.model,
+        "--dtype",
+        ns.dtype,
+        "--requests",
+        str(ns.requests),
+        "--prompt-len",
+        str(ns.prompt_len),
+        "--prompt-lens",
+        ns.prompt_lens,
+        "--new-tokens",
+        str(ns.new_tokens),
+        "--timeout",
+        str(ns.timeout),
+        "--realistic-tokens",
+        str(ns.realistic_tokens),
+    ]
     level = logging.getLogger().getEffectiveLevel()
     cmd += ["--log-level", logging.getLevelName(level)]  # stage 1 logs like stage 0
     return [*cmd, "--inject-fault"] if ns.inject_fault else cmd

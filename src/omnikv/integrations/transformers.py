@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnikv.errors import OmniKVError
-from omnikv.receiver import ReceiveResult
-from omnikv.sender import SendResult, SendStatus
+from omnikv.errors import HFCacheError
+from omnikv.transfer.receive import ReceiveResult
+from omnikv.transfer.send import SendResult, SendStatus
 
 if TYPE_CHECKING:
     from omnikv.manager import OmniKVTransferManager
@@ -42,11 +42,6 @@ _ACCEPTED = (
     "a transformers Cache with .layers[i].keys/.values (DynamicCache), or a tuple of "
     "(K, V) pairs, each [1, kv_heads, seq, head_dim]"
 )
-
-
-class HFCacheError(OmniKVError, ValueError):
-    """A transformers cache omnikv cannot send (batch > 1, uneven layers, wrong shape), or
-    received KV that does not fit the model (layers, heads, head size, dtype)."""
 
 
 def _filled(idx: int, layer: Any) -> tuple[Any, Any]:
@@ -170,23 +165,17 @@ def receive_hf_cache(
     the layer count (more or fewer), KV heads, head size and dtype (``config.dtype``, set by
     ``from_pretrained``) match the model; ``dtype`` (e.g. ``model.dtype``) is checked when given
     and wins over the config's. ``check_finite`` (off by default: one pass over the KV) also
-    refuses NaN or infinite values. A mismatch raises :class:`HFCacheError` naming both sides;
-    the received KV is released first.
+    refuses NaN or infinite values. A mismatch raises :class:`HFCacheError` naming both sides.
     """
     target = torch.device(device) if device is not None else None
     result = manager.receive_kv_cache_result(str(request_id), target)
     kv = result.kv
     if not result.ok or kv is None:
         return None, result
-    try:
-        check_kv(kv.key_cache, kv.value_cache, config, dtype=dtype, check_finite=check_finite)
-        cache = _dynamic_cache(kv.key_cache, kv.value_cache, config)
-    except HFCacheError:
-        kv.release()
-        raise
+    check_kv(kv.key_cache, kv.value_cache, config, dtype=dtype, check_finite=check_finite)
+    cache = _dynamic_cache(kv.key_cache, kv.value_cache, config)
     # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
     bare = dataclasses.replace(kv, key_cache=[], value_cache=[])
-    kv.release()
     return cache, dataclasses.replace(result, kv=bare)
 
 

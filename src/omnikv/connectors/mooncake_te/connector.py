@@ -2,7 +2,7 @@
 
 Data plane: the Mooncake Transfer Engine (``protocol`` "tcp" everywhere, "rdma" where the
 hardware exists), one registered, pre-faulted host pool per process. Control plane:
-:mod:`omnikv.connectors._control` (msgpack over TCP, optionally authenticated with a shared
+:mod:`omnikv.connectors.pull.control` (msgpack over TCP, optionally authenticated with a shared
 secret, replay-proof, with capped connections and handshake/idle timeouts). The role is chosen
 once, at construction: every connector can receive (:class:`~.receiver.ReceiverSide`); a
 ``role="sender"`` connector also publishes and serves pulls (:class:`~.sender.SenderSide`) on
@@ -14,27 +14,28 @@ unregisters the pool from the engine and unmaps it; a failed constructor leaves 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
-from omnikv.connectors._control import ControlCodec
-from omnikv.connectors._mooncake_common import (
+from omnikv.connectors.boundary import ErrorMap
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.engine import (
+    TE_ERRORS,
     import_mooncake_engine,
     set_metadata_cache,
     set_tcp_bind_address,
     set_tcp_connection_pool,
-    warn_unauthenticated,
 )
-from omnikv.connectors._pool import HostPool
-from omnikv.connectors._pull import PullConnector
-from omnikv.connectors._stats import Counters
-from omnikv.connectors.mooncake_te.protocol import COUNTER_NAMES, SCHEMA, TEConfig, te_errors
+from omnikv.connectors.mooncake_te.protocol import COUNTER_NAMES, SCHEMA, TEConfig
 from omnikv.connectors.mooncake_te.receiver import ReceiverSide
 from omnikv.connectors.mooncake_te.sender import SenderSide
-from omnikv.errors import ConnectorUnavailableError
+from omnikv.connectors.pool import HostPool
+from omnikv.connectors.pull.connector import PullConnector
+from omnikv.connectors.pull.control import ControlCodec
+from omnikv.connectors.pull.host import warn_unauthenticated
+from omnikv.errors import ConnectorError
 
 __all__ = ["MooncakeTransferEngineConnector"]
 
@@ -68,8 +69,10 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
     ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),
     ``idle_timeout_seconds`` (300: a channel without traffic is closed), ``heartbeat_seconds``
-    (10: TCP keepalive). See :class:`~omnikv.connectors._control.ServerLimits`.
+    (10: TCP keepalive). See :class:`~omnikv.connectors.pull.control.ServerLimits`.
     """
+
+    error_map: ClassVar[ErrorMap] = TE_ERRORS
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -96,7 +99,7 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         self._sender = None
         self._receiver = None
         try:
-            with te_errors("Transfer Engine set-up"):
+            with TE_ERRORS.translate("Transfer Engine set-up"):
                 self._open_engine(engine_cls)
                 self._open_sides()
         except BaseException:
@@ -117,16 +120,12 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         cfg = self._cfg
         self._engine = engine_cls()
         rc = self._engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
-        if rc != 0:
-            raise ConnectorUnavailableError(
-                f"Transfer Engine initialize({cfg.host}, {cfg.protocol}) returned {rc}"
-            )
+        TE_ERRORS.check(rc, f"Transfer Engine initialize({cfg.host}, {cfg.protocol})")
         self.rpc_port = int(self._engine.get_rpc_port())
         self.session_id = f"{cfg.host}:{self.rpc_port}"
         self._pool = HostPool(cfg.pool_size)
         rc = self._engine.register_memory(self._pool.address, self._pool.size)
-        if rc != 0:
-            raise ConnectorUnavailableError(f"register_memory of the pool returned {rc}")
+        TE_ERRORS.check(rc, "register_memory of the pool")
         self._registered = True
 
     def _open_sides(self) -> None:
@@ -137,8 +136,14 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         if cfg.role == "sender":
             self._sender = SenderSide(cfg, codec, self._engine, pool, self._counters)
 
-    def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return te_errors(what)
+    def set_write_hook(self, hook: Callable[[], object] | None) -> None:
+        """Fault-injection hook for tests: ``hook`` runs on a pull worker just before each
+        engine write of this sender (a test holds a transfer mid-write with it, to see what a
+        receiver that gives up, or a sender that dies, leaves behind); ``None`` removes it.
+        Senders only (``ConnectorError`` otherwise)."""
+        if self._sender is None:
+            raise ConnectorError("only a role='sender' connector writes: no write hook to set")
+        self._sender.write_hook = hook
 
     def _threads(self) -> Iterator[threading.Thread]:
         for side in (self._sender, self._receiver):

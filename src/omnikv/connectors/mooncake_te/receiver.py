@@ -11,7 +11,7 @@ arrival and handed to the next ``get`` / ``wait`` of that key.
 
 Every channel to a sender starts with a ``hello`` that declares this receiver's engine session,
 a random token of this connector (so a sender tells it from an earlier receiver that had the
-same session name) and its pool range (see :mod:`omnikv.connectors._control`); a channel whose
+same session name) and its pool range (see :mod:`omnikv.connectors.pull.control`); a channel whose
 sender stays silent is dropped, so a restarted sender is greeted afresh.
 """
 
@@ -25,19 +25,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors._control import ControlCodec
-from omnikv.connectors._control_client import Channel, ControlClient
-from omnikv.connectors._pool import HostPool
-from omnikv.connectors._pull import LateArrivals, deliver
-from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.engine import TE_ERRORS
 from omnikv.connectors.mooncake_te.protocol import (
     INCARNATION_BYTES,
     LONG_POLL_CAP_S,
     TEConfig,
-    te_errors,
-    transfer_budget_s,
 )
+from omnikv.connectors.pool import HostPool
+from omnikv.connectors.pull.client import Channel, ControlClient
+from omnikv.connectors.pull.connector import LateArrivals, deliver, transfer_budget_s
+from omnikv.connectors.pull.control import ControlCodec
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PeerGoneError
 
@@ -253,7 +252,7 @@ class ReceiverSide:
         """What the sender says about the transfer: inflight / done / failed / unknown / silent."""
         timeout = min(1.0, self._cfg.peer_timeout_s)
         try:
-            with te_errors(f"status of {q.xid}"):
+            with TE_ERRORS.translate(f"status of {q.xid}"):
                 chan = self._client.channel(q.endpoint, timeout)
                 msg = {"op": "status", "xid": q.xid}
                 reply = None if chan is None else chan.request(msg, timeout)
@@ -285,6 +284,11 @@ class ReceiverSide:
     # -- state and shutdown ------------------------------------------------------------------------
     def cleanup(self, request_id: str) -> None:
         self._late.cleanup(request_id)
+
+    @property
+    def client(self) -> ControlClient:
+        """The control client this side reaches senders through."""
+        return self._client
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

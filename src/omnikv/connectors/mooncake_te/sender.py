@@ -23,21 +23,23 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from omnikv.connectors._control import ControlCodec, Request
-from omnikv.connectors._control_server import ControlServer
-from omnikv.connectors._pool import HostPool
-from omnikv.connectors._pull import published
-from omnikv.connectors._stats import Counters
 from omnikv.connectors.base import Writer, fill_slot, matches_request
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.engine import TE_ERRORS
 from omnikv.connectors.mooncake_te.protocol import (
     LONG_POLL_CAP_S,
     XFER_HISTORY,
     TEConfig,
 )
+from omnikv.connectors.pool import HostPool
+from omnikv.connectors.pull.connector import published
+from omnikv.connectors.pull.control import ControlCodec, Request
+from omnikv.connectors.pull.server import ControlServer
 
 __all__ = ["SenderSide"]
 
@@ -112,7 +114,14 @@ def _pull_refusal(entry: _Entry | None, req: Request) -> str:
 
 
 class SenderSide:
-    """Entries, the control server and the pull workers of one sending connector."""
+    """Entries, the control server and the pull workers of one sending connector.
+
+    ``write_hook`` (test hook, set through
+    :meth:`~omnikv.connectors.mooncake_te.connector.MooncakeTransferEngineConnector.set_write_hook`)
+    runs on the pull worker just before each engine write.
+    """
+
+    write_hook: Callable[[], object] | None = None
 
     def __init__(
         self,
@@ -276,13 +285,16 @@ class SenderSide:
         sess = self._sessions.name_for(req.peer["sess"], req.peer["inc"])
         if not sess:
             return f"session {req.peer['sess']} reused by too many receivers; restart the sender"
+        hook = self.write_hook
+        if hook is not None:
+            hook()
         t0 = time.perf_counter()
         try:
             rc = self._engine.transfer_sync_write(
                 sess, self._pool.address + entry.offset, req.msg["dst"], entry.size
             )
-        except (RuntimeError, OSError) as exc:
-            return f"transfer raised {exc}"
+        except TE_ERRORS.handled as exc:  # the reason goes to the receiver, which raises
+            return f"transfer raised {type(exc).__name__}: {exc}"
         logger.debug(
             "pull %s -> %s: %d bytes in %.3f ms (rc %d)",
             entry.key,

@@ -24,7 +24,7 @@ from omnikv.integrations.vllm.options import parse_options
 from omnikv.integrations.vllm.scheduler import SchedulerSide
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, OmniKVPromMetrics
 from omnikv.integrations.vllm.worker import WorkerSide
-from omnikv.layouts import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT
+from omnikv.layouts.specs import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT
 
 __all__ = ["BACKEND_LAYOUTS", "OmniKVConnector"]
 

@@ -33,10 +33,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omnikv.config import parse_bool, parse_int, parse_positive, parse_secret
 from omnikv.errors import ConfigError
 from omnikv.integrations.vllm.binding import is_tag, producer_tag
-from omnikv.layouts import VLLM_LAYOUTS
+from omnikv.layouts.specs import VLLM_LAYOUTS
+from omnikv.values import parse_bool, parse_int, parse_positive, parse_secret
 
 __all__ = ["ConnectorOptions", "parse_options"]
 

@@ -58,9 +58,11 @@ from omnikv.integrations.vllm.binding import kv_mac, mac_matches
 from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
 from omnikv.integrations.vllm.options import ConnectorOptions
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
-from omnikv.layouts import BlockGather, scatter_tokens, vllm_layer_kv_views
+from omnikv.layouts.gather import BlockGather
+from omnikv.layouts.scatter import scatter_tokens
+from omnikv.layouts.specs import vllm_layer_kv_views
 from omnikv.manager import OmniKVTransferManager
-from omnikv.receiver import ReceiveStatus
+from omnikv.transfer.receive import ReceiveStatus
 
 __all__ = ["META_BINDING", "META_MAC", "WorkerSide", "transfer_cpus"]
 

@@ -1,0 +1,447 @@
+"""MooncakeStoreConnector (alias ``MooncakeConnector``): KV hand-off through a Mooncake Store.
+
+The sender encodes into a slot of its registered, pre-faulted host pool and ``put_from``s it
+under ``"{key}@{from}_{to}"``; the store copies the bytes into a segment, so the slot is free
+again as soon as ``put_from`` returns. The receiver asks for the object's size, reserves a slot
+of that size in its own registered pool and ``get_into``s it (zero-copy into memory the engine
+can write). After a successful get the object is removed from the store (``remove_after_get``,
+default true) so the store does not fill up. ``wait`` polls with a bounded back-off until its
+deadline. ``close`` unregisters the pool, closes the store client and unmaps the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    SlotRelease,
+    Writer,
+    fill_slot,
+    get_result,
+    matches_request,
+)
+from omnikv.connectors.boundary import CodeRule, ErrorMap, ErrorRule
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.engine import (
+    INSTALL_HINT,
+    set_metadata_cache,
+    set_tcp_bind_address,
+    set_tcp_connection_pool,
+)
+from omnikv.connectors.pool import HostPool
+from omnikv.connectors.pull.host import resolve_host
+from omnikv.errors import (
+    ConfigError,
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorUnavailableError,
+    PeerGoneError,
+)
+from omnikv.values import parse_bool, parse_int, parse_number, parse_positive, parse_size
+
+__all__ = ["STORE_ERRORS", "MooncakeConnector", "MooncakeStoreConnector", "import_mooncake_store"]
+
+logger = logging.getLogger(__name__)
+
+#: Mooncake's ``TRANSFER_FAIL``: the master lists the object, but the client whose segment holds
+#: it did not answer (a killed sender). Later reads of it block about a second each in the engine.
+_TRANSFER_FAIL = -800
+
+#: The Store connector's boundary. Mooncake's bindings (pybind11) declare no exception classes:
+#: the store reports failures as return codes (a read's ``TRANSFER_FAIL`` means the sender is
+#: gone; any other non-zero code is ``ConnectorUnavailableError``, and so is every code of
+#: ``put_from``), and a C++ exception escaping it arrives as ``RuntimeError``. ``OSError`` covers
+#: the master probe and the system calls around the client.
+STORE_ERRORS = ErrorMap(
+    "Mooncake Store",
+    (
+        ErrorRule(RuntimeError, ConnectorUnavailableError),
+        ErrorRule(OSError, ConnectorUnavailableError),
+    ),
+    codes=(
+        CodeRule(
+            _TRANSFER_FAIL,
+            PeerGoneError,
+            "TRANSFER_FAIL: the master lists the object, but the client holding it did not "
+            "answer: the sender is gone",
+        ),
+    ),
+)
+
+
+def import_mooncake_store() -> tuple[Any, Any]:
+    """``(MooncakeDistributedStore, ReplicateConfig)``; ``ImportError`` with the hint otherwise."""
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT}: {exc}") from exc
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+def _probe_master(address: str, timeout_s: float) -> None:
+    """Fail fast when the master does not accept connections (the engine's own set-up keeps
+    retrying for about 90 s). Called by the constructor; raises ``ConnectorUnavailableError``
+    within ``timeout_s``, or returns once a TCP connection to ``address`` was opened and closed.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"master_server_address must be host:port, got {address!r}")
+    endpoint = (host.strip("[]") or "127.0.0.1", int(port))
+    with (
+        STORE_ERRORS.translate(f"Mooncake master {address} is unreachable"),
+        socket.create_connection(endpoint, timeout_s),
+    ):
+        pass
+
+
+class MooncakeStoreConnector(OmniConnectorBase):
+    """KV hand-off through a Mooncake Store (master + clients), zero-copy on registered pools.
+
+    Built by the factory as ``MooncakeStoreConnector(config)``. Config keys: ``host``
+    (``127.0.0.1``), ``metadata_server`` (``"P2PHANDSHAKE"`` or the master's HTTP metadata URL),
+    ``master_server_address`` (``"127.0.0.1:50051"``), ``global_segment_size`` (512 MiB: what
+    this client contributes to the store; size it for the live working set),
+    ``local_buffer_size`` (64 MiB), ``protocol`` (``"tcp"``), ``device_name`` (``""``),
+    ``memory_pool_size`` (512 MiB: the registered pool for put_from / get_into),
+    ``remove_after_get`` (true), ``replica_num`` (1), ``master_probe_timeout_s`` (3: a master
+    that does not accept a TCP connection within it fails the constructor with
+    ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries),
+    ``max_tracked_keys`` (4096: how many of its own puts a client remembers for ``cleanup``;
+    beyond it, keys another client consumed are forgotten first, then the oldest),
+    ``put_timeout_s`` (0: how long the reference-shaped ``put`` waits for pool space),
+    ``tcp_connection_pool`` (false: Mooncake's TCP transport keeps a connection per peer and
+    never closes it when the peer goes, so a long-lived client would hold one descriptor per
+    client it ever exchanged objects with; ``MC_TCP_ENABLE_CONNECTION_POOL`` in the
+    environment wins), ``metadata_cache`` (false: Mooncake caches each peer's segment
+    description by host:port; ``MC_DISABLE_METACACHE`` in the environment wins). A segment a
+    client opened stays open under its name for as long as the client lives, so a client that
+    starts under an earlier client's name is unreachable to the long-lived ones: give ``host``
+    as ``"ip:port"`` with a port no earlier client had where clients restart often.
+    """
+
+    supports_raw_data: ClassVar[bool] = True
+    error_map: ClassVar[ErrorMap] = STORE_ERRORS
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self._closed = True  # until fully built
+        cfg = dict(config or {})
+        self.host = resolve_host(cfg.get("host", "127.0.0.1"))
+        self.metadata_server = str(cfg.get("metadata_server", "P2PHANDSHAKE"))
+        self.master = str(cfg.get("master_server_address", "127.0.0.1:50051"))
+        self.protocol = str(cfg.get("protocol", "tcp"))
+        self.device_name = str(cfg.get("device_name", "") or "")
+
+        def size(key: str, default: int) -> int:
+            return parse_size(key, cfg.get(key), default)
+
+        def flag(key: str, default: bool) -> bool:
+            return parse_bool(key, cfg.get(key), default)
+
+        segment = size("global_segment_size", 512 << 20)
+        local_buf = size("local_buffer_size", 64 << 20)
+        pool_size = size("memory_pool_size", 512 << 20)
+        self.remove_after_get = flag("remove_after_get", True)
+        tcp_pool = flag("tcp_connection_pool", False)
+        metadata_cache = flag("metadata_cache", False)
+        replicas = parse_int("replica_num", cfg.get("replica_num"), 1)
+        probe_s = parse_positive("master_probe_timeout_s", cfg.get("master_probe_timeout_s"), 3.0)
+        self.put_timeout_s = parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0)
+        self.max_tracked_keys = parse_int("max_tracked_keys", cfg.get("max_tracked_keys"), 4096)
+        store_cls, replicate_cls = import_mooncake_store()
+        _probe_master(self.master, probe_s)
+        set_tcp_bind_address(self.host)
+        set_tcp_connection_pool(tcp_pool)
+        set_metadata_cache(metadata_cache)
+        self._lock = threading.Lock()
+        # Keys this client put and has not seen consumed, oldest first (for cleanup()).
+        self._put_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._counters = Counters(
+            ("puts", "put_bytes", "put_failures", "gets", "get_bytes", "misses", "removed")
+        )
+        self._rcfg = replicate_cls()
+        self._rcfg.replica_num = replicas
+        self._store: Any = None
+        self._pool: HostPool | None = None
+        self._registered = False
+        try:
+            with STORE_ERRORS.translate("Mooncake Store set-up"):
+                self._open(store_cls(), segment, local_buf, pool_size)
+        except BaseException:
+            self._teardown()
+            raise
+        self._closed = False
+        logger.info(
+            "MooncakeStoreConnector on %s (master %s, %s, pool %d bytes)",
+            self.host,
+            self.master,
+            self.protocol,
+            pool_size,
+        )
+
+    def _open(self, store: Any, segment: int, local_buf: int, pool_size: int) -> None:
+        rc = store.setup(
+            self.host,
+            self.metadata_server,
+            segment,
+            local_buf,
+            self.protocol,
+            self.device_name,
+            self.master,
+        )
+        self._store = store
+        STORE_ERRORS.check(rc, f"Mooncake Store setup (master {self.master})")
+        self._pool = HostPool(pool_size)
+        rc = store.register_buffer(self._pool.address, self._pool.size)
+        STORE_ERRORS.check(rc, "register_buffer of the pool")
+        self._registered = True
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _live(self) -> tuple[Any, HostPool]:
+        if self._closed or self._store is None or self._pool is None:
+            raise ConnectorClosedError("MooncakeStoreConnector is closed")
+        return self._store, self._pool
+
+    # -- sender ------------------------------------------------------------------------------
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        """Sender hot path: ``write`` fills a registered slot, ``put_from`` stores it.
+
+        Waits for pool space until ``deadline`` (``PoolExhaustedError`` then); a failed
+        ``put_from`` raises ``ConnectorUnavailableError``. The slot is freed before returning.
+        """
+        store, pool = self._live()
+        offset = fill_slot(pool, nbytes, write, deadline)
+        key = self._make_key(put_key, from_stage, to_stage)
+        try:
+            with STORE_ERRORS.translate(f"put of {key}"):
+                rc = store.put_from(key, pool.address + offset, nbytes, self._rcfg)
+        finally:
+            pool.allocator.free(offset)
+        if rc != 0:
+            # whatever the code (TRANSFER_FAIL included: the segment chosen for the replica is
+            # gone), a retry may place the object elsewhere: transient, not the read's mapping
+            self._counters.add("put_failures")
+            raise STORE_ERRORS.other_codes(f"put_from of {key} returned {rc}")
+        self._track(key)
+        self._counters.add("puts")
+        self._counters.add("put_bytes", nbytes)
+        logger.debug("stored %s (%d bytes)", key, nbytes)
+        return True, nbytes, {"data_size": nbytes, "key": key}
+
+    # -- receiver ----------------------------------------------------------------------------
+    def _take(self, key: str, deadline: float) -> ManagedBuffer | None:
+        store, pool = self._live()
+        with STORE_ERRORS.translate(f"size of {key}"):
+            size = int(store.get_size(key))
+        if size <= 0:
+            return None
+        offset, _ = pool.allocator.alloc(size, deadline=deadline)
+        try:
+            with STORE_ERRORS.translate(f"get of {key}"):
+                got = int(store.get_into(key, pool.address + offset, size))
+        except BaseException:
+            pool.allocator.free(offset)
+            raise
+        if got != size:
+            pool.allocator.free(offset)
+            return self._short_read(key, got, size)
+        self._consumed(store, key)
+        self._counters.add("gets")
+        self._counters.add("get_bytes", size)
+        return ManagedBuffer(pool.slot(offset, size), SlotRelease(pool, offset))
+
+    @staticmethod
+    def _short_read(key: str, got: int, size: int) -> None:
+        """A ``get_into`` of ``size`` bytes that returned ``got``: a code the table names raises
+        (``TRANSFER_FAIL``: the sender is gone); another negative code is a miss (the object was
+        removed or expired since ``get_size``); a short count is ``ConnectorUnavailableError``."""
+        if STORE_ERRORS.code_rule(got) is not None:
+            STORE_ERRORS.check(got, f"get_into of {key}")
+        if got < 0:
+            return None
+        raise ConnectorUnavailableError(f"get_into of {key} returned {got} of {size} bytes")
+
+    def _consumed(self, store: Any, key: str) -> None:
+        if self.remove_after_get:
+            with STORE_ERRORS.translate(f"remove of {key}"):
+                rc = int(store.remove(key, True))  # force: our own read lease is held
+            if rc == 0:
+                self._counters.add("removed")
+            else:
+                logger.debug("remove of %s returned %d", key, rc)
+        with self._lock:
+            self._put_keys.pop(key, None)
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Take the object if it is in the store: ``(ManagedBuffer, size)`` or ``(obj, size)``.
+
+        ``None`` when absent or on error (logged). Consumes it (removal: ``remove_after_get``).
+        """
+        key = self._make_key(get_key, from_stage, to_stage)
+        if self._closed:
+            raise ConnectorClosedError("MooncakeStoreConnector is closed")
+        try:
+            buf = self._take(key, 0.0)
+        except ConnectorError as exc:
+            logger.error("get of %s failed: %s", key, exc)
+            return None
+        if buf is None:
+            self._counters.add("misses")
+            return None
+        return get_result(buf)
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> ManagedBuffer | None:
+        """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
+
+        Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline and
+        ``PeerGoneError`` at once when the object's holder does not answer (sender killed after
+        its put), instead of retrying reads that each block the engine for about a second.
+        """
+        key = self._make_key(get_key, from_stage, to_stage)
+        step = 0.0005
+        while True:
+            if self._closed:
+                raise ConnectorClosedError("MooncakeStoreConnector is closed")
+            buf = self._take(key, deadline)
+            if buf is not None:
+                return buf
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._counters.add("misses")
+                return None
+            time.sleep(min(step, left))
+            step = min(step * 2, 0.01)
+
+    # -- common ------------------------------------------------------------------------------
+    def _track(self, key: str) -> None:
+        """Remember a put for :meth:`cleanup`, keeping at most ``max_tracked_keys``.
+
+        Consumption happens in another client, so this one learns of it lazily: when the bound
+        is passed, one ``batch_is_exist`` forgets every key that is gone from the store; if more
+        than three quarters of the bound are still there, the oldest are forgotten down to that
+        mark (they stay in the store until consumed or evicted). So a check runs at most once
+        per ``max_tracked_keys // 4`` puts, however slowly the receivers consume.
+        """
+        with self._lock:
+            self._put_keys[key] = None
+            self._put_keys.move_to_end(key)
+            if len(self._put_keys) <= self.max_tracked_keys:
+                return
+            keys = list(self._put_keys)
+        exists: list[int] | None = None
+        store = self._store
+        if store is not None:
+            try:
+                with STORE_ERRORS.translate("batch_is_exist"):
+                    exists = [int(e) for e in store.batch_is_exist(keys)]
+            except ConnectorUnavailableError as exc:  # store down: forget the oldest instead
+                logger.debug("batch_is_exist over %d keys failed: %s", len(keys), exc)
+        with self._lock:
+            if exists is not None and len(exists) == len(keys):
+                for k, e in zip(keys, exists, strict=True):
+                    if e == 0:
+                        self._put_keys.pop(k, None)
+            dropped = 0
+            low_water = self.max_tracked_keys - self.max_tracked_keys // 4
+            while len(self._put_keys) > low_water:
+                self._put_keys.popitem(last=False)
+                dropped += 1
+        if dropped:
+            logger.debug("forgot %d unconsumed keys past max_tracked_keys", dropped)
+
+    def pending_keys(self) -> list[str]:
+        """Keys this client stored and has not seen consumed, oldest first (for cleanup)."""
+        with self._lock:
+            return list(self._put_keys)
+
+    def cleanup(self, request_id: str) -> None:
+        """Remove objects this client stored for ``request_id`` and nobody consumed."""
+        with self._lock:
+            keys = [k for k in self._put_keys if matches_request(k, request_id)]
+            for k in keys:
+                del self._put_keys[k]
+        if self._store is None or self._closed:
+            return
+        for k in keys:
+            with STORE_ERRORS.translate(f"remove of {k}"):
+                rc = int(self._store.remove(k, True))
+            if rc == 0:
+                self._counters.add("removed")
+
+    def health(self) -> dict[str, Any]:
+        """Status, endpoints, pool use and counters. Cheap; never raises."""
+        pool = self._pool
+        counters = self._counters.snapshot()
+        with self._lock:
+            pending = len(self._put_keys)
+        return {
+            "status": "closed" if self._closed else "healthy",
+            "type": type(self).__name__,
+            "host": self.host,
+            "master": self.master,
+            "protocol": self.protocol,
+            "pool_size": pool.size if pool is not None else 0,
+            "pool_used": pool.allocator.used_bytes if pool is not None and not pool.closed else 0,
+            "registered": self._registered,
+            "tracked_keys": pending,
+            **counters,
+        }
+
+    def close(self) -> None:
+        """Unregister the pool, close the store client, unmap the pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        store, self._store = self._store, None
+        if store is not None and self._registered and self._pool is not None:
+            rc = store.unregister_buffer(self._pool.address)
+            if rc != 0:
+                logger.warning("unregister_buffer returned %d", rc)
+        self._registered = False
+        if store is not None:
+            try:
+                store.close()
+            except STORE_ERRORS.handled:
+                logger.warning("closing the Mooncake Store client failed", exc_info=True)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+MooncakeConnector = MooncakeStoreConnector

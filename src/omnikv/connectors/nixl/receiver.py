@@ -1,0 +1,418 @@
+"""The receiver side of the NIXL connector: claim, READ into a registered slot, quarantine.
+
+``wait`` claims the key at the sender (a long-poll, no sleep loop), reserves a slot of the
+granted size in its own registered pool and READs the bytes with NIXL, the transfer id as the
+completion notification (which frees the sender's entry). Agent metadata is fetched once per
+sender (again if the sender's agent changed: it restarted).
+
+While the READ runs the receiver polls it (finely, bounded) and pings the sender's control
+port; a sender silent for ``peer_timeout_seconds``, or a READ failing while the sender does not
+answer, is :class:`~omnikv.errors.PeerGoneError`. A READ given up while it may still write (the
+deadline passed, the peer went silent) leaves its slot *quarantined*: a reaper thread frees it
+once NIXL reports the transfer finished or cancelled. A quarantined READ that did complete
+consumed the sender's entry, so its bytes are kept as a late arrival for the next ``get`` /
+``wait`` of that key.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.nixl.agent import NixlAgent, Transfer
+from omnikv.connectors.nixl.protocol import (
+    LONG_POLL_CAP_S,
+    NixlSettings,
+)
+from omnikv.connectors.pool import HostPool
+from omnikv.connectors.pull.client import Channel, ControlClient
+from omnikv.connectors.pull.connector import LateArrivals, deliver, transfer_budget_s
+from omnikv.connectors.pull.control import Endpoint
+from omnikv.deadline import remaining
+from omnikv.errors import (
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorUnavailableError,
+    PeerGoneError,
+    PoolExhaustedError,
+)
+
+__all__ = ["POLL_CAP_S", "POLL_FIRST_S", "NixlReceiverSide"]
+
+logger = logging.getLogger(__name__)
+
+#: Polling of a running READ: 20 us doubling to 500 us per sleep (``omnikv bench nixl``'s raw
+#: READ polls the same way, so the comparison isolates what the connector adds).
+POLL_FIRST_S = 0.00002
+POLL_CAP_S = 0.0005
+_MAX_LATE = 1024
+_MAX_BUDGET_S = 3600.0
+#: The claim's hold while an earlier READ of the same key is parked (it may become a late arrival).
+_PARKED_HOLD_S = 0.25
+#: How long a pong may take to be read once pinged (the socket poll's own granularity is 1 ms).
+_PONG_POLL_S = 0.0001
+
+
+@dataclass(frozen=True)
+class _Grant:
+    key: str
+    xid: str
+    size: int
+    addr: int
+    agent: str
+
+
+@dataclass
+class _Quarantined:
+    key: str
+    xfer: Transfer
+    offset: int
+    since: float
+
+
+class NixlReceiverSide:
+    """Claims and READs payloads into its registered pool. Owned by ``NixlConnector``."""
+
+    def __init__(
+        self,
+        settings: NixlSettings,
+        agent: NixlAgent,
+        pool: HostPool,
+        client: ControlClient,
+        counters: Counters,
+        lock: Any,
+    ) -> None:
+        self._s = settings
+        self._agent = agent
+        self._pool = pool
+        self._client = client
+        self._counters = counters
+        self._lock = lock
+        self._remotes: dict[Endpoint, str] = {}
+        self._quarantine: dict[str, _Quarantined] = {}
+        self._late = LateArrivals(pool, counters, limit=_MAX_LATE)
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.closed = False
+
+    # -- the public paths --------------------------------------------------------------------
+    def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
+        """Claim, READ and hand over ``key``; ``None`` at ``deadline`` (nothing consumed)."""
+        late = self._late.take(key)
+        if late is not None:
+            return late
+        while True:
+            if self.closed:
+                raise ConnectorClosedError("NixlConnector is closed")
+            if remaining(deadline) <= 0:
+                self._counters.add("misses")
+                return None
+            with self._lock:
+                parked = any(q.key == key for q in self._quarantine.values())
+            # a parked READ of this key may finish any moment: hold the claim briefly only
+            got = self._attempt(key, endpoint, deadline, _PARKED_HOLD_S if parked else math.inf)
+            if got is not None:
+                return got
+            late = self._late.take(key)
+            if late is not None:
+                return late
+
+    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
+        """One claim without holding; READ if the key is there. ``None`` otherwise."""
+        late = self._late.take(key)
+        if late is not None:
+            return late
+        got = self._attempt(key, endpoint, time.monotonic() + self._s.peer_timeout_s, 0.0)
+        if got is None:
+            self._counters.add("misses")
+        return got
+
+    def _attempt(
+        self, key: str, endpoint: Endpoint, deadline: float, hold_s: float
+    ) -> ManagedBuffer | None:
+        """One claim (held at most ``hold_s`` and the long-poll cap) and, if granted, the READ."""
+        chan = self._client.channel(endpoint, min(remaining(deadline), self._s.peer_timeout_s))
+        if chan is None:  # the sender is not (yet) listening: retry until the deadline
+            return None
+        remote = self._remote(endpoint, chan, deadline)
+        if remote is None:
+            return None
+        grant = self._claim(chan, endpoint, key, deadline, hold_s)
+        if grant is None:
+            return None
+        if grant.agent != remote:  # the sender restarted since we loaded its metadata
+            self._forget_remote(endpoint)
+            chan.send({"op": "abort", "xid": grant.xid})
+            return None
+        return self._read(chan, endpoint, grant, deadline)
+
+    # -- metadata ----------------------------------------------------------------------------
+    def _remote(self, endpoint: Endpoint, chan: Channel, deadline: float) -> str | None:
+        """The sender's NIXL agent name, loading its metadata on first contact (and forgetting
+        the agents of senders no thread holds a channel to any more)."""
+        with self._lock:
+            name = self._remotes.get(endpoint)
+            others = [ep for ep in self._remotes if ep != endpoint]
+        if name is not None:
+            return name
+        for other in others:
+            if not self._client.has_channel(other):
+                self._forget_remote(other)
+        reply = chan.request({"op": "meta"}, min(remaining(deadline), self._s.peer_timeout_s))
+        if reply is None or reply["op"] != "agentmd":
+            self._client.discard(endpoint)
+            return None
+        name = self._agent.add_remote(reply["md"])
+        if name != reply["agent"]:
+            raise ConnectorUnavailableError(
+                f"sender {endpoint} sent metadata of agent {name!r} as {reply['agent']!r}"
+            )
+        with self._lock:
+            self._remotes[endpoint] = name
+        logger.debug("loaded NIXL agent %s of sender %s:%d", name, *endpoint)
+        return name
+
+    def _forget_remote(self, endpoint: Endpoint) -> None:
+        with self._lock:
+            name = self._remotes.pop(endpoint, None)
+            still_used = name in self._remotes.values()
+        if name is not None and not still_used:
+            self._agent.remove_remote(name)
+
+    # -- claim -------------------------------------------------------------------------------
+    def _claim(
+        self, chan: Channel, endpoint: Endpoint, key: str, deadline: float, hold_s: float
+    ) -> _Grant | None:
+        left = remaining(deadline)
+        wait_s = min(max(0.0, left - 0.02), LONG_POLL_CAP_S, hold_s)
+        xid = uuid.uuid4().hex
+        msg = {
+            "op": "claim",
+            "key": key,
+            "wait_ms": int(wait_s * 1000),
+            "xid": xid,
+            "budget_ms": int(min(left, _MAX_BUDGET_S) * 1000),
+        }
+        reply = self._await(chan, endpoint, chan.send(msg), min(left, wait_s + 0.5), key)
+        if reply is None:  # a grant may still come: end its lease now, nobody will read it
+            chan.send({"op": "abort", "xid": xid})
+            return None
+        if reply["op"] == "error":
+            raise ConnectorUnavailableError(f"sender refused the claim of {key}: {reply['reason']}")
+        if reply["op"] != "grant" or not reply["found"]:
+            return None
+        return _Grant(key, xid, reply["size"], reply["addr"], reply["agent"])
+
+    def _await(
+        self, chan: Channel, endpoint: Endpoint, nonce: bytes, timeout_s: float, key: str
+    ) -> dict[str, Any] | None:
+        """The reply to ``nonce`` within ``timeout_s``, pinging the sender meanwhile.
+
+        ``None`` when the time is up; ``PeerGoneError`` when the sender (which answered before:
+        the channel exists) stays silent for ``peer_timeout_seconds``.
+        """
+        end = time.monotonic() + timeout_s
+        heard = time.monotonic()
+        ping_every = max(0.05, self._s.peer_timeout_s / 5)
+        pings: set[bytes] = set()
+        while True:
+            now = time.monotonic()
+            if now - heard > self._s.peer_timeout_s:
+                self._gone(endpoint, f"claiming {key}")
+            if now >= end:
+                return None
+            reply = chan.recv({nonce, *pings}, min(ping_every, end - now))
+            if reply is None and chan.closed:
+                self._gone(endpoint, f"claiming {key} (it closed the control connection)")
+            if reply is not None and reply.get("re") == nonce:
+                return reply
+            if reply is not None:
+                heard = time.monotonic()
+                pings.clear()
+            elif not pings or time.monotonic() - heard >= ping_every:
+                pings.add(chan.send({"op": "ping"}))
+
+    def _gone(self, endpoint: Endpoint, doing: str) -> NoReturn:
+        self._client.discard(endpoint)
+        self._forget_remote(endpoint)
+        self._counters.add("peer_gone")
+        raise PeerGoneError(
+            f"sender {endpoint[0]}:{endpoint[1]} silent for {self._s.peer_timeout_s:.1f}s "
+            f"while {doing}"
+        )
+
+    def _check_alive(self, chan: Channel, endpoint: Endpoint, doing: str) -> None:
+        """Ping once; a sender that answered before and is silent now is gone."""
+        if chan.request({"op": "ping"}, self._s.peer_timeout_s) is None:
+            self._gone(endpoint, doing)
+
+    # -- read --------------------------------------------------------------------------------
+    def _read(
+        self, chan: Channel, endpoint: Endpoint, grant: _Grant, deadline: float
+    ) -> ManagedBuffer | None:
+        try:
+            offset, _ = self._pool.allocator.alloc(grant.size, deadline=_finite(deadline))
+        except PoolExhaustedError:
+            chan.send({"op": "abort", "xid": grant.xid})
+            raise
+        try:
+            xfer = self._agent.read(
+                grant.agent,
+                self._pool.address + offset,
+                grant.addr,
+                grant.size,
+                grant.xid.encode(),
+            )
+        except ConnectorError:
+            self._pool.allocator.free(offset)
+            chan.send({"op": "abort", "xid": grant.xid})
+            self._check_alive(chan, endpoint, f"posting the READ of {grant.key}")
+            raise
+        end = min(deadline, time.monotonic() + transfer_budget_s(grant.size))
+        state = self._poll(chan, endpoint, grant, xfer, offset, end)
+        if state == "DONE":
+            xfer.release()
+            return self._deliver(offset, grant.size)
+        return None
+
+    def _poll(
+        self,
+        chan: Channel,
+        endpoint: Endpoint,
+        grant: _Grant,
+        xfer: Transfer,
+        offset: int,
+        end: float,
+    ) -> str:
+        """Poll the READ until DONE; ERR raises; the deadline or silence quarantines."""
+        for state, silent in self._watch(chan, xfer, end):
+            if state == "DONE":
+                return state
+            if state == "ERR":
+                if xfer.release():
+                    self._pool.allocator.free(offset)
+                else:  # NIXL kept the handle: the slot waits for the reaper
+                    self._quarantine_slot(grant.key, xfer, offset)
+                self._check_alive(chan, endpoint, f"reading {grant.key}")
+                raise ConnectorUnavailableError(f"the NIXL READ of {grant.key} failed")
+            if silent:
+                self._quarantine_slot(grant.key, xfer, offset)
+                self._gone(endpoint, f"reading {grant.key}")
+        self._quarantine_slot(grant.key, xfer, offset)
+        return "PROC"
+
+    def _watch(self, chan: Channel, xfer: Transfer, end: float) -> Iterator[tuple[str, bool]]:
+        """Yield ``(state, sender_silent)`` until ``end``; pings the sender meanwhile."""
+        step = POLL_FIRST_S
+        heard = time.monotonic()
+        ping_every = max(0.05, self._s.peer_timeout_s / 5)
+        next_ping = heard + ping_every
+        pings: set[bytes] = set()
+        while True:
+            state = xfer.state()
+            now = time.monotonic()
+            if pings and chan.recv(pings, _PONG_POLL_S) is not None:
+                heard = now
+                pings.clear()
+            yield state, chan.closed or now - heard > self._s.peer_timeout_s
+            if now >= end:
+                return
+            if now >= next_ping:
+                pings.add(chan.send({"op": "ping"}))
+                next_ping = now + ping_every
+            time.sleep(min(step, max(0.0, end - now)))
+            step = min(step * 2, POLL_CAP_S)
+
+    def _deliver(self, offset: int, size: int) -> ManagedBuffer:
+        return deliver(self._pool, self._counters, offset, size)
+
+    # -- quarantine and late arrivals --------------------------------------------------------
+    def _quarantine_slot(self, key: str, xfer: Transfer, offset: int) -> None:
+        with self._lock:
+            self._quarantine[uuid.uuid4().hex] = _Quarantined(key, xfer, offset, time.monotonic())
+            start = self._reaper is None and not self._stop.is_set()
+            if start:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="omnikv-nixl-quarantine", daemon=True
+                )
+        self._counters.add("quarantine_events")
+        logger.warning("quarantined a %d-byte receive slot for %s (READ running)", xfer.nbytes, key)
+        if start and self._reaper is not None:
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        """Reaper thread: frees quarantined slots once their READ finished or was cancelled."""
+        interval = max(0.01, min(0.25, self._s.peer_timeout_s / 10))
+        while not self._stop.wait(interval):
+            with self._lock:
+                items = list(self._quarantine.items())
+            for qid, q in items:
+                self._check_quarantined(qid, q)
+
+    def _check_quarantined(self, qid: str, q: _Quarantined) -> None:
+        state = q.xfer.state()
+        dead = time.monotonic() - q.since > self._s.quarantine_dead_s
+        if state == "PROC" and not (dead and q.xfer.release()):
+            return
+        if state != "PROC" and not q.xfer.release():
+            return
+        with self._lock:
+            if self._quarantine.pop(qid, None) is None:
+                return
+        keep = state == "DONE" and not self.closed
+        if keep and self._late.keep(q.key, q.offset, q.xfer.nbytes):
+            logger.info("READ of %s finished after its receiver gave up; kept for a retry", q.key)
+        else:
+            self._pool.allocator.free(q.offset)
+            self._counters.add("quarantine_freed")
+
+    def cleanup(self, request_id: str) -> None:
+        """Drop the late arrivals of ``request_id`` (:func:`matches_request`)."""
+        self._late.cleanup(request_id)
+
+    @property
+    def client(self) -> ControlClient:
+        """The control client this side reaches senders through (the connector's)."""
+        return self._client
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "quarantined": len(self._quarantine),
+                "late_arrivals_held": len(self._late),
+                "remote_agents": len(self._remotes),
+            }
+
+    @property
+    def reaper(self) -> threading.Thread | None:
+        return self._reaper
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop the reaper; cancel quarantined READs. True when none can still write."""
+        self.closed = True
+        self._stop.set()
+        if self._reaper is not None and self._reaper is not threading.current_thread():
+            self._reaper.join(timeout=5.0)
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            pending = list(self._quarantine.values())
+            self._quarantine.clear()
+            self._remotes.clear()
+        self._late.clear()
+        for q in pending:
+            while not q.xfer.release() and time.monotonic() < end:
+                time.sleep(0.01)
+        return all(q.xfer.state() != "PROC" or q.xfer.release() for q in pending)
+
+
+def _finite(deadline: float) -> float:
+    """A pool wait never blocks forever: an infinite deadline waits 1 s for space."""
+    return deadline if math.isfinite(deadline) else time.monotonic() + 1.0

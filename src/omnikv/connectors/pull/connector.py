@@ -1,0 +1,430 @@
+"""What the two pull-model connectors (Mooncake Transfer Engine, NIXL) share above their sides.
+
+Both publish into a registered pool on the sender and let the receiver fetch from it; each is
+split into a sending side and a receiving side, and the role is chosen once, at construction.
+:class:`PullConnector` holds the glue between the connector contract
+(:mod:`omnikv.connectors.base`) and those sides: the role checks, the transport key, the sender
+endpoint rule, the reference-shaped ``get`` and the error boundary around every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    OmniConnectorBase,
+    PutResult,
+    SlotRelease,
+    Writer,
+    get_result,
+    matches_request,
+)
+from omnikv.connectors.boundary import ErrorMap
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.pool import HostPool
+from omnikv.connectors.pull.client import ControlClient
+from omnikv.connectors.pull.control import DEFAULT_WINDOW_S, Endpoint, ServerLimits
+from omnikv.connectors.pull.host import resolve_host
+from omnikv.errors import (
+    ConfigError,
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorUnavailableError,
+)
+from omnikv.values import (
+    parse_choice,
+    parse_int,
+    parse_number,
+    parse_port,
+    parse_positive,
+    parse_secret,
+    parse_size,
+)
+
+__all__ = [
+    "PULL_COUNTER_NAMES",
+    "LateArrivals",
+    "PullConnector",
+    "PullSettings",
+    "ReceivingSide",
+    "SendingSide",
+    "deliver",
+    "published",
+    "sender_endpoint",
+    "transfer_budget_s",
+]
+
+logger = logging.getLogger(__name__)
+
+
+#: The events every pull connector counts (each adds its own; see its protocol module).
+PULL_COUNTER_NAMES = (
+    "puts",
+    "put_bytes",
+    "put_failures",
+    "gets",
+    "get_bytes",
+    "misses",
+    "ttl_reaped",
+    "quarantine_events",
+    "quarantine_freed",
+    "late_arrivals",
+    "peer_gone",
+)
+
+
+def transfer_budget_s(nbytes: int) -> float:
+    """How long one transfer of ``nbytes`` may take: the reference's pull timeout, 30 s + 5 s
+    per full 100 MiB (both pull connectors)."""
+    return 30.0 + 5.0 * (nbytes // (100 << 20))
+
+
+def _limits(cfg: Mapping[str, Any]) -> ServerLimits:
+    """The control port's admission limits from ``cfg`` (``ConfigError`` names the key)."""
+    return ServerLimits(
+        max_connections=parse_int("max_connections", cfg.get("max_connections"), 1024),
+        max_connections_per_peer=parse_int(
+            "max_connections_per_peer", cfg.get("max_connections_per_peer"), 64
+        ),
+        handshake_timeout_s=parse_positive(
+            "handshake_timeout_seconds", cfg.get("handshake_timeout_seconds"), 5.0
+        ),
+        idle_timeout_s=parse_positive(
+            "idle_timeout_seconds", cfg.get("idle_timeout_seconds"), 300.0
+        ),
+        heartbeat_s=parse_positive("heartbeat_seconds", cfg.get("heartbeat_seconds"), 10.0),
+    )
+
+
+@dataclass(frozen=True)
+class PullSettings:
+    """The configuration keys both pull connectors read, checked once (``ConfigError`` names
+    the key). Each connector's settings class adds its own keys (see :meth:`common`)."""
+
+    role: str
+    host: str
+    zmq_port: int | None
+    pool_size: int
+    ttl_s: float
+    peer_timeout_s: float
+    quarantine_dead_s: float
+    close_timeout_s: float
+    window_s: float
+    put_timeout_s: float
+    secret: bytes | None
+    default_sender: tuple[str, int] | None
+    limits: ServerLimits
+
+    @staticmethod
+    def common(cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The shared fields parsed from ``cfg``: keyword arguments for a subclass.
+
+        ``role`` ("sender" binds ``zmq_port``, required then; "receiver" binds nothing),
+        ``host``, ``memory_pool_size`` (1 GiB), ``buffer_ttl_seconds`` (300),
+        ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
+        ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30), ``put_timeout_s`` (0),
+        ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender),
+        and the control port's admission limits (``limits``, a
+        :class:`~omnikv.connectors.pull.control.ServerLimits`): ``max_connections`` (1024),
+        ``max_connections_per_peer`` (64),
+        ``handshake_timeout_seconds`` (5), ``idle_timeout_seconds`` (300),
+        ``heartbeat_seconds`` (10; a receiver's keepalive too).
+        """
+        role = parse_choice("role", cfg.get("role"), "sender", ("sender", "receiver"))
+        zmq_port = None  # a receiver binds nothing: its zmq_port (if any) is not used
+        if role == "sender":
+            if cfg.get("zmq_port") is None:
+                raise ConfigError("a sender needs zmq_port")
+            zmq_port = parse_port("zmq_port", cfg["zmq_port"], 0)
+        default_sender = None
+        if cfg.get("sender_host") and cfg.get("sender_zmq_port") is not None:
+            sender_port = parse_port("sender_zmq_port", cfg["sender_zmq_port"], 0)
+            default_sender = (str(cfg["sender_host"]), sender_port)
+
+        def seconds(key: str, default: float) -> float:
+            return parse_positive(key, cfg.get(key), default)
+
+        return {
+            "role": role,
+            "host": resolve_host(cfg.get("host")),
+            "zmq_port": zmq_port,
+            "pool_size": parse_size("memory_pool_size", cfg.get("memory_pool_size"), 1 << 30),
+            "ttl_s": seconds("buffer_ttl_seconds", 300.0),
+            "peer_timeout_s": seconds("peer_timeout_seconds", 5.0),
+            "quarantine_dead_s": seconds("quarantine_dead_seconds", 60.0),
+            "close_timeout_s": seconds("close_timeout_seconds", 30.0),
+            "window_s": seconds("auth_window_seconds", DEFAULT_WINDOW_S),
+            "put_timeout_s": parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0),
+            "secret": parse_secret("auth_secret", cfg.get("auth_secret")),
+            "default_sender": default_sender,
+            "limits": _limits(cfg),
+        }
+
+
+def published(settings: PullSettings, counters: Counters, key: str, size: int) -> dict[str, Any]:
+    """Count a publication of ``size`` bytes under ``key`` (called by a sending side once the
+    entry is visible); the metadata a receiver can fetch it with."""
+    counters.add("puts")
+    counters.add("put_bytes", size)
+    logger.debug("published %s (%d bytes)", key, size)
+    return {
+        "source_host": settings.host,
+        "source_port": settings.zmq_port,
+        "data_size": size,
+        "is_fast_path": True,
+    }
+
+
+def deliver(pool: HostPool, counters: Counters, offset: int, size: int) -> ManagedBuffer:
+    """Hand a filled receive slot to the caller (counted as a get); released, it is freed."""
+    counters.add("gets")
+    counters.add("get_bytes", size)
+    return ManagedBuffer(pool.slot(offset, size), SlotRelease(pool, offset))
+
+
+class LateArrivals:
+    r"""Receive slots whose transfer finished after their receiver gave up on them.
+
+    A receiving side quarantines a slot whose transfer may still be writing; when its reaper
+    learns that the transfer completed, it :meth:`keep`\ s the slot under its key, and the next
+    ``wait`` / ``get`` of that key :meth:`take`\ s it without a new transfer (the sender
+    consumed the entry already). Thread-safe; ``cleanup`` and ``clear`` free what is held.
+    """
+
+    def __init__(self, pool: HostPool, counters: Counters, limit: int | None = None) -> None:
+        self._pool = pool
+        self._counters = counters
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, int]] = {}
+
+    def keep(self, key: str, offset: int, size: int) -> bool:
+        """Hold the slot for ``key`` (one held earlier for it is freed); False, holding
+        nothing, when ``limit`` slots are held already (the caller frees the slot)."""
+        with self._lock:
+            if self._limit is not None and len(self._held) >= self._limit:
+                return False
+            old = self._held.pop(key, None)
+            self._held[key] = (offset, size)
+        if old is not None:
+            self._pool.allocator.free(old[0])
+        self._counters.add("late_arrivals")
+        return True
+
+    def take(self, key: str) -> ManagedBuffer | None:
+        """The slot held for ``key`` as a buffer (counted as a get), or ``None``."""
+        with self._lock:
+            late = self._held.pop(key, None)
+        return None if late is None else deliver(self._pool, self._counters, *late)
+
+    def cleanup(self, request_id: str) -> None:
+        """Free the slots held for ``request_id`` (:func:`matches_request`)."""
+        with self._lock:
+            keys = [k for k in self._held if matches_request(k, request_id)]
+            dropped = [self._held.pop(k) for k in keys]
+        for offset, _ in dropped:
+            self._pool.allocator.free(offset)
+
+    def clear(self) -> None:
+        """Forget everything held (at close: the pool goes with the connector)."""
+        with self._lock:
+            self._held.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class SendingSide(Protocol):
+    """The sender half of a pull connector (``role="sender"``)."""
+
+    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
+        """Fill a pool slot with ``write`` (space waited for until ``deadline``), publish it
+        under ``key``; the metadata a receiver needs."""
+        ...
+
+    def cleanup(self, request_id: str) -> None: ...
+
+    def pending_keys(self) -> list[str]: ...
+
+    def flush(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` until every entry was consumed; the keys still left."""
+        ...
+
+
+class ReceivingSide(Protocol):
+    """The receiver half of a pull connector."""
+
+    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
+        """One attempt without holding (the reference-shaped ``get``); ``None`` if absent."""
+        ...
+
+    def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
+        """Long-poll and fetch ``key``; ``None`` at ``deadline`` (nothing consumed)."""
+        ...
+
+    def cleanup(self, request_id: str) -> None: ...
+
+    @property
+    def client(self) -> ControlClient:
+        """The control client this side reaches senders through."""
+        ...
+
+
+def sender_endpoint(metadata: Mapping[str, Any] | None, default: Endpoint | None) -> Endpoint:
+    """Where to fetch from: the put's metadata (``source_host`` / ``source_port``) if it names
+    one, else ``default`` (``update_sender_info``, ``sender_host`` / ``sender_zmq_port``);
+    ``ConnectorUnavailableError`` when neither does."""
+    if metadata:
+        host, port = metadata.get("source_host"), metadata.get("source_port")
+        if host and port is not None:
+            return str(host), int(port)
+    if default is None:
+        raise ConnectorUnavailableError(
+            "no sender endpoint: call update_sender_info() or pass source_host/source_port"
+        )
+    return default
+
+
+_S = TypeVar("_S", bound=SendingSide)
+_R = TypeVar("_R", bound=ReceivingSide)
+
+
+class PullConnector(OmniConnectorBase, Generic[_S, _R]):
+    """Base of the pull-model connectors: the contract's methods, delegated to the sides.
+
+    A subclass builds ``_sender`` (senders only) and ``_receiver`` (receivers; the TE connector
+    builds one for every role), ``_counters`` and ``_default_sender`` in its constructor,
+    declares ``error_map`` (its backend's table, applied around every call into a side), and
+    implements ``health`` and ``close``.
+    """
+
+    supports_raw_data: ClassVar[bool] = True
+    error_map: ClassVar[ErrorMap]
+    _sender: _S | None = None
+    _receiver: _R | None = None
+    _counters: Counters
+    _default_sender: Endpoint | None = None
+    #: ``flush(None)`` waits this long (seconds).
+    _flush_default_s: float = 0.0
+
+    # -- sending -------------------------------------------------------------------------------
+    def _sending_side(self) -> _S:
+        if self._closed:
+            raise ConnectorClosedError(f"{type(self).__name__} is closed")
+        if self._sender is None:
+            raise ConnectorError(f"only a {type(self).__name__} with role='sender' serves puts")
+        return self._sender
+
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float,
+    ) -> PutResult:
+        """Sender hot path: ``write`` encodes straight into a registered pool slot.
+
+        Waits for pool space until ``deadline`` (absolute monotonic) and then raises
+        :class:`~omnikv.errors.PoolExhaustedError`; if ``write`` raises, the slot is freed and
+        nothing is published.
+        """
+        side = self._sending_side()
+        key = self._make_key(put_key, from_stage, to_stage)
+        try:
+            return True, nbytes, side.put_packed(key, nbytes, write, deadline)
+        except ConnectorError:
+            self._counters.add("put_failures")
+            raise
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _receiving_side(self) -> _R:
+        if self._closed:
+            raise ConnectorClosedError(f"{type(self).__name__} is closed")
+        if self._receiver is None:
+            raise ConnectorError(f"only a {type(self).__name__} with role='receiver' receives")
+        return self._receiver
+
+    @property
+    def control_client(self) -> ControlClient | None:
+        """The receiving side's control client (``None`` without one): every message this
+        connector sends to a sender leaves through it. For diagnostics and tests (a test taps
+        it with :meth:`~omnikv.connectors.pull.client.ControlClient.observe_sends`)."""
+        return None if self._receiver is None else self._receiver.client
+
+    def update_sender_info(self, host: str, port: int) -> None:
+        """Default sender endpoint for gets without per-call metadata (called by the manager)."""
+        self._default_sender = (str(host), int(port))
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Reference-shaped get: one attempt (no hold), fetch if present; ``None`` otherwise.
+
+        Returns ``(ManagedBuffer, size)`` over the receiver's registered pool slot (the caller
+        releases it), or ``(obj, size)`` for an object put. Errors are logged and give ``None``.
+        """
+        side = self._receiving_side()
+        key = self._make_key(get_key, from_stage, to_stage)
+        try:
+            with self.error_map.translate(f"get of {key}"):
+                buf = side.take(key, sender_endpoint(metadata, self._default_sender))
+        except ConnectorError as exc:
+            logger.error("get of %s failed: %s", key, exc)
+            return None
+        return None if buf is None else get_result(buf)
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> ManagedBuffer | None:
+        """Block until the payload is in hand or ``deadline`` passes (then ``None``).
+
+        Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
+        Long-polls the sender (no sleep loop). Raises ``PeerGoneError`` when the sender falls
+        silent mid-transfer, ``PoolExhaustedError`` when no receive slot frees up before the
+        deadline, ``ConnectorUnavailableError`` for a failed transfer or a missing endpoint.
+        """
+        side = self._receiving_side()
+        key = self._make_key(get_key, from_stage, to_stage)
+        with self.error_map.translate(f"wait for {key}"):
+            return side.wait(key, sender_endpoint(metadata, self._default_sender), deadline)
+
+    # -- common --------------------------------------------------------------------------------
+    def cleanup(self, request_id: str) -> None:
+        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
+        if self._sender is not None:
+            self._sender.cleanup(request_id)
+        if self._receiver is not None:
+            self._receiver.cleanup(request_id)
+
+    def pending_keys(self) -> list[str]:
+        """Keys published by this sender and not yet consumed (tests, diagnostics)."""
+        return [] if self._sender is None else self._sender.pending_keys()
+
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait up to ``timeout`` seconds (``None``: the connector's default) until every
+        published payload was consumed; the keys still unconsumed (a receiver publishes none).
+        """
+        if self._sender is None or self._closed:
+            return []
+        limit = self._flush_default_s if timeout is None else max(0.0, float(timeout))
+        return self._sender.flush(limit)

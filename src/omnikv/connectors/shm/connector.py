@@ -1,0 +1,620 @@
+"""SharedMemoryConnector: node-local KV hand-off through a pooled memfd and a peer mesh.
+
+Design (one page; the parts live in modules of this package, each named in parentheses;
+``config`` parses the keys in the table at the end):
+
+* **Pool** (``pool``, ``store``). Every connector that puts owns one pool: an anonymous
+  ``memfd`` (no name in ``/dev/shm``), ``0600``, sealed against resizing, sized by
+  ``pool_size_bytes`` (default 1 GiB), made at once and *not* populated: memory is
+  committed as it is used. With ``prefault`` (``"auto"``) a background thread populates a
+  start-up reserve as soon as the connector is known to send (constructor with
+  ``role: "sender"``, which the manager's factory passes; else the first put), then stays
+  ahead of the high-water mark; nothing ever waits for it. The reserve follows what the stage
+  declares it sends (``expected_payload_bytes``, or ``kv_bytes_per_token`` x
+  ``max_model_len``: that plus 1 MiB), else 16 MiB; never more than the pool. Slots come
+  from the one allocator (``connectors.pool.BufferAllocator``); a put that finds no space
+  waits (woken by every free) until the caller's deadline, then raises
+  :class:`PoolExhaustedError`, or raises it at once when the pool is full of payloads nobody
+  came for (see *A full pool*).
+* **Mesh** (``mesh``, ``leadership``, ``wire``). Every connector binds a listener in the
+  Linux *abstract* Unix namespace (random suffix) and connects to its namespace's peers
+  (non-blocking, bounded) under a per-namespace ``flock`` in a directory only its uid can
+  write; peers of another uid are refused (``SO_PEERCRED``) before anything is read. One I/O
+  thread serves the sockets; a thread blocked in ``wait`` leads: it serves them itself
+  meanwhile (at once, on a selector of its own; the I/O thread parks when it next runs), so its
+  offer is read where it is needed (``leadership``), and a put first reads wants that arrived
+  while it wrote.
+* **Protocol** (msgpack frames, no pickle; ``protocol``, ``recv``, ``store``). ``want`` /
+  ``offer`` / ``release``, consume-once; the pool descriptor is passed once per connection and
+  checked (memfd, seals, size) before it is mapped. The ``local`` link makes a ``get`` on the
+  instance that did the ``put`` work the same way. What the reference-shaped ``put`` stores
+  (bytes, raw bytes, an encoded object, or nothing when it travels inline) is ``codec``.
+  ``cleanup`` / ``cleanup_prefix`` are carried out by every connector of the namespace, which
+  answer how many payloads they dropped (``cleanup``).
+* **Lifetime.** A reader may keep what it received as long as it likes: when the sender's pool
+  is full, holders migrate their spans to private memory (one copy) and give the slots back; a
+  receiver that closes migrates what it still holds first (senders reuse those slots). A
+  sender that closes or exits normally lingers up to ``linger_s`` for unconsumed payloads (one
+  INFO line when it starts: how many, up to how long), then logs a WARNING naming what it
+  dropped; :meth:`flush` waits explicitly. SIGKILL drops at once (nothing leaks: memfds and
+  abstract names die with their process).
+* **Senders gone, waits explained.** A connector that sends says so to its peers (``hello``)
+  and keeps a record in the namespace while it lives (``registry``: a locked file the
+  kernel unlocks when the process dies). A wait whose sender went away during it raises
+  :class:`PeerGoneError` at its deadline; a receive that found nothing asks
+  :meth:`explain_miss` (``diag``), which names the senders alive, those gone (closed, or
+  died: also before this connector started) and the keys that wait unconsumed at them, and
+  makes the receive ``peer_gone`` when no sender lives and one went.
+* **Expiry.** A payload published and claimed by no reader for ``buffer_ttl_seconds`` (300,
+  as the Mooncake TE and NIXL connectors; 0: never) after its put is freed: its key is
+  forgotten (a reader that comes later misses, as for a key never put), a WARNING names its
+  key, size and age, and ``health()`` counts it (``ttl_reaped``, ``ttl_reaped_bytes``). Only
+  unclaimed payloads expire: one offered to a reader is that reader's until it releases it,
+  so no reader ever sees its slot reused. A timer thread sleeps until the next expiry; puts
+  and wants also free what is due before they look. The default bounds what clients that ask
+  for KV and never come back (a served deployment) can hold: a pool that fills with such
+  payloads empties within ``buffer_ttl_seconds``. With 0 a payload waits for a reader,
+  ``cleanup`` or close however long that takes (a pipeline whose every payload is awaited).
+* **A full pool.** A put that finds no space waits until its deadline while space can come
+  back: readers holding payloads are asked to migrate them, a payload being written may go to
+  a waiting reader, an unconsumed one may expire, a reader may come for one put recently. It
+  fails at once with :class:`PoolExhaustedError` (``put_pool_full``) when every slot in use
+  holds a published payload no reader claimed, none expires before the deadline, and even the
+  youngest has waited at least as long as the put may still wait: only a reader coming for one
+  could help, none came for any of them in that long, and a waiting put holds its caller (an
+  engine's KV blocks) for nothing. The message says how many payloads of how many bytes hold
+  the pool, their ages and when they expire.
+
+Keys are ``"<key>@<from>_<to>"`` with every part escaped; at most 1024 characters.
+
+Config keys (``connector_config = {"type": "SharedMemoryConnector", ...}``; all optional; parsed
+strictly by :mod:`omnikv.connectors.shm.config`: a bad value is a ``ConfigError`` naming the key;
+booleans are ``True``/``False`` or ``"true"``/``"false"``):
+
+==========================  ===========  =====================================================
+key                         default      meaning
+==========================  ===========  =====================================================
+``namespace``               ``default``  connectors meet only within one namespace (per uid);
+                                         1-255 printable characters
+``pool_size_bytes``         1 GiB        this connector's send pool (>= 4096; an int or ``"1GiB"``);
+                                         the most it keeps unconsumed; a larger payload is refused
+``prefault``                ``"auto"``   ``"auto"``: populate a reserve in the background once
+                                         sending (see ``role``; sized by the next three keys,
+                                         else 16 MiB), then ahead of use;
+                                         ``True``: only ahead of use (2x the high-water mark);
+                                         a byte count: that reserve at start; ``False``: never
+``expected_payload_bytes``  (none)       the largest payload the stage sends (a byte count): the
+                                         ``"auto"`` reserve is this plus 1 MiB (its header and
+                                         alignment); a WARNING if it exceeds the pool
+``kv_bytes_per_token``      (none)       with ``max_model_len`` (both ints >= 0), the same
+``max_model_len``           (none)       declaration from the model: a rank's KV bytes per token
+                                         (layers x 2 x KV heads x head size x dtype size / TP)
+                                         times the longest sequence
+``role``                    (unknown)    ``"sender"`` / ``"receiver"`` (the manager's factory
+                                         passes it): a sender makes its pool and starts the
+                                         ``"auto"`` reserve in the constructor, a receiver never
+``put_timeout_s``           30           a put's wait for space when the caller gives no deadline
+                                         (>= 0; 0: try once)
+``get_timeout_s``           0.1          how long a non-blocking ``get`` waits for peers' answers
+``join_timeout_s``          10           longest the constructor waits for the namespace lock
+``linger_s``                30           on close / exit, wait this long for unconsumed payloads
+                                         (>= 0; 0: drop at once)
+``shm_threshold_bytes``     65536        (reference; >= 0; attribute ``threshold``) the largest
+                                         payload that ``inline_small_payloads`` sends inline
+``inline_small_payloads``   ``False``    (reference) ``True``: the reference-shaped ``put`` of
+                                         a payload whose serialized form is at most
+                                         ``shm_threshold_bytes`` stores nothing and returns it
+                                         in its metadata (``{"inline_bytes", "size"}``);
+                                         ``get`` / ``wait`` / ``get_with_deadline`` given that
+                                         metadata decode it (``put_packed``, the manager's
+                                         path, always uses the pool)
+``buffer_ttl_seconds``      300          an unconsumed payload is freed this many seconds after
+                                         its put, with a WARNING naming it (a number >= 0;
+                                         0: never); a reader that comes later misses
+``poll_us``                 1000         a blocking wait polls its sockets this many microseconds
+                                         before it sleeps (0-100000; 0: never), yielding the CPU
+                                         between polls: lower latency for payloads that come soon
+                                         (a VM's idle CPU is slow to wake), at up to that much CPU
+                                         per wait
+``type``, ``name``          (ignored)    accepted for the factory; unknown keys are logged
+==========================  ===========  =====================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import multiprocessing.util
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omnikv.connectors.base import (
+    GetResult,
+    ManagedBuffer,
+    MissReport,
+    OmniConnectorBase,
+    PutResult,
+    Writer,
+)
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.shm import codec
+from omnikv.connectors.shm.cleanup import Cleanups
+from omnikv.connectors.shm.config import DEFAULT_POOL_SIZE, ShmConfig
+from omnikv.connectors.shm.diag import SenderWatch
+from omnikv.connectors.shm.mesh import COUNTER_NAMES as MESH_COUNTERS
+from omnikv.connectors.shm.mesh import Link, Mesh, random_instance
+from omnikv.connectors.shm.pool import PeerPool, SenderPool
+from omnikv.connectors.shm.protocol import Dispatcher
+from omnikv.connectors.shm.recv import COUNTER_NAMES as RECV_COUNTERS
+from omnikv.connectors.shm.recv import Offer, RecvSide
+from omnikv.connectors.shm.registry import SenderRecord
+from omnikv.connectors.shm.store import COUNTER_NAMES as SEND_COUNTERS
+from omnikv.connectors.shm.store import Entry, SendStore
+from omnikv.connectors.shm.wire import namespace_prefix, transport_key
+from omnikv.errors import (
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorUnavailableError,
+    OmniKVError,
+)
+
+__all__ = ["COUNTER_NAMES", "DEFAULT_POOL_SIZE", "SharedMemoryConnector"]
+
+logger = logging.getLogger(__name__)
+
+#: Everything a connector counts (``health()``): its mesh's, sending side's and receiving side's.
+COUNTER_NAMES = (*MESH_COUNTERS, *SEND_COUNTERS, *RECV_COUNTERS)
+#: Longest wait for the peers' answers when a receive that found nothing asks them why.
+PROBE_S = 0.05
+
+
+@contextlib.contextmanager
+def _boundary(what: str) -> Iterator[None]:
+    """The one translation of this backend's failures into :mod:`omnikv.errors`."""
+    try:
+        yield
+    except OmniKVError:
+        raise
+    except OSError as exc:
+        raise ConnectorUnavailableError(f"shared memory: {what} failed: {exc}") from exc
+
+
+def _metadata_key(metadata: Any) -> str | None:
+    """The transport key a reference-shaped metadata names, if any.
+
+    Accepts ``{"shm": {"name": ...}}`` and ``{key: {"shm": {...}}}``; anything else (None, not a
+    dict, empty, RDMA-style host/port, keyed by request id) means "use the key".
+    """
+    if not isinstance(metadata, dict) or not metadata:
+        return None
+    handle = metadata.get("shm")
+    if handle is None and len(metadata) == 1:
+        inner = next(iter(metadata.values()))
+        handle = inner.get("shm") if isinstance(inner, dict) else None
+    name = handle.get("name") if isinstance(handle, dict) else None
+    return name if isinstance(name, str) and "@" in name else None
+
+
+def _close_ref(ref: weakref.ref[SharedMemoryConnector]) -> None:
+    """Process exit (``atexit`` / multiprocessing exit): close, lingering for consumers."""
+    conn = ref()
+    if conn is not None:
+        conn.close()
+
+
+class SharedMemoryConnector(OmniConnectorBase):
+    """Node-local connector over a memfd pool and abstract Unix sockets (see module docstring).
+
+    Thread-safe: any number of threads may put / get / wait at once; one I/O thread per
+    connector serves the sockets, or one waiting thread while it waits (``leadership``).
+    """
+
+    supports_raw_data = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self._closed = True  # until fully built, so __del__ of a half-built object is a no-op
+        self.config = ShmConfig.parse(config)
+        self.namespace = self.config.namespace
+        self.threshold = self.config.threshold
+        self.put_timeout_s = self.config.put_timeout_s
+        self.instance = random_instance()
+        self._counters = Counters(COUNTER_NAMES)
+        self._mesh = Mesh(
+            namespace_prefix(self.namespace),
+            self.instance,
+            self,
+            self._counters,
+            poll_s=self.config.poll_us / 1e6,
+        )
+        self._store = SendStore(
+            self.config.pool_size,
+            self.config.prefault.ahead,
+            self._mesh.send,
+            self._mesh.drop,
+            counters=self._counters,
+            reserve=self.config.reserve_bytes,
+            ttl_s=self.config.buffer_ttl_s,
+        )
+        self._recv = RecvSide(self._mesh, self._counters)
+        self._cleanups = Cleanups(self._mesh, self._store)
+        self._dispatcher = Dispatcher(self._mesh, self._store, self._recv, self._cleanups)
+        self._watch = SenderWatch(self._mesh.prefix, self.namespace, self.instance)
+        self._sends = threading.Lock()  # held while this connector starts to send
+        self._record: SenderRecord | None = None  # the namespace's record of us, once we send
+        self._sending = False
+        try:
+            self._mesh.join(self.config.join_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            self._mesh.close()
+            raise ConnectorUnavailableError(
+                f"cannot join shared-memory namespace {self.namespace!r}: {exc}"
+            ) from exc
+        self._closed = False
+        if self.config.role == "sender":
+            self._start_sending()
+        if self.config.reserve_at_start:
+            # a sending stage populates its reserve while it starts (model load, ...), so its
+            # first request does not pay for fresh pages
+            try:
+                with _boundary("pool creation"):
+                    self._store.ensure_pool(self._on_pool_created)
+            except ConnectorError:
+                self.close(linger=False)
+                raise
+        multiprocessing.util.Finalize(self, _close_ref, (weakref.ref(self),), exitpriority=50)
+        logger.debug(
+            "SharedMemoryConnector %s joined namespace %r with %d peer(s)",
+            self.instance,
+            self.namespace,
+            len(self._mesh.links(local=False)),
+        )
+
+    @property
+    def mesh(self) -> Mesh:
+        """This connector's peer mesh: its links and, as ``mesh.leadership``, who serves them.
+        For diagnostics and tests; not part of the connector contract."""
+        return self._mesh
+
+    # -- mesh handler -------------------------------------------------------------------------
+    def on_link_up(self, link: Link) -> list[list[Any]]:
+        """Mesh callback for a peer that connected: our open blocking wants, and our ``hello``
+        as a sender if we send."""
+        return [*self._recv.blocking_wants(), *([self._hello()] if self._sending else [])]
+
+    def on_link_gone(self, link: Link) -> None:
+        self._store.on_link_gone(link)
+        self._recv.on_link_gone(link)
+        self._cleanups.on_link_gone(link)
+        self._watch.lost(link)
+
+    def on_message(self, link: Link, msg: list[Any]) -> None:
+        """Validate and dispatch one control message (``protocol``; ``ValueError`` drops
+        the peer)."""
+        self._dispatcher.on_message(link, msg)
+
+    def _hello(self) -> list[Any]:
+        return ["hello", self.instance, os.getpid(), "sender"]
+
+    def _start_sending(self) -> None:
+        """This connector sends from now on (its role says so, or its first put): tell every
+        peer (a receive can then tell a sender that went away) and keep a record in the
+        namespace (``registry``: receivers started later learn of us, also if we die).
+        Once; a record that cannot be made is logged at DEBUG (diagnostics only)."""
+        with self._sends:
+            if self._sending:
+                return
+            self._sending = True
+            try:
+                self._record = SenderRecord(self._mesh.prefix, self.instance)
+            except OSError as exc:
+                logger.debug("no sender record in namespace %r: %s", self.namespace, exc)
+        for link in self._mesh.links(local=False):
+            self._mesh.send(link, [self._hello()])
+
+    # -- sending ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectorClosedError("SharedMemoryConnector is closed")
+
+    def _on_pool_created(self, pool: SenderPool) -> None:
+        # our own reads go through a second mapping, so a migrated span never hides the pool
+        # from the sender's writes
+        assert pool.fd is not None
+        self._mesh.local.pool = PeerPool(self._store.pool_id, os.dup(pool.fd), pool.size)
+        self._mesh.leadership.note_sending()
+
+    def _put(
+        self, key: str, label: str, nbytes: int, write: Writer, kind: str, deadline: float
+    ) -> PutResult:
+        self._check_open()
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if math.isinf(deadline):
+            deadline = time.monotonic() + self.config.put_timeout_s
+        with _boundary("put"):
+            alloc = self._store.ensure_pool(self._on_pool_created)
+            try:
+                offset = self._store.allocate(key, nbytes, deadline)
+            except ConnectorError:
+                self._store.count_failure()
+                raise
+            entry = Entry(key, label, offset, nbytes, kind)
+            self._store.write_slot(entry, write)
+            self._pump()
+            self._store.publish(entry)
+        if self._record is not None:
+            self._record.touch()
+        elif not self._sending:
+            self._start_sending()
+        logger.debug(
+            "SharedMemoryConnector put %s (%d bytes at %d of %d)", key, nbytes, offset, alloc.total
+        )
+        return True, nbytes, {"key": key, "size": nbytes, "shm": {"name": key, "size": nbytes}}
+
+    def _pump(self) -> None:
+        """Before a publish: a want that reached us while we wrote is answered by this put, not
+        by the I/O thread once it gets the interpreter lock (see ``mesh``). An optimisation
+        only: whatever goes wrong in it is logged and never fails the put."""
+        try:
+            self._mesh.pump()
+        except Exception:
+            logger.exception("reading peers' messages before a put failed")
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> PutResult:
+        """Reference-shaped put: ``data`` is copied into the pool once; ``(False, 0, None)`` on
+        failure (the reason is logged). Waits for space at most ``put_timeout_s``. With
+        ``inline_small_payloads``, data whose serialized form is at most ``shm_threshold_bytes``
+        is not stored: it travels in the metadata returned (``{"inline_bytes", "size"}``), and
+        ``get`` / ``wait`` given that metadata decode it from there.
+
+        Bytes-like data comes back from ``get`` as ``bytes``; a 1-D ``uint8`` tensor / array as
+        a :class:`ManagedBuffer`; anything else is framed by the one object encoder
+        (:func:`omnikv.wire.serializer.encode_object`: tensors, arrays, dataclasses too) and comes
+        back decoded (from ``wait``: as that encoding, like every connector's). The
+        metadata returned (``{"key", "size", "shm": {"name", "size"}}``) is accepted by ``get``.
+        """
+        try:
+            self._check_open()
+            key = transport_key(put_key, from_stage, to_stage)
+            small = None
+            if self.config.inline_small_payloads:
+                small = codec.serialize_small(data, self.threshold)
+                if small is not None and len(small) <= self.threshold:
+                    return True, len(small), {"inline_bytes": small, "size": len(small)}
+            kind, nbytes, write = codec.prepare(data, small)
+            deadline = time.monotonic() + self.put_timeout_s
+            return self._put(key, put_key, nbytes, write, kind, deadline)
+        except (OmniKVError, ValueError, TypeError, OverflowError) as exc:
+            logger.warning("SharedMemoryConnector put of %r failed: %s", put_key, exc)
+            return False, 0, None
+
+    def put_packed(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        deadline: float = math.inf,
+    ) -> PutResult:
+        """The sender's hot path: ``write`` fills a pool slot of ``nbytes`` in place (one copy).
+
+        Waits for space until ``deadline`` (``math.inf``: ``put_timeout_s``), then raises
+        :class:`PoolExhaustedError`; a payload larger than the pool raises it at once, and so
+        does a pool full of payloads that no reader came for (module docstring). Raises
+        ``ConnectorClosedError`` after close and ``ValueError`` for an unusable key. If ``write``
+        raises, the slot is freed, nothing is published and the exception propagates.
+        """
+        key = transport_key(put_key, from_stage, to_stage)
+        return self._put(key, put_key, int(nbytes), write, codec.KIND_RAW, deadline)
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _take(self, key: str, block: bool, deadline: float) -> Offer | None:
+        self._check_open()
+        with _boundary("receive"):
+            return self._recv.take(key, block, deadline)
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> GetResult | None:
+        """Take the payload if this connector or a peer holds it (consume-once); else ``None``.
+
+        ``metadata`` from ``put`` names the payload; any other metadata falls back to the key.
+        Waits for peers' answers at most ``get_timeout_s``. Returns ``(obj, size)`` (see
+        :meth:`put` for ``obj``). Raises ``ConnectorClosedError`` after close; other failures
+        are logged and give ``None``.
+        """
+        self._check_open()
+        try:
+            inline = codec.inline_payload(metadata)
+            if inline is not None:
+                return codec.decode_inline(inline), len(inline)
+            key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
+            offer = self._take(key, False, time.monotonic() + self.config.get_timeout_s)
+            if offer is None:
+                return None
+            buf = self._recv.materialize(offer)
+            if offer.kind == codec.KIND_RAW:
+                return buf, offer.nbytes
+            with buf:
+                raw = buf.to_bytes()
+            return codec.decode(offer.kind, raw), offer.nbytes
+        except ConnectorClosedError:
+            raise
+        except (OmniKVError, ValueError) as exc:
+            logger.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
+            return None
+
+    def wait(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> ManagedBuffer | None:
+        """Block until a peer (or this connector) offers ``get_key`` or ``deadline`` passes.
+
+        Woken by the sender's offer message (no polling). Returns a zero-copy
+        :class:`ManagedBuffer` of the payload's bytes (the caller releases it), or ``None`` at
+        the deadline (nothing consumed) or if closed meanwhile. Raises :class:`PeerGoneError`
+        when a sender connected during the wait went away and nothing arrived.
+        """
+        inline = codec.inline_payload(metadata)
+        if inline is not None:
+            self._check_open()
+            return ManagedBuffer.host(codec.inline_frame(inline))
+        key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
+        offer = self._take(key, True, deadline)
+        return None if offer is None else self._recv.materialize(offer)
+
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> GetResult | None:
+        """The base's (built on :meth:`wait`), except that a payload that travelled inline is
+        decoded from ``metadata`` at once, with its put's size, as :meth:`get` does."""
+        if codec.inline_payload(metadata) is not None:
+            return self.get(from_stage, to_stage, get_key, metadata)
+        return super().get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=deadline)
+
+    def explain_miss(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> MissReport | None:
+        """Why a wait for ``get_key`` found nothing (see ``diag``): which senders of the
+        namespace live, which went away (closed, or died: also before this connector started)
+        and which keys wait unconsumed at them; ``peer_gone`` when none lives and one went.
+        Asks the peers, waiting for their answers at most :data:`PROBE_S` (``get_timeout_s``
+        if shorter). ``None`` once closed or for an unusable key; never raises."""
+        if self._closed:
+            return None
+        try:
+            key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
+        except ValueError:
+            return None
+        wait_s = min(PROBE_S, self.config.get_timeout_s)
+        answers = self._recv.probe(key, time.monotonic() + wait_s)
+        return self._watch.explain(key, self._mesh.links(local=False), answers)
+
+    def cleanup(self, request_id: str) -> bool:
+        """Drop unconsumed payloads of ``request_id`` here and at every peer of the namespace;
+        True when any went (the reference's 0.32 returns whether it removed something).
+
+        Matches keys by :func:`~omnikv.connectors.base.matches_request` (the reference's rule:
+        the key equals the id, starts with ``id_`` or ends with ``_id``), on every stage edge.
+        Waits for the peers' answers at most ``get_timeout_s`` (a peer that answers later
+        still drops its payloads, uncounted). Payloads already held by readers are theirs to
+        release. After close: False.
+        """
+        if self._closed:
+            return False
+        return self._cleanups.run(request_id, "request", self.config.get_timeout_s) > 0
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Drop every unconsumed payload whose key (as given to ``put``) starts with ``prefix``,
+        on every stage edge, here and at every peer of the namespace (the reference's 0.32, for
+        the keys of one request's chunks); how many went, counted as :meth:`cleanup` counts.
+        An empty ``prefix`` is a ``ValueError`` (it would drop every stage's payloads). After
+        close: 0.
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"cleanup_prefix needs a non-empty string, got {prefix!r:.60}")
+        if self._closed:
+            return 0
+        return self._cleanups.run(prefix, "prefix", self.config.get_timeout_s)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> list[str]:
+        """Wait until every payload put here was taken by a reader, or ``timeout`` seconds
+        (``None``: no limit); returns the keys still unconsumed."""
+        deadline = math.inf if timeout is None else time.monotonic() + max(0.0, timeout)
+        return self._store.flush(deadline)
+
+    def health(self) -> dict[str, Any]:
+        """Status, pool occupancy, the pool's population (``pool_populated_bytes``,
+        ``pool_reserve_bytes``, ``pool_reserve_ready``, ``pool_reserve_s``, ``pool_prefault``:
+        a stage may poll ``pool_reserve_ready`` before its first request), what is unconsumed
+        (``published``, ``published_bytes``, ``oldest_published_s``, ``youngest_published_s``;
+        ``buffer_ttl_seconds``)
+        and counters (among them ``ttl_reaped`` / ``ttl_reaped_bytes``: payloads freed unconsumed
+        by their TTL, ``put_pool_full``: puts refused at once); cheap and never raising."""
+        return {
+            "status": "closed" if self._closed else "healthy",
+            "type": "SharedMemoryConnector",
+            "namespace": self.namespace,
+            "instance": self.instance,
+            "threshold": self.threshold,
+            "buffer_ttl_seconds": self.config.buffer_ttl_s,
+            "pool_reserve_source": self.config.reserve_source,
+            "peers": len(self._mesh.links(local=False)),
+            **self._store.snapshot(),
+            **self._recv.snapshot(),
+            **self._counters.snapshot(),
+        }
+
+    def close(self, *, linger: bool = True) -> None:
+        """Idempotent. Waits up to ``linger_s`` for unconsumed payloads (``linger=False``: not at
+        all), logs a WARNING naming those dropped, wakes waiters (they return ``None``) and puts
+        waiting for space (``ConnectorClosedError``). Views held by readers stay valid."""
+        if self._closed:
+            return
+        if linger and self.config.linger_s > 0:
+            self._linger(self.config.linger_s)
+        self._closed = True
+        self._recv.close()
+        dropped = self._store.close()
+        self._mesh.close()
+        if self._record is not None:
+            self._record.close()
+        if dropped:
+            logger.warning(
+                "SharedMemoryConnector %s dropped %d unconsumed payload(s): %s",
+                self.instance,
+                len(dropped),
+                ", ".join(dropped[:20]) + (" ..." if len(dropped) > 20 else ""),
+            )
+        logger.debug("SharedMemoryConnector %s closed", self.instance)
+
+    def _linger(self, linger_s: float) -> None:
+        """Close (or process exit) with payloads unconsumed: one INFO line saying how many and
+        for how long at most, then wait for readers to take them (see :meth:`flush`)."""
+        status = self._store.snapshot()
+        if not status["published"]:
+            return
+        logger.info(
+            "SharedMemoryConnector %s: waiting up to %gs (linger_s) for receivers to take %d"
+            " unconsumed payload(s) of %d bytes",
+            self.instance,
+            linger_s,
+            status["published"],
+            status["published_bytes"],
+        )
+        self.flush(linger_s)
+
+    def __del__(self) -> None:
+        # garbage collection never lingers (a process exit or close() does)
+        with contextlib.suppress(Exception):
+            if not getattr(self, "_closed", True):
+                self.close(linger=False)

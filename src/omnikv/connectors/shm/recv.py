@@ -1,0 +1,271 @@
+"""The receiving half of :mod:`omnikv.connectors.shm.connector`: wants, offers and the views handed
+out.
+
+A receiver sends ``want(key)`` to every peer (and to itself: the local link). The peer holding
+the key answers ``offer(token, offset, size, kind)``; a blocking want stays registered at every
+peer until it is answered or cancelled, so a put wakes the waiter with one message (no polling).
+The caller gets a :class:`ManagedBuffer` over the mapped pool; its release (or the death of its
+``adopt()`` tensors) sends ``release(token)``. An offer that arrives after the waiter gave up is
+``return``-ed and the sender publishes it again. On ``evict(token)`` (the sender's pool is full)
+a span still held here is moved to private memory at the same address and released at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.shm.codec import KINDS
+from omnikv.connectors.shm.mesh import Link, Mesh
+from omnikv.connectors.shm.pool import MappedRegion
+from omnikv.errors import PeerGoneError
+
+__all__ = ["COUNTER_NAMES", "Offer", "RecvSide"]
+
+logger = logging.getLogger(__name__)
+
+MAX_EARLY_EVICTS = 4096
+#: The events a receiving side counts (in its connector's :class:`Counters`).
+COUNTER_NAMES = ("gets", "get_bytes", "misses", "migrated")
+
+
+@dataclass
+class Offer:
+    """An accepted offer; ``view`` is taken when it arrives, so it pins the mapping even if the
+    sender goes away before the caller looks at it."""
+
+    link: Link
+    region: MappedRegion
+    view: np.ndarray
+    token: int
+    offset: int
+    nbytes: int
+    kind: str
+
+
+@dataclass
+class _Want:
+    """A receiver's outstanding request for a key (blocking: registered at every peer)."""
+
+    wid: int
+    key: str
+    block: bool
+    event: threading.Event = field(default_factory=threading.Event)
+    offer: Offer | None = None
+    pending: set[Link] = field(default_factory=set)  # non-blocking: peers yet to answer
+    senders_lost: list[str] = field(default_factory=list)
+    probe: bool = False  # asks what peers hold (``probe``), never takes an offer
+    answers: list[tuple[Link, Any]] = field(default_factory=list)  # a probe's answers
+
+
+class RecvSide:
+    """Receiver-side state of one connector; thread-safe (one lock, never held while sending).
+
+    Its threads wait for their answers through the mesh's leadership (``Leadership.wait``);
+    it counts ``gets``, ``get_bytes``, ``misses`` and ``migrated`` in ``counters``.
+    """
+
+    def __init__(self, mesh: Mesh, counters: Counters) -> None:
+        self._mesh = mesh
+        self._leadership = mesh.leadership
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._wants: dict[int, _Want] = {}
+        self._holding: dict[tuple[Link, int], tuple[Offer, MappedRegion]] = {}
+        self._early_evicts: dict[tuple[Link, int], None] = {}
+        self._next_wid = 1
+        self.closed = False
+
+    def blocking_wants(self) -> list[list[Any]]:
+        """``want`` messages for a peer that just connected."""
+        with self._lock:
+            return [["want", w.wid, w.key, True] for w in self._wants.values() if w.offer is None]
+
+    # -- taking -------------------------------------------------------------------------------
+    def take(self, key: str, block: bool, deadline: float) -> Offer | None:
+        """Ask every peer (and ourselves) for ``key``; the accepted offer or ``None``.
+
+        Blocking: until an offer or ``deadline``; non-blocking: until every peer answered or
+        ``deadline``. Raises :class:`PeerGoneError` when a sender connected during a blocking
+        wait went away and nothing arrived.
+        """
+        links = self._mesh.links()
+        with self._lock:
+            want = _Want(self._next_wid, key, block)
+            self._next_wid += 1
+            self._wants[want.wid] = want
+            if not block:
+                want.pending = set(links)
+        for link in links:
+            if not self._mesh.send(link, [["want", want.wid, key, block]]) and not block:
+                with self._lock:
+                    want.pending.discard(link)
+        try:
+            self._leadership.wait(
+                functools.partial(self._answered, want), want.event, deadline, lead=block
+            )
+        finally:
+            offer = self._finish(want)
+        if offer is None and want.senders_lost and not self.closed:
+            lost = ", ".join(want.senders_lost)
+            raise PeerGoneError(f"sender(s) {lost} went away while waiting for {key}")
+        return offer
+
+    def probe(self, key: str, deadline: float) -> list[tuple[Link, Any]]:
+        """Ask every peer (and ourselves) what it holds unconsumed, for explaining a miss of
+        ``key`` (``SharedMemoryConnector.explain_miss``): each answers ``miss`` with a summary
+        (``diag.probe_answer``) and never offers. A peer of an older version answers a
+        plain ``miss``, or offers the key, which is returned at once. Waits until every peer
+        answered or ``deadline``; the (link, answer) pairs that came. Never raises."""
+        links = self._mesh.links()
+        with self._lock:
+            want = _Want(self._next_wid, key, False, probe=True, pending=set(links))
+            self._next_wid += 1
+            self._wants[want.wid] = want
+        for link in links:
+            if not self._mesh.send(link, [["want", want.wid, key, False, "probe"]]):
+                with self._lock:
+                    want.pending.discard(link)
+        self._leadership.wait(
+            functools.partial(self._answered, want), want.event, deadline, lead=False
+        )
+        with self._lock:
+            self._wants.pop(want.wid, None)
+            return list(want.answers)
+
+    def _answered(self, want: _Want) -> bool:
+        with self._lock:
+            return want.offer is not None or self.closed or not (want.block or want.pending)
+
+    def _finish(self, want: _Want) -> Offer | None:
+        with self._lock:
+            self._wants.pop(want.wid, None)
+            offer = want.offer
+            if offer is not None and self.closed:
+                # accepted just before close(): close() migrated it if it was held; either way
+                # the caller of a closed connector gets nothing
+                self._holding.pop((offer.link, offer.token), None)
+                offer = None
+        if offer is None:
+            self._counters.add("misses")
+        if want.block:
+            for link in self._mesh.links():
+                if offer is None or link is not offer.link:
+                    self._mesh.send(link, [["cancel", want.wid]])
+        return offer
+
+    def materialize(self, offer: Offer) -> ManagedBuffer:
+        """The caller's view of an accepted offer; the slot is released with the buffer."""
+        release = functools.partial(self._release, offer.link, offer.token)
+        self._counters.add("gets")
+        self._counters.add("get_bytes", offer.nbytes)
+        return ManagedBuffer.host(offer.view, release)
+
+    def _release(self, link: Link, token: int) -> None:
+        """Release callback of a handed-out view (any thread, also a GC finalizer)."""
+        with self._lock:
+            held = self._holding.pop((link, token), None)
+        if held is not None and not self.closed:
+            self._mesh.send(link, [["release", token]])
+
+    # -- messages from senders ------------------------------------------------------------------
+    def on_offer(self, link: Link, msg: list[Any]) -> None:
+        wid, token, offset, nbytes, kind = msg[1:6]
+        if link.pool is None or kind not in KINDS:
+            raise ValueError(f"offer of kind {kind!r} before a usable pool")
+        region = link.pool.region()
+        view = region.array(offset, nbytes)  # ValueError (the peer is dropped) if out of bounds
+        accepted = False
+        with self._lock:
+            early = self._early_evicts.pop((link, token), None) is not None
+            want = self._wants.get(wid)
+            if want is not None and want.offer is None and not self.closed and not want.probe:
+                want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
+                # held from now on, so an evict that overtakes the waiter's wake-up is served
+                self._holding[(link, token)] = (want.offer, region)
+                self._signal(want)
+                accepted = True
+        if not accepted:
+            self._mesh.send(link, [["return", token]])
+        elif early:
+            self.on_evict(link, token)
+
+    def _signal(self, want: _Want) -> None:
+        """Wake ``want``'s thread, also out of ``select`` when it leads."""
+        self._leadership.wake(want.event)
+
+    def on_miss(self, link: Link, wid: int, answer: Any = None) -> None:
+        """A peer does not hold what a non-blocking want asked for (for a probe: ``answer``
+        says what it holds)."""
+        with self._lock:
+            want = self._wants.get(wid)
+            if want is not None:
+                if want.probe and link in want.pending:
+                    want.answers.append((link, answer))
+                want.pending.discard(link)
+                want.event.set()
+
+    def on_evict(self, link: Link, token: int, log: Callable[..., None] = logger.warning) -> None:
+        """The sender needs the slot back: move our view to private memory, then release."""
+        with self._lock:
+            held = self._holding.pop((link, token), None)
+            if held is None:
+                # the sender's evict overtook its own offer (sent from another of its threads):
+                # serve it when the offer arrives; bounded, oldest forgotten first
+                self._early_evicts[(link, token)] = None
+                while len(self._early_evicts) > MAX_EARLY_EVICTS:
+                    del self._early_evicts[next(iter(self._early_evicts))]
+                return
+        try:
+            held[1].migrate(held[0].offset, held[0].nbytes)
+        except (OSError, ValueError) as exc:
+            log("cannot migrate a held shared-memory payload (%s); the sender must wait", exc)
+            with self._lock:
+                self._holding[(link, token)] = held
+            return
+        self._counters.add("migrated")
+        self._mesh.send(link, [["release", token]])
+
+    def on_link_gone(self, link: Link) -> None:
+        with self._lock:
+            for k in [k for k in self._holding if k[0] is link]:
+                del self._holding[k]  # the views stay valid: the mapping pins the memory
+            for k in [k for k in self._early_evicts if k[0] is link]:
+                del self._early_evicts[k]
+            for want in self._wants.values():
+                if link in want.pending:
+                    want.pending.discard(link)
+                    self._signal(want)
+                if want.block and link.sender and want.offer is None:
+                    want.senders_lost.append(f"pid {link.pid} ({link.peer})")
+                    self._signal(want)
+
+    def snapshot(self) -> dict[str, Any]:
+        """``held_here``: payloads of peers this side holds (for ``health()``)."""
+        with self._lock:
+            return {"held_here": len(self._holding)}
+
+    def close(self) -> None:
+        """Wake waiters; move every span still held here to private memory, since the senders
+        reclaim the slots once our connections close (the views keep their bytes)."""
+        with self._lock:
+            self.closed = True
+            for want in self._wants.values():
+                self._signal(want)
+            held = list(self._holding.values())
+            self._holding.clear()
+        for offer, region in held:
+            if offer.link.local:
+                continue  # our own pool: nobody writes to it after close
+            try:
+                region.migrate(offer.offset, offer.nbytes)
+            except (OSError, ValueError) as exc:
+                logger.warning("a view held at close could not be kept private: %s", exc)

@@ -1,0 +1,690 @@
+"""The sending half of :mod:`omnikv.connectors.shm.connector`: the pool, what is published, who
+holds what.
+
+A put allocates a page-aligned slot from the connector's :class:`SenderPool` with the one
+allocator (:class:`~omnikv.connectors.pool.BufferAllocator`, which blocks on a condition until
+the caller's deadline), the payload is written in place, and the entry is offered to the first
+peer waiting for its key, or published. An offered entry is *held* by that reader until it sends
+``release`` (or ``return``: the waiter gave up, so the entry is published again).
+
+Data lifetime: a reader may keep a payload as long as it likes. When a put finds no space, the
+store asks every reader holding a slot to ``evict`` it: the reader moves the span to private
+memory at the same address (one copy, views stay valid) and releases the slot. Zero-copy while
+the pool has room; one copy per held payload under pressure; the sender never fails because a
+reader keeps data (only a reader that does not answer, or unconsumed puts, fill the pool).
+
+Unconsumed payloads expire (:class:`Unconsumed`): a payload published and claimed by no reader
+for ``buffer_ttl_seconds`` after its put is freed, its key forgotten (a later want misses) and
+reported once (a WARNING naming key, size and age; counted as ``ttl_reaped`` /
+``ttl_reaped_bytes``). Only unclaimed payloads expire: a payload offered to a reader is held by
+it from that moment (under the store's lock), so a reader never sees its slot reused. Expiry
+is driven by a timer thread that sleeps until the earliest expiry, and by every put and want,
+which free what is due before they look (so a late want misses even before the timer ran).
+
+A put that finds no space waits for it until its deadline, except when waiting cannot be
+expected to help (see :meth:`SendStore.allocate`): every slot in use holds a published payload
+nobody claimed, none expires before the deadline, and none was put more recently than the put
+would wait. It then fails at once and says so.
+
+Per-peer state is bounded: at most :data:`MAX_WANTS_PER_LINK` blocking wants per connection
+(the peer is disconnected beyond that).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from omnikv.connectors.base import Writer
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.pool import BufferAllocator
+from omnikv.connectors.shm.mesh import Link
+from omnikv.connectors.shm.pool import SenderPool
+from omnikv.deadline import remaining
+from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PoolExhaustedError
+from omnikv.wire.encode import writes_host_arrays
+
+__all__ = ["COUNTER_NAMES", "MAX_WANTS_PER_LINK", "Entry", "SendStore", "Unconsumed"]
+
+logger = logging.getLogger(__name__)
+
+MAX_WANTS_PER_LINK = 4096
+#: The events a sending side counts (in its connector's :class:`Counters`), its expiry included.
+COUNTER_NAMES = (
+    "puts",
+    "put_bytes",
+    "put_failures",
+    "put_waits",
+    "put_timeouts",
+    "put_pool_full",
+    "releases",
+    "returns",
+    "replaced",
+    "evictions",
+    "reclaimed_from_dead_readers",
+    "ttl_reaped",
+    "ttl_reaped_bytes",
+)
+
+Send = Callable[[Link, list[list[Any]], "tuple[int, int, int] | None"], bool]
+
+
+@dataclass
+class Entry:
+    """A payload in our pool: published under ``key`` or held by ``holder`` as ``token``."""
+
+    key: str
+    label: str  # the caller's key, for flush / linger reports
+    offset: int
+    nbytes: int
+    kind: str
+    token: int = 0
+    holder: Link | None = None
+    evicting: bool = False
+    sent: bool = False  # the offer to ``holder`` has left (until then it is not consumed)
+    published_at: float = 0.0  # monotonic time of the put's publication (its age counts from it)
+
+
+class Unconsumed:
+    """The payloads published and claimed by no reader yet, by transport key, and their expiry.
+
+    Owned by one :class:`SendStore` and guarded by its ``lock`` (``changed`` is the store's
+    condition over it, notified when space is freed here); every method but :meth:`expire_due`
+    and :meth:`join` is called with the lock held. An entry leaves by :meth:`pop` (a reader
+    claims it), :meth:`pop_matching` (cleanup), :meth:`clear` (close) or expiry: ``ttl_s``
+    (``buffer_ttl_seconds``; 0: never) after its put it is freed here, counted in ``counters``
+    (``ttl_reaped``, ``ttl_reaped_bytes``) and reported once with a WARNING. Expiry runs in a
+    timer thread (started by :meth:`start` with the pool) that sleeps until the earliest
+    expiry, and in every put and want (:meth:`expire_due`, :meth:`reap`), so it never depends
+    on that thread being scheduled.
+
+    ``next_expiry`` is a lower bound of the earliest expiry (``math.inf``: none; exact after
+    :meth:`reap` and :meth:`first_expiry`); reading it without the lock is safe (one float), so
+    a put or a want skips the lock when nothing is due.
+    """
+
+    def __init__(
+        self,
+        ttl_s: float,
+        lock: threading.Lock,
+        changed: threading.Condition,
+        counters: Counters,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.next_expiry = math.inf
+        self._counters = counters
+        self._entries: dict[str, Entry] = {}
+        self._changed = changed
+        self._wake = threading.Condition(lock)  # the timer sleeps on it
+        self._alloc: BufferAllocator | None = None
+        self._timer: threading.Thread | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def newest(self, limit: int) -> list[str]:
+        """The keys of the ``limit`` payloads published last, newest first."""
+        return list(itertools.islice(reversed(self._entries), limit))
+
+    def expiry(self, entry: Entry) -> float:
+        """When ``entry`` expires (monotonic; ``math.inf`` when expiry is off)."""
+        return entry.published_at + self.ttl_s if self.ttl_s else math.inf
+
+    def start(self, alloc: BufferAllocator) -> None:
+        """The pool exists (``alloc`` frees its slots): start the timer if payloads expire."""
+        self._alloc = alloc
+        if self.ttl_s:
+            self._timer = threading.Thread(target=self._run, name="omnikv-shm-ttl", daemon=True)
+            self._timer.start()
+
+    def add(self, entry: Entry) -> Entry | None:
+        """Publish ``entry`` under its key (``published_at`` set by its put and kept when a
+        reader returns it); the entry it replaces, if any (the caller frees it)."""
+        old = self._entries.pop(entry.key, None)
+        self._entries[entry.key] = entry
+        expiry = self.expiry(entry)
+        if expiry < self.next_expiry:  # the timer sleeps until a later one: wake it
+            self.next_expiry = expiry
+            self._wake.notify()
+        return old
+
+    def pop(self, key: str) -> Entry | None:
+        """A reader claims ``key`` (its want): the entry leaves and can no longer expire."""
+        return self._entries.pop(key, None)
+
+    def pop_matching(self, match: Callable[[str], bool]) -> list[Entry]:
+        """``cleanup``: the entries whose transport key matches leave (the caller frees them)."""
+        return [self._entries.pop(k) for k in [k for k in self._entries if match(k)]]
+
+    def clear(self) -> list[Entry]:
+        """Close: stop the timer (see :meth:`join`) and hand back every entry (not freed)."""
+        self._closed = True
+        self._wake.notify_all()
+        entries = list(self._entries.values())
+        self._entries.clear()
+        return entries
+
+    def join(self) -> None:
+        """After :meth:`clear`, without the lock: wait for the timer thread to leave."""
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(timeout=5.0)
+
+    # -- expiry -------------------------------------------------------------------------------
+    def expire_due(self) -> None:
+        """Free and report what expired. Called by a put before it allocates and by the timer;
+        one float compare, without the lock, when nothing is due."""
+        if time.monotonic() < self.next_expiry:
+            return
+        with self._changed:
+            gone = self.reap(time.monotonic())
+        self.report(gone)
+
+    def reap(self, now: float) -> list[tuple[Entry, float]]:
+        """(lock held) Free every entry expired at ``now`` (waking puts that wait for space);
+        each with its age, for :meth:`report` once the lock is released."""
+        if now < self.next_expiry or self._alloc is None:
+            return []
+        gone = [e for e in self._entries.values() if self.expiry(e) <= now]
+        for e in gone:
+            del self._entries[e.key]
+            self._alloc.free(e.offset)
+            self._counters.add("ttl_reaped")
+            self._counters.add("ttl_reaped_bytes", e.nbytes)
+        self.first_expiry()
+        if gone:
+            self._changed.notify_all()
+        return [(e, now - e.published_at) for e in gone]
+
+    def report(self, gone: list[tuple[Entry, float]]) -> None:
+        """One WARNING per expired payload (lock not held)."""
+        for e, age in gone:
+            logger.warning(
+                "shared-memory payload %s (%d bytes) expired unconsumed after %.1fs"
+                " (buffer_ttl_seconds %g); its pool space is free again",
+                e.key,
+                e.nbytes,
+                age,
+                self.ttl_s,
+            )
+
+    def _run(self) -> None:
+        """The timer: sleep until the earliest expiry (woken sooner by :meth:`add` when an
+        earlier one is published, and by :meth:`clear`), free what is due, again."""
+        while True:
+            with self._changed:
+                while not self._closed:
+                    left = self.next_expiry - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(min(left, 3600.0))
+                if self._closed:
+                    return
+            self.expire_due()
+
+    def first_expiry(self) -> float:
+        """The earliest expiry of the entries now published (exact; kept as ``next_expiry``)."""
+        self.next_expiry = min(map(self.expiry, self._entries.values()), default=math.inf)
+        return self.next_expiry
+
+    # -- what a full pool reports ---------------------------------------------------------------
+    def refusal(self, slots_in_use: int, deadline: float, now: float) -> str | None:
+        """Why a put that found no space at ``now`` should not wait until ``deadline``, or
+        ``None`` (the rule: :meth:`SendStore.allocate`): every one of the ``slots_in_use`` holds
+        a payload published here and claimed by no reader, none of them expires before
+        ``deadline``, and the youngest has waited at least ``deadline - now``. Says how many
+        payloads of how many bytes, their ages and when they expire."""
+        entries = self._entries.values()
+        if not entries or slots_in_use != len(entries) or self.first_expiry() < deadline:
+            return None
+        youngest = max(e.published_at for e in entries)
+        if now - youngest < deadline - now:
+            return None
+        oldest = min(entries, key=lambda e: e.published_at)
+        text = (
+            f"the space in use is held by {len(entries)} published payload(s) of"
+            f" {sum(e.nbytes for e in entries)} bytes that no receiver has claimed, the youngest"
+            f" for {now - youngest:.1f}s (at least as long as this put may wait,"
+            f" {max(0.0, deadline - now):.1f}s), the oldest ({oldest.label}) for"
+            f" {now - oldest.published_at:.1f}s; "
+        )
+        if not self.ttl_s:
+            return text + "buffer_ttl_seconds is 0, so they never expire"
+        return text + (
+            f"they expire {self.ttl_s:g}s after their put (buffer_ttl_seconds), the first in"
+            f" {max(0.0, self.next_expiry - now):.1f}s, after this put's deadline"
+        )
+
+    def status(self, now: float) -> dict[str, Any]:
+        """``published``, ``published_bytes``, ``oldest_published_s`` and
+        ``youngest_published_s`` (ages in seconds; 0.0 when none), for ``health()``."""
+        ages = [now - e.published_at for e in self._entries.values()]
+        return {
+            "published": len(ages),
+            "published_bytes": sum(e.nbytes for e in self._entries.values()),
+            "oldest_published_s": max(ages, default=0.0),
+            "youngest_published_s": min(ages, default=0.0),
+        }
+
+
+class SendStore:
+    """Sender-side state of one connector; thread-safe (one lock, never held while sending).
+
+    Counts the events of :data:`COUNTER_NAMES` in ``counters`` (the connector's).
+    """
+
+    def __init__(
+        self,
+        pool_size: int,
+        prefault: bool,
+        send: Send,
+        drop: Callable[..., None],
+        *,
+        counters: Counters,
+        reserve: int = 0,
+        ttl_s: float = 0.0,
+    ) -> None:
+        self.pool_size = pool_size
+        self.prefault = prefault
+        self.reserve = reserve  # populated in the background as soon as the pool exists
+        self._send = send
+        self._drop = drop
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pool_lock = threading.Lock()
+        self.pool: SenderPool | None = None
+        self.alloc: BufferAllocator | None = None
+        self.pool_id = secrets.randbits(48)
+        self._counters = counters
+        # claimed by no reader
+        self._published = Unconsumed(ttl_s, self._lock, self._changed, counters)
+        self._held: dict[int, Entry] = {}
+        self._wanters: dict[str, list[tuple[Link, int]]] = {}
+        self._want_count: dict[Link, int] = {}
+        self._next_token = 1
+        self._waiting = 0  # puts waiting for space
+        self.closed = False
+
+    # -- pool ---------------------------------------------------------------------------------
+    def ensure_pool(self, on_create: Callable[[SenderPool], None]) -> BufferAllocator:
+        """The allocator of our pool, creating the pool on first use (cheap: not populated;
+        the start-up reserve, if any, starts populating in the background)."""
+        alloc = self.alloc
+        if alloc is not None:
+            return alloc
+        with self._pool_lock:
+            if self.alloc is None:
+                try:
+                    pool = SenderPool(self.pool_size, "omnikv-shm", prefault=self.prefault)
+                except OSError as exc:
+                    raise ConnectorUnavailableError(
+                        f"cannot create a shared-memory pool of {self.pool_size} bytes: {exc}"
+                    ) from exc
+                on_create(pool)
+                self.pool = pool
+                self.alloc = BufferAllocator(pool.size)
+                if self.reserve:
+                    pool.reserve(self.reserve)
+                self._published.start(self.alloc)
+            return self.alloc
+
+    def pool_handle(self) -> tuple[int, int, int] | None:
+        pool = self.pool
+        fd = pool.fd if pool is not None else None
+        return None if pool is None or fd is None else (self.pool_id, pool.size, fd)
+
+    def allocate(self, key: str, nbytes: int, deadline: float) -> int:
+        """A slot for ``nbytes``; called by a put before it writes (the pool exists).
+
+        Takes free space when there is some (after freeing what expired). Otherwise it waits
+        until ``deadline``, asking the readers that hold our payloads to give their slots back
+        (``evict``), and then raises :class:`PoolExhaustedError` (counted as ``put_timeouts``).
+        It raises at once when the payload can never fit, and at once (counted as
+        ``put_pool_full``) when waiting cannot be expected to help: every slot in use holds a
+        payload published here and claimed by no reader (none is held, offered or being
+        written), none of them expires before ``deadline``, and even the youngest has waited
+        unclaimed for at least as long as this put may still wait. Only a receiver coming for
+        one of them could free space then, and none came for any of them in that long; a wait
+        would hold the caller (and what it holds, e.g. an engine's KV blocks) for nothing. The
+        message says how many payloads of how many bytes, their ages and when they expire.
+        Raises ``ConnectorClosedError`` when the store closes meanwhile.
+        """
+        alloc = self.alloc
+        assert alloc is not None and self.pool is not None
+        if alloc.block_size(nbytes) > alloc.total:
+            raise PoolExhaustedError(
+                f"payload of {nbytes} bytes ({key}) can never fit the pool of {alloc.total} bytes;"
+                " raise pool_size_bytes"
+            )
+        self._published.expire_due()
+        t0 = time.monotonic()
+        with self._lock:
+            offset = _try_alloc(alloc, nbytes)
+            if offset is not None:
+                return offset
+            why = self._published.refusal(alloc.allocations, deadline, t0)
+            if why is not None:
+                self._counters.add("put_pool_full")
+                raise PoolExhaustedError(
+                    f"{self._no_space(key, nbytes, t0)}; {why}: failing at once rather than"
+                    " waiting, as only a receiver taking one of them (or cleanup()) could free"
+                    " space before the deadline"
+                )
+            self._check_deadline(key, nbytes, deadline, t0)
+            self._waiting += 1
+            self._counters.add("put_waits")
+        try:
+            self._evict(nbytes)
+            with self._lock:
+                while True:
+                    offset = _try_alloc(alloc, nbytes)
+                    if offset is not None:
+                        return offset
+                    self._check_deadline(key, nbytes, deadline, t0)
+                    # woken by every free: a release, an expiry, a cleanup
+                    self._changed.wait(min(remaining(deadline), 3600.0))
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def _check_deadline(self, key: str, nbytes: int, deadline: float, t0: float) -> None:
+        """(lock held) Raise when a put waiting for space since ``t0`` must stop: closed, or
+        ``deadline`` passed."""
+        if self.closed:
+            raise ConnectorClosedError("SharedMemoryConnector is closed")
+        if remaining(deadline) > 0:
+            return
+        self._counters.add("put_timeouts")
+        raise PoolExhaustedError(
+            f"{self._no_space(key, nbytes, t0)}; {len(self._held)} payload(s) held by readers"
+            f" that did not give them back, {len(self._published)} published and unconsumed"
+        )
+
+    def _no_space(self, key: str, nbytes: int, t0: float) -> str:
+        alloc = self.alloc
+        assert alloc is not None
+        return (
+            f"no space for {nbytes} bytes ({key}) after {time.monotonic() - t0:.3f}s: pool of"
+            f" {alloc.total} bytes has {alloc.free_bytes()} free (largest"
+            f" {alloc.largest_free()})"
+        )
+
+    def _evict(self, size: int) -> None:
+        """The pool is full: ask every reader holding a slot to migrate it and release it.
+
+        Called when a put starts to wait, and after every offer while one waits (a payload
+        published while the pool was full is held only once a reader takes it)."""
+        with self._lock:
+            targets = [e for e in self._held.values() if not e.evicting and e.holder is not None]
+            for e in targets:
+                e.evicting = True
+            self._counters.add("evictions", len(targets))
+        for e in targets:
+            if e.holder is not None:
+                self._send(e.holder, [["evict", e.token]], None)
+        if targets:
+            logger.debug(
+                "pool full (%d bytes wanted): asked %d holder(s) to evict", size, len(targets)
+            )
+
+    def free(self, entry: Entry) -> None:
+        """Return an entry's slot (``self._lock`` held)."""
+        if self.alloc is not None:
+            self.alloc.free(entry.offset)
+        self._changed.notify_all()
+
+    # -- publishing ---------------------------------------------------------------------------
+    def publish(self, entry: Entry) -> None:
+        """A put's written entry becomes visible: offered to a waiting reader or published (its
+        TTL runs from now)."""
+        entry.published_at = time.monotonic()
+        self.deliver(entry)
+        if self.pool is not None:  # after the write, so prefaulting ahead never competes with it
+            self.pool.note_used(entry.offset + max(entry.nbytes, 1))
+        self._counters.add("puts")
+        self._counters.add("put_bytes", entry.nbytes)
+
+    def _hold(self, entry: Entry, link: Link, wid: int) -> list[Any]:
+        """Mark ``entry`` as offered to ``link`` (lock held); the offer message to send."""
+        entry.token = self._next_token
+        self._next_token += 1
+        entry.holder = link
+        entry.evicting = False
+        entry.sent = False
+        self._held[entry.token] = entry
+        return ["offer", wid, entry.token, entry.offset, entry.nbytes, entry.kind]
+
+    def _next_target(self, entry: Entry) -> tuple[Link, list[Any]] | None:
+        """(lock held) Offer to the first live waiter, else publish (replacing) and ``None``."""
+        queue = self._wanters.get(entry.key)
+        target: tuple[Link, list[Any]] | None = None
+        while queue and target is None:
+            link, wid = queue.pop(0)
+            self._want_count[link] = self._want_count.get(link, 1) - 1
+            if link.alive:
+                target = (link, self._hold(entry, link, wid))
+        if not queue:
+            self._wanters.pop(entry.key, None)
+        if target is None:
+            old = self._published.add(entry)
+            if old is not None:
+                self._counters.add("replaced")
+                logger.warning("key %s put again before it was consumed", entry.key)
+                self.free(old)
+        return target
+
+    def deliver(self, entry: Entry) -> None:
+        """Offer ``entry`` to the first live waiter of its key, else publish it."""
+        while True:
+            with self._lock:
+                if self.closed:
+                    return
+                target = self._next_target(entry)
+            if target is None:
+                return
+            if self._send(target[0], [target[1]], self.pool_handle()):
+                self._offer_sent(entry)
+                return
+            self._take_back(entry)
+
+    def _take_back(self, entry: Entry) -> None:
+        """An offer could not be sent: the entry is ours again (lock not held)."""
+        with self._lock:
+            if self._held.get(entry.token) is entry:
+                del self._held[entry.token]
+            entry.holder = None
+
+    # -- messages from readers ------------------------------------------------------------------
+    def on_want(self, link: Link, wid: int, key: str, block: bool) -> None:
+        over = False
+        now = time.monotonic()
+        with self._lock:
+            # what expired is gone before the key is looked up: a late want misses
+            gone = self._published.reap(now)
+            entry = self._published.pop(key)
+            if entry is not None:
+                reply: list[Any] | None = self._hold(entry, link, wid)
+            elif block:
+                reply = None
+                over = self._want_count.get(link, 0) >= MAX_WANTS_PER_LINK
+                if not over:
+                    self._wanters.setdefault(key, []).append((link, wid))
+                    self._want_count[link] = self._want_count.get(link, 0) + 1
+            else:
+                reply = ["miss", wid]
+        self._published.report(gone)
+        if over:
+            self._drop(link, f"more than {MAX_WANTS_PER_LINK} outstanding wants")
+            return
+        if reply is None:
+            return
+        pool = self.pool_handle() if entry is not None else None
+        if self._send(link, [reply], pool):
+            if entry is not None:
+                self._offer_sent(entry)
+        elif entry is not None:
+            self._take_back(entry)
+            self.deliver(entry)
+
+    def _offer_sent(self, entry: Entry) -> None:
+        """The offer of ``entry`` left: it counts as consumed (flush); a put waiting for space
+        asks its new holder to evict at once."""
+        with self._lock:
+            entry.sent = True
+            self._changed.notify_all()
+            waiting = self._waiting
+        if waiting:
+            self._evict(0)
+
+    def on_cancel(self, link: Link, wid: int) -> None:
+        with self._lock:
+            for key, queue in list(self._wanters.items()):
+                before = len(queue)
+                queue[:] = [(lk, w) for lk, w in queue if not (lk is link and w == wid)]
+                self._want_count[link] = self._want_count.get(link, 0) - (before - len(queue))
+                if not queue:
+                    del self._wanters[key]
+
+    def on_release(self, link: Link, token: int, *, republish: bool) -> None:
+        with self._lock:
+            entry = self._held.get(token)
+            if entry is None or entry.holder is not link:
+                logger.debug("%s released unknown token %d", link, token)
+                return
+            del self._held[token]
+            entry.holder = None
+            if not republish or entry.key in self._published:
+                # released, or returned after a newer put of the key (the newer one wins)
+                self._counters.add("releases")
+                self.free(entry)
+                return
+            self._counters.add("returns")
+        self.deliver(entry)
+
+    def on_link_gone(self, link: Link) -> None:
+        with self._lock:
+            for token, entry in list(self._held.items()):
+                if entry.holder is link:
+                    del self._held[token]
+                    entry.holder = None
+                    self._counters.add("reclaimed_from_dead_readers")
+                    self.free(entry)
+            for key, queue in list(self._wanters.items()):
+                queue[:] = [(lk, w) for lk, w in queue if lk is not link]
+                if not queue:
+                    del self._wanters[key]
+            self._want_count.pop(link, None)
+
+    # -- cleanup, flush, status -------------------------------------------------------------------
+    def drop_matching(self, match: Callable[[str], bool]) -> list[str]:
+        """Drop published entries whose transport key matches; their labels."""
+        with self._lock:
+            entries = self._published.pop_matching(match)
+            for e in entries:
+                self.free(e)
+        return [e.label for e in entries]
+
+    def published_summary(self, key: str, limit: int) -> dict[str, Any]:
+        """A probe's answer (``diag``): how many payloads are published here, the newest
+        ``limit`` keys, and whether ``key`` is one of them."""
+        with self._lock:
+            n, has = len(self._published), key in self._published
+            return {"n": n, "keys": self._published.newest(limit), "has": has}
+
+    def flush(self, deadline: float) -> list[str]:
+        """Wait until every published payload was taken by a reader, or ``deadline``; the
+        labels still unconsumed."""
+        with self._changed:
+            while self._unconsumed() and not self.closed:
+                left = remaining(deadline)
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 3600.0))
+            return sorted(e.label for e in self._unconsumed())
+
+    def _unconsumed(self) -> list[Entry]:
+        """(lock held) Published entries and those whose offer has not left yet."""
+        in_flight = [e for e in self._held.values() if not e.sent]
+        return [*self._published.entries(), *in_flight]
+
+    def snapshot(self) -> dict[str, Any]:
+        alloc = self.alloc
+        pool = self.pool
+        with self._lock:
+            return {
+                "pool_size_bytes": alloc.total if alloc else 0,
+                "pool_free_bytes": alloc.free_bytes() if alloc else 0,
+                "pool_largest_free": alloc.largest_free() if alloc else 0,
+                **(pool.status() if pool else self._no_pool_status()),
+                **self._published.status(time.monotonic()),
+                "held_by_readers": len(self._held),
+                "waiting_receivers": sum(len(q) for q in self._wanters.values()),
+            }
+
+    def _no_pool_status(self) -> dict[str, Any]:
+        """:meth:`SenderPool.status` before the pool exists (it is made by the first put)."""
+        return {
+            "pool_populated_bytes": 0,
+            "pool_reserve_bytes": self.reserve,
+            "pool_reserve_ready": not self.reserve,
+            "pool_reserve_s": None,
+            "pool_prefault": "on first put" if self.reserve or self.prefault else "off",
+        }
+
+    def count_failure(self) -> None:
+        """A put failed before it wrote (no space, closed)."""
+        self._counters.add("put_failures")
+
+    def write_slot(self, entry: Entry, write: Writer) -> None:
+        """Let ``write`` fill the entry's slot (as numpy when it takes that, see
+        :func:`omnikv.wire.encode.writes_host_arrays`); frees it if ``write`` raises."""
+        pool = self.pool
+        assert pool is not None
+        try:
+            if writes_host_arrays(write):
+                cast(Callable[[np.ndarray], object], write)(pool.array(entry.offset, entry.nbytes))
+            else:
+                write(pool.view(entry.offset, entry.nbytes))
+        except BaseException:
+            with self._lock:
+                self.free(entry)
+                self._counters.add("put_failures")
+            raise
+
+    def close(self) -> list[str]:
+        """Drop everything and stop the TTL timer; the labels of payloads dropped unconsumed."""
+        with self._lock:
+            self.closed = True
+            dropped = sorted(e.label for e in self._published.clear())
+            self._held.clear()
+            self._wanters.clear()
+            self._changed.notify_all()
+        self._published.join()
+        if self.alloc is not None:
+            self.alloc.close()
+        if self.pool is not None:
+            self.pool.close()
+        return dropped
+
+
+def _try_alloc(alloc: BufferAllocator, nbytes: int) -> int | None:
+    """A slot's offset if one fits now, else ``None`` (``ConnectorClosedError`` once closed)."""
+    try:
+        return alloc.alloc(max(nbytes, 1))[0]
+    except PoolExhaustedError:
+        return None

@@ -1,0 +1,555 @@
+"""Receive path: keys -> wait with a deadline -> decode -> merge/slice -> optional device copy.
+
+Called by the manager (``receive_kv_cache_for_request`` and everything built on it), possibly
+from several threads at once (CFG companions, prefetch). Two forms:
+
+* :meth:`KVReceiver.fetch` raises: :class:`~omnikv.errors.ReceiveTimeout` (nothing arrived by
+  the deadline), :class:`~omnikv.errors.DecodeError` (corrupt payload),
+  :class:`~omnikv.errors.ConnectorError` subclasses (transport), ``ReceiveCancelled`` (the
+  caller's abort event), :class:`~omnikv.errors.KVPrefetchConsumeError` (consumed, unusable);
+* :meth:`KVReceiver.receive` is built on it and never raises for a miss: it returns a
+  :class:`ReceiveResult` whose status says why (ok, timeout, corrupt, unavailable, peer_gone,
+  cancelled, skipped). ``KVPrefetchConsumeError`` still propagates: the payload was consumed,
+  so retrying is pointless.
+
+CFG companions: :meth:`KVReceiver.receive_companions` receives several request ids concurrently
+under one deadline and keeps the results; a later :meth:`KVReceiver.receive` of one of those ids
+(the collector calling back into the manager) takes its result at once, consume-once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnikv.config import TransferOptions
+from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase, get_result
+from omnikv.connectors.factory import LazyConnector
+from omnikv.errors import (
+    ConnectorError,
+    ConnectorUnavailableError,
+    DecodeError,
+    KVPrefetchConsumeError,
+    OmniKVError,
+    PeerGoneError,
+    ReceiveCancelled,
+    ReceiveTimeout,
+)
+from omnikv.topology.keys import TransferHooks, build_recv_keys
+from omnikv.topology.placement import SenderEndpoint, source_metadata
+from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
+from omnikv.transfer.received import ReceivedKV, move_kv
+from omnikv.wire.decode import decode_kv
+from omnikv.wire.serializer import is_object
+
+__all__ = [
+    "ABORT_SLICE_S",
+    "DUMMY_REQUEST_ID",
+    "FetchTrace",
+    "KVReceiver",
+    "ReceiveResult",
+    "ReceiveStatus",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The reference's warm-up request id: never received.
+DUMMY_REQUEST_ID = "dummy_req_id"
+#: Longest single connector wait when the caller passed an ``abort`` event (seconds).
+ABORT_SLICE_S = 0.05
+
+
+class ReceiveStatus(str, Enum):
+    OK = "ok"
+    TIMEOUT = "timeout"
+    CORRUPT = "corrupt"
+    UNAVAILABLE = "unavailable"
+    PEER_GONE = "peer_gone"
+    SKIPPED = "skipped"
+    #: The caller aborted the wait (prefetch shutdown); nothing was consumed for the missing key.
+    CANCELLED = "cancelled"
+    #: The manager is configured neither to send nor to receive (see its construction warning).
+    NOT_CONFIGURED = "not_configured"
+
+
+@dataclass
+class ReceiveResult:
+    """Outcome of one request's receive; ``kv`` holds the received KV when ``ok``."""
+
+    request_id: str
+    status: ReceiveStatus
+    kv: ReceivedKV | None = None
+    nbytes: int = 0
+    keys: list[str] = field(default_factory=list)
+    reason: str | None = None
+    waited_s: float = 0.0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReceiveStatus.OK
+
+    @property
+    def data(self) -> dict[str, Any] | None:
+        """The seed's dict form of :attr:`kv` (a new dict per call), or ``None``."""
+        return None if self.kv is None else self.kv.to_dict()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The payload's metadata (``custom_metadata`` included); empty without KV."""
+        return {} if self.kv is None else self.kv.metadata
+
+
+@dataclass
+class FetchTrace:
+    """What :meth:`KVReceiver.fetch` did: the keys it waited for and its phase timings."""
+
+    keys: list[str] = field(default_factory=list)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def phases(self, t0: float, t_wait: float, t_decode: float, t_end: float) -> None:
+        self.timings_ms["wait_ms"] = (t_wait - t0) * 1e3
+        self.timings_ms["decode_ms"] = (t_decode - t_wait) * 1e3
+        self.timings_ms["finish_ms"] = (t_end - t_decode) * 1e3
+
+
+def _wait_sliced(
+    connector: OmniConnectorBase,
+    stages: tuple[str, str],
+    key: str,
+    deadline: float,
+    metadata: dict[str, Any] | None,
+    abort: threading.Event | None,
+) -> ManagedBuffer | None:
+    """``connector.wait`` until ``deadline``, cut into abortable slices when ``abort`` is given.
+
+    A wait that returns ``None`` at its (slice) deadline consumes nothing (connector contract),
+    so slicing never loses a payload. Raises :class:`ReceiveCancelled` once ``abort`` is set.
+    """
+    if abort is None:
+        return connector.wait(*stages, key, deadline=deadline, metadata=metadata)
+    while True:
+        if abort.is_set():
+            raise ReceiveCancelled("receive aborted")
+        step = min(deadline, time.monotonic() + ABORT_SLICE_S)
+        got = connector.wait(*stages, key, deadline=step, metadata=metadata)
+        if got is not None or step >= deadline:
+            return got
+
+
+def _missing(
+    connector: OmniConnectorBase,
+    stages: tuple[str, str],
+    key: str,
+    *,
+    metadata: dict[str, Any] | None,
+    request_id: str,
+    t0: float,
+    taken: int,
+) -> OmniKVError:
+    """The error of a receive (started at ``t0``) whose wait for ``key`` found nothing by its
+    deadline, after ``taken`` earlier shards: a :class:`ReceiveTimeout`, or
+    :class:`PeerGoneError` when the connector knows the sender is gone; with what the connector
+    can say about why (:meth:`OmniConnectorBase.explain_miss`: e.g. which senders were seen and
+    which keys wait there)."""
+    detail = f"key {key} missing"
+    if taken:
+        detail += f"; {taken} shard(s) already taken were dropped"
+    report = connector.explain_miss(*stages, key, metadata=metadata)
+    waited = time.monotonic() - t0
+    if report is None:
+        return ReceiveTimeout(request_id, waited, detail)
+    if report.peer_gone:
+        return PeerGoneError(
+            f"KV for request {request_id!r} did not arrive within {waited:.3f}s and its sender"
+            f" is gone ({detail}; {report.detail})"
+        )
+    return ReceiveTimeout(request_id, waited, f"{detail}; {report.detail}")
+
+
+def _names_device(target: torch.device | str | None, device: torch.device) -> bool:
+    """Whether ``target`` is ``device`` (``None``: stay where it is). A name torch does not
+    know is not: the device move then fails, after the consume, as a consume error."""
+    if target is None:
+        return True
+    try:
+        return torch.device(target) == device
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+_STATUS = (
+    (PeerGoneError, ReceiveStatus.PEER_GONE),
+    (ConnectorUnavailableError, ReceiveStatus.UNAVAILABLE),
+    (ConnectorError, ReceiveStatus.UNAVAILABLE),
+    (DecodeError, ReceiveStatus.CORRUPT),
+    (ReceiveCancelled, ReceiveStatus.CANCELLED),
+    (ReceiveTimeout, ReceiveStatus.TIMEOUT),
+)
+
+
+class KVReceiver:
+    """Receives one request's KV for the local rank of one stage edge.
+
+    ``connector`` is the manager's :class:`LazyConnector`; ``hooks`` is replaced (never mutated)
+    when the worker installs key builders, a merger or a slicer.
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: tuple[str | None, str | None],
+        topology: KVTPTopology,
+        options: TransferOptions,
+        connector: LazyConnector,
+        hooks: TransferHooks | None = None,
+        enabled: bool = True,
+        configured: bool = True,
+        companion_workers: int = 4,
+    ) -> None:
+        self.stages = stages
+        self.topology = topology
+        self.options = options
+        self.connector = connector
+        self.hooks = hooks or TransferHooks()
+        #: The sender stage's base endpoint (the manager's ``update_sender_info``).
+        self.sender: SenderEndpoint | None = None
+        #: ``need_recv_cache``; ``configured``: the manager sends or receives at all.
+        self.enabled, self.configured = enabled, configured
+        self._companion_workers = companion_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._kept: dict[str, ReceiveResult] = {}
+
+    # -- the result form ----------------------------------------------------------------------
+    def receive(
+        self,
+        request_id: str,
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        per_call: bool = False,
+        target_device: torch.device | str | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+    ) -> ReceiveResult:
+        """:meth:`fetch` as a :class:`ReceiveResult`; raises only ``KVPrefetchConsumeError``.
+
+        A miss is logged at WARNING (timeout) or ERROR, or at DEBUG with ``quiet`` (for callers
+        that count and report misses themselves, so that clients cannot flood the log).
+
+        ``deadline``: the caller's absolute monotonic deadline (the manager makes it from
+        ``recv_timeout``); ``sender``: this call's endpoint (``per_call``), else :attr:`sender`.
+        A result kept by :meth:`receive_companions` is returned at once. Skipped without touching
+        the connector: ``need_recv_cache`` false (``not_configured``), the warm-up request, unset
+        stages, and a per-call sender that could not be resolved (``per_call`` with ``sender``
+        ``None``).
+        """
+        kept = self._take_kept(request_id)
+        if kept is not None:
+            return kept
+        guard = self._guard(request_id, sender, per_call)
+        if guard is not None:
+            return guard
+        sender = sender if per_call else self.sender
+        t0 = time.monotonic()
+        trace = FetchTrace()
+        try:
+            kv = self.fetch(
+                request_id,
+                deadline=deadline,
+                sender=sender,
+                per_call=per_call,
+                target_device=target_device,
+                abort=abort,
+                trace=trace,
+            )
+        except OmniKVError as exc:
+            return self._miss(request_id, exc, t0, trace.keys, quiet)
+        waited = trace.timings_ms.get("wait_ms", 0.0) / 1e3
+        return ReceiveResult(
+            request_id, ReceiveStatus.OK, kv, kv.nbytes, trace.keys, None, waited, trace.timings_ms
+        )
+
+    def _guard(
+        self, request_id: str, sender: SenderEndpoint | None, per_call: bool
+    ) -> ReceiveResult | None:
+        status, reason = ReceiveStatus.SKIPPED, None
+        if not self.enabled:
+            status = ReceiveStatus.SKIPPED if self.configured else ReceiveStatus.NOT_CONFIGURED
+            reason = "need_recv_cache is false"
+        elif request_id == DUMMY_REQUEST_ID:
+            reason = "warm-up request"
+        elif self.stages[0] is None or self.stages[1] is None:
+            reason = "recv stages unset"
+        elif per_call and sender is None:
+            status, reason = ReceiveStatus.UNAVAILABLE, "bad sender_info"
+        if reason is None:
+            return None
+        logger.debug("Not receiving KV for %s: %s", request_id, reason)
+        return ReceiveResult(request_id, status, reason=reason)
+
+    @staticmethod
+    def _miss(
+        request_id: str, exc: OmniKVError, t0: float, keys: list[str], quiet: bool
+    ) -> ReceiveResult:
+        status = next((s for kind, s in _STATUS if isinstance(exc, kind)), None)
+        if status is None:
+            raise exc
+        if quiet:
+            log = logger.debug
+        else:
+            log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
+        log("KV receive for %s failed (%s): %s", request_id, status.value, exc)
+        return ReceiveResult(request_id, status, None, 0, keys, str(exc), time.monotonic() - t0)
+
+    # -- the raising form ---------------------------------------------------------------------
+    def fetch(
+        self,
+        request_id: str,
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        per_call: bool = False,
+        target_device: torch.device | str | None = None,
+        abort: threading.Event | None = None,
+        trace: FetchTrace | None = None,
+    ) -> ReceivedKV:
+        """Wait for every shard of ``request_id`` until ``deadline`` and return its KV.
+
+        ``sender`` is the sender stage's base endpoint; with ``per_call`` it was given for this
+        call only and per-rank metadata is always sent. Shards already taken when a later shard
+        times out are dropped (they were consumed; the error says so). ``abort``: each connector
+        wait is cut into slices of at most :data:`ABORT_SLICE_S` and the event is checked before
+        every slice. ``trace`` (optional) receives the keys and the phase timings.
+        """
+        from_stage, to_stage = self.stages
+        if from_stage is None or to_stage is None:
+            raise ConnectorUnavailableError("recv stages unset")
+        connector = self.connector.get()
+        if connector is None:
+            raise ConnectorUnavailableError(
+                f"no connector available ({self.connector.error or 'not configured'})"
+            )
+        t0 = time.monotonic()
+        pairs = build_recv_keys(
+            self.topology, request_id, from_stage, to_stage, self.hooks.recv_keys
+        )
+        if trace is not None:
+            trace.keys = [k for k, _ in pairs]
+        waits = [(key, source_metadata(sender, rank, per_call)) for key, rank in pairs]
+        raws = self._wait_all(
+            connector,
+            (from_stage, to_stage),
+            waits,
+            deadline=deadline,
+            abort=abort,
+            request_id=request_id,
+            t0=t0,
+        )
+        t_wait = time.monotonic()
+        try:
+            shards = [self._decode(buf, target_device) for buf in raws]
+            t_decode = time.monotonic()
+            kv = self._combine(shards)
+            aliased = any(not buf.released for buf in raws)
+            kv = self._finish(request_id, kv, target_device, aliased)
+        finally:
+            for buf in raws:
+                buf.release()
+        if trace is not None:
+            trace.phases(t0, t_wait, t_decode, time.monotonic())
+        logger.debug(
+            "Received KV for %s: %d bytes across %d key(s), wait=%.3fs",
+            request_id,
+            kv.nbytes,
+            len(pairs),
+            t_wait - t0,
+        )
+        return kv
+
+    def _wait_all(
+        self,
+        connector: OmniConnectorBase,
+        stages: tuple[str, str],
+        waits: list[tuple[str, dict[str, Any] | None]],
+        *,
+        deadline: float,
+        abort: threading.Event | None,
+        request_id: str,
+        t0: float,
+    ) -> list[ManagedBuffer]:
+        """One wait per ``(key, metadata)`` of ``waits``, in order, all until ``deadline``; on
+        any failure the shards taken so far are released."""
+        raws: list[ManagedBuffer] = []
+        try:
+            for key, meta in waits:
+                got = _wait_sliced(connector, stages, key, deadline, meta, abort)
+                if got is None:
+                    raise _missing(
+                        connector,
+                        stages,
+                        key,
+                        metadata=meta,
+                        request_id=request_id,
+                        t0=t0,
+                        taken=len(raws),
+                    )
+                raws.append(got)
+        except BaseException:
+            for buf in raws:
+                buf.release()
+            raise
+        return raws
+
+    def _decode(self, buf: ManagedBuffer, target_device: torch.device | str | None) -> ReceivedKV:
+        """One shard as :class:`ReceivedKV`: views of ``buf`` where they may stay, else copied.
+
+        Host memory with ``receive_copy="auto"`` and no target device is adopted (the views keep
+        it); otherwise, when the tensors would alias ``buf`` past its release (no target device,
+        or one on ``buf``'s device), they are decoded into fresh memory (at most the data
+        section in all) and ``buf`` is released at once. A payload published as an object (the
+        reference-shaped ``put``) is decoded from that object.
+        """
+        size, host = buf.size, buf.host_array
+        if host is not None and is_object(host.data):
+            return self._decode_object(get_result(buf)[0], size)
+        own = _names_device(target_device, buf.device)
+        payload: torch.Tensor | np.ndarray | None = None
+        if own and host is not None and self.options.receive_copy == "auto":
+            payload = buf.adopt_array()  # decoded in numpy, no torch slice (decode_kv)
+            own = payload is None
+        if payload is None:
+            payload = buf.tensor
+        limit = self.options.max_header_bytes
+        decoded = decode_kv(payload, copy=own, max_header_bytes=limit)
+        if own:
+            buf.release()
+        return ReceivedKV.from_decoded(decoded, size)
+
+    def _decode_object(self, obj: Any, size: int) -> ReceivedKV:
+        """A payload that travelled as an encoded object: the seed's dict, or packed bytes."""
+        if isinstance(obj, Mapping):
+            return ReceivedKV.from_dict(obj, size)
+        if isinstance(obj, bytes | bytearray | memoryview):
+            limit = self.options.max_header_bytes
+            return ReceivedKV.from_decoded(decode_kv(obj, max_header_bytes=limit), size)
+        raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
+
+    def _combine(self, shards: list[ReceivedKV]) -> ReceivedKV:
+        """Merge shards of several sender ranks and slice for this rank (hooks win)."""
+        nbytes = sum(s.nbytes for s in shards)
+        topo, hooks = self.topology, self.hooks
+        needs_slice = hooks.slicer is not None or topo.target_tp_size > topo.source_tp_size
+        if len(shards) == 1 and not needs_slice and hooks.merger is None:
+            return shards[0]
+        # The merger/slicer (and the reference's hooks) work on the seed's dict form.
+        dicts = [s.to_dict() for s in shards]
+        merged = dicts[0] if len(dicts) == 1 else merge_received_rank_shards(dicts, hooks.merger)
+        sliced = slice_received_rank_shard(merged, topo, hooks.slicer)
+        return ReceivedKV.from_dict(sliced, nbytes)
+
+    def _finish(
+        self,
+        request_id: str,
+        kv: ReceivedKV,
+        target_device: torch.device | str | None,
+        aliased: bool,
+    ) -> ReceivedKV:
+        """Move to ``target_device`` or copy out of held connector memory; errors are fatal."""
+        if target_device is None and not aliased:
+            return kv
+        try:
+            return move_kv(kv, target_device, own=aliased)
+        except Exception as exc:
+            logger.exception("Post-get processing failed for %s", request_id)
+            raise KVPrefetchConsumeError(
+                f"Post-get processing failed for {request_id}: {exc}; payload already consumed"
+            ) from exc
+
+    # -- CFG companions -----------------------------------------------------------------------
+    def receive_companions(
+        self,
+        request_ids: Iterable[str],
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        target_device: torch.device | str | None = None,
+    ) -> dict[str, ReceiveResult]:
+        """Receive every id concurrently under one deadline; keep the results for :meth:`receive`.
+
+        Called by the manager before the CFG collector runs; the collector's own receives of
+        these ids then return at once. Drop what nobody took with :meth:`drop_kept`.
+        """
+        ids = [str(r) for r in request_ids]
+        if not ids:
+            return {}
+        pool = self._executor()
+        futures = {
+            rid: pool.submit(
+                self.receive, rid, deadline=deadline, sender=sender, target_device=target_device
+            )
+            for rid in ids
+        }
+        results = {rid: f.result() for rid, f in futures.items()}
+        with self._lock:
+            self._kept.update(results)
+        return results
+
+    @contextlib.contextmanager
+    def companions(
+        self,
+        request_ids: Iterable[str],
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        target_device: torch.device | str | None = None,
+    ) -> Iterator[None]:
+        """:meth:`receive_companions` on entry (when receiving is on), :meth:`drop_kept` on exit."""
+        ids = list(request_ids)
+        if self.enabled and self.stages[0] is not None:
+            self.receive_companions(
+                ids, deadline=deadline, sender=sender or self.sender, target_device=target_device
+            )
+        try:
+            yield
+        finally:
+            self.drop_kept(ids)
+
+    def _take_kept(self, request_id: str) -> ReceiveResult | None:
+        if not self._kept:
+            return None
+        with self._lock:
+            return self._kept.pop(request_id, None)
+
+    def drop_kept(self, request_ids: Iterable[str]) -> None:
+        """Forget kept companion results (their tensors are freed with the last reference)."""
+        with self._lock:
+            for rid in request_ids:
+                self._kept.pop(str(rid), None)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._companion_workers, thread_name_prefix="omnikv-recv"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the companion threads (idempotent)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._kept.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,463 @@
+"""Send path: validate -> extract a request's blocks -> encode into connector memory -> put.
+
+Called by the manager's ``handle_finished_requests_kv_transfer`` on the model-runner thread,
+once per batch. Every request gets a :class:`SendResult` (sent, skipped, or failed and why);
+one bad request never affects another, and nothing here raises for a request's failure.
+
+Input is checked, never coerced: block ids are integers (``1.7`` is not block 1, ``"12"`` is not
+blocks 1 and 2), ``block_size`` is a positive int, ``custom_metadata`` is a dict that may not
+contradict ``seq_len``/``block_size``/``num_layers``/``dtype``, K and V agree on heads and dtype,
+and a ``cache_dtype`` that names a torch dtype (``"bfloat16"``, ``"torch.float16"``, ``"fp8"``...)
+must match the tensors (``"auto"`` and other names are recorded as given).
+
+KV that requires grad (computed outside ``torch.no_grad()``) is detached: the values are sent,
+the autograd graph is not.
+
+Every put of a call shares one absolute deadline (``send_timeout`` from the facade). A failed put
+is retried only for errors marked transient (:func:`omnikv.errors.is_transient`) or a refused
+put, with the policy's back-off, and never once the next attempt would start past the deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from omnikv.config import RetryPolicy, TransferOptions
+from omnikv.connectors.base import OmniConnectorBase
+from omnikv.connectors.factory import LazyConnector
+from omnikv.deadline import remaining
+from omnikv.errors import OmniKVError, is_transient
+from omnikv.layouts.cache import LayerCache
+from omnikv.layouts.gather import BlockGather, plan_request_kv
+from omnikv.layouts.specs import HF_HINT
+from omnikv.topology.keys import TransferHooks, build_send_keys
+from omnikv.topology.tp import KVTPTopology, head_range, head_slice_tag
+from omnikv.wire.encode import PackedPayload
+
+__all__ = ["KVSender", "SendResult", "SendStatus", "put_with_retry"]
+
+logger = logging.getLogger(__name__)
+
+_RESERVED_METADATA = ("block_size", "num_layers", "dtype", "seq_len")
+_DTYPE_ALIASES = {
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+class SendStatus(str, Enum):
+    SENT = "sent"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    #: The manager is configured neither to send nor to receive (see its construction warning).
+    NOT_CONFIGURED = "not_configured"
+
+
+@dataclass
+class SendResult:
+    """Outcome of one request's send. ``ok`` only when every key was published."""
+
+    request_id: str
+    status: SendStatus
+    transfer_id: str = ""
+    keys: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    reason: str | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is SendStatus.SENT
+
+
+class _Refused(Exception):
+    """A request cannot be sent as given; the message is its :attr:`SendResult.reason`."""
+
+
+def put_with_retry(
+    connector: OmniConnectorBase,
+    stages: tuple[str, str],
+    key: str,
+    payload: PackedPayload,
+    policy: RetryPolicy,
+    *,
+    deadline: float,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[bool, int, str | None]:
+    """Publish ``payload`` under ``key``: up to ``policy.attempts`` tries before ``deadline``.
+
+    Each try encodes straight into connector memory (``put_packed``). A refused put and
+    transient errors are retried; other errors end the loop at once. Returns
+    ``(ok, size, last_error)``.
+    """
+    last_error: str | None = None
+    for attempt in range(policy.attempts):
+        try:
+            ok, size, _meta = connector.put_packed(
+                *stages, key, payload.nbytes, payload.pack_into, deadline=deadline
+            )
+            if ok:
+                return True, size, None
+            last_error = "connector refused the put"
+        except OmniKVError as exc:
+            last_error = f"{type(exc).__name__}: {exc}"
+            if not is_transient(exc):
+                return False, 0, last_error
+        except Exception as exc:  # a backend bug or a misuse: recorded, never retried
+            logger.debug("connector put raised for key %s", key, exc_info=True)
+            return False, 0, f"{type(exc).__name__}: {exc}"
+        delay = policy.delay(attempt)
+        if attempt + 1 >= policy.attempts or delay >= remaining(deadline):
+            break
+        logger.warning(
+            "Transfer attempt %d/%d for %s failed (%s); retrying in %.2fs",
+            attempt + 1,
+            policy.attempts,
+            key,
+            last_error,
+            delay,
+        )
+        sleep(delay)
+    return False, 0, last_error
+
+
+#: What a block id may be (a tuple, built once: ``int | np.integer`` builds a union per test).
+_INTEGER = (int, np.integer)
+#: A list of layers or of block ids, and an array of block ids (built once, as ``_INTEGER``).
+_SEQUENCE = (list, tuple)
+_ARRAY = (np.ndarray, torch.Tensor)
+
+
+# -- validation (each returns the value to use or raises _Refused with the reason) ---------------
+def _is_cache_object(kv_caches: Any) -> bool:
+    return not isinstance(kv_caches, _SEQUENCE) and (
+        hasattr(kv_caches, "layers") or hasattr(kv_caches, "key_cache")
+    )
+
+
+def _check_batch(kv_caches: Any, block_size: Any, cache_dtype: Any) -> torch.dtype | None:
+    """The torch dtype ``cache_dtype`` names (``None``: not checked); raises :class:`_Refused`."""
+    if _is_cache_object(kv_caches):
+        raise _Refused(
+            f"kv_caches is a {type(kv_caches).__name__}, not a list of layers; " + HF_HINT
+        )
+    if not isinstance(kv_caches, _SEQUENCE):
+        raise _Refused(
+            f"kv_caches must be a list of per-layer caches, got {type(kv_caches).__name__}"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, _INTEGER):
+        raise _Refused(f"block_size must be an int, got {block_size!r}")
+    if block_size <= 0:
+        raise _Refused(f"block_size must be > 0, got {block_size}")
+    if not isinstance(cache_dtype, str):
+        raise _Refused(f"cache_dtype must be a str, got {cache_dtype!r}")
+    name = cache_dtype.strip().lower().removeprefix("torch.")
+    want = _DTYPE_ALIASES.get(name) or getattr(torch, name, None)
+    return want if isinstance(want, torch.dtype) else None
+
+
+def _check_block_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, _SEQUENCE):
+        raise _Refused(f"block_ids must be a list of ints, got {type(value).__name__}")
+    if all(type(b) is int for b in value):  # the common case, one pass (bool is not int here)
+        return tuple(value)
+    bad = [b for b in value if isinstance(b, bool) or not isinstance(b, _INTEGER)]
+    if bad:
+        raise _Refused(f"block_ids must be ints; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return tuple(int(b) for b in value)
+
+
+def _metadata(entry: Mapping[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    custom = entry.get("custom_metadata")
+    if custom is None:
+        return base
+    if not isinstance(custom, Mapping):
+        raise _Refused(f"custom_metadata must be a dict, got {type(custom).__name__}")
+    clash = [k for k in _RESERVED_METADATA if k in custom and custom[k] != base[k]]
+    if clash:
+        k = clash[0]
+        raise _Refused(f"custom_metadata[{k!r}]={custom[k]!r} contradicts {k}={base[k]!r}")
+    return {**custom, **base}
+
+
+def _detached(layer: Any) -> Any:
+    """A layer's cache without autograd history (views; no copy)."""
+    if isinstance(layer, torch.Tensor):
+        return layer.detach() if layer.requires_grad else layer
+    if isinstance(layer, _SEQUENCE) and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in layer
+    ):
+        return type(layer)(t.detach() if isinstance(t, torch.Tensor) else t for t in layer)
+    return layer
+
+
+def _check_kv(
+    keys: Sequence[BlockGather | None],
+    values: Sequence[BlockGather | None],
+    want: torch.dtype | None,
+) -> None:
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if k is None or v is None:
+            continue
+        kb, vb = k.blocks, v.blocks
+        if kb.dtype != vb.dtype:
+            raise _Refused(f"layer {i}: K dtype {kb.dtype} != V dtype {vb.dtype}")
+        k_heads = kb.shape[2] if kb.dim() > 2 else 1
+        v_heads = vb.shape[2] if vb.dim() > 2 else 1
+        if k_heads != v_heads:
+            raise _Refused(f"layer {i}: K has {k_heads} heads, V has {v_heads}")
+        if want is not None and kb.dtype != want:
+            raise _Refused(f"layer {i}: cache dtype {kb.dtype} does not match cache_dtype {want}")
+
+
+def _slice_heads(
+    gathers: Sequence[BlockGather | None], start: int, stop: int
+) -> list[BlockGather | None]:
+    return [
+        None
+        if g is None
+        else BlockGather(g.blocks[:, :, start:stop], g.block_ids, g.seq_len, g.index)
+        for g in gathers
+    ]
+
+
+def _num_heads(gathers: Sequence[BlockGather | None]) -> int:
+    for g in gathers:
+        if g is not None:
+            return int(g.blocks.shape[2]) if g.blocks.dim() >= 3 else 1
+    return 1
+
+
+class _Batch(NamedTuple):
+    """What every request of one ``handle_finished_requests_kv_transfer`` call shares (a
+    tuple: one is built per call)."""
+
+    kv_caches: Sequence[Any]
+    block_size: int
+    cache_dtype: str
+    want_dtype: torch.dtype | None
+    resolver: Callable[[str], str] | None
+    deadline: float
+
+
+class KVSender:
+    """Turns finished requests into published payloads for one stage edge.
+
+    ``connector`` is the manager's :class:`LazyConnector`; ``hooks`` is replaced (never mutated)
+    when the worker installs a send-key builder.
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: tuple[str | None, str | None],
+        topology: KVTPTopology,
+        options: TransferOptions,
+        connector: LazyConnector,
+        hooks: TransferHooks | None = None,
+        enabled: bool = True,
+        configured: bool = True,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.stages = stages
+        self.topology = topology
+        self.options = options
+        self.connector = connector
+        self.hooks = hooks or TransferHooks()
+        #: ``need_send_cache``; ``configured``: the manager sends or receives at all.
+        self.enabled, self.configured = enabled, configured
+        self.sleep = sleep
+        #: Each cache layer's K/V split and checks, kept across requests (see LayerCache).
+        self.layers = LayerCache()
+
+    def send_batch(
+        self,
+        finished_reqs: Mapping[str, Any],
+        kv_caches: Any,
+        block_size: Any,
+        cache_dtype: Any,
+        request_id_resolver: Callable[[str], str] | None = None,
+        *,
+        deadline: float,
+    ) -> list[SendResult]:
+        """One :class:`SendResult` per request, in order; never raises for a request's failure.
+
+        Not sending at all (``need_send_cache`` false, no connector) is recorded per request:
+        ``not_configured`` when the manager neither sends nor receives, else skipped/failed.
+        """
+        if type(finished_reqs) is not dict and not isinstance(finished_reqs, Mapping):
+            why = f"finished_reqs must be a dict of request entries, got {type(finished_reqs)}"
+            return [self._fail(str(rid), why) for rid in finished_reqs]
+        if not self.enabled or self.connector.get() is None:
+            if self.enabled:
+                logger.warning("No connector available, skipping KV transfer but freeing resources")
+            return [self._not_sending(str(rid)) for rid in finished_reqs]
+        try:
+            want = _check_batch(kv_caches, block_size, cache_dtype)
+        except _Refused as exc:
+            return [self._fail(str(rid), str(exc)) for rid in finished_reqs]
+        layers = [_detached(layer) for layer in kv_caches]
+        batch = _Batch(layers, int(block_size), cache_dtype, want, request_id_resolver, deadline)
+        return [self._send_one(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+
+    def _send_one(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
+        try:
+            return self.send(request_id, entry, batch)
+        except Exception as exc:  # input nobody foresaw: this request fails, the batch goes on
+            logger.debug("sending %s raised", request_id, exc_info=True)
+            return self._fail(request_id, f"{type(exc).__name__}: {exc}")
+
+    def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
+        """Validate, extract, encode and publish one request."""
+        t0 = time.perf_counter()
+        mapping = type(entry) is dict or isinstance(entry, Mapping)
+        block_ids = entry.get("block_ids") if mapping else None
+        if not isinstance(block_ids, _ARRAY) and not block_ids:
+            logger.warning("Request %s has no block_ids; nothing sent", request_id)
+            return SendResult(request_id, SendStatus.SKIPPED, reason="no block_ids")
+        from_stage, to_stage = self.stages
+        if from_stage is None or to_stage is None:
+            return self._fail(request_id, "send stages are not configured (omni_from/to_stage)")
+        connector = self.connector.get()
+        if connector is None:
+            return self._fail(request_id, "no connector available")
+        try:
+            transfer_id = self._transfer_id(request_id, batch.resolver)
+            payloads, keys = self._plan(transfer_id, entry, batch, (from_stage, to_stage))
+        except (_Refused, OmniKVError) as exc:
+            return self._fail(request_id, str(exc))
+        t_plan = time.perf_counter()
+        total, failed = 0, []
+        for key, payload in zip(keys, payloads, strict=True):
+            ok, size, err = put_with_retry(
+                connector,
+                (from_stage, to_stage),
+                key,
+                payload,
+                self.options.retry,
+                deadline=batch.deadline,
+                sleep=self.sleep,
+            )
+            total += size
+            if not ok:
+                failed.append(f"{key}: {err}")
+        t_end = time.perf_counter()
+        timings = {"extract_ms": (t_plan - t0) * 1e3, "encode_put_ms": (t_end - t_plan) * 1e3}
+        if failed:
+            reason = "put failed for " + "; ".join(failed)
+            logger.error("KV transfer FAILED: %s (%s)", transfer_id, reason)
+            return SendResult(
+                request_id, SendStatus.FAILED, transfer_id, keys, total, reason, timings
+            )
+        logger.debug("KV sent for %s: %d bytes, %d key(s)", transfer_id, total, len(keys))
+        return SendResult(request_id, SendStatus.SENT, transfer_id, keys, total, None, timings)
+
+    @staticmethod
+    def _transfer_id(request_id: str, resolver: Callable[[str], str] | None) -> str:
+        if resolver is None:
+            return request_id
+        try:
+            return str(resolver(request_id))
+        except Exception as exc:
+            raise _Refused(f"request_id_resolver raised {exc!r}") from exc
+
+    def _plan(
+        self, transfer_id: str, entry: Mapping[str, Any], batch: _Batch, stages: tuple[str, str]
+    ) -> tuple[list[PackedPayload], list[str]]:
+        """The payloads and keys of one request; raises with the reason it cannot be sent."""
+        block_ids = _check_block_ids(entry.get("block_ids"))
+        seq_len = entry.get("seq_len")
+        keys_g, values_g = plan_request_kv(
+            batch.kv_caches,
+            block_ids,
+            seq_len,
+            batch.block_size,
+            layout=self.options.kv_cache_layout,
+            request_id=transfer_id,
+            cache=self.layers,
+        )
+        _check_kv(keys_g, values_g, batch.want_dtype)
+        assert isinstance(seq_len, int)  # validated by plan_request_kv
+        base = {
+            "block_size": batch.block_size,
+            "num_layers": len(batch.kv_caches),
+            "dtype": batch.cache_dtype,
+            "seq_len": seq_len,
+        }
+        metadata = _metadata(entry, base)
+        hook = self.hooks.send_keys
+        keys = build_send_keys(self.topology, transfer_id, *stages, hook)
+        payloads = self._payloads(transfer_id, keys, keys_g, values_g, block_ids, metadata)
+        return payloads, keys
+
+    def _payloads(
+        self,
+        transfer_id: str,
+        keys: list[str],
+        keys_g: list[BlockGather | None],
+        values_g: list[BlockGather | None],
+        block_ids: Sequence[int],
+        metadata: dict[str, Any],
+    ) -> list[PackedPayload]:
+        topo = self.topology
+        checksum = self.options.payload_checksum
+        targets = topo.target_ranks()
+        slicing = (
+            topo.source_tp_size < topo.target_tp_size
+            and len(keys) > 1
+            and self.hooks.send_keys is None
+        )
+        if slicing and len(targets) != len(keys):
+            logger.warning(
+                "TP slicing for %s: %d keys but %d target ranks; sending unsliced",
+                transfer_id,
+                len(keys),
+                len(targets),
+            )
+            slicing = False
+        if not slicing:
+            one = PackedPayload(
+                transfer_id, keys_g, values_g, block_ids, metadata, checksum=checksum
+            )
+            return [one] * len(keys)
+        heads = _num_heads(keys_g)
+        out: list[PackedPayload] = []
+        for target in targets:
+            start, stop = head_range(heads, target % topo.ratio, topo.ratio)
+            meta = {**metadata, "tp_head_slice": head_slice_tag(topo, target, side="sender")}
+            sliced_k, sliced_v = (
+                _slice_heads(keys_g, start, stop),
+                _slice_heads(values_g, start, stop),
+            )
+            out.append(
+                PackedPayload(transfer_id, sliced_k, sliced_v, block_ids, meta, checksum=checksum)
+            )
+        return out
+
+    def _not_sending(self, rid: str) -> SendResult:
+        if not self.enabled:
+            status, reason = SendStatus.SKIPPED, "need_send_cache is false"
+        else:
+            status = SendStatus.FAILED
+            reason = f"no connector available ({self.connector.error or 'not configured'})"
+        status = status if self.configured else SendStatus.NOT_CONFIGURED
+        return SendResult(rid, status, rid, reason=reason)
+
+    @staticmethod
+    def _fail(request_id: str, reason: str) -> SendResult:
+        logger.error("Failed KV transfer for %s: %s", request_id, reason)
+        return SendResult(request_id, SendStatus.FAILED, request_id, [], 0, reason)

@@ -1,0 +1,229 @@
+"""``omnikv bench serve`` without vLLM: its options, the skip path, the id forgery of its hostile
+client, what it reads from a server (metrics, log lines) and its process handling. The bench
+against real servers runs in tests/integrations/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from omnikv.bench import serve
+from omnikv.cli import BENCHES
+from omnikv.cli import main as cli_main
+from support import paths
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_defaults_are_the_issue_grid() -> None:
+    ns = serve._parse([])
+    assert (ns.clients, ns.tokens, ns.requests) == ("1,4,16", "256,1024,4096", 32)
+    assert ns.cases == "pd,recompute,hostile,busy" and ns.hostile_rate == 8.0
+    ns = serve._parse(["--clients", "2", "--tokens", "64", "--requests", "3", "--cases", "pd"])
+    assert (ns.clients, ns.tokens, ns.requests, ns.cases) == ("2", "64", 3, "pd")
+
+
+@pytest.mark.parametrize(
+    "args", [["--cases", "pd,nope"], ["--requests", "0"], ["--hostile-rate", "0"]]
+)
+def test_bad_options_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve._parse(args)
+    assert exc.value.code == 2
+
+
+def test_without_vllm_the_bench_says_it_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(serve, "find_spec", lambda name: None)
+    assert "serve" in BENCHES
+    assert cli_main(["bench", "serve", "--requests", "2"]) == 0
+    assert "bench serve: skipped, vLLM is not installed" in capsys.readouterr().out
+
+
+def test_the_default_router_is_the_example() -> None:
+    example = paths.EXAMPLES / "pd_router.py"
+    assert example == serve.DEFAULT_ROUTER and example.is_file()
+
+
+def test_server_argv_is_the_served_recipe() -> None:
+    argv = serve.server_argv(
+        serve.ServedModel("/m", namespace="ns", recv_timeout=2), role="kv_consumer", port=8200
+    )
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert (
+        argv[argv.index("--port") + 1] == "8200" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    )
+    ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector"] == "OmniKVConnector" and ktc["kv_role"] == "kv_consumer"
+    assert ktc["kv_connector_module_path"] == "omnikv.integrations.vllm"
+    omni = ktc["kv_connector_extra_config"]["omni_kv_config"]
+    assert omni["connector_config"]["namespace"] == "ns" and omni["recv_timeout"] == 2
+
+
+def test_each_engine_gets_its_own_half_of_the_cpus() -> None:
+    assert serve.server_cpus("kv_producer", [0, 1]) == "0"
+    assert serve.server_cpus("kv_consumer", [0, 1]) == "1"
+    assert serve.server_cpus("kv_producer", [4, 5, 6, 7, 8]) == "4,5"
+    assert serve.server_cpus("kv_consumer", [4, 5, 6, 7, 8]) == "6,7,8"
+    assert serve.server_cpus("kv_consumer", [3]) is None  # one CPU: vLLM's own choice
+
+
+@pytest.mark.parametrize(
+    ("tid", "kept", "alphabet"),
+    [
+        ("okv1-0123abcd-" + "7f" * 16, "okv1-0123abcd-", "0123456789abcdef"),
+        ("okv1-0123abcd-" + "7f" * 16 + "-" + "a1" * 16, "okv1-0123abcd-" + "7f" * 16 + "-", None),
+        ("7748980c-cmpl-85868f52e8718ea2-0-a0171ff3", "7748980c-cmpl-85868f52e8718ea2-0-", None),
+        (
+            "tag.AbCdEfGh12345678",
+            "tag.",
+            "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz",
+        ),
+    ],
+)
+def test_a_forged_id_keeps_the_head_and_replaces_the_random_tail(
+    tid: str, kept: str, alphabet: str | None
+) -> None:
+    forged = {serve.forge_transfer_id(tid, random.Random(seed)) for seed in range(20)}
+    assert tid not in forged and len(forged) == 20
+    for f in forged:
+        assert len(f) == len(tid) and f.startswith(kept)
+        tail = f[len(kept) :]
+        assert set(tail) <= set(alphabet or "0123456789abcdef")
+
+
+def test_an_id_without_a_tail_cannot_be_forged() -> None:
+    with pytest.raises(ValueError, match="no random-looking tail"):
+        serve.forge_transfer_id("...")
+
+
+METRICS = textwrap.dedent(
+    """\
+    # HELP vllm:omnikv_loads_ok Prompt KV payloads this consumer loaded through omnikv.
+    # TYPE vllm:omnikv_loads_ok counter
+    vllm:omnikv_loads_ok_total{engine="0",model_name="tiny"} 5.0
+    vllm:omnikv_loads_ok_created{engine="0",model_name="tiny"} 1.7e+09
+    vllm:omnikv_loads_failed_total{engine="0",model_name="tiny"} 1.0
+    vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_compute"} 45.0
+    vllm:prompt_tokens_by_source_total{engine="1",model_name="tiny",source="local_compute"} 5.0
+    vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+    """
+)
+
+
+def test_metrics_are_summed_over_engines_and_keep_other_labels() -> None:
+    m = serve.parse_metrics(METRICS)
+    assert m == {
+        "vllm:omnikv_loads_ok": 5.0,
+        "vllm:omnikv_loads_failed": 1.0,
+        'vllm:prompt_tokens_by_source{source="local_compute"}': 50.0,
+        "vllm:num_requests_running": 0.0,
+    }
+    before = {"vllm:omnikv_loads_ok": 2.0}
+    assert serve.load_counts(before, m) == {"loads_ok": 3, "loads_failed": 1, "loads_refused": 0}
+    assert serve.load_counts({}, {"vllm:num_requests_running": 0.0}) is None
+
+
+def test_connector_warnings_are_the_integrations_warnings() -> None:
+    log = "\n".join(
+        [
+            "2026-01-01 00:00:00,000 WARNING omnikv.integrations.vllm.worker: not loaded x",
+            "2026-01-01 00:00:00,000 ERROR omnikv.integrations.vllm: boom",
+            "2026-01-01 00:00:00,000 INFO omnikv.integrations.vllm.worker: fine",
+            "2026-01-01 00:00:00,000 WARNING omnikv.transfer.receive: timeout",
+            "2026-01-01 00:00:00,000 WARNING vllm.config: eager",
+        ]
+    )
+    assert [line.split(" ", 3)[3] for line in serve.connector_warnings(log)] == [
+        "omnikv.integrations.vllm.worker: not loaded x",
+        "omnikv.integrations.vllm: boom",
+    ]
+
+
+HEALTHY = textwrap.dedent(
+    """\
+    import http.server, sys
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+    print("serving", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """
+)
+
+
+def test_servers_are_waited_for_and_stopped_by_pid(tmp_path: Path) -> None:
+    (port,) = serve.free_ports(1)
+    env = dict(serve.os.environ)
+    ok = serve.ServerProcess(
+        "ok",
+        [sys.executable, "-c", HEALTHY, str(port)],
+        port=port,
+        log=tmp_path / "ok.log",
+        env=env,
+    )
+    try:
+        serve.wait_healthy([ok], timeout=30)
+        assert "serving" in ok.log_since(0)
+    finally:
+        ok.stop(timeout=5)
+    assert ok.proc.returncode is not None
+    bad = serve.ServerProcess(
+        "bad",
+        [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+        port=port,
+        log=tmp_path / "bad.log",
+        env=env,
+    )
+    try:
+        with pytest.raises(RuntimeError, match=re.compile(r"bad exited \(rc=3\).*boom", re.S)):
+            serve.wait_healthy([bad], timeout=30)
+    finally:
+        bad.stop(timeout=5)
+
+
+def test_the_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    loads = {"loads_ok": 2, "loads_failed": 9, "loads_refused": 0}
+    hostile = {"rate": 8.0, "sent": 40, "skipped": 0, "answered": {"200": 30}, "errors": 0}
+    pd = serve.CaseResult("pd", 4, 1024, 4, [0.1, 0.2, 0.3], 0, 1, 2.0, [], loads=loads)
+    attacked = serve.CaseResult(
+        "hostile", 4, 1024, 4, [0.5], 1, 2, 5.0, ["HTTP 500: x"], loads=loads, hostile=hostile
+    )
+    alone = serve.CaseResult("recompute", 4, 1024, 4, [0.1] * 4, 0, 0, 1.0, [], loads=None)
+    assert (pd.recomputed(), attacked.recomputed(), alone.recomputed()) == (1, 0, None)
+    assert "loads: ok 2, failed 9, refused 0" in serve._describe(pd)
+    assert "hostile sent 40" in serve._describe(attacked) and "HTTP 500" in serve._describe(
+        attacked
+    )
+    assert "connector counters not on /metrics" in serve._describe(alone)
+    serve._summary([pd, attacked, alone])
+    rows = capsys.readouterr().out.splitlines()[-3:]
+    assert rows[0] == "| 4 | 1024 | (a) PD through omnikv | 200 | 300 | 1.50 | 3/4 | 9 | 1 |"
+    assert rows[2].endswith("| 4.00 | 4/4 | n/a | - |")
+    assert pd.as_dict()["completed_without_loaded_kv"] == 1
+
+
+def test_drain_waits_for_a_quiet_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Consumer:
+        url = "http://127.0.0.1:1"
+
+    class Dep:
+        consumer = Consumer()
+
+    busy = {"vllm:num_requests_running": 1.0}
+    quiet = {"vllm:num_requests_running": 0.0, 'vllm:request_success{finished_reason="stop"}': 3}
+    seen = iter([busy, busy, quiet | {"vllm:omnikv_loads_failed": 1.0}])
+    monkeypatch.setattr(serve, "fetch_metrics", lambda url: next(seen, quiet))
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    assert serve._drain(Dep(), timeout=30, quiet_s=0.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(serve, "fetch_metrics", lambda url: busy)
+    assert not serve._drain(Dep(), timeout=0.0, quiet_s=0.0)  # type: ignore[arg-type]

@@ -1,0 +1,67 @@
+"""The benchmarks run end to end on small payloads and verify their data (no speed assertion:
+speed claims live in the benchmarks' own output, see README)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.mooncake_peers import mooncake_skip_reason, run_scenario
+
+
+@pytest.mark.timeout(120)
+def test_bench_shm_small_run_verifies(tmp_path: Path) -> None:
+    out = tmp_path / "shm.json"
+    args = [
+        "--size-mib",
+        "8",
+        "--iters",
+        "2",
+        "--ref-iters",
+        "1",
+        "--small-iters",
+        "20",
+        "--no-targets",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnikv.cli", "bench", "shm", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    # --no-targets: a missed speed target (likely on a busy machine) is reported, not fatal;
+    # a verification failure still fails the run
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    assert out.exists(), output
+    result = json.loads(out.read_text())
+    assert result["bench"] == "shm" and result["nbytes"] > 7 << 20
+    assert set(result["ratios"]) >= {"view_vs_memcpy", "copy_vs_memcpy"}, result["ratios"]
+
+
+def scenario_bench_mooncake(path: str) -> dict[str, Any]:
+    from omnikv.bench.mooncake import main
+
+    rc = main(["--repeat", "1", "--warmup", "0", "--size-mib", "8", "--json", path])
+    out: dict[str, Any] = json.loads(Path(path).read_text())
+    out["rc"] = rc
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason()))
+def test_bench_mooncake_small_run_verifies(tmp_path: Path) -> None:
+    path = str(tmp_path / "mooncake.json")
+    r = run_scenario(__file__, "scenario_bench_mooncake", {"path": path}, timeout=130)
+    assert r["rc"] == 0 and r["verified"] and r["failures"] == []
+    assert set(r["ratios"]) == {"te", "te_e2e", "store"}
+    assert r["samples_checked"] == 4 and r["samples_decoded"] >= 2
+    assert all(v > 0 for v in r["ratios"].values())

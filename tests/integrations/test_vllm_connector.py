@@ -1,0 +1,765 @@
+"""OmniKVConnector's scheduler and worker halves without an engine (fast; needs vLLM installed).
+
+The halves are driven the way vLLM's scheduler and model runner drive them (bind, start_load_kv,
+wait_for_save, get_transfer_results; and the speculative-decoding order, where results come
+before wait_for_save), over LocalConnector (producer and consumer in this process), on
+CPU_ATTN-layout caches. Attacks with real engines and processes:
+tests/integrations/test_vllm_engine.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from importlib.util import find_spec
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    find_spec("vllm") is None, reason="vLLM not installed (make test-vllm builds .venv-vllm)"
+)
+
+BLOCKS, HEADS, BS, DIM = 8, 4, 4, 8
+PROMPT = list(range(10, 20))  # 10 tokens: 2 full blocks and a partial one
+
+
+def _config(
+    role: str, omni: dict[str, Any], extra: dict[str, Any] | None = None, model: str | None = None
+) -> Any:
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="OmniKVConnector",
+        kv_connector_module_path="omnikv.integrations.vllm",
+        kv_role=role,
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "omni_kv_config": omni,
+            "vllm_kv_layout": "vllm_cpu",
+            **(extra or {}),
+        },
+    )
+    cfg = SimpleNamespace(
+        kv_transfer_config=ktc,
+        cache_config=SimpleNamespace(block_size=BS, enable_prefix_caching=True),
+    )
+    if model is not None:
+        cfg.model_config = SimpleNamespace(model=model, revision=None, dtype="float32")
+    return cfg
+
+
+def _pair(
+    role: str,
+    omni: dict[str, Any],
+    layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+    model: str | None = None,
+    **extra: Any,
+) -> Any:
+    """(scheduler half, worker half with registered caches, caches)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from omnikv.integrations.vllm import OmniKVConnector
+
+    cfg = _config(role, omni, extra, model)
+    sched = OmniKVConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(kv_cache_groups=[0]))
+    worker = OmniKVConnector(cfg, KVConnectorRole.WORKER, None)
+    caches = {
+        f"model.layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BS, 2 * DIM, dtype=dtype)
+        for i in range(layers)
+    }
+    worker.register_kv_caches(caches)
+    return SimpleNamespace(sched=sched, worker=worker, caches=caches)
+
+
+def _request(
+    rid: str, params: dict[str, Any] | None, computed: int = 0, prompt: list[int] | None = None
+) -> Any:
+    prompt = list(PROMPT if prompt is None else prompt)
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        num_prompt_tokens=len(prompt),
+        num_computed_tokens=computed,
+        kv_transfer_params=params,
+        status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+        lora_request=None,
+        cache_salt=None,
+        mm_features=[],
+    )
+
+
+def _blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _step(side: Any, finished: set[str], *, spec_order: bool = False) -> Any:
+    """One engine step: metadata to the worker, its hooks, its transfers, results back.
+
+    ``spec_order``: vLLM's deferred finalize (speculative decoding), where the transfer results
+    are asked for before ``wait_for_save``.
+    """
+    sched, worker = side.sched, side.worker
+    worker.bind_connector_metadata(sched.build_connector_meta(None))
+    worker.start_load_kv(None)
+    early = None
+    if spec_order:
+        early = worker.get_transfer_results(finished)
+        finished = set()
+    worker.wait_for_save()
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(finished)
+    worker.clear_connector_metadata()
+    if early is not None:
+        results.finished_sending |= early.finished_sending
+        results.finished_recving |= early.finished_recving
+        results.failed_recving |= early.failed_recving
+    sched.update_connector_output(results)
+    return results
+
+
+@pytest.fixture
+def edge() -> Any:
+    ns = f"vllm-{uuid.uuid4().hex[:8]}"
+    conn = {"type": "LocalConnector", "namespace": ns}
+    producer = _pair(
+        "kv_producer", {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn}
+    )
+    consumer_omni = {"stage_id": 1, "recv_timeout": 0.5, "connector_config": conn}
+    consumer = _pair("kv_consumer", consumer_omni)
+    made = [producer, consumer]
+    yield SimpleNamespace(
+        producer=producer, consumer=consumer, consumer_omni=consumer_omni, conn=conn, made=made
+    )
+    for side in made:
+        side.worker.shutdown()
+
+
+def _send(
+    producer: Any, blocks: list[int], rid: str = "p1", *, spec_order: bool = False, **req: Any
+) -> dict[str, Any]:
+    for t in producer.caches.values():
+        t.copy_(torch.randn_like(t))
+    request = _request(rid, {"do_remote_decode": True}, computed=len(PROMPT))
+    for name, value in req.items():
+        setattr(request, name, value)
+    delay, params = producer.sched.request_finished(request, blocks)
+    assert delay and params is not None
+    assert producer.sched.has_pending_push_work()
+    results = _step(producer, {rid}, spec_order=spec_order)
+    assert results.finished_sending == {rid}
+    assert not producer.sched.has_pending_push_work()
+    return dict(params)
+
+
+def _load(consumer: Any, params: dict[str, Any], rid: str, blocks: list[int], **req: Any) -> Any:
+    request = _request(rid, params)
+    for name, value in req.items():
+        setattr(request, name, value)
+    assert consumer.sched.get_num_new_matched_tokens(request, 0) == (len(PROMPT), True)
+    consumer.sched.update_state_after_alloc(request, _blocks(blocks), len(PROMPT))
+    return _step(consumer, set())
+
+
+def _tokens(worker: Any, blocks: list[int]) -> list[torch.Tensor]:
+    from omnikv.layouts.gather import BlockGather
+
+    out = []
+    for k, v in worker.layer_kv_views().values():
+        out += [BlockGather(k, tuple(blocks), len(PROMPT)).materialize()]
+        out += [BlockGather(v, tuple(blocks), len(PROMPT)).materialize()]
+    return out
+
+
+def _same_tokens(edge: Any, consumer_blocks: list[int], producer_blocks: list[int]) -> bool:
+    got = _tokens(edge.consumer.worker, consumer_blocks)
+    want = _tokens(edge.producer.worker, producer_blocks)
+    return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+# -- the protocol -------------------------------------------------------------------------------
+def test_send_then_load_writes_the_same_tokens(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    assert params["do_remote_prefill"] and params["omnikv_num_tokens"] == len(PROMPT)
+    assert len(params["omnikv_binding"]) == 32
+    assert edge.producer.worker.stats()["sends_ok"] == 1
+    results = _load(edge.consumer, params, "c1", [6, 2, 7])
+    assert results.finished_recving == {"c1"} and not results.failed_recving
+    stats = edge.consumer.worker.stats()
+    assert stats["loads_ok"] == 1 and stats["tokens_loaded"] == len(PROMPT)
+    assert _same_tokens(edge, [6, 2, 7], [3, 5, 1])
+    # Loaded once: the request is not offered for loading again (e.g. after a preemption).
+    assert edge.consumer.sched.get_num_new_matched_tokens(_request("c1", params), 0) == (0, False)
+
+
+def test_transfer_ids_are_fresh_and_unguessable(edge: Any) -> None:
+    from omnikv.integrations.vllm.binding import check_transfer_id, producer_tag
+
+    ids = set()
+    for i in range(50):
+        request = _request(f"r{i}", {"do_remote_decode": True}, computed=len(PROMPT))
+        _, params = edge.producer.sched.request_finished(request, [1])
+        ids.add(params["omnikv_transfer_id"])
+    assert len(ids) == 50
+    tag = producer_tag(edge.conn["namespace"])
+    for tid in ids:
+        assert check_transfer_id(tid, frozenset({tag}), "0" * 32, None) is None
+        assert tid.startswith(f"okv1-{tag}-") and len(tid.split("-")[2]) == 32
+    _step(edge.producer, {f"r{i}" for i in range(50)})
+
+
+def test_partial_local_hit_loads_the_rest(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    sched, worker = edge.consumer.sched, edge.consumer.worker
+    req = _request("c2", params)
+    assert sched.get_num_new_matched_tokens(req, 4) == (6, True)  # one block computed locally
+    sched.update_state_after_alloc(req, _blocks([0, 4, 6]), 6)
+    assert _step(edge.consumer, set()).finished_recving == {"c2"}
+    got, want = _tokens(worker, [0, 4, 6]), _tokens(edge.producer.worker, [3, 5, 1])
+    for g, w in zip(got, want, strict=True):
+        assert not g[:4].any()  # tokens of the local hit are not written
+        assert torch.equal(g[4:], w[4:])
+
+
+def test_speculative_decoding_order_still_reports_the_send(edge: Any) -> None:
+    """vLLM 0.32 with speculative_config asks for results before wait_for_save."""
+    params = _send(edge.producer, [3, 5, 1], spec_order=True)
+    results = _load(edge.consumer, params, "c-spec", [6, 2, 7])
+    assert results.finished_recving == {"c-spec"} and not results.failed_recving
+
+
+def test_sends_run_concurrently(edge: Any) -> None:
+    """One stuck send does not hold back the others (max_concurrent_sends threads)."""
+    from omnikv.connectors.factory import OmniConnectorFactory
+    from omnikv.connectors.local import LocalConnector
+
+    gate = threading.Event()
+    stuck_ids: list[str] = []
+
+    class _Gated(LocalConnector):
+        def put_packed(
+            self, from_stage: str, to_stage: str, put_key: str, *a: Any, **k: Any
+        ) -> Any:
+            if any(t in put_key for t in stuck_ids):
+                gate.wait(10)
+            return super().put_packed(from_stage, to_stage, put_key, *a, **k)
+
+    OmniConnectorFactory.register_connector("GatedLocalConnector", _Gated)
+    conn = {"type": "GatedLocalConnector", "namespace": edge.conn["namespace"] + "g"}
+    producer = _pair(
+        "kv_producer", {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn}
+    )
+    edge.made.append(producer)
+    stuck_req = _request("stuck", {"do_remote_decode": True}, computed=len(PROMPT))
+    _, stuck = producer.sched.request_finished(stuck_req, [1, 2, 3])
+    stuck_ids.append(stuck["omnikv_transfer_id"])
+    ok_req = _request("ok", {"do_remote_decode": True}, computed=len(PROMPT))
+    producer.sched.request_finished(ok_req, [4, 5, 6])
+    producer.worker.bind_connector_metadata(producer.sched.build_connector_meta(None))
+    producer.worker.start_load_kv(None)
+    producer.worker.wait_for_save()
+    deadline = time.monotonic() + 10
+    sent: set[str] = set()
+    while "ok" not in sent and time.monotonic() < deadline:
+        sent |= producer.worker.get_transfer_results({"stuck", "ok"}).finished_sending
+    assert sent == {"ok"}  # the stuck send is still in flight
+    gate.set()
+    assert producer.worker.wait_transfers(10)
+    assert producer.worker.get_transfer_results(set()).finished_sending == {"stuck"}
+
+
+def test_missing_kv_is_a_counted_failed_receive(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    tid = params["omnikv_transfer_id"]
+    never = tid[:-6] + ("000000" if not tid.endswith("000000") else "111111")
+    params = dict(params, omnikv_transfer_id=never)
+    results = _load(edge.consumer, params, "c3", [1, 2, 3])
+    assert results.finished_recving == {"c3"} and results.failed_recving == {"c3"}
+    assert edge.consumer.worker.stats() == {"loads_failed": 1}
+    assert "timeout" in edge.consumer.worker.transfer_record(never)["reason"]
+    assert not any(t.any() for t in edge.consumer.caches.values())
+
+
+def test_payload_that_does_not_fit_the_engine_is_refused(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    other = _pair("kv_consumer", edge.consumer_omni, layers=3)
+    edge.made.append(other)
+    results = _load(other, params, "c4", [1, 2, 3])
+    assert results.failed_recving == {"c4"}
+    reason = other.worker.transfer_record(params["omnikv_transfer_id"])["reason"]
+    assert "2 layers, the engine 3" in reason
+    assert not any(t.any() for t in other.caches.values())
+
+
+def test_payload_of_another_dtype_is_refused_not_cast(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    other = _pair("kv_consumer", edge.consumer_omni, dtype=torch.bfloat16)
+    edge.made.append(other)
+    assert _load(other, params, "c5", [1, 2, 3]).failed_recving == {"c5"}
+    reason = other.worker.transfer_record(params["omnikv_transfer_id"])["reason"]
+    assert "dtype torch.float32, the engine torch.bfloat16" in reason
+    assert not any(t.any() for t in other.caches.values())
+
+
+# -- admission: client input is refused at once, never waited for --------------------------------
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"omnikv_transfer_id": ""},
+        {"omnikv_transfer_id": 12},
+        {"omnikv_transfer_id": "never-sent"},
+        {"omnikv_transfer_id": "okv1-" + "a" * 200},
+        {"omnikv_transfer_id": "okv1-0000000g-" + "0" * 32},
+        {"omnikv_transfer_id": "okv1-deadbeef-" + "0" * 32},  # a foreign producer tag
+        {"omnikv_transfer_id": "OKV1-deadbeef-" + "0" * 32},
+        {"omnikv_binding": "0" * 32},  # the client's binding is not this request's
+        {"omnikv_binding": "not-hex"},
+        {"omnikv_num_tokens": True},
+        {"omnikv_num_tokens": 0},
+        {"omnikv_num_tokens": "10"},
+    ],
+)
+def test_params_that_cannot_be_ours_are_refused_at_once(edge: Any, change: dict[str, Any]) -> None:
+    ns = edge.consumer_omni["connector_config"]["namespace"]
+    from omnikv.integrations.vllm.binding import new_transfer_id, producer_tag
+
+    params = {
+        "do_remote_prefill": True,
+        "omnikv_transfer_id": new_transfer_id(producer_tag(ns), "0" * 32, None),
+        "omnikv_num_tokens": len(PROMPT),
+    }
+    sched = edge.consumer.sched
+    assert sched.get_num_new_matched_tokens(_request("ok", params), 0) == (len(PROMPT), True)
+    t0 = time.monotonic()
+    assert sched.get_num_new_matched_tokens(_request("x", params | change), 0) == (0, False)
+    assert time.monotonic() - t0 < 0.05
+    assert sched.stats() == {"loads_refused": 1}
+    stats = sched.get_kv_connector_stats()
+    assert stats is not None and stats.data["loads_refused"] == 1
+    assert sched.get_kv_connector_stats() is None  # one interval each
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": False}, ["x"], "x"])
+def test_requests_without_remote_prefill_are_left_alone(edge: Any, params: Any) -> None:
+    sched = edge.consumer.sched
+    assert sched.get_num_new_matched_tokens(_request("a", params), 0) == (0, False)
+    assert sched.stats() == {}
+
+
+def test_a_stolen_id_with_another_prompt_neither_loads_nor_destroys(edge: Any) -> None:
+    """Check first, consume only what fits: the thief's key is not the victim's."""
+    params = _send(edge.producer, [3, 5, 1])
+    thief_params = {k: v for k, v in params.items() if k != "omnikv_binding"}
+    other_prompt = [t + 1 for t in PROMPT]
+    thief = _request("thief", thief_params, prompt=other_prompt)
+    sched = edge.consumer.sched
+    assert sched.get_num_new_matched_tokens(thief, 0) == (len(PROMPT), True)
+    sched.update_state_after_alloc(thief, _blocks([0, 1, 2]), len(PROMPT))
+    assert _step(edge.consumer, set()).failed_recving == {"thief"}
+    assert not any(t.any() for t in edge.consumer.caches.values())
+    # The victim still gets its KV.
+    results = _load(edge.consumer, params, "victim", [6, 2, 7])
+    assert results.finished_recving == {"victim"} and not results.failed_recving
+    assert _same_tokens(edge, [6, 2, 7], [3, 5, 1])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"lora_request": SimpleNamespace(lora_name="adapter-a")},
+        {"cache_salt": "tenant-b"},
+        {"mm_features": [SimpleNamespace(identifier="image-hash-1")]},
+        {"prompt_token_ids": [*PROMPT[:-1], 999]},
+    ],
+)
+def test_the_binding_covers_adapter_salt_media_and_tokens(
+    edge: Any, change: dict[str, Any]
+) -> None:
+    """KV sent for one request never loads into a request that differs in any bound input."""
+    params = _send(edge.producer, [3, 5, 1])
+    request = _request("c", {k: v for k, v in params.items() if k != "omnikv_binding"})
+    for name, value in change.items():
+        setattr(request, name, value)
+    sched = edge.consumer.sched
+    assert sched.get_num_new_matched_tokens(request, 0) == (len(PROMPT), True)
+    sched.update_state_after_alloc(request, _blocks([0, 1, 2]), len(PROMPT))
+    assert _step(edge.consumer, set()).failed_recving == {"c"}
+    assert not any(t.any() for t in edge.consumer.caches.values())
+    # With the client's binding kept, the mismatch is refused at admission instead.
+    request2 = _request("c2", params)
+    for name, value in change.items():
+        setattr(request2, name, value)
+    assert sched.get_num_new_matched_tokens(request2, 0) == (0, False)
+
+
+def test_a_different_model_never_loads(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    other = _pair("kv_consumer", edge.consumer_omni, model="another-model")
+    edge.made.append(other)
+    assert other.sched.get_num_new_matched_tokens(_request("c", params), 0) == (0, False)
+    request = _request("c2", {k: v for k, v in params.items() if k != "omnikv_binding"})
+    assert other.sched.get_num_new_matched_tokens(request, 0) == (len(PROMPT), True)
+    other.sched.update_state_after_alloc(request, _blocks([0, 1, 2]), len(PROMPT))
+    assert _step(other, set()).failed_recving == {"c2"}  # its key is not the payload's
+    assert not any(t.any() for t in other.caches.values())
+
+
+# -- concurrency and deadlines --------------------------------------------------------------------
+def test_bogus_loads_do_not_delay_a_genuine_one(edge: Any) -> None:
+    """Three admitted loads that will never arrive, then a genuine one, on ONE main load thread:
+    each bogus load leaves it after ``load_first_wait_s`` to wait on the waiting pool."""
+    from omnikv.integrations.vllm.binding import new_transfer_id
+
+    ns = edge.consumer_omni["connector_config"]["namespace"]
+    conn = dict(edge.conn)
+    slow = {"stage_id": 1, "recv_timeout": 5.0, "connector_config": conn}
+    consumer = _pair("kv_consumer", slow, max_concurrent_loads=1, load_first_wait_s=0.1)
+    edge.made.append(consumer)
+    from omnikv.integrations.vllm.binding import producer_tag
+
+    sched = consumer.sched
+    for i in range(3):
+        bogus = {
+            "do_remote_prefill": True,
+            "omnikv_transfer_id": new_transfer_id(producer_tag(ns), "0" * 32, None),
+            "omnikv_num_tokens": len(PROMPT),
+        }
+        req = _request(f"bogus{i}", bogus)
+        assert sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT), True)
+        sched.update_state_after_alloc(req, _blocks([i, i, i]), len(PROMPT))
+    consumer.worker.bind_connector_metadata(sched.build_connector_meta(None))
+    consumer.worker.start_load_kv(None)
+    params = _send(edge.producer, [3, 5, 1])
+    req = _request("genuine", params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT), True)
+    sched.update_state_after_alloc(req, _blocks([6, 7, 4]), len(PROMPT))
+    t0 = time.monotonic()
+    consumer.worker.bind_connector_metadata(sched.build_connector_meta(None))
+    consumer.worker.start_load_kv(None)
+    done: set[str] = set()
+    while "genuine" not in done and time.monotonic() - t0 < 5:
+        results = consumer.worker.get_transfer_results(set())
+        assert not results.failed_recving
+        done |= results.finished_recving
+    assert done == {"genuine"}
+    assert time.monotonic() - t0 < 2.0  # not after the bogus ones' 5 s
+    for side in (consumer,):
+        side.worker.shutdown()  # cancels the bogus waits
+
+
+def test_a_load_queued_past_its_deadline_fails_without_waiting(edge: Any) -> None:
+    params = _send(edge.producer, [3, 5, 1])
+    sched = edge.consumer.sched
+    req = _request("late", params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT), True)
+    sched.update_state_after_alloc(req, _blocks([6, 2, 7]), len(PROMPT))
+    time.sleep(0.6)  # the request's recv_timeout (0.5 s) passes before the step runs
+    t0 = time.monotonic()
+    results = _step(edge.consumer, set())
+    assert results.failed_recving == {"late"}
+    assert time.monotonic() - t0 < 0.3
+    reason = edge.consumer.worker.transfer_record(params["omnikv_transfer_id"])["reason"]
+    assert "before the load could start" in reason
+
+
+def test_an_aborted_request_stops_its_load(edge: Any) -> None:
+    from omnikv.integrations.vllm.binding import new_transfer_id, producer_tag
+
+    ns = edge.consumer_omni["connector_config"]["namespace"]
+    slow = {"stage_id": 1, "recv_timeout": 30.0, "connector_config": edge.conn}
+    consumer = _pair("kv_consumer", slow)
+    edge.made.append(consumer)
+    params = {
+        "do_remote_prefill": True,
+        "omnikv_transfer_id": new_transfer_id(producer_tag(ns), "0" * 32, None),
+        "omnikv_num_tokens": len(PROMPT),
+    }
+    req = _request("gone", params)
+    sched, worker = consumer.sched, consumer.worker
+    assert sched.get_num_new_matched_tokens(req, 0) == (len(PROMPT), True)
+    sched.update_state_after_alloc(req, _blocks([1, 2, 3]), len(PROMPT))
+    worker.bind_connector_metadata(sched.build_connector_meta(None))
+    worker.start_load_kv(None)
+    req.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert sched.request_finished(req, [1, 2, 3]) == (False, None)
+    t0 = time.monotonic()
+    worker.bind_connector_metadata(sched.build_connector_meta(None))  # carries the cancel
+    assert worker.wait_transfers(5.0)
+    assert time.monotonic() - t0 < 2.0
+    assert worker.get_transfer_results(set()).failed_recving == {"gone"}
+    assert "cancel" in worker.transfer_record(params["omnikv_transfer_id"])["reason"]
+
+
+def test_n_greater_than_one_loads_once_and_shares(edge: Any) -> None:
+    """vLLM copies the params to every child: one loads, the others wait, then use the cache."""
+    params = _send(edge.producer, [3, 5, 1])
+    sched = edge.consumer.sched
+    first, second = _request("0_parent", params), _request("1_parent", params)
+    assert sched.get_num_new_matched_tokens(first, 0) == (len(PROMPT), True)
+    sched.update_state_after_alloc(first, _blocks([6, 2, 7]), len(PROMPT))
+    assert sched.get_num_new_matched_tokens(second, 0) == (None, False)  # ask again later
+    results = _step(edge.consumer, set())
+    assert results.finished_recving == {"0_parent"} and not results.failed_recving
+    # Loaded: the sibling finds the blocks in the prefix cache (vLLM passes its local hit).
+    assert sched.get_num_new_matched_tokens(second, 8) == (0, False)
+    assert edge.consumer.worker.stats()["loads_ok"] == 1
+    assert "loads_failed" not in edge.consumer.worker.stats()
+
+
+# -- authentication ----------------------------------------------------------------------------
+@pytest.fixture
+def secure(edge: Any) -> Any:
+    conn = dict(edge.conn, namespace=edge.conn["namespace"] + "s")
+    producer = _pair(
+        "kv_producer",
+        {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn},
+        auth_secret="s3cret",
+    )
+    consumer = _pair(
+        "kv_consumer",
+        {"stage_id": 1, "recv_timeout": 0.5, "connector_config": conn},
+        auth_secret="s3cret",
+    )
+    edge.made += [producer, consumer]
+    return SimpleNamespace(producer=producer, consumer=consumer, conn=conn)
+
+
+def test_with_a_secret_ids_and_payloads_are_authenticated(secure: Any) -> None:
+    params = _send(secure.producer, [3, 5, 1])
+    assert len(params["omnikv_transfer_id"].split("-")) == 4  # carries its MAC
+    results = _load(secure.consumer, params, "c1", [6, 2, 7])
+    assert results.finished_recving == {"c1"} and not results.failed_recving
+
+
+def test_with_a_secret_a_forged_id_is_refused_at_admission(secure: Any) -> None:
+    params = _send(secure.producer, [3, 5, 1])
+    tid = params["omnikv_transfer_id"]
+    forged = tid[:-1] + ("0" if tid[-1] != "0" else "1")
+    sched = secure.consumer.sched
+    bad = dict(params, omnikv_transfer_id=forged)
+    assert sched.get_num_new_matched_tokens(_request("x", bad), 0) == (0, False)
+    no_mac = dict(params, omnikv_transfer_id=tid.rsplit("-", 1)[0])
+    assert sched.get_num_new_matched_tokens(_request("y", no_mac), 0) == (0, False)
+    # Another prompt with the genuine id: the MAC binds the id to its request.
+    other = _request("z", {k: v for k, v in params.items() if k != "omnikv_binding"})
+    other.prompt_token_ids = [t + 1 for t in PROMPT]
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert sched.stats() == {"loads_refused": 3}
+
+
+def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> None:
+    """Someone who can write into the namespace but lacks the secret cannot inject KV."""
+    from omnikv.config import config_from_dict, options_from_dict
+    from omnikv.manager import OmniKVTransferManager
+
+    params = _send(secure.producer, [3, 5, 1])
+    key = f"{params['omnikv_transfer_id']}.{params['omnikv_binding']}"
+    consumer_cfg = {
+        "stage_id": 1,
+        "recv_timeout": 2.0,
+        "need_recv_cache": True,
+        "connector_config": secure.conn,
+    }
+    with OmniKVTransferManager(
+        config_from_dict(consumer_cfg), options=options_from_dict(consumer_cfg)
+    ) as thief:
+        assert thief.receive_kv_cache_result(key).ok  # take the genuine payload away
+    attacker_cfg = {
+        "omni_from_stage": 0,
+        "omni_to_stage": 1,
+        "need_send_cache": True,
+        "connector_config": secure.conn,
+    }
+    caches = [
+        (torch.ones(BLOCKS, BS, HEADS, DIM), torch.ones(BLOCKS, BS, HEADS, DIM)) for _ in range(2)
+    ]
+    with OmniKVTransferManager(
+        config_from_dict(attacker_cfg), options=options_from_dict(attacker_cfg)
+    ) as attacker:
+        attacker.handle_finished_requests_kv_transfer(
+            {
+                key: {
+                    "block_ids": [3, 5, 1],
+                    "seq_len": len(PROMPT),
+                    "custom_metadata": {
+                        "omnikv_binding": params["omnikv_binding"],
+                        "omnikv_mac": "0" * 32,
+                    },
+                }
+            },
+            kv_caches=caches,
+            block_size=BS,
+            cache_dtype="float32",
+        )
+        assert attacker.get_send_result(key).ok
+        results = _load(secure.consumer, params, "c1", [6, 2, 7])
+    assert results.failed_recving == {"c1"}
+    reason = secure.consumer.worker.transfer_record(params["omnikv_transfer_id"])["reason"]
+    assert "MAC" in reason
+    assert not any(t.any() for t in secure.consumer.caches.values())
+
+
+# -- the producer -------------------------------------------------------------------------------
+def test_producer_keeps_blocks_only_for_remote_decode(edge: Any) -> None:
+    sched = edge.producer.sched
+    plain = _request("a", None, computed=10)
+    assert sched.request_finished(plain, [1, 2, 3]) == (False, None)
+    aborted = _request("b", {"do_remote_decode": True}, computed=10)
+    aborted.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert sched.request_finished(aborted, [1, 2, 3]) == (False, None)
+    embeds = _request("e", {"do_remote_decode": True}, computed=10)
+    embeds.prompt_token_ids = None
+    assert sched.request_finished(embeds, [1, 2, 3]) == (False, None)
+    assert not sched.has_pending_push_work()
+    # The consumer role never sends.
+    consumer_sched = edge.consumer.sched
+    assert consumer_sched.request_finished(_request("c", {"do_remote_decode": True}, 10), [1]) == (
+        False,
+        None,
+    )
+
+
+# -- metrics ----------------------------------------------------------------------------------
+def test_stats_reach_vllms_logger_and_prometheus(edge: Any) -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from omnikv.integrations.vllm import OmniKVConnector
+
+    params = _send(edge.producer, [3, 5, 1])
+    _load(edge.consumer, params, "c1", [6, 2, 7])
+    sent = edge.producer.worker.get_kv_connector_stats()
+    loaded = edge.consumer.worker.get_kv_connector_stats()
+    assert sent is not None and sent.data["sends_ok"] == 1 and sent.data["bytes_sent"] > 0
+    assert loaded is not None and loaded.data["loads_ok"] == 1
+    assert edge.consumer.worker.get_kv_connector_stats() is None  # the interval was taken
+    # vLLM rebuilds the stats from their data dict in the frontend and aggregates them.
+    total = OmniKVConnector.build_kv_connector_stats(dict(sent.data))
+    total = total.aggregate(OmniKVConnector.build_kv_connector_stats(dict(loaded.data)))
+    reduced = total.reduce()
+    assert reduced["sends_ok"] == 1 and reduced["loads_ok"] == 1
+    assert "load_seconds p50 (ms)" in reduced
+    registry = CollectorRegistry()
+
+    def bound(cls: type) -> type:
+        class _InRegistry(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return _InRegistry
+
+    metric_types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    prom = OmniKVConnector.build_prom_metrics(
+        vllm_config, metric_types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    prom.observe(total.data, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:omnikv_loads_ok_total{engine="0",model_name="tiny"} 1.0' in text
+    assert 'vllm:omnikv_sends_ok_total{engine="0",model_name="tiny"} 1.0' in text
+    assert "vllm:omnikv_load_seconds_bucket" in text
+
+
+def test_unknown_and_wrong_settings(edge: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from omnikv.errors import ConfigError
+    from omnikv.integrations.vllm.options import parse_options
+
+    with caplog.at_level("WARNING"):
+        parse_options({"max_concurent_loads": 3}, producer=False, consumer=True)
+    assert "max_concurent_loads" in caplog.text
+    for bad in (
+        {"max_concurrent_loads": 0},
+        {"max_concurrent_sends": "many"},
+        {"producer_tag": "xyz"},
+        {"accept_producer_tags": []},
+        {"auth_secret": ""},
+        {"verify_finite": "yes"},
+        {"vllm_kv_layout": "nope"},
+        {"omni_kv_config": ["x"]},
+    ):
+        with pytest.raises(ConfigError):
+            parse_options(bad, producer=False, consumer=True)
+
+
+def test_a_shared_memory_producer_declares_its_payload_size() -> None:
+    """The shared-memory reserve is sized from the engine: 2 x layers x heads x head size x dtype
+    bytes per token, times max_model_len; declared keys win, other connectors are left alone."""
+    from omnikv.integrations.vllm.connector import _declare_payload_size
+
+    model = SimpleNamespace(
+        dtype=torch.bfloat16,
+        max_model_len=4096,
+        get_num_kv_heads=lambda parallel: 4,
+        get_num_layers=lambda parallel: 28,
+        get_head_size=lambda: 128,
+    )
+    vllm_config = SimpleNamespace(model_config=model, parallel_config=None)
+    cfg = {"need_send_cache": True, "connector_config": {"type": "SharedMemoryConnector"}}
+    _declare_payload_size(cfg, vllm_config)
+    assert cfg["connector_config"]["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2
+    assert cfg["connector_config"]["max_model_len"] == 4096
+    declared = {
+        "need_send_cache": True,
+        "connector_config": {"type": "SharedMemoryConnector", "max_model_len": 512},
+    }
+    _declare_payload_size(declared, vllm_config)
+    assert declared["connector_config"]["max_model_len"] == 512
+    for other in (
+        {"need_send_cache": True, "connector_config": {"type": "LocalConnector"}},
+        {"need_recv_cache": True, "connector_config": {"type": "SharedMemoryConnector"}},
+    ):
+        _declare_payload_size(other, vllm_config)
+        assert "kv_bytes_per_token" not in other["connector_config"]
+
+
+_PINNED_WORKER = r"""
+import json, os, sys, threading, time
+from types import SimpleNamespace
+os.sched_setaffinity(0, {0})  # what vLLM's CPU backend does to its worker's thread
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from omnikv.integrations.vllm import OmniKVConnector
+conn = {"type": "SharedMemoryConnector", "namespace": sys.argv[1], "pool_size_bytes": 4 << 20}
+omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn}
+ktc = KVTransferConfig(kv_connector="OmniKVConnector", kv_role="kv_producer",
+    kv_connector_module_path="omnikv.integrations.vllm",
+    kv_connector_extra_config={"omni_kv_config": omni, "vllm_kv_layout": "vllm_cpu"})
+cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=4))
+worker = OmniKVConnector(cfg, KVConnectorRole.WORKER, None)
+out = {}
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(l for l in f if l.startswith("Cpus_allowed_list"))
+    out[tid] = line.split(":")[1].strip()
+worker.shutdown()
+print(json.dumps({"main": out.pop(str(os.getpid())), "others": sorted(set(out.values()))}))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
+def test_transfer_threads_are_not_pinned_to_the_engines_core(namespace: str) -> None:
+    """vLLM's CPU backend pins its worker's thread to a compute core and threads inherit it:
+    omnikv's transport threads (here a shared-memory sender's) run on every allowed CPU."""
+    import json
+    import subprocess
+    import sys
+
+    from omnikv.integrations.vllm.worker import transfer_cpus
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _PINNED_WORKER, namespace],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["main"] == "0"
+    cpus = transfer_cpus()
+    assert cpus is not None and len(cpus) >= 2
+    assert report["others"] and "0" not in report["others"]  # no thread left on the pinned core

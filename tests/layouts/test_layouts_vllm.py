@@ -1,0 +1,188 @@
+"""vLLM cache layouts (omnikv.layouts.specs): CPU_ATTN views, GPU stacked layouts, gather and
+scatter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from omnikv.errors import ExtractionError, KVMismatchError, OmniKVError
+from omnikv.layouts.gather import BlockGather
+from omnikv.layouts.scatter import scatter_tokens
+from omnikv.layouts.specs import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT, layout_spec, vllm_layer_kv_views
+
+BLOCKS, HEADS, BS, DIM = 6, 3, 4, 8
+vllm_cpu_kv_views = layout_spec(VLLM_CPU_LAYOUT).kv_views
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, HEADS, DIM, generator=g)
+
+
+def _cpu_cache_from(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Build a CPU_ATTN layer in memory order from K/V ``[blocks, bs, heads, dim]``.
+
+    Per block and head: K transposed ``[dim, bs]`` then V ``[bs, dim]``, flattened.
+    """
+    out = torch.empty(BLOCKS, HEADS, BS * 2 * DIM)
+    for b in range(BLOCKS):
+        for h in range(HEADS):
+            kt = k[b, :, h, :].t().reshape(-1)  # [dim, bs], token index fastest
+            vv = v[b, :, h, :].reshape(-1)  # [bs, dim]
+            out[b, h] = torch.cat([kt, vv])
+    return out.view(BLOCKS, HEADS, BS, 2 * DIM)
+
+
+def test_cpu_views_read_the_documented_memory_order() -> None:
+    k = torch.randn(BLOCKS, BS, HEADS, DIM)
+    v = torch.randn(BLOCKS, BS, HEADS, DIM)
+    layer = _cpu_cache_from(k, v)
+    kv, vv = vllm_cpu_kv_views(layer)
+    assert kv.shape == vv.shape == (BLOCKS, BS, HEADS, DIM)
+    assert torch.equal(kv, k)
+    assert torch.equal(vv, v)
+    assert kv.data_ptr() == layer.data_ptr()  # a view, not a copy
+
+
+def test_cpu_gather_matches_reference_format() -> None:
+    k = torch.randn(BLOCKS, BS, HEADS, DIM)
+    v = torch.randn(BLOCKS, BS, HEADS, DIM)
+    kv, vv = vllm_cpu_kv_views(_cpu_cache_from(k, v))
+    ids = (4, 1, 3)
+    seq = 10  # not a multiple of the block size
+    got = BlockGather(kv, ids, seq).materialize()
+    want = torch.cat([k[i] for i in ids])[:seq]
+    assert got.shape == (seq, HEADS, DIM)
+    assert torch.equal(got, want)
+    assert torch.equal(
+        BlockGather(vv, ids, seq).materialize(), torch.cat([v[i] for i in ids])[:seq]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_scatter_then_gather_roundtrip(dtype: torch.dtype) -> None:
+    layer = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM, dtype=dtype)
+    kv, vv = vllm_cpu_kv_views(layer)
+    ids = [5, 0, 2]
+    src_k, src_v = _tokens(11, 1).to(dtype), _tokens(11, 2).to(dtype)
+    scatter_tokens(kv, ids, src_k)
+    scatter_tokens(vv, ids, src_v)
+    assert torch.equal(BlockGather(kv, tuple(ids), 11).materialize(), src_k)
+    assert torch.equal(BlockGather(vv, tuple(ids), 11).materialize(), src_v)
+    # Blocks outside the request and the unused tail of the last block stay untouched.
+    assert not layer[[1, 3, 4]].any()
+    assert not kv[2, 3:].any() and not vv[2, 3:].any()
+
+
+def test_scatter_from_an_offset() -> None:
+    blocks = torch.zeros(BLOCKS, BS, HEADS, DIM, dtype=torch.bfloat16)
+    src = _tokens(6, 3).to(torch.bfloat16)
+    scatter_tokens(blocks, [3, 1, 4], src, start=5)  # tokens 5..10: block 1 from 1, block 4
+    got = BlockGather(blocks, (3, 1, 4), 11).materialize()
+    assert not got[:5].any()
+    assert torch.equal(got[5:], src)
+    assert not blocks[3].any()
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "index"),
+    [
+        ("kv_first", (2, BLOCKS, BS, HEADS, DIM), lambda t, i: t[i]),
+        ("blocks_first", (BLOCKS, 2, BS, HEADS, DIM), lambda t, i: t[:, i]),
+    ],
+)
+def test_stacked_layouts_write_through(
+    layout: str, shape: tuple[int, ...], index: Callable[[torch.Tensor, int], torch.Tensor]
+) -> None:
+    layer = torch.zeros(shape)
+    kv, vv = vllm_layer_kv_views(layer, layout)
+    src = _tokens(7, 4)
+    scatter_tokens(kv, [2, 5], src)
+    scatter_tokens(vv, [2, 5], -src)
+    assert torch.equal(index(layer, 0)[2], src[:4])
+    assert torch.equal(index(layer, 0)[5, :3], src[4:])
+    assert torch.equal(index(layer, 1)[5, :3], -src[4:])
+    assert torch.equal(BlockGather(kv, (2, 5), 7).materialize(), src)
+
+
+@pytest.mark.parametrize("physical", [(0, 1, 2, 3), (0, 2, 1, 3)])
+def test_bhnc_layout_splits_channels(physical: tuple[int, ...]) -> None:
+    """vLLM 0.32 GPU layer: logical [blocks, heads, bs, 2*dim], K then V along the channels."""
+    logical = (BLOCKS, HEADS, BS, 2 * DIM)
+    store = torch.randn([logical[i] for i in physical])
+    inverse = [physical.index(i) for i in range(4)]
+    layer = store.permute(*inverse)  # vLLM's logical view over a permuted physical cache
+    assert tuple(layer.shape) == logical
+    kv, vv = vllm_layer_kv_views(layer, VLLM_BHNC_LAYOUT)
+    assert torch.equal(kv, layer[..., :DIM].transpose(1, 2))
+    assert torch.equal(vv, layer[..., DIM:].transpose(1, 2))
+    src = _tokens(9, 5)
+    scatter_tokens(vv, [1, 0, 4], src)
+    assert torch.equal(layer[0, :, :, DIM:].transpose(0, 1), src[4:8])
+    assert torch.equal(BlockGather(vv, (1, 0, 4), 9).materialize(), src)
+    assert torch.equal(store.permute(*inverse)[4, :, 0, DIM:], src[8])  # written through
+
+
+def test_layer_views_dispatch_to_cpu() -> None:
+    layer = torch.randn(BLOCKS, HEADS, BS, 2 * DIM)
+    a = vllm_layer_kv_views(layer, VLLM_CPU_LAYOUT)
+    b = vllm_cpu_kv_views(layer)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        torch.zeros(BLOCKS, HEADS, BS, 2 * DIM + 1),  # odd last dim
+        torch.zeros(BLOCKS, BS, 2 * DIM),  # 3-D
+        torch.zeros(BLOCKS, HEADS, 2 * DIM, BS).transpose(2, 3),  # not contiguous
+    ],
+)
+def test_cpu_views_refuse_other_shapes(layer: torch.Tensor) -> None:
+    with pytest.raises(ExtractionError, match="vLLM CPU cache"):
+        vllm_cpu_kv_views(layer)
+
+
+def test_layer_views_refuse_unknown_layout() -> None:
+    with pytest.raises(ExtractionError, match="unknown vLLM cache layout"):
+        vllm_layer_kv_views(torch.zeros(2, BLOCKS, BS, HEADS, DIM), "hnd")
+    with pytest.raises(ExtractionError, match="vLLM GPU cache"):
+        vllm_layer_kv_views(torch.zeros(BLOCKS, HEADS, BS, 2 * DIM + 1), VLLM_BHNC_LAYOUT)
+
+
+def test_scatter_refuses_bad_input_and_writes_nothing() -> None:
+    blocks = torch.zeros(BLOCKS, BS, HEADS, DIM)
+    with pytest.raises(KVMismatchError, match="token shape"):
+        scatter_tokens(blocks, [0], torch.zeros(2, HEADS + 1, DIM))
+    with pytest.raises(ExtractionError, match="do not fit"):
+        scatter_tokens(blocks, [0, 1], torch.zeros(9, HEADS, DIM))
+    with pytest.raises(ExtractionError, match="outside a cache"):
+        scatter_tokens(blocks, [0, BLOCKS], torch.ones(6, HEADS, DIM))
+    assert not blocks.any()
+
+
+@pytest.mark.parametrize(
+    ("src", "what"),
+    [
+        (torch.ones(6, HEADS, DIM, dtype=torch.float64), r"float32, got torch\.float64"),
+        (torch.ones(6, HEADS, DIM, dtype=torch.bfloat16), r"float32, got torch\.bfloat16"),
+        (torch.ones(6, HEADS, DIM, dtype=torch.int32), r"float32, got torch\.int32"),
+        (torch.ones(6, HEADS * DIM), r"expected tokens of shape \[n, 3, 8\]"),
+        (torch.ones(6, 1, HEADS, DIM), r"got token shape \(1, 3, 8\)"),
+        (torch.tensor(1.0), r"got token shape \(\)"),
+    ],
+)
+def test_scatter_refuses_kv_that_does_not_fit_and_names_it(src: torch.Tensor, what: str) -> None:
+    """Received KV of another dtype or shape is refused with a typed error (never cast)."""
+    blocks = torch.zeros(BLOCKS, BS, HEADS, DIM)
+    with pytest.raises(KVMismatchError, match=what) as info:
+        scatter_tokens(blocks, [0, 1], src)
+    assert isinstance(info.value, OmniKVError) and not blocks.any()
+
+
+def test_scatter_refuses_a_cache_without_blocks() -> None:
+    with pytest.raises(KVMismatchError, match="cache blocks"):
+        scatter_tokens(torch.zeros(BS), [0], torch.zeros(1))

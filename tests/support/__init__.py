@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: spawned engine peers, attackers, test vLLM engines, repo paths."""

@@ -1,0 +1,99 @@
+"""A test engine: ``omnikv.bench.vllm.serve`` plus commands that look inside the engine.
+
+``python engine.py '<json>'`` (the config of ``serve``). The engine core and its worker run in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the parent), so the worker's connector
+is reachable through vLLM's ``get_kv_transfer_group()``. Extra commands: ``pump`` (step the engine
+while sends are in flight: a server's engine loop does this by itself, ``has_pending_push_work``),
+``stats`` (the worker's counts), ``scheduler_stats`` (the scheduler half's: admission refusals),
+``record``, ``dump`` (a transfer's tokens as float32 .npz), ``set_delay`` (a delay before every put
+of ``SlowSharedMemoryConnector``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+class _Slow:
+    delay_s = 0.0
+
+
+def _register_slow_connector() -> None:
+    from omnikv.connectors.factory import OmniConnectorFactory
+    from omnikv.connectors.shm.connector import SharedMemoryConnector
+
+    class SlowSharedMemoryConnector(SharedMemoryConnector):
+        def put_packed(self, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(_Slow.delay_s)  # a slow transport, for the "engine keeps serving" test
+            return super().put_packed(*args, **kwargs)
+
+    OmniConnectorFactory.register_connector("SlowSharedMemoryConnector", SlowSharedMemoryConnector)
+
+
+def _connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def op_pump(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Step the engine until every listed transfer has ended (bounded), then a few more steps."""
+    deadline = time.monotonic() + float(cmd.get("timeout", 60))
+    ids = list(cmd["transfer_ids"])
+    conn = _connector()
+    while time.monotonic() < deadline:
+        if all("end" in (conn.transfer_record(t) or {}) for t in ids):
+            break
+        llm.llm_engine.step()
+        time.sleep(0.002)
+    for _ in range(3):  # report finished_sending, so that vLLM frees the blocks
+        llm.llm_engine.step()
+    return {"records": [conn.transfer_record(t) for t in ids]}
+
+
+def op_dump(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Save tokens [0, num_tokens) of a transfer's blocks, per layer K and V, as float32 .npz."""
+    import numpy as np
+
+    from omnikv.layouts.gather import BlockGather
+
+    conn = _connector()
+    rec = conn.transfer_record(cmd["transfer_id"])
+    ids, n = tuple(rec["block_ids"]), int(rec["num_tokens"])
+    arrays: dict[str, Any] = {}
+    for i, (k, v) in enumerate(conn.layer_kv_views().values()):
+        arrays[f"k{i}"] = BlockGather(k, ids, n).materialize().float().numpy()
+        arrays[f"v{i}"] = BlockGather(v, ids, n).materialize().float().numpy()
+    np.savez(cmd["path"], **arrays)
+    return {"path": cmd["path"], "num_tokens": n}
+
+
+def op_scheduler_stats(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler half's cumulative counts (the engine core runs in this process)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return {"stats": core.scheduler.connector.stats()}
+
+
+def op_set_delay(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    _Slow.delay_s = float(cmd["seconds"])
+    return {"delay_s": _Slow.delay_s}
+
+
+OPS = {
+    "pump": op_pump,
+    "dump": op_dump,
+    "set_delay": op_set_delay,
+    "scheduler_stats": op_scheduler_stats,
+    "stats": lambda llm, cmd: {"stats": _connector().stats()},
+    "record": lambda llm, cmd: {"record": _connector().transfer_record(cmd["transfer_id"])},
+}
+
+
+if __name__ == "__main__":
+    from omnikv.bench.vllm import serve
+
+    _register_slow_connector()
+    serve(json.loads(sys.argv[1]), extra_ops=OPS)
