@@ -29,6 +29,7 @@ BENCHES = (
     "prefetch",
     "mooncake",
     "nixl",
+    "link",
     "vllm",
     "serve",
 )
