@@ -36,6 +36,7 @@ from omnikv.bench.common import (
     describe_payload,
     realistic_payload,
     reap,
+    serve_commands,
 )
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.pool import HostPool
@@ -221,22 +222,7 @@ def serve(
     table = ops(sender)
     chan.send("ready", os.getpid(), crc(sender.src.view), sender.src.n)
     try:
-        while True:
-            try:
-                msg = chan.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "stop":
-                break
-            try:
-                reply = table[msg[0]](*msg[1:])
-            except Exception as exc:
-                logger.debug("command %s failed", msg[0], exc_info=True)
-                reply = ["error", f"{msg[0]}: {type(exc).__name__}: {exc}"]
-            try:
-                chan.send(*reply)
-            except OSError:
-                break
+        serve_commands(chan, table)
     finally:
         sender.close()
         chan.close()

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnikv.wire.transfer_data import KVCacheTransferData
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MODELS",
@@ -28,6 +31,7 @@ __all__ = [
     "print_table",
     "qwen_payload",
     "realistic_payload",
+    "serve_commands",
     "write_json",
 ]
 
@@ -238,6 +242,29 @@ def run_ranks(procs: Sequence[Any], out: Any, expected: int, timeout_s: float) -
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
     return results
+
+
+def serve_commands(chan: JsonChannel, table: Mapping[str, Callable[..., list[Any]]]) -> None:
+    """A benchmark child's command loop: each message ``[op, *args]`` runs ``table[op](*args)``
+    and its reply list is sent back; a command that raises is answered ``["error", text]`` (the
+    parent aborts the run). Returns on ``stop``, on an empty message, or when the channel
+    closes (a dead parent), so a child never outlives its benchmark. The caller closes."""
+    while True:
+        try:
+            msg = chan.recv()
+        except (EOFError, OSError):
+            return
+        if not msg or msg[0] == "stop":
+            return
+        try:
+            reply = table[msg[0]](*msg[1:])
+        except Exception as exc:
+            logger.debug("command %s failed", msg[0], exc_info=True)
+            reply = ["error", f"{msg[0]}: {type(exc).__name__}: {exc}"]
+        try:
+            chan.send(*reply)
+        except OSError:
+            return
 
 
 def reap(proc: subprocess.Popen[bytes], chan: JsonChannel) -> None:

@@ -66,7 +66,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from omnikv.bench.common import ChannelError, JsonChannel, Stats, write_json
+from omnikv.bench.common import ChannelError, JsonChannel, Stats, serve_commands, write_json
 from omnikv.bench.netns import (
     EmulatedLink,
     LinkError,
@@ -358,22 +358,7 @@ def _serve(fd: int) -> int:
     agent = _Agent()
     table = agent.ops()
     try:
-        while True:
-            try:
-                msg = chan.recv()
-            except (EOFError, OSError):
-                break
-            if not msg or msg[0] == "stop":
-                break
-            try:
-                reply = table[msg[0]](*msg[1:])
-            except Exception as exc:
-                logger.debug("command %s failed", msg[0], exc_info=True)
-                reply = ["error", f"{msg[0]}: {type(exc).__name__}: {exc}"]
-            try:
-                chan.send(*reply)
-            except OSError:
-                break
+        serve_commands(chan, table)
     finally:
         agent.close()
         chan.close()
