@@ -9,6 +9,7 @@ tests/integrations/test_vllm_engine.py.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -167,12 +168,9 @@ def _load(consumer: Any, params: dict[str, Any], rid: str, blocks: list[int], **
 
 
 def _tokens(worker: Any, blocks: list[int]) -> list[torch.Tensor]:
-    from omnikv.layouts.gather import BlockGather
-
     out = []
-    for k, v in worker.layer_kv_views().values():
-        out += [BlockGather(k, tuple(blocks), len(PROMPT)).materialize()]
-        out += [BlockGather(v, tuple(blocks), len(PROMPT)).materialize()]
+    for k, v in worker.layer_tokens(blocks, len(PROMPT)):
+        out += [k, v]
     return out
 
 
@@ -683,6 +681,31 @@ def test_unknown_and_wrong_settings(edge: Any, caplog: pytest.LogCaptureFixture)
     ):
         with pytest.raises(ConfigError):
             parse_options(bad, producer=False, consumer=True)
+
+
+def test_the_cpu_layout_follows_the_isa_vllm_picks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CPU_ATTN's caches have one shape and two layouts: the layout comes from the ISA vLLM's
+    backend picks for the dtype, block size and head size; an ISA omnikv does not know turns
+    transfers off with the reason logged, never a guess."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from omnikv.integrations.vllm.connector import _cpu_layout
+
+    def config(dtype: torch.dtype, block_size: int, head_size: int) -> Any:
+        model = SimpleNamespace(dtype=dtype, get_head_size=lambda: head_size)
+        cache = SimpleNamespace(block_size=block_size, cache_dtype="auto")
+        return SimpleNamespace(model_config=model, cache_config=cache)
+
+    assert _cpu_layout(config(torch.float32, 32, 64)) == "vllm_cpu"
+    assert _cpu_layout(config(torch.bfloat16, 16, 64)) == "vllm_cpu"  # vec16
+    amx = torch.cpu._is_amx_tile_supported()
+    assert _cpu_layout(config(torch.bfloat16, 32, 64)) == ("vllm_cpu_amx" if amx else "vllm_cpu")
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "neon")
+    with caplog.at_level(logging.ERROR):
+        assert _cpu_layout(config(torch.float32, 32, 64)) is None
+    assert "ISA 'neon'" in caplog.text
 
 
 def test_a_shared_memory_producer_declares_its_payload_size() -> None:

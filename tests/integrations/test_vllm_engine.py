@@ -96,6 +96,20 @@ def _tokens(reply: dict[str, Any]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_each_engine_reads_the_layout_its_attention_kernel_writes(
+    setup: dict[str, Any], dtype: str
+) -> None:
+    """bfloat16 on a CPU with AMX tiles packs blocks in tile order (vLLM picks the ``amx`` ISA);
+    everything else uses the plain CPU layout. The decode tests then prove each end to end."""
+    import torch
+
+    packed = dtype == "bfloat16" and torch.cpu._is_amx_tile_supported()
+    want = "vllm_cpu_amx" if packed else "vllm_cpu"
+    for engine in setup["pairs"][dtype]:
+        assert engine.call("layout")["layout"] == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_consumer_decodes_from_the_producers_kv(setup: dict[str, Any], dtype: str) -> None:
     producer, consumer = setup["pairs"][dtype]
     root: Path = setup["root"]

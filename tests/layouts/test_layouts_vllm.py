@@ -186,3 +186,44 @@ def test_scatter_refuses_kv_that_does_not_fit_and_names_it(src: torch.Tensor, wh
 def test_scatter_refuses_a_cache_without_blocks() -> None:
     with pytest.raises(KVMismatchError, match="cache blocks"):
         scatter_tokens(torch.zeros(BS), [0], torch.zeros(1))
+
+
+# -- against vLLM's own cache writer ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("isa", "dtype", "block_size", "head_size"),
+    [
+        ("vec", torch.float32, 32, 64),
+        ("vec", torch.bfloat16, 32, 64),
+        ("vec16", torch.bfloat16, 16, 64),
+        ("vec16", torch.float32, 32, 48),
+        ("amx", torch.bfloat16, 32, 64),
+        ("amx", torch.bfloat16, 64, 128),
+    ],
+)
+def test_cpu_layouts_match_vllms_cache_writer(
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+) -> None:
+    """What vLLM's ``cpu_attn_reshape_and_cache`` writes for an ISA, omnikv reads back token for
+    token in the layout it maps that ISA to; what omnikv writes is byte for byte vLLM's. (The
+    writer is plain stores for every ISA: it runs on CPUs without AMX too.)"""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from omnikv.integrations.vllm.connector import CPU_ISA_LAYOUTS
+    from omnikv.layouts.blocks import vllm_layer_blocks
+
+    blocks, heads, n = 8, 2, 100
+    layer = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    k_cache, v_cache = layer.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(block_size + head_size)
+    k = torch.randn(n, heads, head_size, generator=g).to(dtype)
+    v = torch.randn(n, heads, head_size, generator=g).to(dtype)
+    ids = [7, 2, 5, 1, 3, 6, 4][: -(-n // block_size)]
+    slots = torch.tensor([ids[t // block_size] * block_size + t % block_size for t in range(n)])
+    ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa)
+
+    got = vllm_layer_blocks(layer, CPU_ISA_LAYOUTS[isa]).gather(ids, n)
+    assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    ours = torch.zeros_like(layer)
+    target = vllm_layer_blocks(ours, CPU_ISA_LAYOUTS[isa])
+    target.scatter(ids, k[:45], v[:45], 0)  # a load in two ranges, the first ending mid-block
+    target.scatter(ids, k[45:], v[45:], 45)
+    assert torch.equal(ours, layer)

@@ -5,8 +5,8 @@ this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the parent), so the w
 is reachable through vLLM's ``get_kv_transfer_group()``. Extra commands: ``pump`` (step the engine
 while sends are in flight: a server's engine loop does this by itself, ``has_pending_push_work``),
 ``stats`` (the worker's counts), ``scheduler_stats`` (the scheduler half's: admission refusals),
-``record``, ``dump`` (a transfer's tokens as float32 .npz), ``set_delay`` (a delay before every put
-of ``SlowSharedMemoryConnector``).
+``record``, ``layout`` (the cache layout the worker reads), ``dump`` (a transfer's tokens as
+float32 .npz), ``set_delay`` (a delay before every put of ``SlowSharedMemoryConnector``).
 """
 
 from __future__ import annotations
@@ -58,15 +58,13 @@ def op_dump(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     """Save tokens [0, num_tokens) of a transfer's blocks, per layer K and V, as float32 .npz."""
     import numpy as np
 
-    from omnikv.layouts.gather import BlockGather
-
     conn = _connector()
     rec = conn.transfer_record(cmd["transfer_id"])
     ids, n = tuple(rec["block_ids"]), int(rec["num_tokens"])
     arrays: dict[str, Any] = {}
-    for i, (k, v) in enumerate(conn.layer_kv_views().values()):
-        arrays[f"k{i}"] = BlockGather(k, ids, n).materialize().float().numpy()
-        arrays[f"v{i}"] = BlockGather(v, ids, n).materialize().float().numpy()
+    for i, (k, v) in enumerate(conn.layer_tokens(ids, n)):
+        arrays[f"k{i}"] = k.float().numpy()
+        arrays[f"v{i}"] = v.float().numpy()
     np.savez(cmd["path"], **arrays)
     return {"path": cmd["path"], "num_tokens": n}
 
@@ -88,6 +86,7 @@ OPS = {
     "set_delay": op_set_delay,
     "scheduler_stats": op_scheduler_stats,
     "stats": lambda llm, cmd: {"stats": _connector().stats()},
+    "layout": lambda llm, cmd: {"layout": _connector().kv_layout},
     "record": lambda llm, cmd: {"record": _connector().transfer_record(cmd["transfer_id"])},
 }
 

@@ -32,10 +32,10 @@ It follows vLLM's convention for disaggregated prefill, for many concurrent clie
 Counts reach vLLM's logs and ``/metrics`` (``vllm:omnikv_*``). Settings:
 :mod:`omnikv.integrations.vllm.options`. Ids, bindings and MACs:
 :mod:`omnikv.integrations.vllm.binding`. Layouts come from the attention backend (``CPU_ATTN``:
-:data:`omnikv.layouts.specs.VLLM_CPU_LAYOUT`; ``FLASH_ATTN`` / ``TRITON_ATTN``:
+by the ISA it picks, :data:`omnikv.layouts.specs.VLLM_CPU_LAYOUT` for ``vec`` / ``vec16``,
+:data:`omnikv.layouts.blocks.VLLM_CPU_AMX_LAYOUT` for ``amx``; ``FLASH_ATTN`` / ``TRITON_ATTN``:
 :data:`omnikv.layouts.specs.VLLM_BHNC_LAYOUT`) or from
-``kv_connector_extra_config["vllm_kv_layout"]``;
-never from tensor shapes.
+``kv_connector_extra_config["vllm_kv_layout"]``; never from tensor shapes.
 """
 
 from omnikv.integrations.vllm.binding import payload_key, request_binding, token_digest

@@ -8,6 +8,7 @@ called on the half that owns it and delegates; see the package doc for the proto
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,18 +25,48 @@ from omnikv.integrations.vllm.options import parse_options
 from omnikv.integrations.vllm.scheduler import SchedulerSide
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, OmniKVPromMetrics
 from omnikv.integrations.vllm.worker import WorkerSide
+from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT
 from omnikv.layouts.specs import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT
 
-__all__ = ["BACKEND_LAYOUTS", "OmniKVConnector"]
+__all__ = ["BACKEND_LAYOUTS", "CPU_ISA_LAYOUTS", "OmniKVConnector"]
 
 logger = logging.getLogger(__name__)
 
-#: vLLM attention backend name -> the cache layout its layers use.
+#: vLLM attention backend name -> the cache layout its layers use (``CPU_ATTN``: see
+#: :func:`_cpu_layout`).
 BACKEND_LAYOUTS: dict[str, str] = {
     "CPU_ATTN": VLLM_CPU_LAYOUT,
     "FLASH_ATTN": VLLM_BHNC_LAYOUT,
     "TRITON_ATTN": VLLM_BHNC_LAYOUT,
 }
+#: The ISAs of vLLM's CPU attention whose cache layout omnikv reads (checked against vLLM's own
+#: cache writer in the tests): ``vec`` and ``vec16`` share one layout, ``amx`` packs blocks.
+CPU_ISA_LAYOUTS: dict[str, str] = {
+    "vec": VLLM_CPU_LAYOUT,
+    "vec16": VLLM_CPU_LAYOUT,
+    "amx": VLLM_CPU_AMX_LAYOUT,
+}
+
+
+def _cpu_layout(vllm_config: Any) -> str | None:
+    """The layout of ``CPU_ATTN``'s caches: it depends on the ISA the backend picks for this
+    dtype, block size and head size (the shapes are the same), so ask the backend."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    isa = str(
+        _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    )
+    layout = CPU_ISA_LAYOUTS.get(isa)
+    if layout is None:
+        logger.error(
+            "OmniKVConnector: vLLM's CPU attention uses ISA %r, whose cache layout omnikv does "
+            "not read (known: %s)",
+            isa,
+            sorted(CPU_ISA_LAYOUTS),
+        )
+    return layout
 
 
 def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
@@ -45,6 +76,8 @@ def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    if names == ["CPU_ATTN"]:
+        return _cpu_layout(vllm_config)
     layouts = {BACKEND_LAYOUTS.get(n) for n in names}
     if len(layouts) != 1 or None in layouts:
         logger.error("OmniKVConnector: no known layout for attention backend(s) %s", names)
@@ -218,6 +251,18 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Block until no send or load of this worker is in flight; False at ``timeout``."""
         return self._worker.wait_idle(timeout) if self._worker is not None else True
 
-    def layer_kv_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(K, V)`` block views ``[num_blocks, block_size, heads, dim]`` (aliases)."""
-        return dict(self._worker.views) if self._worker is not None else {}
+    @property
+    def kv_layout(self) -> str | None:
+        """The layout this worker reads the engine's caches in (a name of
+        :data:`omnikv.layouts.blocks.VLLM_BLOCK_LAYOUTS`); ``None`` on the scheduler, before
+        ``register_kv_caches`` or when the layout is unknown (transfers are then off)."""
+        return self._worker.layout if self._worker is not None else None
+
+    def layer_tokens(
+        self, block_ids: Sequence[int], num_tokens: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer fresh ``[num_tokens, heads, head_size]`` K and V: tokens
+        ``[0, num_tokens)`` of the blocks ``block_ids`` (diagnostics and tests; any layout)."""
+        if self._worker is None:
+            return []
+        return [layer.gather(block_ids, num_tokens) for layer in self._worker.layers.values()]

@@ -35,7 +35,7 @@ from typing import Any
 
 from omnikv.errors import ConfigError
 from omnikv.integrations.vllm.binding import is_tag, producer_tag
-from omnikv.layouts.specs import VLLM_LAYOUTS
+from omnikv.layouts.blocks import VLLM_BLOCK_LAYOUTS
 from omnikv.values import parse_bool, parse_int, parse_positive, parse_secret
 
 __all__ = ["ConnectorOptions", "parse_options"]
@@ -99,8 +99,8 @@ def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -
         logger.warning("OmniKVConnector: unknown kv_connector_extra_config keys %s", unknown)
     cfg = _omni_kv_config(extra, producer, consumer)
     layout = extra.get("vllm_kv_layout")
-    if layout is not None and layout not in VLLM_LAYOUTS:
-        raise ConfigError(f"vllm_kv_layout must be one of {VLLM_LAYOUTS}, got {layout!r:.60}")
+    if layout is not None and layout not in VLLM_BLOCK_LAYOUTS:
+        raise ConfigError(f"vllm_kv_layout must be one of {VLLM_BLOCK_LAYOUTS}, got {layout!r:.60}")
     conn = cfg.get("connector_config")
     conn = conn if isinstance(conn, Mapping) else {}
     secret = parse_secret("auth_secret", extra.get("auth_secret"))

@@ -33,6 +33,10 @@ Guarantees:
   load and transport threads would then queue behind the engine's spinning loop (on a small
   host two engines' workers share one core, and a load answered within milliseconds timed out).
   They run on every CPU the process may use (:func:`transfer_cpus`).
+* **Every layout is read as the kernel writes it.** vLLM's CPU attention with AMX tiles
+  (``bfloat16`` on CPUs with AMX) stores blocks in tile order; the worker reads and writes them
+  through :class:`omnikv.layouts.blocks.AmxPackedLayerBlocks`, and asks Linux for the AMX tile
+  state at registration (:func:`_request_amx_tiles`).
 * **Every transfer ends.** Each send and load reports exactly once (``finished_sending`` /
   ``finished_recving``, plus ``failed_recving``), whatever it raised, so vLLM always frees the
   blocks it holds for it.
@@ -58,9 +62,7 @@ from omnikv.integrations.vllm.binding import kv_mac, mac_matches
 from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
 from omnikv.integrations.vllm.options import ConnectorOptions
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
-from omnikv.layouts.gather import BlockGather
-from omnikv.layouts.scatter import scatter_tokens
-from omnikv.layouts.specs import vllm_layer_kv_views
+from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.receive import ReceiveStatus
 
@@ -72,7 +74,6 @@ logger = logging.getLogger(__name__)
 META_BINDING = "omnikv_binding"
 META_MAC = "omnikv_mac"
 
-LayerViews = tuple[torch.Tensor, torch.Tensor]
 _T = TypeVar("_T")
 #: Failure warnings are logged at most once per this many seconds (each failure: DEBUG).
 WARN_EVERY_S = 10.0
@@ -130,6 +131,20 @@ def _on_cpus(cpus: set[int] | None, build: Callable[[], _T]) -> _T:
     return box[0]
 
 
+def _request_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state for this process (once, at registration).
+
+    vLLM's AMX attention kernel uses tile instructions without asking for them; oneDNN asks on
+    its first large ``bfloat16`` matrix product. An engine whose first step is small (a
+    consumer's first step after a load computes one token per request) reached the kernel first
+    and died with SIGILL. Asking twice is harmless; where the kernel refuses, vLLM's own kernel
+    would fail the same way, so that is only logged.
+    """
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is None or not bool(init()):
+        logger.warning("OmniKVConnector: could not enable AMX tiles for this process")
+
+
 def _pool(size: int, role: str, cpus: set[int] | None) -> ThreadPoolExecutor:
     """One of the worker's thread pools (sends, loads, waits), its threads on ``cpus``."""
     return ThreadPoolExecutor(
@@ -170,7 +185,9 @@ class WorkerSide:
         )
         self.block_size = block_size
         self.counters = TransferCounters()
-        self.views: dict[str, LayerViews] = {}
+        self.layers: dict[str, LayerBlocks] = {}
+        #: The layout :attr:`layers` are read in (None until registered with a known layout).
+        self.layout: str | None = None
         self.layout_error: str | None = "register_kv_caches was not called"
         self._send_pool = _pool(options.max_concurrent_sends, "send", cpus)
         self._load_pool = _pool(options.max_concurrent_loads, "load", cpus)
@@ -188,23 +205,27 @@ class WorkerSide:
         self._aborts: dict[str, threading.Event] = {}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
-        """``register_kv_caches``: per layer (K, V) block views of the engine's caches."""
+        """``register_kv_caches``: per layer the blocks of the engine's caches
+        (:func:`omnikv.layouts.blocks.vllm_layer_blocks`)."""
         if layout is None:
             self.layout_error = "unknown attention backend layout (set vllm_kv_layout)"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
             return
         try:
-            self.views = {name: vllm_layer_kv_views(t, layout) for name, t in kv_caches.items()}
+            self.layers = {name: vllm_layer_blocks(t, layout) for name, t in kv_caches.items()}
         except OmniKVError as exc:
             self.layout_error = f"layout {layout!r}: {exc}"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
             return
-        if not self.views:
+        if layout == VLLM_CPU_AMX_LAYOUT:
+            _request_amx_tiles()
+        if not self.layers:
             self.layout_error = "the engine registered no KV cache layers"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
             return
         self.layout_error = None
-        logger.info("OmniKVConnector: %d layers, layout %s", len(self.views), layout)
+        self.layout = layout
+        logger.info("OmniKVConnector: %d layers, layout %s", len(self.layers), layout)
 
     # -- per step ---------------------------------------------------------------------------
     def bind(self, meta: OmniKVConnectorMetadata) -> None:
@@ -310,19 +331,18 @@ class WorkerSide:
             )
 
     def _put(self, spec: SendSpec) -> tuple[str | None, int]:
-        views: list[Any] = list(self.views.values())
+        layers = list(self.layers.values())
         metadata: dict[str, Any] = {META_BINDING: spec.binding, "source": "vllm"}
         if self.options.secret is not None:
-            tokens = [
-                (
-                    BlockGather(k, spec.block_ids, spec.num_tokens).materialize(),
-                    BlockGather(v, spec.block_ids, spec.num_tokens).materialize(),
-                )
-                for k, v in views
-            ]
+            tokens = [layer.gather(spec.block_ids, spec.num_tokens) for layer in layers]
             metadata[META_MAC] = kv_mac(self.options.secret, spec.key, tokens)
+        # What the sender gathers from: the cache's own views, or (packed layouts) a copy of
+        # the request's blocks; the block ids are the same for every layer.
+        sources = [layer.send_source(spec.block_ids) for layer in layers]
+        views: list[Any] = [kv for kv, _ in sources]
+        block_ids = sources[0][1] if sources else tuple(spec.block_ids)
         entry = {
-            "block_ids": list(spec.block_ids),
+            "block_ids": list(block_ids),
             "seq_len": spec.num_tokens,
             "custom_metadata": metadata,
         }
@@ -419,9 +439,9 @@ class WorkerSide:
         if reason is not None:
             return reason, 0
         nbytes = 0
-        for (k_blocks, v_blocks), k, v in zip(self.views.values(), keys, values, strict=True):
-            scatter_tokens(k_blocks, spec.block_ids, k[spec.start : spec.end], spec.start)
-            scatter_tokens(v_blocks, spec.block_ids, v[spec.start : spec.end], spec.start)
+        for layer, k, v in zip(self.layers.values(), keys, values, strict=True):
+            span = slice(spec.start, spec.end)
+            layer.scatter(spec.block_ids, k[span], v[span], spec.start)
             nbytes += k.nbytes + v.nbytes
         return None, nbytes
 
@@ -431,18 +451,18 @@ class WorkerSide:
         """Why the received payload must not be written into this request's blocks, or None."""
         if meta.get(META_BINDING) != spec.binding:
             return "the payload's binding does not match the request"
-        views = list(self.views.values())
-        if len(keys) != len(views) or len(values) != len(views):
-            return f"payload has {len(keys)} layers, the engine {len(views)}"
-        for idx, ((k_blocks, _), k, v) in enumerate(zip(views, keys, values, strict=True)):
-            tail = tuple(k_blocks.shape[2:])
+        layers = list(self.layers.values())
+        if len(keys) != len(layers) or len(values) != len(layers):
+            return f"payload has {len(keys)} layers, the engine {len(layers)}"
+        for idx, (layer, k, v) in enumerate(zip(layers, keys, values, strict=True)):
+            tail = layer.token_shape
             for name, t in (("K", k), ("V", v)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 1 + len(tail):
                     return f"layer {idx} {name}: not a [tokens, heads, head_size] tensor"
                 if tuple(t.shape[1:]) != tail:
                     return f"layer {idx} {name}: shape {tuple(t.shape[1:])}, the engine {tail}"
-                if t.dtype != k_blocks.dtype:
-                    return f"layer {idx} {name}: dtype {t.dtype}, the engine {k_blocks.dtype}"
+                if t.dtype != layer.dtype:
+                    return f"layer {idx} {name}: dtype {t.dtype}, the engine {layer.dtype}"
                 if t.shape[0] < spec.end:
                     return f"layer {idx} {name}: {t.shape[0]} tokens, fewer than {spec.end}"
                 if self.options.verify_finite and not bool(torch.isfinite(t).all()):
