@@ -12,13 +12,13 @@ import torch
 from kv_payloads import assert_same, sample
 
 from omnikv.bench.reference import ref_from_bytes
+from omnikv.connectors.base import HostArrayWriter
 from omnikv.errors import EncodeError
 from omnikv.wire.decode import decode, decode_kv
 from omnikv.wire.encode import (
     PackedPayload,
     clear_layout_cache,
     layout_cache_info,
-    writes_host_arrays,
 )
 from omnikv.wire.transfer_data import KVCacheTransferData
 
@@ -102,8 +102,8 @@ def test_host_fast_path_and_torch_path_write_the_same_bytes(dtype: torch.dtype) 
 
 
 def test_pack_into_a_numpy_array_writes_the_same_bytes_as_into_a_tensor() -> None:
-    """A connector may hand a host slot over as a numpy array (``pack_into`` says so with
-    ``writes_host_arrays``): the bytes are those written into a tensor, at any offset, also for
+    """A connector may hand a host slot over as a numpy array (the plan is a
+    ``HostArrayWriter``): the bytes are those written into a tensor, at any offset, also for
     a tensor large enough for the torch copy path and at an offset that misaligns the data;
     a read-only array and one too small are refused."""
     g = torch.Generator().manual_seed(5)
@@ -111,7 +111,7 @@ def test_pack_into_a_numpy_array_writes_the_same_bytes_as_into_a_tensor() -> Non
     k = [torch.randn(7, 2, 8, generator=g).half(), big]
     v = [torch.randn(7, 2, 8, generator=g).half()[:, :, ::2], big + 1]
     plan = PackedPayload("r", k, v, [1, 2], {"seq_len": 7})
-    assert writes_host_arrays(plan.pack_into) and not writes_host_arrays(lambda buf: None)
+    assert isinstance(plan, HostArrayWriter) and not isinstance(lambda buf: None, HostArrayWriter)
     want = torch.zeros(plan.nbytes, dtype=torch.uint8)
     plan.pack_into(want)
     for offset in (0, 1, 64):

@@ -279,7 +279,7 @@ def _cases(
                     "bench", "rx", key, SMALL, lambda t, f=fill: t.numpy().fill(f)
                 )
             else:
-                ok, _, _ = tx.put_packed("bench", "rx", key, n, plan.pack_into)
+                ok, _, _ = tx.put_packed("bench", "rx", key, n, plan)
             t_got, good = chan.recv()
             if not (ok and good):
                 failures.append(f"{case} sample {i}")

@@ -49,7 +49,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GetResult",
+    "HostArrayWriter",
     "ManagedBuffer",
     "MissReport",
     "OmniConnectorBase",
@@ -83,8 +84,24 @@ PutResult = tuple[bool, int, "dict[str, Any] | None"]
 GetResult = tuple[Any, int]
 Writer = Callable[[torch.Tensor], object]
 """Fills a 1-D contiguous ``uint8`` tensor of exactly the requested size (see ``put_packed``).
-A writer that carries :data:`omnikv.wire.encode.HOST_ARRAY_WRITER` may be given a host slot as a
-writable 1-D ``uint8`` numpy array instead (:meth:`omnikv.wire.encode.PackedPayload.pack_into`)."""
+A writer that is also a :class:`HostArrayWriter` may be handed a host slot as numpy instead."""
+
+
+@runtime_checkable
+class HostArrayWriter(Protocol):
+    """A :data:`Writer` that can also fill a host slot given as a writable 1-D ``uint8`` numpy
+    array, with no torch call (:class:`omnikv.wire.encode.PackedPayload` is one).
+
+    Connectors whose slots are host memory (shared memory) check for it with ``isinstance`` and
+    then call :meth:`write_host`; any other writer gets a tensor.
+    """
+
+    def __call__(self, dst: torch.Tensor) -> object:
+        """Fill ``dst`` (a 1-D ``uint8`` tensor of the requested size)."""
+
+    def write_host(self, dst: np.ndarray) -> object:
+        """Fill ``dst`` (a writable 1-D ``uint8`` numpy array of the requested size)."""
+
 
 # Bounded polling for transports that cannot notify: start fine, back off to a small cap.
 _POLL_FIRST_S = 0.0005

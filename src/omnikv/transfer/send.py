@@ -108,7 +108,7 @@ def put_with_retry(
     for attempt in range(policy.attempts):
         try:
             ok, size, _meta = connector.put_packed(
-                *stages, key, payload.nbytes, payload.pack_into, deadline=deadline
+                *stages, key, payload.nbytes, payload, deadline=deadline
             )
             if ok:
                 return True, size, None

@@ -55,21 +55,13 @@ if TYPE_CHECKING:
     from functools import _CacheInfo
 
 __all__ = [
-    "HOST_ARRAY_WRITER",
     "PackedPayload",
     "TensorLike",
     "TensorWriter",
     "clear_layout_cache",
     "host_bits",
     "layout_cache_info",
-    "writes_host_arrays",
 ]
-
-#: Attribute of a writer (a connector's ``put_packed`` ``write``) that also takes its slot as a
-#: writable 1-D ``uint8`` numpy array when the slot is host memory, so the connector need not
-#: make a torch view of it (a torch operator call, which on a process that has just been idle
-#: is costly). :meth:`PackedPayload.pack_into` carries it.
-HOST_ARRAY_WRITER = "omnikv_host_array"
 
 #: Most distinct layouts kept (least recently used out first).
 _LAYOUTS_MAX = 256
@@ -162,6 +154,11 @@ class PackedPayload:
     tensor. Raises :class:`EncodeError` for a dtype the format cannot name, metadata that is not
     JSON-serialisable, or a header larger than receivers accept by default. Not thread-safe;
     cheap to build.
+
+    A plan is itself the writer a connector's ``put_packed`` takes: called with a tensor, or
+    (:meth:`write_host`, the :class:`omnikv.connectors.base.HostArrayWriter` protocol) with a
+    host slot as numpy, so a shared-memory connector need not make a torch view of its slot (a
+    torch operator call, costly on a process that has just been idle).
     """
 
     def __init__(
@@ -290,6 +287,14 @@ class PackedPayload:
             )
         return header
 
+    def __call__(self, dst: Any) -> int:
+        """Fill ``dst`` (exactly :attr:`nbytes`) as a connector's ``put_packed`` writer."""
+        return self.pack_into(dst)
+
+    def write_host(self, dst: np.ndarray) -> int:
+        """Fill a host slot handed over as a 1-D ``uint8`` numpy array (``HostArrayWriter``)."""
+        return self.pack_into(dst)
+
     def to_bytes(self) -> bytes:
         """The packed payload as ``bytes`` (one copy of each tensor where CPython allows)."""
         fresh = _new_bytes(self.nbytes)
@@ -300,14 +305,6 @@ class PackedPayload:
         result, view = fresh
         self.pack_into(view)
         return result
-
-
-vars(PackedPayload.pack_into)[HOST_ARRAY_WRITER] = True
-
-
-def writes_host_arrays(write: Any) -> bool:
-    """Whether ``write`` carries :data:`HOST_ARRAY_WRITER` (called by connectors' puts)."""
-    return getattr(write, HOST_ARRAY_WRITER, False) is True
 
 
 def _layout(num_layers: int, sources: Sequence[TensorLike | None]) -> _Layout:

@@ -227,7 +227,7 @@ def test_kv_payload_packed_in_place_and_adopted(
     v = [torch.randn(16, 2, 8).half() for _ in range(2)]
     kv = KVCacheTransferData("r1", {"key_cache": k, "value_cache": v}, [0, 1], {"seq_len": 16})
     plan = kv.plan()
-    ok, size, _ = a.put_packed("0", "1", "omni_0_to_1_kv_cache_r1", plan.nbytes, plan.pack_into)
+    ok, size, _ = a.put_packed("0", "1", "omni_0_to_1_kv_cache_r1", plan.nbytes, plan)
     assert ok and size == plan.nbytes
     buf, _ = _take(b, "omni_0_to_1_kv_cache_r1")
     owned = buf.adopt()
@@ -244,6 +244,36 @@ def test_kv_payload_packed_in_place_and_adopted(
     # the release went out; a get on the same link after it proves the sender processed it
     assert b.get("0", "1", "anything") is None
     assert a.health()["held_by_readers"] == 0
+
+
+@pytest.mark.timeout(20)
+def test_a_host_array_writer_gets_numpy_any_other_writer_a_tensor(
+    pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
+) -> None:
+    """The slot is handed over as numpy only to writers that declare they take it
+    (``HostArrayWriter``); both kinds publish exactly their bytes."""
+    a, b = pair
+    seen: list[str] = []
+
+    class Declared:
+        def __call__(self, dst: torch.Tensor) -> None:
+            raise AssertionError("a HostArrayWriter is given numpy")
+
+        def write_host(self, dst: Any) -> None:
+            seen.append(type(dst).__name__)
+            dst[:] = 7
+
+    def plain(dst: torch.Tensor) -> None:
+        seen.append(type(dst).__name__)
+        dst.fill_(9)
+
+    assert a.put_packed("0", "1", "declared", 64, Declared())[0]
+    assert a.put_packed("0", "1", "plain", 64, plain)[0]
+    assert seen == ["ndarray", "Tensor"]
+    for key, fill in (("declared", 7), ("plain", 9)):
+        buf, size = _take(b, key)
+        assert size == 64 and bytes(buf.tensor.numpy()) == bytes([fill]) * 64
+        buf.release()
 
 
 @pytest.mark.timeout(20)

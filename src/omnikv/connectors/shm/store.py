@@ -40,18 +40,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-
-from omnikv.connectors.base import Writer
+from omnikv.connectors.base import HostArrayWriter, Writer
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.pool import BufferAllocator
 from omnikv.connectors.shm.mesh import Link
 from omnikv.connectors.shm.pool import SenderPool
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PoolExhaustedError
-from omnikv.wire.encode import writes_host_arrays
 
 __all__ = ["COUNTER_NAMES", "MAX_WANTS_PER_LINK", "Entry", "SendStore", "Unconsumed"]
 
@@ -651,13 +648,13 @@ class SendStore:
         self._counters.add("put_failures")
 
     def write_slot(self, entry: Entry, write: Writer) -> None:
-        """Let ``write`` fill the entry's slot (as numpy when it takes that, see
-        :func:`omnikv.wire.encode.writes_host_arrays`); frees it if ``write`` raises."""
+        """Let ``write`` fill the entry's slot (as numpy when it is a
+        :class:`~omnikv.connectors.base.HostArrayWriter`); frees it if ``write`` raises."""
         pool = self.pool
         assert pool is not None
         try:
-            if writes_host_arrays(write):
-                cast(Callable[[np.ndarray], object], write)(pool.array(entry.offset, entry.nbytes))
+            if isinstance(write, HostArrayWriter):
+                write.write_host(pool.array(entry.offset, entry.nbytes))
             else:
                 write(pool.view(entry.offset, entry.nbytes))
         except BaseException:
