@@ -41,16 +41,16 @@ def test_record_is_deferred_but_bounded_and_reads_its_timings_at_once() -> None:
     m.record("recv", "ok", 10, timings)
     timings["wait_ms"] = 1000.0
     m.record("recv", "ok", 10, {"wait_ms": "soon"})  # type: ignore[dict-item]
-    assert m._outcomes == {}  # queued, not folded yet
+    assert m.queued == 2  # queued, not folded yet
     snap = m.snapshot()
     assert snap["outcomes"] == {"recv.ok": 2} and snap["bytes"] == {"recv": 20}
     wait = snap["phases_ms"]["recv.wait"]
     assert (wait["count"], wait["mean"], wait["max"]) == (1, 1.0, 1.0)
     for _ in range(3 * TransferMetrics.FOLD_AT):
         m.record("send", "sent", 1, {"put_ms": 0.5})
-        assert len(m._pending) <= TransferMetrics.FOLD_AT  # two folded per record above it
+        assert m.queued <= TransferMetrics.FOLD_AT  # two folded per record above it
     assert m.snapshot()["outcomes"]["send.sent"] == 3 * TransferMetrics.FOLD_AT
-    assert not m._pending
+    assert m.queued == 0
 
 
 def test_register_exports_counters_and_histograms_to_a_real_registry() -> None:

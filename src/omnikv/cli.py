@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-__all__ = ["BENCHES", "PLOTTED", "bench_descriptions", "main", "plain_text", "plot_file_for"]
+__all__ = [
+    "BENCHES",
+    "PLOTTED",
+    "bench_descriptions",
+    "main",
+    "plain_text",
+    "plot_file_for",
+    "split_plot_option",
+]
 
 BENCHES = (
     "codec",
@@ -97,7 +105,7 @@ def plot_file_for(plot: str, name: str) -> str:
     return str(path.with_name(f"{path.stem}-{name}{path.suffix or '.png'}"))
 
 
-def _take_plot(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+def split_plot_option(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """``--plot FILE`` taken out of ``omnikv bench all``'s options: (FILE or None, the rest)."""
     parser = argparse.ArgumentParser(prog="omnikv bench all", add_help=False, allow_abbrev=False)
     parser.add_argument("--plot", metavar="FILE")
@@ -114,7 +122,7 @@ def _bench(argv: Sequence[str]) -> int:
     names = BENCHES if name == "all" else (name,)
     plot: str | None = None
     if name == "all":  # each benchmark that plots gets its own file; the others get no --plot
-        plot, rest = _take_plot(rest)
+        plot, rest = split_plot_option(rest)
         if plot is not None and (reason := _plot_unavailable()) is not None:
             print(f"omnikv bench all: error: {reason}", file=sys.stderr)  # before any run
             return 2

@@ -173,6 +173,12 @@ class TransferMetrics:
                 if len(target._pending) > self.FOLD_AT:
                     target._fold(2)
 
+    @property
+    def queued(self) -> int:
+        """Observations recorded but not yet folded into the counters (a diagnostic: reads fold
+        them all; it never exceeds :attr:`FOLD_AT` for long)."""
+        return len(self._pending)
+
     def _fold(self, limit: int = -1) -> None:
         """Move the queued observations (at most ``limit``; -1: all) into the counters."""
         pending = self._pending

@@ -16,7 +16,7 @@ import pytest
 
 from omnikv.bench.common import Stats
 from omnikv.bench.plot import INSTALL_HINT, human_seconds, human_size, size_ticks, write_plot
-from omnikv.cli import PLOTTED, _take_plot, main, plot_file_for
+from omnikv.cli import PLOTTED, main, plot_file_for, split_plot_option
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KIB, MIB = 1 << 10, 1 << 20
@@ -140,9 +140,10 @@ def test_bench_all_gives_each_plotting_benchmark_its_own_file() -> None:
     assert PLOTTED == ("shm", "manager")
     assert plot_file_for("out/x.png", "shm") == "out/x-shm.png"
     assert plot_file_for("x", "manager") == "x-manager.png"
-    assert _take_plot(["--json", "r.json", "--plot=x.png"]) == ("x.png", ["--json", "r.json"])
-    assert _take_plot(["--plot", "x.png", "--quick"]) == ("x.png", ["--quick"])
-    assert _take_plot(["--quick"]) == (None, ["--quick"])
+    split = split_plot_option(["--json", "r.json", "--plot=x.png"])
+    assert split == ("x.png", ["--json", "r.json"])
+    assert split_plot_option(["--plot", "x.png", "--quick"]) == ("x.png", ["--quick"])
+    assert split_plot_option(["--quick"]) == (None, ["--quick"])
 
 
 @pytest.mark.parametrize("argv", [("bench", "--help"), ("bench", "shm", "--help")])

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_defaults_are_the_issue_grid() -> None:
-    ns = serve._parse([])
+    ns = serve.parse_args([])
     assert (ns.clients, ns.tokens, ns.requests) == ("1,4,16", "256,1024,4096", 32)
     assert ns.cases == "pd,recompute,hostile,busy" and ns.hostile_rate == 8.0
-    ns = serve._parse(["--clients", "2", "--tokens", "64", "--requests", "3", "--cases", "pd"])
+    ns = serve.parse_args(["--clients", "2", "--tokens", "64", "--requests", "3", "--cases", "pd"])
     assert (ns.clients, ns.tokens, ns.requests, ns.cases) == ("2", "64", 3, "pd")
 
 
@@ -33,7 +33,7 @@ def test_defaults_are_the_issue_grid() -> None:
 )
 def test_bad_options_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        serve._parse(args)
+        serve.parse_args(args)
     assert exc.value.code == 2
 
 
@@ -200,12 +200,12 @@ def test_the_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
     )
     alone = serve.CaseResult("recompute", 4, 1024, 4, [0.1] * 4, 0, 0, 1.0, [], loads=None)
     assert (pd.recomputed(), attacked.recomputed(), alone.recomputed()) == (1, 0, None)
-    assert "loads: ok 2, failed 9, refused 0" in serve._describe(pd)
-    assert "hostile sent 40" in serve._describe(attacked) and "HTTP 500" in serve._describe(
+    assert "loads: ok 2, failed 9, refused 0" in serve.describe_case(pd)
+    assert "hostile sent 40" in serve.describe_case(attacked) and "HTTP 500" in serve.describe_case(
         attacked
     )
-    assert "connector counters not on /metrics" in serve._describe(alone)
-    serve._summary([pd, attacked, alone])
+    assert "connector counters not on /metrics" in serve.describe_case(alone)
+    serve.print_summary([pd, attacked, alone])
     rows = capsys.readouterr().out.splitlines()[-3:]
     assert rows[0] == "| 4 | 1024 | (a) PD through omnikv | 200 | 300 | 1.50 | 3/4 | 9 | 1 |"
     assert rows[2].endswith("| 4.00 | 4/4 | n/a | - |")
@@ -224,6 +224,6 @@ def test_drain_waits_for_a_quiet_consumer(monkeypatch: pytest.MonkeyPatch) -> No
     seen = iter([busy, busy, quiet | {"vllm:omnikv_loads_failed": 1.0}])
     monkeypatch.setattr(serve, "fetch_metrics", lambda url: next(seen, quiet))
     monkeypatch.setattr(serve.time, "sleep", lambda s: None)
-    assert serve._drain(Dep(), timeout=30, quiet_s=0.0)  # type: ignore[arg-type]
+    assert serve.drain(Dep(), timeout=30, quiet_s=0.0)  # type: ignore[arg-type]
     monkeypatch.setattr(serve, "fetch_metrics", lambda url: busy)
-    assert not serve._drain(Dep(), timeout=0.0, quiet_s=0.0)  # type: ignore[arg-type]
+    assert not serve.drain(Dep(), timeout=0.0, quiet_s=0.0)  # type: ignore[arg-type]

@@ -236,20 +236,26 @@ def test_managed_buffer_adopt_ties_release_to_views() -> None:
     assert released == [1]
 
 
-def test_host_managed_buffer_needs_no_tensor_and_keeps_every_contract() -> None:
+def test_host_managed_buffer_needs_no_tensor_and_keeps_every_contract(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``ManagedBuffer.host`` (the shared-memory receiver's form): same size, contents and
     release rules as a tensor-backed buffer; the torch view is made only when asked for, and
     ``adopt`` ties the release to the adopted tensor's views without making one first."""
     import numpy as np
 
+    made: list[int] = []
+    from_numpy = torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda a: made.append(1) or from_numpy(a))
     backing = np.arange(64, dtype=np.uint8)
     released: list[int] = []
     buf = ManagedBuffer.host(backing[8:40], release=lambda: released.append(1))
     assert buf.size == 32 and buf.device == torch.device("cpu") and not buf.released
     host = buf.host_array
     assert host is not None and host.tolist() == list(range(8, 40))
-    assert buf._tensor is None  # nothing made yet
+    assert made == []  # no torch view made yet
     assert buf.tensor.tolist() == list(range(8, 40))
+    assert made == [1]
     owned = buf.adopt()
     assert owned is not None and buf.released and buf.size == 0
     with pytest.raises(RuntimeError):

@@ -691,27 +691,27 @@ def test_the_cpu_layout_follows_the_isa_vllm_picks(
     transfers off with the reason logged, never a guess."""
     from vllm.v1.attention.backends import cpu_attn
 
-    from omnikv.integrations.vllm.connector import _cpu_layout
+    from omnikv.integrations.vllm.connector import cpu_cache_layout
 
     def config(dtype: torch.dtype, block_size: int, head_size: int) -> Any:
         model = SimpleNamespace(dtype=dtype, get_head_size=lambda: head_size)
         cache = SimpleNamespace(block_size=block_size, cache_dtype="auto")
         return SimpleNamespace(model_config=model, cache_config=cache)
 
-    assert _cpu_layout(config(torch.float32, 32, 64)) == "vllm_cpu"
-    assert _cpu_layout(config(torch.bfloat16, 16, 64)) == "vllm_cpu"  # vec16
-    amx = torch.cpu._is_amx_tile_supported()
-    assert _cpu_layout(config(torch.bfloat16, 32, 64)) == ("vllm_cpu_amx" if amx else "vllm_cpu")
+    assert cpu_cache_layout(config(torch.float32, 32, 64)) == "vllm_cpu"
+    assert cpu_cache_layout(config(torch.bfloat16, 16, 64)) == "vllm_cpu"  # vec16
+    packed = "vllm_cpu_amx" if torch.cpu._is_amx_tile_supported() else "vllm_cpu"
+    assert cpu_cache_layout(config(torch.bfloat16, 32, 64)) == packed
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "neon")
     with caplog.at_level(logging.ERROR):
-        assert _cpu_layout(config(torch.float32, 32, 64)) is None
+        assert cpu_cache_layout(config(torch.float32, 32, 64)) is None
     assert "ISA 'neon'" in caplog.text
 
 
 def test_a_shared_memory_producer_declares_its_payload_size() -> None:
     """The shared-memory reserve is sized from the engine: 2 x layers x heads x head size x dtype
     bytes per token, times max_model_len; declared keys win, other connectors are left alone."""
-    from omnikv.integrations.vllm.connector import _declare_payload_size
+    from omnikv.integrations.vllm.connector import declare_payload_size
 
     model = SimpleNamespace(
         dtype=torch.bfloat16,
@@ -722,20 +722,20 @@ def test_a_shared_memory_producer_declares_its_payload_size() -> None:
     )
     vllm_config = SimpleNamespace(model_config=model, parallel_config=None)
     cfg = {"need_send_cache": True, "connector_config": {"type": "SharedMemoryConnector"}}
-    _declare_payload_size(cfg, vllm_config)
+    declare_payload_size(cfg, vllm_config)
     assert cfg["connector_config"]["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2
     assert cfg["connector_config"]["max_model_len"] == 4096
     declared = {
         "need_send_cache": True,
         "connector_config": {"type": "SharedMemoryConnector", "max_model_len": 512},
     }
-    _declare_payload_size(declared, vllm_config)
+    declare_payload_size(declared, vllm_config)
     assert declared["connector_config"]["max_model_len"] == 512
     for other in (
         {"need_send_cache": True, "connector_config": {"type": "LocalConnector"}},
         {"need_recv_cache": True, "connector_config": {"type": "SharedMemoryConnector"}},
     ):
-        _declare_payload_size(other, vllm_config)
+        declare_payload_size(other, vllm_config)
         assert "kv_bytes_per_token" not in other["connector_config"]
 
 

@@ -198,10 +198,10 @@ def test_an_unknown_transfer_id_is_not_loaded_and_does_not_spoil_the_real_one(de
 def test_bench_cases_run_against_the_servers(dep: Any) -> None:
     """``omnikv bench serve``'s three cases, small: 1 client, 3 requests each (runs last: the
     hostile case leaves the consumer busy for a while)."""
-    from omnikv.bench.serve import _drain, _parse, _run_case
+    from omnikv.bench.serve import drain, parse_args, run_case
 
-    ns = _parse(["--requests", "3", "--max-tokens", "4", "--case-timeout", "90"])
-    pd, recompute = (_run_case(dep, ns, case, 1, 96, 7) for case in ("pd", "recompute"))
+    ns = parse_args(["--requests", "3", "--max-tokens", "4", "--case-timeout", "90"])
+    pd, recompute = (run_case(dep, ns, case, 1, 96, 7) for case in ("pd", "recompute"))
     assert (pd.completed, pd.failed, pd.loads) == (
         3,
         0,
@@ -209,8 +209,8 @@ def test_bench_cases_run_against_the_servers(dep: Any) -> None:
     )
     assert (recompute.completed, recompute.failed, recompute.warnings) == (3, 0, 0)
     assert recompute.loads == {"loads_ok": 0, "loads_failed": 0, "loads_refused": 0}
-    hostile = _run_case(dep, ns, "hostile", 1, 96, 8)
+    hostile = run_case(dep, ns, "hostile", 1, 96, 8)
     assert hostile.hostile is not None and hostile.hostile["sent"] >= 1
     assert hostile.loads is not None
     assert hostile.loads["loads_failed"] + hostile.loads["loads_refused"] >= 1
-    assert _drain(dep, 60.0)
+    assert drain(dep, 60.0)

@@ -65,14 +65,19 @@ __all__ = [
     "ServedModel",
     "ServerProcess",
     "connector_warnings",
+    "describe_case",
+    "drain",
     "fetch_metrics",
     "forge_transfer_id",
     "free_ports",
     "load_counts",
     "logging_config",
     "main",
+    "parse_args",
     "parse_metrics",
     "post_json",
+    "print_summary",
+    "run_case",
     "server_argv",
     "server_cpus",
     "start_deployment",
@@ -705,9 +710,12 @@ def _genuine_params(dep: Deployment, prompt: list[int]) -> dict[str, Any]:
     return params
 
 
-def _run_case(
+def run_case(
     dep: Deployment, ns: argparse.Namespace, case: str, clients: int, tokens: int, seed: int
 ) -> CaseResult:
+    """One measured case on a running deployment: ``ns.requests`` prompts of ``tokens`` tokens
+    from ``clients`` concurrent clients (plus the hostile or busy client the case names), with
+    the consumer's load counters read before and after. Called by :func:`main` per cell."""
     prompts = _prompts(ns.requests, tokens, seed)
     hostile = None
     if case in EXTRA_CLIENT_CASES:
@@ -751,7 +759,7 @@ def _run_case(
     )
 
 
-def _drain(dep: Deployment, timeout: float, quiet_s: float = 3.0) -> bool:
+def drain(dep: Deployment, timeout: float, quiet_s: float = 3.0) -> bool:
     """Wait (bounded by ``timeout``) until the consumer is quiet: no request running or waiting
     in its engine and no request finished or load ended for ``quiet_s`` seconds (requests the
     server accepted but has not handed to its engine yet show up only that way)."""
@@ -785,7 +793,9 @@ def _warm_up(dep: Deployment, sizes: Sequence[int], max_tokens: int) -> None:
                 raise RuntimeError(f"warm-up request to {url} failed: {status} {answer!r:.300}")
 
 
-def _describe(case: CaseResult) -> str:
+def describe_case(case: CaseResult) -> str:
+    """One case's result in a few lines (completed, TTFT, loads, hostile traffic); printed by
+    :func:`main` after each case."""
     loads = (
         "loads: " + ", ".join(f"{k.removeprefix('loads_')} {v}" for k, v in case.loads.items())
         if case.loads is not None
@@ -812,7 +822,7 @@ def _ms(st: Stats | None, attr: str) -> str:
     return f"{getattr(st, attr) * 1e3:.0f}" if st is not None else "-"
 
 
-def _summary(results: Sequence[CaseResult]) -> None:
+def print_summary(results: Sequence[CaseResult]) -> None:
     """One line per cell: TTFT median / p99 (ms) and req/s per case; connector fallbacks."""
     print(
         "\nsummary: TTFT median / p99 in ms, completed req/s; loads failed (all, hostile ones "
@@ -857,8 +867,8 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 cell: list[CaseResult] = []
                 for k, case in enumerate(cases):
                     seed = 1000 * tokens + 10 * clients + k
-                    cell.append(_run_case(dep, ns, case, clients, tokens, seed))
-                    if case in EXTRA_CLIENT_CASES and not _drain(dep, ns.drain_timeout):
+                    cell.append(run_case(dep, ns, case, clients, tokens, seed))
+                    if case in EXTRA_CLIENT_CASES and not drain(dep, ns.drain_timeout):
                         print(
                             f"  the consumer did not drain within {ns.drain_timeout:.0f} s after "
                             f"the {'hostile' if case == 'hostile' else 'well-behaved'} client "
@@ -875,17 +885,18 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 else:
                     print(f"\n{title}: no request completed")
                 for c in cell:
-                    print(_describe(c))
+                    print(describe_case(c))
                 results.extend(cell)
                 out["results"] = [r.as_dict() for r in results]
                 sys.stdout.flush()
     finally:
         dep.stop()
-    _summary(results)
+    print_summary(results)
     return out
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``omnikv bench serve``'s command line (argparse exits on a bad one)."""
     p = argparse.ArgumentParser(prog="omnikv bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--clients", default="1,4,16", help="concurrent clients, comma-separated")
     p.add_argument("--tokens", default="256,1024,4096", help="prompt lengths, comma-separated")
@@ -913,7 +924,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] = ()) -> int:
     """Entry point of ``omnikv bench serve``; 0 unless a request of (a) or (b) failed."""
-    ns = _parse(argv)
+    ns = parse_args(argv)
     if find_spec("vllm") is None or find_spec("aiohttp") is None:
         print("bench serve: skipped, vLLM is not installed (make test-vllm builds .venv-vllm)")
         return 0

@@ -58,30 +58,21 @@ def _loopback_env() -> None:
 
 
 # -- the sender peer ----------------------------------------------------------------------------
-def _kill_after_grant(delay_s: float) -> None:
-    """Failure injection: this process dies ``delay_s`` after its first grant (mid-READ)."""
-    from omnikv.connectors.nixl import sender as nixl_sender
-
-    original = nixl_sender.NixlSenderSide._try_grant
-
-    def grant_then_die(self: Any, req: Any) -> bool:
-        granted = original(self, req)
-        if granted:
-            timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL))
-            timer.start()
-        return granted
-
-    nixl_sender.NixlSenderSide._try_grant = grant_then_die  # type: ignore[method-assign]
-
-
 def peer_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
     from omnikv.connectors.nixl.connector import NixlConnector
 
+    conn = NixlConnector(cfg)
+
     def kill_after_grant(delay_s: float) -> tuple[Any, ...]:
-        _kill_after_grant(delay_s)
+        """Failure injection: this process dies ``delay_s`` after its next grant (mid-READ)."""
+
+        def die_soon() -> None:
+            threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+        conn.set_grant_hook(die_soon)
         return ("armed",)
 
-    serve_sender(NixlConnector(cfg), out_q, in_q, {"kill_after_grant": kill_after_grant})
+    serve_sender(conn, out_q, in_q, {"kill_after_grant": kill_after_grant})
 
 
 def _cfg(**extra: Any) -> dict[str, Any]:
@@ -197,18 +188,19 @@ def _late_arrival(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
 
 def _orphaned_lease(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
     """The receiver's READ step vanishes after a grant (as if it died): the lease expires."""
-    from omnikv.connectors.nixl import receiver as nixl_receiver
+    from omnikv.errors import ConnectorError
 
-    real_read = nixl_receiver.NixlReceiverSide._read
     res: dict[str, Any] = {}
+    try:
+        recv.set_grant_hook(None)
+    except ConnectorError:
+        res["grant_hook_refused"] = True  # a receiver grants nothing
     _, _, _, sent_crc = _ask(out_q, in_q, "put", "orphan", MiB, 4, 1.0)
-    nixl_receiver.NixlReceiverSide._read = (  # type: ignore[method-assign]
-        lambda self, chan, endpoint, grant, deadline: None
-    )
+    recv.set_read_hook(lambda: False)
     try:
         res["dead_none"] = recv.wait("0", "1", "orphan", deadline=time.monotonic() + 0.6) is None
     finally:
-        nixl_receiver.NixlReceiverSide._read = real_read  # type: ignore[method-assign]
+        recv.set_read_hook(None)
     res["leased"] = _ask(out_q, in_q, "health")[1]["leases"]
     t0 = time.monotonic()
     buf = recv.wait("0", "1", "orphan", deadline=t0 + 10)
@@ -435,7 +427,7 @@ def test_a_read_given_up_is_parked_then_handed_over(failures: dict[str, Any]) ->
 @pytest.mark.timeout(90)
 def test_a_lease_whose_reader_vanished_expires(failures: dict[str, Any]) -> None:
     o = failures["orphan"]
-    assert o["dead_none"] and o["leased"] >= 1, o
+    assert o["dead_none"] and o["leased"] >= 1 and o.get("grant_hook_refused"), o
     # lease = the claim's budget (0.6 s) + the sender's peer timeout (1 s), then served again
     assert o["crc_ok"] and 0.3 < o["served_after_s"] < 5.0 and o["lease_expired"] >= 1, o
 

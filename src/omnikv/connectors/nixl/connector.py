@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from omnikv.connectors.boundary import ErrorMap
@@ -53,6 +53,7 @@ from omnikv.connectors.pull.connector import PullConnector
 from omnikv.connectors.pull.control import CONTROL_ERRORS, ControlCodec
 from omnikv.connectors.pull.host import warn_unauthenticated
 from omnikv.connectors.pull.server import ControlServer
+from omnikv.errors import ConnectorError
 
 __all__ = ["NixlConnector"]
 
@@ -151,6 +152,24 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
             self._receiver = NixlReceiverSide(
                 s, self._agent, self._pool, self._client, self._counters, self._lock
             )
+
+    # == test hooks ===============================================================================
+    def set_grant_hook(self, hook: Callable[[], object] | None) -> None:
+        """Fault-injection hook for tests: ``hook`` runs on the control thread right after each
+        grant this sender answers (a test kills the process mid-READ with it); ``None`` removes
+        it. Senders only (``ConnectorError`` otherwise)."""
+        if self._sender is None:
+            raise ConnectorError("only a role='sender' connector grants: no grant hook to set")
+        self._sender.grant_hook = hook
+
+    def set_read_hook(self, hook: Callable[[], object] | None) -> None:
+        """Fault-injection hook for tests: ``hook`` runs before each READ of a granted payload;
+        when it returns ``False`` the READ is skipped and the sender's lease left to expire (a
+        receiver that died after its grant); ``None`` removes it. Receivers only
+        (``ConnectorError`` otherwise)."""
+        if self._receiver is None:
+            raise ConnectorError("only a role='receiver' connector reads: no read hook to set")
+        self._receiver.read_hook = hook
 
     # == common ===================================================================================
     def health(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -79,7 +79,15 @@ class _Quarantined:
 
 
 class NixlReceiverSide:
-    """Claims and READs payloads into its registered pool. Owned by ``NixlConnector``."""
+    """Claims and READs payloads into its registered pool. Owned by ``NixlConnector``.
+
+    ``read_hook`` (test hook, set through
+    :meth:`~omnikv.connectors.nixl.connector.NixlConnector.set_read_hook`) runs before each
+    READ of a granted payload; when it returns ``False`` the READ is skipped and the grant left
+    to expire, as a receiver that died after its grant leaves it.
+    """
+
+    read_hook: Callable[[], object] | None = None
 
     def __init__(
         self,
@@ -152,6 +160,9 @@ class NixlReceiverSide:
             self._forget_remote(endpoint)
             chan.send({"op": "abort", "xid": grant.xid})
             return None
+        hook = self.read_hook
+        if hook is not None and hook() is False:
+            return None  # as if this receiver died between its grant and its READ
         return self._read(chan, endpoint, grant, deadline)
 
     # -- metadata ----------------------------------------------------------------------------

@@ -69,7 +69,14 @@ class _Waiter:
 
 
 class NixlSenderSide:
-    """Entries in a registered pool, served to claiming receivers. Owned by ``NixlConnector``."""
+    """Entries in a registered pool, served to claiming receivers. Owned by ``NixlConnector``.
+
+    ``grant_hook`` (test hook, set through
+    :meth:`~omnikv.connectors.nixl.connector.NixlConnector.set_grant_hook`) runs on the control
+    thread right after each grant is answered.
+    """
+
+    grant_hook: Callable[[], object] | None = None
 
     def __init__(
         self,
@@ -172,6 +179,9 @@ class NixlSenderSide:
         self.server.answer(req, {"op": "grant", **grant})
         self._counters.add("grants")
         logger.debug("leased %s to transfer %s", entry.key, entry.lease)
+        hook = self.grant_hook
+        if hook is not None:
+            hook()
         return True
 
     def _spent(self, entry: _Entry, now: float) -> str:

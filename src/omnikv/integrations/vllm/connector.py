@@ -28,12 +28,18 @@ from omnikv.integrations.vllm.worker import WorkerSide
 from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT
 from omnikv.layouts.specs import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT
 
-__all__ = ["BACKEND_LAYOUTS", "CPU_ISA_LAYOUTS", "OmniKVConnector"]
+__all__ = [
+    "BACKEND_LAYOUTS",
+    "CPU_ISA_LAYOUTS",
+    "OmniKVConnector",
+    "cpu_cache_layout",
+    "declare_payload_size",
+]
 
 logger = logging.getLogger(__name__)
 
 #: vLLM attention backend name -> the cache layout its layers use (``CPU_ATTN``: see
-#: :func:`_cpu_layout`).
+#: :func:`cpu_cache_layout`).
 BACKEND_LAYOUTS: dict[str, str] = {
     "CPU_ATTN": VLLM_CPU_LAYOUT,
     "FLASH_ATTN": VLLM_BHNC_LAYOUT,
@@ -48,9 +54,10 @@ CPU_ISA_LAYOUTS: dict[str, str] = {
 }
 
 
-def _cpu_layout(vllm_config: Any) -> str | None:
-    """The layout of ``CPU_ATTN``'s caches: it depends on the ISA the backend picks for this
-    dtype, block size and head size (the shapes are the same), so ask the backend."""
+def cpu_cache_layout(vllm_config: Any) -> str | None:
+    """The layout of ``CPU_ATTN``'s caches (called at ``register_kv_caches``): it depends on the
+    ISA the backend picks for this dtype, block size and head size (the shapes are the same), so
+    the backend is asked. ``None``, logged, for an ISA whose layout omnikv does not read."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     model = vllm_config.model_config
@@ -77,7 +84,7 @@ def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
 
     names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
     if names == ["CPU_ATTN"]:
-        return _cpu_layout(vllm_config)
+        return cpu_cache_layout(vllm_config)
     layouts = {BACKEND_LAYOUTS.get(n) for n in names}
     if len(layouts) != 1 or None in layouts:
         logger.error("OmniKVConnector: no known layout for attention backend(s) %s", names)
@@ -85,9 +92,10 @@ def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
     return layouts.pop()
 
 
-def _declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> None:
+def declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> None:
     """Tell a shared-memory sender what one request's KV can weigh (``kv_bytes_per_token`` x
-    ``max_model_len``), so that its start-up reserve fits this engine; keys already set stay."""
+    ``max_model_len``), so that its start-up reserve fits this engine; keys already set stay.
+    Called by the connector's constructor on the config it was given."""
     conn = omni_kv_config.get("connector_config")
     if not isinstance(conn, dict) or conn.get("type") != "SharedMemoryConnector":
         return
@@ -139,7 +147,7 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
             )
         else:
-            _declare_payload_size(options.omni_kv_config, vllm_config)
+            declare_payload_size(options.omni_kv_config, vllm_config)
             self._worker = WorkerSide(options, int(vllm_config.cache_config.block_size))
 
     def _worker_side(self) -> WorkerSide:
