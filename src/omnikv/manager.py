@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from threading import Event
+from threading import Event, Lock
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from omnikv.topology.placement import (
     resolve_endpoint,
 )
 from omnikv.transfer import requests as _requests
+from omnikv.transfer.admission import KVAdmission
 from omnikv.transfer.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume
 from omnikv.transfer.receive import DUMMY_REQUEST_ID, KVReceiver, ReceiveResult, ReceiveStatus
 from omnikv.transfer.requests import apply_received_kv, request_id_of
@@ -92,6 +93,8 @@ class OmniKVTransferManager:
         self.last_send_results: list[SendResult] = []
         self._prefetch_on = bool(async_prefetch) and receives
         self._prefetch = KVPrefetcher(self.receive_kv_cache_result, config=config)
+        self._admission: KVAdmission | None = None
+        self._admission_lock = Lock()
         self._ranks = StageRanks(parallel_context, self.tp_topo, config)
         for name in _HOOKS:
             setattr(self, name, None)
@@ -278,6 +281,7 @@ class OmniKVTransferManager:
         deadline: float | None = None,
         abort: Event | None = None,
         quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
     ) -> ReceiveResult:
         """:meth:`receive_kv_cache_for_request` as a ReceiveResult (:meth:`KVReceiver.receive`)."""
         per_call = sender_info is not None
@@ -291,6 +295,7 @@ class OmniKVTransferManager:
             target_device=target_device,
             abort=abort,
             quiet=quiet,
+            on_arrival=on_arrival,
         )
         return self._log.received(result)
 
@@ -421,6 +426,18 @@ class OmniKVTransferManager:
         return kv is not None
 
     @property
+    def admission(self) -> KVAdmission:
+        """Readiness without blocking for this stage's receives (:mod:`omnikv.transfer.admission`):
+        ``offer`` queued requests, ``poll`` their states, ``take`` the ready ones. Made on first
+        use, with ``recv_timeout`` as each request's deadline; closed by :meth:`close`."""
+        with self._admission_lock:
+            if self._admission is None:
+                self._admission = KVAdmission(
+                    self.receive_kv_cache_result, recv_timeout=self.config.recv_timeout
+                )
+            return self._admission
+
+    @property
     def prefetch_enabled(self) -> bool:
         """Async prefetch is on (resolved flag) and this stage receives KV."""
         return self._prefetch_on
@@ -469,6 +486,10 @@ class OmniKVTransferManager:
         Idempotent, also for a manager that never made a connector.
         """
         self.shutdown_prefetch()
+        with self._admission_lock:
+            admission, self._admission = self._admission, None
+        if admission is not None:
+            admission.close()
         self._receiver.close()
         self._lazy.close(final=True)
 

@@ -1,21 +1,17 @@
 """Prefetch over a real cross-process SharedMemoryConnector: no lost payloads, dead senders.
 
-A sender process runs its own ``OmniKVTransferManager`` (sender side, SharedMemoryConnector on
-the test's namespace) and sends a request's KV when told over a pipe (plain tuples only). The
-test process is the receiving stage with async prefetch on. Every sender is killed by PID at the
-end of its test.
+A sender process (:mod:`support.stage_sender`) runs its own ``OmniKVTransferManager`` (sender
+side, SharedMemoryConnector on the test's namespace) and sends a request's KV when told over a
+pipe. The test process is the receiving stage with async prefetch on. Every sender is killed by
+PID at the end of its test.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,75 +20,11 @@ import torch
 
 from omnikv import OmniKVCacheConfig, OmniKVTransferManager, ReceiveStatus
 from omnikv.transfer.prefetch import KVPrefetcher
+from support.stage_sender import SenderProc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["omnikv.manager", "omnikv.connectors.shm.connector"])
-
 SENDER_INFO = {"host": "127.0.0.1", "zmq_port": 50151}
-
-
-def sender_main(conn: Connection, namespace: str) -> None:
-    """Child: a sending stage; ``("send", rid, fill)`` sends that request's KV."""
-    from omnikv import OmniKVCacheConfig, OmniKVTransferManager
-
-    mgr = OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config={
-                "type": "SharedMemoryConnector",
-                "namespace": namespace,
-                "pool_size_bytes": 8 << 20,
-            },
-            from_stage="stage1",
-            to_stage="stage2",
-            need_send_cache=True,
-        )
-    )
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            cmd = conn.recv()
-        except EOFError:
-            break
-        if cmd[0] == "send":
-            _, rid, fill = cmd
-            caches: list[Any] = [torch.full((2, 4, 8, 2, 4), float(fill) + i) for i in range(2)]
-            mgr.handle_finished_requests_kv_transfer(
-                {rid: {"block_ids": [0, 1], "seq_len": 10}}, caches, 8, "torch.float32"
-            )
-            res = mgr.get_send_result(rid)
-            conn.send(("sent", rid, bool(res is not None and res.ok)))
-        elif cmd[0] == "close":
-            mgr.close()
-            conn.send(("closed",))
-            break
-
-
-class SenderProc:
-    """Handle of one sender process."""
-
-    def __init__(self, namespace: str) -> None:
-        self.conn, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=sender_main, args=(child, namespace), daemon=True)
-        self.proc.start()
-        child.close()
-        assert self.recv(30.0)[0] == "ready"
-
-    def recv(self, timeout: float = 10.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"sender {self.proc.pid} did not answer within {timeout}s")
-        return self.conn.recv()
-
-    def send_kv(self, rid: str, fill: float) -> None:
-        self.conn.send(("send", rid, fill))
-        assert self.recv() == ("sent", rid, True)
-
-    def kill(self) -> None:
-        if self.proc.pid is not None and self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-        assert not self.proc.is_alive()
 
 
 @pytest.fixture

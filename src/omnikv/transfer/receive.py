@@ -23,7 +23,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -242,6 +242,7 @@ class KVReceiver:
         target_device: torch.device | str | None = None,
         abort: threading.Event | None = None,
         quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
     ) -> ReceiveResult:
         """:meth:`fetch` as a :class:`ReceiveResult`; raises only ``KVPrefetchConsumeError``.
 
@@ -273,6 +274,7 @@ class KVReceiver:
                 target_device=target_device,
                 abort=abort,
                 trace=trace,
+                on_arrival=on_arrival,
             )
         except OmniKVError as exc:
             return self._miss(request_id, exc, t0, trace.keys, quiet)
@@ -324,6 +326,7 @@ class KVReceiver:
         target_device: torch.device | str | None = None,
         abort: threading.Event | None = None,
         trace: FetchTrace | None = None,
+        on_arrival: Callable[[int], object] | None = None,
     ) -> ReceivedKV:
         """Wait for every shard of ``request_id`` until ``deadline`` and return its KV.
 
@@ -332,6 +335,9 @@ class KVReceiver:
         times out are dropped (they were consumed; the error says so). ``abort``: each connector
         wait is cut into slices of at most :data:`ABORT_SLICE_S` and the event is checked before
         every slice. ``trace`` (optional) receives the keys and the phase timings.
+        ``on_arrival`` (optional) is called with the payload's bytes once every shard has been
+        taken from the connector, before decoding (readiness tracking: the KV is no longer
+        missing, not yet usable).
         """
         from_stage, to_stage = self.stages
         if from_stage is None or to_stage is None:
@@ -359,6 +365,8 @@ class KVReceiver:
         )
         t_wait = time.monotonic()
         try:
+            if on_arrival is not None:
+                on_arrival(sum(int(buf.size) for buf in raws))
             shards = [self._decode(buf, target_device) for buf in raws]
             t_decode = time.monotonic()
             kv = self._combine(shards)

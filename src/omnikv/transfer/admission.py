@@ -1,0 +1,290 @@
+"""Readiness without blocking: a consumer stage admits the requests whose KV is here.
+
+A stage that receives KV (a diffusion transformer, a talker, another LLM) runs a step loop:
+each step takes some queued requests and computes them. With the blocking receive
+(``receive_kv_cache_for_request``, in queue order) one request whose KV is late or never comes
+stalls the step, and every request behind it, for up to ``recv_timeout``. Here the stage offers
+its queued requests once (:meth:`KVAdmission.offer`, non-blocking); their receives run in the
+background; each step asks :meth:`KVAdmission.poll` (never waits) and takes the ready ones
+(:meth:`KVAdmission.take`).
+
+States of an offered request (:class:`Readiness`):
+
+* ``missing``: nothing has arrived for it yet (its receive waits, or waits for a free receive
+  thread); this is also what a request whose sender never offered it shows until its deadline;
+* ``pending``: its payload has been taken from the connector and is being decoded or copied
+  (``nbytes`` says how big it is);
+* ``ready``: its KV is in local memory (or on the target device), held for :meth:`take`;
+* ``failed``: its receive ended without KV (timeout at its deadline, corrupt payload, dead peer,
+  cancelled), with the typed status and the reason. A failure is handed out by :meth:`take`
+  once, as a ready request is.
+
+Guarantees: :meth:`offer`, :meth:`poll`, :meth:`ready` and :meth:`take` never wait for a
+transfer; each request has one deadline, counted from its offer; at most ``max_receives``
+receives run at once (later offers wait their turn, still ``missing``); a ready payload is held
+until taken, cancelled or the tracker is closed, and both of those say what they dropped;
+``take`` hands out a request's outcome exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from omnikv.deadline import deadline_after
+from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
+
+__all__ = ["KVAdmission", "Readiness", "RequestReadiness"]
+
+logger = logging.getLogger(__name__)
+
+#: Receives that run at once, by default (each is one thread waiting on the connector).
+DEFAULT_MAX_RECEIVES = 32
+
+
+class ReceiveResultFn(Protocol):
+    """The manager's typed receive (:meth:`OmniKVTransferManager.receive_kv_cache_result`)."""
+
+    def __call__(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Any = None,
+    ) -> ReceiveResult: ...
+
+
+class Readiness(str, Enum):
+    MISSING = "missing"
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class RequestReadiness:
+    """One request's state as :meth:`KVAdmission.poll` saw it (a snapshot, never updated)."""
+
+    request_id: str
+    state: Readiness
+    #: The payload's size once it has arrived (``pending`` and ``ready``), else 0.
+    nbytes: int = 0
+    #: Seconds since the request was offered.
+    age_s: float = 0.0
+    #: ``failed`` only: the receive's status and reason.
+    status: ReceiveStatus | None = None
+    reason: str | None = None
+
+
+class _Tracked:
+    __slots__ = ("abort", "deadline", "future", "nbytes", "offered", "result", "state")
+
+    def __init__(self, deadline: float) -> None:
+        self.state = Readiness.MISSING
+        self.nbytes = 0
+        self.offered = time.monotonic()
+        self.deadline = deadline
+        self.abort = threading.Event()
+        self.result: ReceiveResult | None = None
+        self.future: Future[None] | None = None
+
+
+class KVAdmission:
+    """Background receives for offered requests, and their readiness on demand.
+
+    Made by :attr:`OmniKVTransferManager.admission` (one per manager) or directly with a
+    manager's ``receive_kv_cache_result``. Thread-safe: a scheduler thread may poll while
+    another offers.
+    """
+
+    def __init__(
+        self,
+        receive: ReceiveResultFn,
+        *,
+        recv_timeout: float,
+        max_receives: int = DEFAULT_MAX_RECEIVES,
+    ) -> None:
+        if max_receives < 1:
+            raise ValueError(f"max_receives must be >= 1, got {max_receives}")
+        self._receive = receive
+        self.recv_timeout = float(recv_timeout)
+        self._pool = ThreadPoolExecutor(max_receives, thread_name_prefix="kv-admission")
+        self._lock = threading.Lock()
+        self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
+        self._ready_order: list[str] = []
+        self._closed = False
+
+    # -- offering -------------------------------------------------------------------------------
+    def offer(
+        self,
+        request_ids: str | Iterable[str],
+        *,
+        target_device: torch.device | None = None,
+        sender_info: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[str]:
+        """Start receiving each request not tracked yet; never waits. Returns the ids it started.
+
+        Each request's deadline is ``timeout`` (default: ``recv_timeout``) from now. An id that
+        is already tracked (in any state, until taken) is left as it is.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
+        limit = self.recv_timeout if timeout is None else float(timeout)
+        started: list[str] = []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVAdmission is closed")
+            for rid in ids:
+                if rid in self._tracked:
+                    continue
+                entry = _Tracked(deadline_after(limit, "admission timeout"))
+                self._tracked[rid] = entry
+                entry.future = self._pool.submit(self._run, rid, entry, target_device, sender_info)
+                started.append(rid)
+        return started
+
+    def _run(
+        self,
+        rid: str,
+        entry: _Tracked,
+        target_device: torch.device | None,
+        sender_info: dict[str, Any] | None,
+    ) -> None:
+        def arrived(nbytes: int) -> None:
+            with self._lock:
+                entry.nbytes = int(nbytes)
+                if entry.state is Readiness.MISSING:
+                    entry.state = Readiness.PENDING
+
+        if entry.abort.is_set():
+            result = ReceiveResult(rid, ReceiveStatus.CANCELLED, reason="cancelled before start")
+        elif time.monotonic() >= entry.deadline:
+            result = ReceiveResult(
+                rid,
+                ReceiveStatus.TIMEOUT,
+                reason="deadline passed before a receive thread was free",
+            )
+        else:
+            try:
+                result = self._receive(
+                    rid,
+                    target_device,
+                    sender_info=sender_info,
+                    deadline=entry.deadline,
+                    abort=entry.abort,
+                    quiet=True,
+                    on_arrival=arrived,
+                )
+            except Exception as exc:  # a consumed payload that cannot be used, or a bug
+                result = ReceiveResult(
+                    rid, ReceiveStatus.CORRUPT, reason=f"{type(exc).__name__}: {exc}"
+                )
+        with self._lock:
+            entry.result = result
+            entry.nbytes = result.nbytes or entry.nbytes
+            entry.state = Readiness.READY if result.ok else Readiness.FAILED
+            if self._tracked.get(rid) is entry:
+                self._ready_order.append(rid)
+                return
+        # cancelled or closed while receiving: nobody will take it
+        if result.ok:
+            logger.warning("KVAdmission dropped the KV of %s (cancelled while it arrived)", rid)
+
+    # -- asking ---------------------------------------------------------------------------------
+    def poll(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestReadiness]:
+        """The state of each tracked request (or of those listed; unknown ids are left out);
+        never waits."""
+        now = time.monotonic()
+        with self._lock:
+            ids = list(self._tracked) if request_ids is None else [str(r) for r in request_ids]
+            out: dict[str, RequestReadiness] = {}
+            for rid in ids:
+                e = self._tracked.get(rid)
+                if e is None:
+                    continue
+                res = e.result if e.state is Readiness.FAILED else None
+                out[rid] = RequestReadiness(
+                    rid,
+                    e.state,
+                    e.nbytes,
+                    now - e.offered,
+                    res.status if res is not None else None,
+                    res.reason if res is not None else None,
+                )
+            return out
+
+    def ready(self, limit: int | None = None) -> list[str]:
+        """Ids whose outcome is in (``ready`` or ``failed``), in the order they ended, at most
+        ``limit``; never waits. Each stays listed until :meth:`take` hands it out."""
+        with self._lock:
+            return list(self._ready_order[:limit] if limit is not None else self._ready_order)
+
+    def take(self, request_id: str) -> ReceiveResult | None:
+        """The outcome of a request that is ``ready`` or ``failed``, exactly once: its KV
+        (``ok``) or its failure. ``None`` (and nothing changes) while it is ``missing`` or
+        ``pending``, or for an id not tracked; never waits."""
+        rid = str(request_id)
+        with self._lock:
+            e = self._tracked.get(rid)
+            if e is None or e.result is None:
+                return None
+            del self._tracked[rid]
+            self._ready_order.remove(rid)
+            return e.result
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop tracking a request (aborted upstream): its receive is aborted within one wait
+        slice, a payload already received is dropped (logged). ``False`` for an unknown id."""
+        rid = str(request_id)
+        with self._lock:
+            e = self._tracked.pop(rid, None)
+            if e is None:
+                return False
+            if rid in self._ready_order:
+                self._ready_order.remove(rid)
+            e.abort.set()
+        if e.result is not None and e.result.ok:
+            logger.warning("KVAdmission dropped the KV of %s (cancelled)", rid)
+        return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tracked)
+
+    def close(self, timeout: float | None = 5.0) -> list[str]:
+        """Abort every receive, drop what was not taken (logged) and stop the threads.
+        Idempotent; returns the ids that were still tracked."""
+        with self._lock:
+            self._closed = True
+            entries = list(self._tracked.items())
+            self._tracked.clear()
+            self._ready_order.clear()
+        for _, e in entries:
+            e.abort.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        end = None if timeout is None else time.monotonic() + timeout
+        for _, e in entries:
+            if e.future is not None and not e.future.done():
+                left = None if end is None else max(0.0, end - time.monotonic())
+                with contextlib.suppress(Exception):  # cancelled, or still in a connector call
+                    e.future.result(timeout=left)
+        dropped = [rid for rid, e in entries if e.result is not None and e.result.ok]
+        if dropped:
+            logger.warning(
+                "KVAdmission closed with %d KV payload(s) not taken: %s", len(dropped), dropped[:8]
+            )
+        return [rid for rid, _ in entries]

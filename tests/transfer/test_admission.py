@@ -1,0 +1,188 @@
+"""Readiness without blocking (omnikv.transfer.admission) over a real cross-process shared memory.
+
+Two sender processes (:mod:`support.stage_sender`) send some of the requests the receiving stage
+(this process) offered; the others never come. The stage polls and takes what is ready, as a
+step loop would. Senders are killed by PID at the end of each test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnikv import OmniKVCacheConfig, OmniKVTransferManager, ReceiveStatus
+from omnikv.transfer.admission import KVAdmission, Readiness
+from omnikv.transfer.receive import ReceiveResult
+from support.stage_sender import SenderProc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def senders() -> Iterator[list[SenderProc]]:
+    started: list[SenderProc] = []
+    try:
+        yield started
+    finally:
+        for s in started:
+            with contextlib.suppress(AssertionError):
+                s.kill()
+
+
+def _receiver(namespace: str, timeout: float) -> OmniKVTransferManager:
+    return OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config={"type": "SharedMemoryConnector", "namespace": namespace},
+            from_stage="stage1",
+            stage_id="stage2",
+            need_recv_cache=True,
+            recv_timeout=timeout,
+        )
+    )
+
+
+def _until(admission: KVAdmission, rid: str, state: Readiness, timeout: float = 10.0) -> None:
+    """Poll as a step loop would (bounded) until ``rid`` reaches ``state``."""
+    end = time.monotonic() + timeout
+    while True:
+        got = admission.poll([rid]).get(rid)
+        if got is not None and got.state is state:
+            return
+        assert time.monotonic() < end, f"{rid} never reached {state.value}: {got}"
+        time.sleep(0.002)
+
+
+def _fill(result: ReceiveResult) -> float:
+    assert result.ok and result.kv is not None
+    first = result.kv.key_cache[0]
+    assert torch.all(first == first.flatten()[0])
+    return float(first.flatten()[0])
+
+
+def test_ready_requests_are_taken_while_others_are_missing(
+    senders: list[SenderProc], namespace: str
+) -> None:
+    """Offer four requests; two senders send two of them: those are ready and taken with their
+    own KV while the others stay missing; a late one becomes ready; one never sent fails at its
+    deadline, reported once."""
+    senders += [SenderProc(namespace), SenderProc(namespace)]
+    mgr = _receiver(namespace, timeout=2.0)
+    try:
+        adm = mgr.admission
+        assert adm.offer(["r1", "r2", "r3", "r4"]) == ["r1", "r2", "r3", "r4"]
+        assert adm.offer("r2") == []  # already tracked: left as it is
+        states = adm.poll()
+        assert {s.state for s in states.values()} == {Readiness.MISSING}
+        senders[0].send_kv("r2", 20)
+        senders[1].send_kv("r4", 40)
+        _until(adm, "r2", Readiness.READY)
+        _until(adm, "r4", Readiness.READY)
+        assert sorted(adm.ready()) == ["r2", "r4"]
+        missing = adm.poll(["r1", "r3", "unknown"])
+        assert sorted(missing) == ["r1", "r3"]
+        assert all(s.state is Readiness.MISSING and s.nbytes == 0 for s in missing.values())
+        assert adm.take("r1") is None  # missing: nothing to hand out, nothing changes
+        r4 = adm.take("r4")
+        assert r4 is not None and _fill(r4) == 40
+        assert adm.take("r4") is None  # exactly once
+        senders[0].send_kv("r1", 10)
+        _until(adm, "r1", Readiness.READY)
+        r1, r2 = adm.take("r1"), adm.take("r2")
+        assert r1 is not None and _fill(r1) == 10 and r2 is not None and _fill(r2) == 20
+        _until(adm, "r3", Readiness.FAILED)
+        failed = adm.poll(["r3"])["r3"]
+        assert failed.status is ReceiveStatus.TIMEOUT and failed.reason
+        r3 = adm.take("r3")
+        assert r3 is not None and r3.status is ReceiveStatus.TIMEOUT
+        assert adm.take("r3") is None and len(adm) == 0 and adm.ready() == []
+    finally:
+        mgr.close()
+
+
+def test_poll_and_take_answer_at_once_with_many_requests_missing(
+    senders: list[SenderProc], namespace: str
+) -> None:
+    """Forty requests whose KV never comes: every poll and take returns without waiting, and a
+    request offered after them is ready as soon as its KV is sent (no head-of-line blocking)."""
+    senders.append(SenderProc(namespace))
+    mgr = _receiver(namespace, timeout=30.0)
+    try:
+        adm = mgr.admission
+        adm.offer([f"never-{i}" for i in range(20)])
+        adm.offer("late")
+        adm.offer([f"never-{i}" for i in range(20, 40)])
+        slowest = 0.0
+        for _ in range(50):
+            t0 = time.monotonic()
+            states = adm.poll()
+            assert adm.take("never-3") is None and adm.ready() == []
+            slowest = max(slowest, time.monotonic() - t0)
+            assert len(states) == 41
+        assert slowest < 0.05, slowest
+        senders[0].send_kv("late", 7)
+        _until(adm, "late", Readiness.READY, timeout=5.0)
+        late = adm.take("late")
+        assert late is not None and _fill(late) == 7
+    finally:
+        t0 = time.monotonic()
+        mgr.close()  # aborts the 40 waits within a slice each
+        assert time.monotonic() - t0 < 5.0
+
+
+def test_cancel_frees_the_receive_and_close_reports_what_was_not_taken(
+    senders: list[SenderProc], namespace: str
+) -> None:
+    """With one receive thread, a cancelled wait gives its thread back (the next request is
+    received); a ready payload not taken is dropped at close and named."""
+    senders.append(SenderProc(namespace))
+    mgr = _receiver(namespace, timeout=30.0)
+    adm = KVAdmission(mgr.receive_kv_cache_result, recv_timeout=30.0, max_receives=1)
+    try:
+        adm.offer(["stuck", "next"])
+        senders[0].send_kv("next", 3)
+        assert adm.poll(["next"])["next"].state is Readiness.MISSING  # queued behind "stuck"
+        assert adm.cancel("stuck") and not adm.cancel("stuck")
+        _until(adm, "next", Readiness.READY)
+        assert "stuck" not in adm.poll()
+        assert sorted(adm.close()) == ["next"]
+        with pytest.raises(RuntimeError, match="closed"):
+            adm.offer("again")
+    finally:
+        adm.close()
+        mgr.close()
+
+
+def test_pending_shows_the_payload_size_between_arrival_and_ready() -> None:
+    """Unit level (a scripted receive): ``pending`` with the payload's bytes once it has been
+    taken from the connector, ``ready`` when the receive returns; a receive that raises ends
+    as ``failed`` with the reason."""
+    arrived, release = threading.Event(), threading.Event()
+
+    def receive(rid: str, target_device: Any = None, **kw: Any) -> ReceiveResult:
+        if rid == "boom":
+            raise RuntimeError("decoder bug")
+        kw["on_arrival"](123)
+        arrived.set()
+        assert release.wait(10)
+        return ReceiveResult(rid, ReceiveStatus.OK, nbytes=123)
+
+    adm = KVAdmission(receive, recv_timeout=10.0, max_receives=2)
+    try:
+        adm.offer(["a", "boom"])
+        assert arrived.wait(10)
+        a = adm.poll(["a"])["a"]
+        assert a.state is Readiness.PENDING and a.nbytes == 123
+        release.set()
+        _until(adm, "a", Readiness.READY)
+        _until(adm, "boom", Readiness.FAILED)
+        boom = adm.take("boom")
+        assert boom is not None and boom.reason is not None and "decoder bug" in boom.reason
+    finally:
+        release.set()
+        adm.close()
