@@ -35,6 +35,7 @@ BENCHES = (
     "manager",
     "dist",
     "prefetch",
+    "admission",
     "mooncake",
     "nixl",
     "link",

@@ -65,3 +65,27 @@ def test_bench_mooncake_small_run_verifies(tmp_path: Path) -> None:
     assert set(r["ratios"]) == {"te", "te_e2e", "store"}
     assert r["samples_checked"] == 4 and r["samples_decoded"] >= 2
     assert all(v > 0 for v in r["ratios"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_admission_small_run_verifies(tmp_path: Path) -> None:
+    """Both modes run over two real sender processes and every payload is verified; admission
+    never stalls a step (that part cannot depend on the machine's speed)."""
+    out = tmp_path / "admission.json"
+    args = ["--requests", "12", "--max-tokens", "256", "--rounds", "1", "--span-s", "0.4"]
+    args += ["--recv-timeout", "2.0", "--no-targets", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnikv.cli", "bench", "admission", *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    result = json.loads(out.read_text())
+    assert result["bench"] == "admission" and result["admission_stalled_steps"] == 0, result
+    fifo, admission = result["rounds"]["fifo"][0], result["rounds"]["admission"][0]
+    assert fifo["completed"] + fifo["failed"] == 12 == admission["completed"] + admission["failed"]
+    assert admission["failed"] == fifo["failed"] == 1  # the one never sent (10% of 12)
