@@ -76,6 +76,7 @@ __all__ = [
     "fill_slot",
     "get_result",
     "matches_request",
+    "takes_host_arrays",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,20 @@ class HostArrayWriter(Protocol):
 
     def write_host(self, dst: np.ndarray) -> object:
         """Fill ``dst`` (a writable 1-D ``uint8`` numpy array of the requested size)."""
+
+
+_HOST_WRITER_TYPES: dict[type, bool] = {}
+
+
+def takes_host_arrays(write: Writer) -> bool:
+    """Whether ``write``'s type is a :class:`HostArrayWriter` (its methods are on the type), with
+    the answer kept per type: a protocol ``isinstance`` costs microseconds, and a put of a small
+    payload is on the request's path."""
+    kind = type(write)
+    known = _HOST_WRITER_TYPES.get(kind)
+    if known is None:
+        known = _HOST_WRITER_TYPES[kind] = isinstance(write, HostArrayWriter)
+    return known
 
 
 # Bounded polling for transports that cannot notify: start fine, back off to a small cap.

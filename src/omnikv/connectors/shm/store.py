@@ -40,9 +40,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from omnikv.connectors.base import HostArrayWriter, Writer
+from omnikv.connectors.base import HostArrayWriter, Writer, takes_host_arrays
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.pool import BufferAllocator
 from omnikv.connectors.shm.mesh import Link
@@ -653,8 +653,8 @@ class SendStore:
         pool = self.pool
         assert pool is not None
         try:
-            if isinstance(write, HostArrayWriter):
-                write.write_host(pool.array(entry.offset, entry.nbytes))
+            if takes_host_arrays(write):
+                cast(HostArrayWriter, write).write_host(pool.array(entry.offset, entry.nbytes))
             else:
                 write(pool.view(entry.offset, entry.nbytes))
         except BaseException:
