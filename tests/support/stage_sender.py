@@ -55,6 +55,23 @@ def sender_main(conn: Connection, namespace: str, pool_size_bytes: int) -> None:
             break
 
 
+def stage_receiver(namespace: str, timeout: float, *, prefetch: bool = False) -> Any:
+    """The receiving stage's manager on the test's namespace (``stage1`` -> ``stage2``)."""
+    from omnikv import OmniKVCacheConfig, OmniKVTransferManager
+
+    return OmniKVTransferManager(
+        OmniKVCacheConfig(
+            connector_config={"type": "SharedMemoryConnector", "namespace": namespace},
+            from_stage="stage1",
+            stage_id="stage2",
+            need_recv_cache=True,
+            recv_timeout=timeout,
+            enable_kv_async_prefetch=prefetch,
+        ),
+        async_prefetch=prefetch,
+    )
+
+
 class SenderProc:
     """Handle of one sender process (started and ready when constructed)."""
 

@@ -7,44 +7,19 @@ step loop would. Senders are killed by PID at the end of each test.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from omnikv import OmniKVCacheConfig, OmniKVTransferManager, ReceiveStatus
+from omnikv import ReceiveStatus
 from omnikv.transfer.admission import KVAdmission, Readiness
 from omnikv.transfer.receive import ReceiveResult
-from support.stage_sender import SenderProc
+from support.stage_sender import SenderProc, stage_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def senders() -> Iterator[list[SenderProc]]:
-    started: list[SenderProc] = []
-    try:
-        yield started
-    finally:
-        for s in started:
-            with contextlib.suppress(AssertionError):
-                s.kill()
-
-
-def _receiver(namespace: str, timeout: float) -> OmniKVTransferManager:
-    return OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config={"type": "SharedMemoryConnector", "namespace": namespace},
-            from_stage="stage1",
-            stage_id="stage2",
-            need_recv_cache=True,
-            recv_timeout=timeout,
-        )
-    )
 
 
 def _until(admission: KVAdmission, rid: str, state: Readiness, timeout: float = 10.0) -> None:
@@ -72,7 +47,7 @@ def test_ready_requests_are_taken_while_others_are_missing(
     own KV while the others stay missing; a late one becomes ready; one never sent fails at its
     deadline, reported once."""
     senders += [SenderProc(namespace), SenderProc(namespace)]
-    mgr = _receiver(namespace, timeout=2.0)
+    mgr = stage_receiver(namespace, timeout=2.0)
     try:
         adm = mgr.admission
         assert adm.offer(["r1", "r2", "r3", "r4"]) == ["r1", "r2", "r3", "r4"]
@@ -111,7 +86,7 @@ def test_poll_and_take_answer_at_once_with_many_requests_missing(
     """Forty requests whose KV never comes: every poll and take returns without waiting, and a
     request offered after them is ready as soon as its KV is sent (no head-of-line blocking)."""
     senders.append(SenderProc(namespace))
-    mgr = _receiver(namespace, timeout=30.0)
+    mgr = stage_receiver(namespace, timeout=30.0)
     try:
         adm = mgr.admission
         adm.offer([f"never-{i}" for i in range(20)])
@@ -141,7 +116,7 @@ def test_cancel_frees_the_receive_and_close_reports_what_was_not_taken(
     """With one receive thread, a cancelled wait gives its thread back (the next request is
     received); a ready payload not taken is dropped at close and named."""
     senders.append(SenderProc(namespace))
-    mgr = _receiver(namespace, timeout=30.0)
+    mgr = stage_receiver(namespace, timeout=30.0)
     adm = KVAdmission(mgr.receive_kv_cache_result, recv_timeout=30.0, max_receives=1)
     try:
         adm.offer(["stuck", "next"])

@@ -8,48 +8,21 @@ PID at the end of its test.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from omnikv import OmniKVCacheConfig, OmniKVTransferManager, ReceiveStatus
+from omnikv import ReceiveStatus
 from omnikv.transfer.prefetch import KVPrefetcher
-from support.stage_sender import SenderProc
+from support.stage_sender import SenderProc, stage_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 SENDER_INFO = {"host": "127.0.0.1", "zmq_port": 50151}
-
-
-@pytest.fixture
-def senders() -> Iterator[list[SenderProc]]:
-    started: list[SenderProc] = []
-    try:
-        yield started
-    finally:
-        for s in started:
-            with contextlib.suppress(AssertionError):
-                s.kill()
-
-
-def _receiver(namespace: str, timeout: float) -> OmniKVTransferManager:
-    return OmniKVTransferManager(
-        OmniKVCacheConfig(
-            connector_config={"type": "SharedMemoryConnector", "namespace": namespace},
-            from_stage="stage1",
-            stage_id="stage2",
-            need_recv_cache=True,
-            recv_timeout=timeout,
-            enable_kv_async_prefetch=True,
-        ),
-        async_prefetch=True,
-    )
 
 
 def _job(rid: str) -> dict[str, Any]:
@@ -90,7 +63,7 @@ def test_prefetched_dropped_and_later_scheduled_still_gets_its_kv(
     """
     sender = SenderProc(namespace)
     senders.append(sender)
-    mgr = _receiver(namespace, timeout=10.0)
+    mgr = stage_receiver(namespace, prefetch=True, timeout=10.0)
     try:
         # finished, then superseded by B and B consumed first
         sender.send_kv("A", 10)
@@ -140,7 +113,7 @@ def test_shutdown_is_prompt_with_a_receive_stuck_on_a_killed_sender(
 ) -> None:
     sender = SenderProc(namespace)
     senders.append(sender)
-    mgr = _receiver(namespace, timeout=60.0)
+    mgr = stage_receiver(namespace, prefetch=True, timeout=60.0)
     try:
         sender.send_kv("warm", 1)  # the mesh is up and a payload went through
         w = _req("warm")

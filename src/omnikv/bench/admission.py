@@ -39,7 +39,14 @@ from typing import Any
 
 import torch
 
-from omnikv.bench.common import MODELS, JsonChannel, reap, serve_commands, write_json
+from omnikv.bench.common import (
+    MODELS,
+    JsonChannel,
+    reap,
+    serve_commands,
+    shm_stage_config,
+    write_json,
+)
 
 __all__ = ["main"]
 
@@ -90,13 +97,6 @@ def plan_requests(n: int, missing: float, span_s: float, lead_s: float, seed: in
 
 
 # -- sender (child process) ----------------------------------------------------------------------
-def _config(namespace: str, pool: int, **kw: Any) -> Any:
-    from omnikv import OmniKVCacheConfig
-
-    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": pool}
-    return OmniKVCacheConfig(connector_config=conn, from_stage="stage1", **kw)
-
-
 def _sender(fd: int, namespace: str, pool: int) -> int:
     """Child: ``["run", prefix, t0, [[rid, tokens, at_s, fill], ...]]`` publishes each request's
     KV at ``t0 + at_s`` (``CLOCK_MONOTONIC``, one clock for the node) and answers
@@ -108,7 +108,9 @@ def _sender(fd: int, namespace: str, pool: int) -> int:
     caches: list[Any] = [
         torch.zeros(2, max_blocks, BLOCK, heads, dim, dtype=torch.float16) for _ in range(layers)
     ]
-    mgr = OmniKVTransferManager(_config(namespace, pool, to_stage="stage2", need_send_cache=True))
+    mgr = OmniKVTransferManager(
+        shm_stage_config(namespace, pool, to_stage="stage2", need_send_cache=True)
+    )
     chan = JsonChannel(socket.socket(fileno=fd))
 
     def run(prefix: str, t0: float, items: list[list[Any]]) -> list[Any]:
@@ -298,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in ("fifo", "admission"):
                 prefix = f"r{rnd + 1}{mode[0]}"
                 mgr = OmniKVTransferManager(
-                    _config(
+                    shm_stage_config(
                         namespace,
                         pool,
                         stage_id="stage2",

@@ -32,6 +32,7 @@ __all__ = [
     "qwen_payload",
     "realistic_payload",
     "serve_commands",
+    "shm_stage_config",
     "write_json",
 ]
 
@@ -204,6 +205,17 @@ def print_table(rows: Sequence[Stats], *, baseline: Stats | None = None, title: 
         if baseline is not None:
             line += f" {baseline.median / st.median:18.2f}"
         print(line)
+
+
+def shm_stage_config(namespace: str, pool: int, **kw: Any) -> Any:
+    """An ``OmniKVCacheConfig`` of a ``stage1`` -> ``stage2`` edge over a
+    ``SharedMemoryConnector`` on ``namespace`` with a ``pool``-byte pool; ``kw`` says the role
+    (``to_stage`` and ``need_send_cache``, or ``stage_id`` and ``need_recv_cache``). Used by the
+    benchmarks whose stages are a manager each (prefetch, admission)."""
+    from omnikv import OmniKVCacheConfig
+
+    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": pool}
+    return OmniKVCacheConfig(connector_config=conn, from_stage="stage1", **kw)
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:

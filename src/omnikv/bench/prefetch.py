@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from omnikv.bench.common import Stats, print_table, write_json
+from omnikv.bench.common import Stats, print_table, shm_stage_config, write_json
 
 __all__ = ["main"]
 
@@ -51,19 +51,12 @@ def _tokens_for(mib: float) -> int:
     return max(BLOCK, tokens // BLOCK * BLOCK)
 
 
-def _config(namespace: str, pool: int, **kw: Any) -> Any:
-    from omnikv import OmniKVCacheConfig
-
-    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": pool}
-    return OmniKVCacheConfig(connector_config=conn, from_stage="stage1", **kw)
-
-
 def _sender_main(conn: Connection, namespace: str, tokens: int, pool: int) -> None:
     """Child process: on ``("send", prefix, n)`` send ``n`` requests' KV, pool-bounded."""
     from omnikv import OmniKVTransferManager, TransferOptions
 
     mgr = OmniKVTransferManager(
-        _config(namespace, pool, to_stage="stage2", need_send_cache=True),
+        shm_stage_config(namespace, pool, to_stage="stage2", need_send_cache=True),
         options=TransferOptions(payload_checksum=True),
     )
     blocks = tokens // BLOCK
@@ -173,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefetch = mode == "on"
                 prefix = f"r{rnd + 1}{mode}"
                 mgr = OmniKVTransferManager(
-                    _config(
+                    shm_stage_config(
                         namespace,
                         pool,
                         stage_id="stage2",
