@@ -28,13 +28,12 @@ until taken, cancelled or the tracker is closed, and both of those say what they
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -91,7 +90,7 @@ class RequestReadiness:
 
 
 class _Tracked:
-    __slots__ = ("abort", "deadline", "future", "nbytes", "offered", "result", "state")
+    __slots__ = ("abort", "deadline", "nbytes", "offered", "result", "state")
 
     def __init__(self, deadline: float) -> None:
         self.state = Readiness.MISSING
@@ -100,7 +99,9 @@ class _Tracked:
         self.deadline = deadline
         self.abort = threading.Event()
         self.result: ReceiveResult | None = None
-        self.future: Future[None] | None = None
+
+
+_Job = tuple[str, _Tracked, "torch.device | None", "dict[str, Any] | None"]
 
 
 class KVAdmission:
@@ -108,7 +109,8 @@ class KVAdmission:
 
     Made by :attr:`OmniKVTransferManager.admission` (one per manager) or directly with a
     manager's ``receive_kv_cache_result``. Thread-safe: a scheduler thread may poll while
-    another offers.
+    another offers. The ``max_receives`` receive threads start here, so that an offer only
+    queues (starting a thread waits until it runs: milliseconds on a busy host).
     """
 
     def __init__(
@@ -122,11 +124,17 @@ class KVAdmission:
             raise ValueError(f"max_receives must be >= 1, got {max_receives}")
         self._receive = receive
         self.recv_timeout = float(recv_timeout)
-        self._pool = ThreadPoolExecutor(max_receives, thread_name_prefix="kv-admission")
         self._lock = threading.Lock()
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
         self._ready_order: list[str] = []
         self._closed = False
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"kv-admission-{i}", daemon=True)
+            for i in range(max_receives)
+        ]
+        for t in self._threads:
+            t.start()
 
     # -- offering -------------------------------------------------------------------------------
     def offer(
@@ -153,9 +161,17 @@ class KVAdmission:
                     continue
                 entry = _Tracked(deadline_after(limit, "admission timeout"))
                 self._tracked[rid] = entry
-                entry.future = self._pool.submit(self._run, rid, entry, target_device, sender_info)
+                self._jobs.put((rid, entry, target_device, sender_info))
                 started.append(rid)
         return started
+
+    def _serve(self) -> None:
+        """A receive thread: runs queued jobs until :meth:`close` queues a ``None``."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run(*job)
 
     def _run(
         self,
@@ -172,6 +188,9 @@ class KVAdmission:
 
         if entry.abort.is_set():
             result = ReceiveResult(rid, ReceiveStatus.CANCELLED, reason="cancelled before start")
+            with self._lock:
+                entry.result = result
+            return
         elif time.monotonic() >= entry.deadline:
             result = ReceiveResult(
                 rid,
@@ -267,21 +286,22 @@ class KVAdmission:
 
     def close(self, timeout: float | None = 5.0) -> list[str]:
         """Abort every receive, drop what was not taken (logged) and stop the threads.
-        Idempotent; returns the ids that were still tracked."""
+        Idempotent; returns the ids that were still tracked. A receive stuck in a connector
+        call that ignores its deadline is left to its daemon thread after ``timeout``."""
         with self._lock:
+            if self._closed:
+                return []
             self._closed = True
             entries = list(self._tracked.items())
             self._tracked.clear()
             self._ready_order.clear()
         for _, e in entries:
             e.abort.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._jobs.put(None)  # after every queued job: those end at once, aborted
         end = None if timeout is None else time.monotonic() + timeout
-        for _, e in entries:
-            if e.future is not None and not e.future.done():
-                left = None if end is None else max(0.0, end - time.monotonic())
-                with contextlib.suppress(Exception):  # cancelled, or still in a connector call
-                    e.future.result(timeout=left)
+        for t in self._threads:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
         dropped = [rid for rid, e in entries if e.result is not None and e.result.ok]
         if dropped:
             logger.warning(
