@@ -161,3 +161,37 @@ def test_pending_shows_the_payload_size_between_arrival_and_ready() -> None:
     finally:
         release.set()
         adm.close()
+
+
+def test_a_request_with_cfg_companions_is_ready_only_when_every_branch_is(
+    senders: list[SenderProc], namespace: str
+) -> None:
+    """The request and its negative-prompt companion are one unit: one branch here is
+    ``pending``, both here is ``ready``; the companion is taken after its request. A companion
+    that never comes ends the unit at the deadline, handed out as a failure of its own."""
+    senders.append(SenderProc(namespace))
+    mgr = stage_receiver(namespace, timeout=1.5)
+    try:
+        adm = mgr.admission
+        started = adm.offer(["p", "q"], companions={"p": ["p__neg"], "q": ["q__neg"]})
+        assert sorted(started) == ["p", "p__neg", "q", "q__neg"]
+        senders[0].send_kv("p", 1)
+        end = time.monotonic() + 10
+        while adm.poll(["p"])["p"].state is not Readiness.PENDING:
+            assert time.monotonic() < end
+            time.sleep(0.002)
+        assert adm.take("p") is None and adm.ready() == []  # its companion is still missing
+        senders[0].send_kv("p__neg", 2)
+        _until(adm, "p", Readiness.READY)
+        assert adm.ready() == ["p"] and adm.poll(["p"])["p"].nbytes > 0
+        assert adm.take("p__neg") is None  # after its request, not before
+        p, neg = adm.take("p"), adm.take("p__neg")
+        assert p is not None and _fill(p) == 1 and neg is not None and _fill(neg) == 2
+        senders[0].send_kv("q", 3)  # q's companion never comes
+        _until(adm, "q", Readiness.READY)
+        q, q_neg = adm.take("q"), adm.take("q__neg")
+        assert q is not None and _fill(q) == 3
+        assert q_neg is not None and q_neg.status is ReceiveStatus.TIMEOUT
+        assert len(adm) == 0
+    finally:
+        mgr.close()

@@ -19,6 +19,10 @@ States of an offered request (:class:`Readiness`):
   cancelled), with the typed status and the reason. A failure is handed out by :meth:`take`
   once, as a ready request is.
 
+A request offered with CFG companions (``offer(..., companions=...)``) is one unit: ``ready``
+only when every branch has ended (a companion that failed is handed out as such), ``failed``
+when the request's own KV failed, ``pending`` while some branch has arrived.
+
 Guarantees: :meth:`offer`, :meth:`poll`, :meth:`ready` and :meth:`take` never wait for a
 transfer; each request has one deadline, counted from its offer; at most ``max_receives``
 receives run at once (later offers wait their turn, still ``missing``); a ready payload is held
@@ -33,7 +37,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -127,6 +131,9 @@ class KVAdmission:
         self._lock = threading.Lock()
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
         self._ready_order: list[str] = []
+        #: primary id -> its CFG companions' ids; companion id -> its primary
+        self._groups: dict[str, tuple[str, ...]] = {}
+        self._primary_of: dict[str, str] = {}
         self._closed = False
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
@@ -144,13 +151,19 @@ class KVAdmission:
         target_device: torch.device | None = None,
         sender_info: dict[str, Any] | None = None,
         timeout: float | None = None,
+        companions: Mapping[str, Iterable[str]] | None = None,
     ) -> list[str]:
         """Start receiving each request not tracked yet; never waits. Returns the ids it started.
 
         Each request's deadline is ``timeout`` (default: ``recv_timeout``) from now. An id that
-        is already tracked (in any state, until taken) is left as it is.
+        is already tracked (in any state, until taken) is left as it is. ``companions`` maps a
+        request to its CFG companions' request ids (``sampling_params.cfg_kv_request_ids``'s
+        values): they are received beside it under the same deadline, and the request is
+        ``ready`` only when every branch has ended; a companion is never listed by
+        :meth:`ready` itself, and is taken by its own id once its request is.
         """
         ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
+        groups = {str(k): tuple(str(c) for c in v) for k, v in (companions or {}).items()}
         limit = self.recv_timeout if timeout is None else float(timeout)
         started: list[str] = []
         with self._lock:
@@ -159,10 +172,16 @@ class KVAdmission:
             for rid in ids:
                 if rid in self._tracked:
                     continue
-                entry = _Tracked(deadline_after(limit, "admission timeout"))
-                self._tracked[rid] = entry
-                self._jobs.put((rid, entry, target_device, sender_info))
-                started.append(rid)
+                deadline = deadline_after(limit, "admission timeout")
+                members = tuple(c for c in groups.get(rid, ()) if c not in self._tracked)
+                if members:
+                    self._groups[rid] = members
+                    self._primary_of.update(dict.fromkeys(members, rid))
+                for one in (rid, *members):
+                    entry = _Tracked(deadline)
+                    self._tracked[one] = entry
+                    self._jobs.put((one, entry, target_device, sender_info))
+                    started.append(one)
         return started
 
     def _serve(self) -> None:
@@ -217,11 +236,35 @@ class KVAdmission:
             entry.nbytes = result.nbytes or entry.nbytes
             entry.state = Readiness.READY if result.ok else Readiness.FAILED
             if self._tracked.get(rid) is entry:
-                self._ready_order.append(rid)
+                primary = self._primary_of.get(rid, rid)
+                if self._group_ended_locked(primary) and primary not in self._ready_order:
+                    self._ready_order.append(primary)
                 return
         # cancelled or closed while receiving: nobody will take it
         if result.ok:
             logger.warning("KVAdmission dropped the KV of %s (cancelled while it arrived)", rid)
+
+    def _group_ended_locked(self, primary: str) -> bool:
+        """Whether ``primary`` and each companion still tracked have their outcome."""
+        for one in (primary, *self._groups.get(primary, ())):
+            e = self._tracked.get(one)
+            if e is not None and e.result is None:
+                return False
+        return primary in self._tracked
+
+    def _group_state_locked(self, primary: str, e: _Tracked) -> tuple[Readiness, int]:
+        """A request's state with its companions: ``failed`` with it; ``ready`` when every
+        branch has ended; otherwise ``pending`` once any branch has arrived."""
+        members = [self._tracked.get(c) for c in self._groups.get(primary, ())]
+        branches = [e, *(m for m in members if m is not None)]
+        nbytes = sum(b.nbytes for b in branches)
+        if e.state is Readiness.FAILED:
+            return Readiness.FAILED, nbytes
+        if all(b.result is not None for b in branches):
+            return Readiness.READY, nbytes
+        if any(b.state is not Readiness.MISSING for b in branches):
+            return Readiness.PENDING, nbytes
+        return Readiness.MISSING, nbytes
 
     # -- asking ---------------------------------------------------------------------------------
     def poll(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestReadiness]:
@@ -235,11 +278,12 @@ class KVAdmission:
                 e = self._tracked.get(rid)
                 if e is None:
                     continue
-                res = e.result if e.state is Readiness.FAILED else None
+                state, nbytes = self._group_state_locked(rid, e)
+                res = e.result if state is Readiness.FAILED else None
                 out[rid] = RequestReadiness(
                     rid,
-                    e.state,
-                    e.nbytes,
+                    state,
+                    nbytes,
                     now - e.offered,
                     res.status if res is not None else None,
                     res.reason if res is not None else None,
@@ -254,15 +298,24 @@ class KVAdmission:
 
     def take(self, request_id: str) -> ReceiveResult | None:
         """The outcome of a request that is ``ready`` or ``failed``, exactly once: its KV
-        (``ok``) or its failure. ``None`` (and nothing changes) while it is ``missing`` or
-        ``pending``, or for an id not tracked; never waits."""
+        (``ok``) or its failure. ``None`` (and nothing changes) while it, or one of its
+        companions, is ``missing`` or ``pending``, for a companion whose request has not been
+        taken yet, or for an id not tracked; never waits."""
         rid = str(request_id)
         with self._lock:
             e = self._tracked.get(rid)
             if e is None or e.result is None:
                 return None
+            primary = self._primary_of.get(rid)
+            if primary is not None and primary in self._tracked:
+                return None  # a companion goes with its request, after it
+            if primary is None and not self._group_ended_locked(rid):
+                return None
             del self._tracked[rid]
-            self._ready_order.remove(rid)
+            if rid in self._ready_order:
+                self._ready_order.remove(rid)
+            self._groups.pop(rid, None)
+            self._primary_of.pop(rid, None)
             return e.result
 
     def cancel(self, request_id: str) -> bool:
@@ -270,14 +323,21 @@ class KVAdmission:
         slice, a payload already received is dropped (logged). ``False`` for an unknown id."""
         rid = str(request_id)
         with self._lock:
-            e = self._tracked.pop(rid, None)
-            if e is None:
+            if rid not in self._tracked:
                 return False
-            if rid in self._ready_order:
-                self._ready_order.remove(rid)
-            e.abort.set()
-        if e.result is not None and e.result.ok:
-            logger.warning("KVAdmission dropped the KV of %s (cancelled)", rid)
+            dropped = []
+            for one in (rid, *self._groups.pop(rid, ())):  # a request's companions go with it
+                e = self._tracked.pop(one, None)
+                self._primary_of.pop(one, None)
+                if e is None:
+                    continue
+                if one in self._ready_order:
+                    self._ready_order.remove(one)
+                e.abort.set()
+                if e.result is not None and e.result.ok:
+                    dropped.append(one)
+        if dropped:
+            logger.warning("KVAdmission dropped the KV of %s (cancelled)", dropped)
         return True
 
     def __len__(self) -> int:
@@ -295,6 +355,8 @@ class KVAdmission:
             entries = list(self._tracked.items())
             self._tracked.clear()
             self._ready_order.clear()
+            self._groups.clear()
+            self._primary_of.clear()
         for _, e in entries:
             e.abort.set()
         for _ in self._threads:
