@@ -6,11 +6,14 @@
   builds it (optionally with an injected connector or parallel context); closed at teardown;
 * ``manager_pair``: a sender and a receiver manager over a ``LocalConnector``, built through
   ``from_od_config`` exactly as a worker builds them;
-* ``paged_caches``: a paged KV cache (``[2, blocks, block_size, heads, dim]`` per layer).
+* ``paged_caches``: a paged KV cache (``[2, blocks, block_size, heads, dim]`` per layer);
+* ``senders``: the sending-stage processes a test starts
+  (:class:`support.stage_sender.SenderProc`), each killed by PID at teardown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -137,3 +140,14 @@ def make_paged_caches(
 def paged_caches() -> list[torch.Tensor]:
     """Two layers of 8 blocks x 8 tokens x 4 heads x 16 dims (float32)."""
     return make_paged_caches()
+
+
+@pytest.fixture
+def senders() -> Iterator[list[Any]]:
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for s in started:
+            with contextlib.suppress(AssertionError):
+                s.kill()
