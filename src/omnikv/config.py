@@ -42,6 +42,7 @@ from omnikv.values import (
     parse_positive,
     parse_ratio,
 )
+from omnikv.wire.codec import CODECS
 from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES
 
 __all__ = [
@@ -127,6 +128,10 @@ class TransferOptions:
     * ``send_timeout``: seconds one send (all its puts, waits for pool space and retries) may
       take (default 30).
     * ``max_header_bytes``: the largest payload header a receiver decodes (default 1 MiB).
+    * ``wire_codec``: ``"off"`` (default: the reference format), ``"int8"`` or ``"fp8_e4m3"``:
+      a sender codes fp16 / bf16 / fp32 KV to 8 bits with one scale per token and head, half the
+      bytes on the link, lossy within the bounds :mod:`omnikv.wire.codec` documents. Receivers
+      decode it whatever their own setting.
     """
 
     kv_cache_layout: str = "auto"
@@ -136,6 +141,7 @@ class TransferOptions:
     connector_retry_interval: float = 5.0
     send_timeout: float = 30.0
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    wire_codec: str = "off"
 
     def __post_init__(self) -> None:
         parse_choice("kv_cache_layout", self.kv_cache_layout, "auto", LAYOUTS)
@@ -145,6 +151,7 @@ class TransferOptions:
         parse_number("connector_retry_interval", self.connector_retry_interval, 5.0)
         parse_positive("send_timeout", self.send_timeout, 30.0)
         parse_int("max_header_bytes", self.max_header_bytes, DEFAULT_MAX_HEADER_BYTES)
+        parse_choice("wire_codec", self.wire_codec, "off", ("off", *CODECS))
         if self.max_header_bytes >= 1 << 32:
             raise ConfigError(f"max_header_bytes must be < 2**32, got {self.max_header_bytes}")
 
@@ -218,6 +225,7 @@ def options_from_dict(omni_kv_config: Mapping[str, Any] | None) -> TransferOptio
         max_header_bytes=parse_int(
             "max_header_bytes", pick("max_header_bytes"), DEFAULT_MAX_HEADER_BYTES
         ),
+        wire_codec=parse_choice("wire_codec", pick("wire_codec"), "off", ("off", *CODECS)),
     )
 
 

@@ -40,7 +40,9 @@ from omnikv.layouts.gather import BlockGather, plan_request_kv
 from omnikv.layouts.specs import HF_HINT
 from omnikv.topology.keys import TransferHooks, build_send_keys
 from omnikv.topology.tp import KVTPTopology, head_range, head_slice_tag
+from omnikv.wire.codec import encode_rows
 from omnikv.wire.encode import PackedPayload
+from omnikv.wire.format import DTYPE_TO_NAME
 
 __all__ = ["KVSender", "SendResult", "SendStatus", "put_with_retry"]
 
@@ -415,6 +417,11 @@ class KVSender:
     ) -> list[PackedPayload]:
         topo = self.topology
         checksum = self.options.payload_checksum
+        codec = self.options.wire_codec
+        if codec != "off":
+            return self._coded_payloads(
+                transfer_id, keys, keys_g, values_g, block_ids, metadata, codec=codec
+            )
         targets = topo.target_ranks()
         slicing = (
             topo.source_tp_size < topo.target_tp_size
@@ -445,6 +452,67 @@ class KVSender:
             )
             out.append(
                 PackedPayload(transfer_id, sliced_k, sliced_v, block_ids, meta, checksum=checksum)
+            )
+        return out
+
+    def _coded_payloads(
+        self,
+        transfer_id: str,
+        keys: list[str],
+        keys_g: list[BlockGather | None],
+        values_g: list[BlockGather | None],
+        block_ids: Sequence[int],
+        metadata: dict[str, Any],
+        *,
+        codec: str,
+    ) -> list[PackedPayload]:
+        """The payloads of :meth:`_payloads` with ``wire_codec`` on: each layer's tokens are
+        gathered, coded (:func:`omnikv.wire.codec.encode_rows`) and sliced by heads per target
+        rank as the plain path does. Raises ``EncodeError`` for KV the codec does not code."""
+        present = [g for g in (*keys_g, *values_g) if g is not None]
+        dtype = DTYPE_TO_NAME.get(present[0].dtype) if present else "float16"
+
+        def coded(gathers: list[BlockGather | None]) -> list[torch.Tensor | None]:
+            return [None if g is None else encode_rows(g.materialize(), codec) for g in gathers]
+
+        k_rows, v_rows = coded(keys_g), coded(values_g)
+        topo = self.topology
+        targets = topo.target_ranks()
+        checksum = self.options.payload_checksum
+        slicing = (
+            topo.source_tp_size < topo.target_tp_size
+            and len(keys) > 1
+            and len(targets) == len(keys)
+            and self.hooks.send_keys is None
+        )
+        if not slicing:
+            one = PackedPayload(
+                transfer_id,
+                k_rows,
+                v_rows,
+                block_ids,
+                metadata,
+                checksum=checksum,
+                codec=codec,
+                original_dtype=dtype,
+            )
+            return [one] * len(keys)
+        heads = _num_heads(keys_g)
+        out: list[PackedPayload] = []
+        for target in targets:
+            start, stop = head_range(heads, target % topo.ratio, topo.ratio)
+            meta = {**metadata, "tp_head_slice": head_slice_tag(topo, target, side="sender")}
+            out.append(
+                PackedPayload(
+                    transfer_id,
+                    [None if t is None else t[:, start:stop] for t in k_rows],
+                    [None if t is None else t[:, start:stop] for t in v_rows],
+                    block_ids,
+                    meta,
+                    checksum=checksum,
+                    codec=codec,
+                    original_dtype=dtype,
+                )
             )
         return out
 

@@ -44,13 +44,13 @@ import numpy as np
 import torch
 
 from omnikv.errors import DecodeError
+from omnikv.wire.codec import CODEC_FORMAT_VERSION, CODECS, decode_rows
 from omnikv.wire.format import (
     CACHES,
     CHECKSUM_PLACEHOLDER,
     CHECKSUM_PREFIX,
     DEFAULT_MAX_HEADER_BYTES,
     DTYPE_ALLOWLIST,
-    FORMAT_VERSION,
     HEADER_DECODER,
     HEADER_LENGTH,
     ITEMSIZE,
@@ -190,6 +190,9 @@ def _decode_array(array: np.ndarray, verify: bool, max_header_bytes: int) -> Dec
 
 
 def _assemble(header: Header, spans: list[Span], tensors: list[torch.Tensor]) -> DecodedKV:
+    if header.cx is not None:  # checked by _check_header: a known codec and a float dtype
+        dtype = DTYPE_ALLOWLIST[str(header.od)]
+        tensors = [decode_rows(t, header.cx, dtype) for t in tensors]
     caches: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] = (
         [None] * header.nl,
         [None] * header.nl,
@@ -256,10 +259,17 @@ def _check_header(header: Header, available: int) -> int:
         raise _fail(f"nl={header.nl} outside [0, {MAX_LAYERS}]")
     if len(header.td) > 2 * MAX_LAYERS:
         raise _fail(f"td has {len(header.td)} entries, more than {2 * MAX_LAYERS}")
-    if not 0 <= header.v <= FORMAT_VERSION:
+    if not 0 <= header.v <= CODEC_FORMAT_VERSION:
         raise _fail(
-            f"unsupported format version {header.v} (this reader knows <= {FORMAT_VERSION})"
+            f"unsupported format version {header.v} (this reader knows <= {CODEC_FORMAT_VERSION})"
         )
+    if (header.v == CODEC_FORMAT_VERSION) != (header.cx is not None):
+        raise _fail(f"format version {header.v} with wire codec {header.cx!r:.40}")
+    if header.cx is not None:
+        if header.cx not in CODECS:
+            raise _fail(f"unknown wire codec {header.cx!r:.40}; this reader knows {CODECS}")
+        if header.od not in ("float16", "bfloat16", "float32"):
+            raise _fail(f"wire codec {header.cx} with original dtype {header.od!r:.40}")
     if header.bo != sys.byteorder:
         raise _fail(f"payload byte order {header.bo!r} differs from this machine's {sys.byteorder}")
     if header.al is not None and not (0 < header.al <= PAGE and header.al & (header.al - 1) == 0):

@@ -194,6 +194,9 @@ class Header(msgspec.Struct, frozen=True, gc=False):
     bo: str = "little"
     dl: int | None = None
     ck: str | None = None
+    #: the wire codec (:mod:`omnikv.wire.codec`) and the dtype it decodes to; format version 2
+    cx: str | None = None
+    od: str | None = None
 
 
 #: Typed decoder of :class:`Header`: a wrong type anywhere is a ``msgspec.ValidationError``
