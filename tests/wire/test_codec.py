@@ -152,3 +152,16 @@ def test_an_unknown_codec_is_a_config_error(make_manager: Callable[..., Any]) ->
 
     with pytest.raises(ConfigError, match="wire_codec"):
         make_manager("sender", wire_codec="zstd")
+
+
+def test_quality_on_real_kv_stays_within_the_bounds() -> None:
+    """``omnikv bench codec``'s quality section on a few prompts: real KV of a small Llama
+    (bf16) coded both ways, the errors within the documented bounds, decoding continued."""
+    pytest.importorskip("transformers")
+    from omnikv.bench.codec_quality import measure_codec_quality
+
+    rows = {q.codec: q for q in measure_codec_quality(3, new_tokens=4)}
+    assert set(rows) == set(CODECS) and all(q.prompts == 3 for q in rows.values())
+    assert rows["int8"].max_rel_to_row <= 1 / 254 + ROUNDING[torch.bfloat16] + 1e-6
+    assert rows["fp8_e4m3"].max_rel_to_row <= 2.0**-4 + ROUNDING[torch.bfloat16] + 1e-6
+    assert all(0 < q.mean_abs < q.max_abs for q in rows.values())

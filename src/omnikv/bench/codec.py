@@ -8,7 +8,9 @@ Same run, same bytes (Qwen2.5-7B, 4096 tokens, fp16 = 224 MiB by default):
 * decode of the 56 tensors (``decode_kv``, with every check in) vs the reference's ``from_bytes``
   on the same bytes (target: at least as fast), and the cost of the optional crc32 check.
 
-Every result is verified against the source tensors before timings are reported.
+Every result is verified against the source tensors before timings are reported. Then the
+optional wire codec's error and greedy-token agreement on real KV from a small Llama
+(:mod:`omnikv.bench.codec_quality`; ``--quality-prompts``, skipped with ``--quick``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,6 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="report the speed targets but exit 0 when one is missed (smoke runs on a busy "
         "machine); a verification failure still fails",
+    )
+    parser.add_argument(
+        "--quality-prompts",
+        type=int,
+        default=50,
+        help="prompts for the wire codec's error and token agreement on real KV (needs "
+        "transformers; 0: skip)",
     )
     args = parser.parse_args(list(argv or []))
     repeat = 3 if args.quick else args.repeat
@@ -116,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, value, ok in targets:
         print(f"  {'PASS' if ok else 'MISS'}  {label}: {value:.3f}")
     print(f"  info  crc32 adds {ck_cost * 100:.0f}% to encode+decode (off by default: > 10%)")
+    quality = _codec_quality(0 if args.quick else args.quality_prompts)
     write_json(
         args.json,
         {
@@ -130,6 +141,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "decode_vs_reference": dec_ratio,
             },
             "checksum_overhead": ck_cost,
+            "wire_codec_quality": [q.as_dict() for q in quality],
         },
     )
     return 0 if args.no_targets or all(ok for _, _, ok in targets) else 1
+
+
+def _codec_quality(prompts: int) -> list[Any]:
+    """The wire codec's error and token agreement (:mod:`omnikv.bench.codec_quality`); empty
+    when skipped or without transformers (said so)."""
+    if prompts <= 0:
+        return []
+    try:
+        from omnikv.bench.codec_quality import measure_codec_quality, print_codec_quality
+
+        rows = measure_codec_quality(prompts)
+    except ImportError as exc:
+        print(f"\nwire codec quality skipped: {exc}")
+        return []
+    print_codec_quality(rows, 16)
+    return rows
