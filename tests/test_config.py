@@ -157,6 +157,19 @@ def test_options() -> None:
     assert opts.send_timeout == 30.0 and opts.max_header_bytes == 1 << 20
     opts = options_from_dict({"send_timeout": 2.5, "max_header_bytes": 4096})
     assert (opts.send_timeout, opts.max_header_bytes) == (2.5, 4096)
+    assert opts.wire_codec == "off"
+    assert options_from_dict({"wire_codec": "fp8_e4m3"}).wire_codec == "fp8_e4m3"
+
+
+def test_every_option_is_a_known_config_key() -> None:
+    """A strict config check (``from_config``) accepts every option ``options_from_dict`` reads."""
+    import dataclasses
+
+    from omnikv.config import OPTION_KEYS
+
+    fields = {f.name for f in dataclasses.fields(TransferOptions)} - {"retry"}
+    assert fields <= OPTION_KEYS
+    assert {"put_retry_attempts", "put_retry_backoff"} <= OPTION_KEYS
 
 
 @pytest.mark.parametrize(
@@ -173,6 +186,7 @@ def test_options() -> None:
         ({"put_retry_attempts": 0}, "put_retry_attempts must be >= 1"),
         ({"put_retry_backoff": -0.5}, "put_retry_backoff"),
         ({"connector_retry_interval": "soon"}, "connector_retry_interval"),
+        ({"wire_codec": "zstd"}, "wire_codec must be one of"),
     ],
 )
 def test_bad_options_are_config_errors(options: dict, match: str) -> None:

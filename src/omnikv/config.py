@@ -332,6 +332,7 @@ OPTION_KEYS = frozenset(
         "connector_retry_interval",
         "send_timeout",
         "max_header_bytes",
+        "wire_codec",
     }
 )
 #: Keys of the same dict that the host framework reads (the AR scheduler's transfer criteria).
