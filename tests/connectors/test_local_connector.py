@@ -207,3 +207,31 @@ def test_many_namespaces_cost_no_commit_and_the_process_can_still_fork() -> None
     finally:
         for conn in conns:
             conn.close()
+
+
+def test_an_unconsumed_payload_expires_after_its_ttl_and_is_named(
+    namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``buffer_ttl_seconds``: a payload nobody takes is dropped (slot freed, counted, logged
+    with its key) at the namespace's next operation after the TTL; one taken in time is not."""
+    tx = LocalConnector({"namespace": namespace, "buffer_ttl_seconds": 0.2})
+    rx = LocalConnector({"namespace": namespace, "buffer_ttl_seconds": 0.2})
+    assert tx.put("0", "1", "orphan", b"x" * 100)[0]
+    assert tx.put("0", "1", "taken", b"y" * 10)[0]
+    buf = rx.get("0", "1", "taken")
+    assert buf is not None
+    buf[0].release()
+    end = time.monotonic() + 10
+    with caplog.at_level("WARNING"):
+        while tx.health()["pending"]:
+            assert time.monotonic() < end, tx.health()
+            time.sleep(0.01)
+    health = tx.health()
+    assert health["ttl_reaped"] == 1 and health["ttl_reaped_bytes"] == 100, health
+    assert health["pool_used"] == 0
+    assert "orphan" in caplog.text and "TTL" in caplog.text
+    assert rx.get("0", "1", "orphan") is None
+    never = LocalConnector({"namespace": f"{namespace}-n", "buffer_ttl_seconds": 0})
+    assert never.buffer_ttl_s == 0
+    with pytest.raises(ConfigError, match="buffer_ttl_seconds"):
+        LocalConnector({"namespace": namespace, "buffer_ttl_seconds": "soon"})

@@ -12,7 +12,10 @@ idempotent ``close``.
 Config keys (read by :mod:`omnikv.values`): ``namespace``; ``pool_size`` (bytes or ``"512MB"``,
 default 1 GiB of virtual memory, taken by the first connector of a namespace; pages are touched
 only as payloads use them); ``put_timeout_s`` (seconds >= 0 the reference-shaped ``put`` waits
-for space, default 0).
+for space, default 0); ``buffer_ttl_seconds`` (default 300, as the other connectors; 0: never):
+a payload unconsumed for that long is dropped and its slot freed, with a warning naming it and
+the ``ttl_reaped`` / ``ttl_reaped_bytes`` counts. The namespace is swept on its next operation
+(put, get, wait, health), at most every ``buffer_ttl_seconds / 2``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ __all__ = ["LocalConnector"]
 logger = logging.getLogger(__name__)
 
 _DEFAULT_POOL = 1 << 30
+#: ``buffer_ttl_seconds`` by default (the other connectors' default).
+DEFAULT_BUFFER_TTL_S = 300.0
 # Python < 3.13 lacks the constant; 0x4000 is its value on Linux.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 _ALIGN = 64
@@ -80,6 +85,7 @@ class _Pool:
 class _Item:
     offset: int
     size: int
+    put_at: float
 
 
 class _Store:
@@ -88,6 +94,21 @@ class _Store:
         self.cond = threading.Condition()
         self.pool = _Pool(pool_size)
         self.users = 0
+        self.next_sweep = 0.0
+
+    def reap_locked(self, ttl_s: float, counters: Counters) -> None:
+        """Drop the payloads unconsumed for ``ttl_s`` (0: never); the caller holds ``cond``."""
+        now = time.monotonic()
+        if ttl_s <= 0 or now < self.next_sweep:
+            return
+        self.next_sweep = now + max(0.05, ttl_s / 2)
+        old = [k for k, it in self.items.items() if now - it.put_at >= ttl_s]
+        for key in old:
+            item = self.items.pop(key)
+            self.pool.allocator.free(item.offset)
+            counters.add("ttl_reaped")
+            counters.add("ttl_reaped_bytes", item.size)
+            logger.warning("LocalConnector dropped %s after %.0f s unconsumed (TTL)", key, ttl_s)
 
 
 class LocalConnector(OmniConnectorBase):
@@ -104,13 +125,18 @@ class LocalConnector(OmniConnectorBase):
         self.namespace = str(cfg.get("namespace", "default"))
         size = parse_size("pool_size", cfg.get("pool_size"), _DEFAULT_POOL)
         self.put_timeout_s = parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0)
+        self.buffer_ttl_s = parse_number(
+            "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
+        )
         with self._stores_lock:
             store = self._stores.get(self.namespace)
             if store is None:
                 store = self._stores[self.namespace] = _Store(size)
             store.users += 1
         self._store = store
-        self._counters = Counters(("puts", "put_bytes", "gets", "get_bytes", "misses"))
+        self._counters = Counters(
+            ("puts", "put_bytes", "gets", "get_bytes", "misses", "ttl_reaped", "ttl_reaped_bytes")
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -132,8 +158,9 @@ class LocalConnector(OmniConnectorBase):
         offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
         with self._store.cond:
+            self._store.reap_locked(self.buffer_ttl_s, self._counters)
             old = self._store.items.pop(key, None)
-            self._store.items[key] = _Item(offset, nbytes)
+            self._store.items[key] = _Item(offset, nbytes, time.monotonic())
             self._store.cond.notify_all()
         if old is not None:
             pool.allocator.free(old.offset)
@@ -143,6 +170,7 @@ class LocalConnector(OmniConnectorBase):
         return True, nbytes, {"key": key, "size": nbytes}
 
     def _take(self, key: str) -> ManagedBuffer | None:
+        self._store.reap_locked(self.buffer_ttl_s, self._counters)
         item = self._store.items.pop(key, None)
         if item is None:
             return None
@@ -215,6 +243,7 @@ class LocalConnector(OmniConnectorBase):
 
     def health(self) -> dict[str, Any]:
         with self._store.cond:
+            self._store.reap_locked(self.buffer_ttl_s, self._counters)
             pending = len(self._store.items)
         allocator = self._store.pool.allocator
         return {
