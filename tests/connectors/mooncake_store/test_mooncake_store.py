@@ -275,6 +275,45 @@ def test_store_tracking_of_own_puts_is_bounded() -> None:
     assert res["d_exists"] == 0 and res["b_exists"] == 1
 
 
+def scenario_ttl() -> dict[str, Any]:
+    """An object nobody consumes is removed after buffer_ttl_seconds; one consumed is not."""
+    from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
+
+    res: dict[str, Any] = {}
+    with Master() as master:
+        conn = MooncakeStoreConnector(
+            store_cfg(
+                master,
+                global_segment_size=32 * MiB,
+                memory_pool_size=4 * MiB,
+                buffer_ttl_seconds=0.3,
+            )
+        )
+        other = MooncakeStoreConnector(
+            store_cfg(master, global_segment_size=16 * MiB, memory_pool_size=4 * MiB)
+        )
+        assert conn.put("0", "1", "orphan", b"x" * 1000)[0]
+        assert conn.put("0", "1", "taken", b"y" * 1000)[0]
+        got = other.get("0", "1", "taken")
+        assert got is not None
+        got[0].release()
+        end = time.monotonic() + 20
+        while conn.pending_keys() and time.monotonic() < end:
+            conn.health()  # a health check sweeps when a sweep is due
+            time.sleep(0.05)
+        res["pending"] = conn.pending_keys()
+        res["ttl_reaped"] = conn.health()["ttl_reaped"]
+        res["orphan_left"] = other.get("0", "1", "orphan") is not None
+        other.close()
+        conn.close()
+    return res
+
+
+def test_store_objects_nobody_consumed_expire_after_the_ttl() -> None:
+    res = run_scenario(__file__, "scenario_ttl", timeout=60)
+    assert res["pending"] == [] and res["ttl_reaped"] == 1 and not res["orphan_left"], res
+
+
 def scenario_holder_killed() -> dict[str, Any]:
     """The sender dies after its put: the object is listed but unreadable -> PeerGoneError."""
     from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector

@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 #: Mooncake's ``TRANSFER_FAIL``: the master lists the object, but the client whose segment holds
 #: it did not answer (a killed sender). Later reads of it block about a second each in the engine.
 _TRANSFER_FAIL = -800
+#: ``buffer_ttl_seconds`` by default (the other connectors' default).
+DEFAULT_BUFFER_TTL_S = 300.0
 
 #: The Store connector's boundary. Mooncake's bindings (pybind11) declare no exception classes:
 #: the store reports failures as return codes (a read's ``TRANSFER_FAIL`` means the sender is
@@ -118,6 +120,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
     ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries),
     ``max_tracked_keys`` (4096: how many of its own puts a client remembers for ``cleanup``;
     beyond it, keys another client consumed are forgotten first, then the oldest),
+    ``buffer_ttl_seconds`` (300, as the other connectors; 0: never: an object this client put
+    that nobody consumed within it is removed from the store, see :meth:`reap_expired`),
     ``put_timeout_s`` (0: how long the reference-shaped ``put`` waits for pool space),
     ``tcp_connection_pool`` (false: Mooncake's TCP transport keeps a connection per peer and
     never closes it when the peer goes, so a long-lived client would hold one descriptor per
@@ -158,16 +162,30 @@ class MooncakeStoreConnector(OmniConnectorBase):
         probe_s = parse_positive("master_probe_timeout_s", cfg.get("master_probe_timeout_s"), 3.0)
         self.put_timeout_s = parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0)
         self.max_tracked_keys = parse_int("max_tracked_keys", cfg.get("max_tracked_keys"), 4096)
+        self.buffer_ttl_s = parse_number(
+            "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
+        )
+        self._next_sweep = 0.0
         store_cls, replicate_cls = import_mooncake_store()
         _probe_master(self.master, probe_s)
         set_tcp_bind_address(self.host)
         set_tcp_connection_pool(tcp_pool)
         set_metadata_cache(metadata_cache)
         self._lock = threading.Lock()
-        # Keys this client put and has not seen consumed, oldest first (for cleanup()).
-        self._put_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Keys this client put and has not seen consumed, oldest first, with when they were
+        # put (for cleanup() and the TTL).
+        self._put_keys: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._counters = Counters(
-            ("puts", "put_bytes", "put_failures", "gets", "get_bytes", "misses", "removed")
+            (
+                "puts",
+                "put_bytes",
+                "put_failures",
+                "gets",
+                "get_bytes",
+                "misses",
+                "removed",
+                "ttl_reaped",
+            )
         )
         self._rcfg = replicate_cls()
         self._rcfg.replica_num = replicas
@@ -242,6 +260,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self._counters.add("put_failures")
             raise STORE_ERRORS.other_codes(f"put_from of {key} returned {rc}")
         self._track(key)
+        self.reap_expired()
         self._counters.add("puts")
         self._counters.add("put_bytes", nbytes)
         logger.debug("stored %s (%d bytes)", key, nbytes)
@@ -356,7 +375,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         per ``max_tracked_keys // 4`` puts, however slowly the receivers consume.
         """
         with self._lock:
-            self._put_keys[key] = None
+            self._put_keys[key] = time.monotonic()
             self._put_keys.move_to_end(key)
             if len(self._put_keys) <= self.max_tracked_keys:
                 return
@@ -382,6 +401,40 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if dropped:
             logger.debug("forgot %d unconsumed keys past max_tracked_keys", dropped)
 
+    def reap_expired(self) -> list[str]:
+        """Remove from the store the objects this client put ``buffer_ttl_seconds`` ago or more
+        that nobody consumed (each named in a warning, counted as ``ttl_reaped``); returns their
+        keys. Runs at each put and health check, at most every ``buffer_ttl_seconds / 2``; 0
+        turns it off. Objects already consumed are only forgotten. Never raises."""
+        now = time.monotonic()
+        ttl = self.buffer_ttl_s
+        with self._lock:
+            if ttl <= 0 or now < self._next_sweep or self._store is None or self._closed:
+                return []
+            self._next_sweep = now + max(0.05, ttl / 2)
+            old = [k for k, t in self._put_keys.items() if now - t >= ttl]
+            for k in old:
+                del self._put_keys[k]
+        store, reaped = self._store, []
+        for k in old:
+            try:
+                with STORE_ERRORS.translate(f"remove of {k}"):
+                    rc = int(store.remove(k, True))
+            except ConnectorError as exc:
+                logger.debug("TTL remove of %s failed: %s", k, exc)
+                continue
+            if rc == 0:  # it was still there: nobody consumed it
+                reaped.append(k)
+        if reaped:
+            self._counters.add("ttl_reaped", len(reaped))
+            logger.warning(
+                "MooncakeStoreConnector removed %d object(s) unconsumed after %.0f s (TTL): %s",
+                len(reaped),
+                ttl,
+                reaped[:8],
+            )
+        return reaped
+
     def pending_keys(self) -> list[str]:
         """Keys this client stored and has not seen consumed, oldest first (for cleanup)."""
         with self._lock:
@@ -402,7 +455,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 self._counters.add("removed")
 
     def health(self) -> dict[str, Any]:
-        """Status, endpoints, pool use and counters. Cheap; never raises."""
+        """Status, endpoints, pool use and counters (after a TTL sweep when one is due); never
+        raises."""
+        self.reap_expired()
         pool = self._pool
         counters = self._counters.snapshot()
         with self._lock:
