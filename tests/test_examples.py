@@ -51,6 +51,14 @@ def test_paged_kv_seed_api() -> None:
     assert "KV equals the sender's blocks: True" in out
 
 
+@pytest.mark.timeout(320)
+def test_admission_step_loop() -> None:
+    out = run_example("admission_step_loop.py")
+    assert "step 0: admitted req-5 (50 tokens of KV)" in out
+    assert "completed in arrival order: ['req-5', 'req-3', 'req-1', 'req-4', 'req-2']" in out
+    assert "failed: ['req-6 (" in out
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(320)
 def test_tp2_to_tp4_gloo() -> None:
