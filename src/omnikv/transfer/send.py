@@ -227,14 +227,22 @@ def _check_kv(
 
 
 def _slice_heads(
-    gathers: Sequence[BlockGather | None], start: int, stop: int
-) -> list[BlockGather | None]:
-    return [
-        None
-        if g is None
-        else BlockGather(g.blocks[:, :, start:stop], g.block_ids, g.seq_len, g.index)
-        for g in gathers
-    ]
+    sources: Sequence[BlockGather | torch.Tensor | None], start: int, stop: int
+) -> list[BlockGather | torch.Tensor | None]:
+    """Heads ``[start, stop)`` of each layer: of a gather's blocks, or of a coded
+    ``[tokens, heads, head_dim + 4]`` tensor."""
+    out: list[BlockGather | torch.Tensor | None] = []
+    for g in sources:
+        if g is None or isinstance(g, torch.Tensor):
+            out.append(None if g is None else g[:, start:stop])
+        else:
+            out.append(BlockGather(g.blocks[:, :, start:stop], g.block_ids, g.seq_len, g.index))
+    return out
+
+
+def _coded(gathers: Sequence[BlockGather | None], codec: str) -> list[torch.Tensor | None]:
+    """Each layer's tokens gathered and coded with ``codec``."""
+    return [None if g is None else encode_rows(g.materialize(), codec) for g in gathers]
 
 
 def _num_heads(gathers: Sequence[BlockGather | None]) -> int:
@@ -415,13 +423,22 @@ class KVSender:
         block_ids: Sequence[int],
         metadata: dict[str, Any],
     ) -> list[PackedPayload]:
+        """One payload per key: the same one for every key, or, when a smaller sender TP
+        feeds a larger receiver TP, each target rank's heads. With ``wire_codec`` the tokens are
+        gathered and coded first (:func:`omnikv.wire.codec.encode_rows`); raises
+        ``EncodeError`` for KV the codec does not code."""
         topo = self.topology
-        checksum = self.options.payload_checksum
         codec = self.options.wire_codec
+        keys_src: Sequence[BlockGather | torch.Tensor | None] = keys_g
+        values_src: Sequence[BlockGather | torch.Tensor | None] = values_g
+        extra: dict[str, Any] = {"checksum": self.options.payload_checksum}
         if codec != "off":
-            return self._coded_payloads(
-                transfer_id, keys, keys_g, values_g, block_ids, metadata, codec=codec
+            present = [g for g in (*keys_g, *values_g) if g is not None]
+            extra.update(
+                codec=codec,
+                original_dtype=DTYPE_TO_NAME.get(present[0].dtype) if present else "float16",
             )
+            keys_src, values_src = _coded(keys_g, codec), _coded(values_g, codec)
         targets = topo.target_ranks()
         slicing = (
             topo.source_tp_size < topo.target_tp_size
@@ -437,9 +454,7 @@ class KVSender:
             )
             slicing = False
         if not slicing:
-            one = PackedPayload(
-                transfer_id, keys_g, values_g, block_ids, metadata, checksum=checksum
-            )
+            one = PackedPayload(transfer_id, keys_src, values_src, block_ids, metadata, **extra)
             return [one] * len(keys)
         heads = _num_heads(keys_g)
         out: list[PackedPayload] = []
@@ -447,73 +462,10 @@ class KVSender:
             start, stop = head_range(heads, target % topo.ratio, topo.ratio)
             meta = {**metadata, "tp_head_slice": head_slice_tag(topo, target, side="sender")}
             sliced_k, sliced_v = (
-                _slice_heads(keys_g, start, stop),
-                _slice_heads(values_g, start, stop),
+                _slice_heads(keys_src, start, stop),
+                _slice_heads(values_src, start, stop),
             )
-            out.append(
-                PackedPayload(transfer_id, sliced_k, sliced_v, block_ids, meta, checksum=checksum)
-            )
-        return out
-
-    def _coded_payloads(
-        self,
-        transfer_id: str,
-        keys: list[str],
-        keys_g: list[BlockGather | None],
-        values_g: list[BlockGather | None],
-        block_ids: Sequence[int],
-        metadata: dict[str, Any],
-        *,
-        codec: str,
-    ) -> list[PackedPayload]:
-        """The payloads of :meth:`_payloads` with ``wire_codec`` on: each layer's tokens are
-        gathered, coded (:func:`omnikv.wire.codec.encode_rows`) and sliced by heads per target
-        rank as the plain path does. Raises ``EncodeError`` for KV the codec does not code."""
-        present = [g for g in (*keys_g, *values_g) if g is not None]
-        dtype = DTYPE_TO_NAME.get(present[0].dtype) if present else "float16"
-
-        def coded(gathers: list[BlockGather | None]) -> list[torch.Tensor | None]:
-            return [None if g is None else encode_rows(g.materialize(), codec) for g in gathers]
-
-        k_rows, v_rows = coded(keys_g), coded(values_g)
-        topo = self.topology
-        targets = topo.target_ranks()
-        checksum = self.options.payload_checksum
-        slicing = (
-            topo.source_tp_size < topo.target_tp_size
-            and len(keys) > 1
-            and len(targets) == len(keys)
-            and self.hooks.send_keys is None
-        )
-        if not slicing:
-            one = PackedPayload(
-                transfer_id,
-                k_rows,
-                v_rows,
-                block_ids,
-                metadata,
-                checksum=checksum,
-                codec=codec,
-                original_dtype=dtype,
-            )
-            return [one] * len(keys)
-        heads = _num_heads(keys_g)
-        out: list[PackedPayload] = []
-        for target in targets:
-            start, stop = head_range(heads, target % topo.ratio, topo.ratio)
-            meta = {**metadata, "tp_head_slice": head_slice_tag(topo, target, side="sender")}
-            out.append(
-                PackedPayload(
-                    transfer_id,
-                    [None if t is None else t[:, start:stop] for t in k_rows],
-                    [None if t is None else t[:, start:stop] for t in v_rows],
-                    block_ids,
-                    meta,
-                    checksum=checksum,
-                    codec=codec,
-                    original_dtype=dtype,
-                )
-            )
+            out.append(PackedPayload(transfer_id, sliced_k, sliced_v, block_ids, meta, **extra))
         return out
 
     def _not_sending(self, rid: str) -> SendResult:
