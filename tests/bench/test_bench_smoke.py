@@ -71,7 +71,8 @@ def test_bench_mooncake_small_run_verifies(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_bench_admission_small_run_verifies(tmp_path: Path) -> None:
     """Both modes run over two real sender processes and every payload is verified; admission
-    never stalls a step (that part cannot depend on the machine's speed)."""
+    never waits for a transfer (a wait would last until the missing request's 2 s deadline; the
+    bench's own 5 ms stall threshold is a speed figure, not checked here)."""
     out = tmp_path / "admission.json"
     args = ["--requests", "12", "--max-tokens", "256", "--rounds", "1", "--span-s", "0.4"]
     args += ["--recv-timeout", "2.0", "--no-targets", "--json", str(out)]
@@ -85,7 +86,8 @@ def test_bench_admission_small_run_verifies(tmp_path: Path) -> None:
     output = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, output
     result = json.loads(out.read_text())
-    assert result["bench"] == "admission" and result["admission_stalled_steps"] == 0, result
+    assert result["bench"] == "admission", result
     fifo, admission = result["rounds"]["fifo"][0], result["rounds"]["admission"][0]
+    assert admission["max_in_kv_calls_s"] < 1.0 < fifo["max_in_kv_calls_s"], result
     assert fifo["completed"] + fifo["failed"] == 12 == admission["completed"] + admission["failed"]
     assert admission["failed"] == fifo["failed"] == 1  # the one never sent (10% of 12)

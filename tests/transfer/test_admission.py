@@ -99,7 +99,7 @@ def test_poll_and_take_answer_at_once_with_many_requests_missing(
             assert adm.take("never-3") is None and adm.ready() == []
             slowest = max(slowest, time.monotonic() - t0)
             assert len(states) == 41
-        assert slowest < 0.05, slowest
+        assert slowest < 0.5, slowest  # a wait for KV would be seconds (recv_timeout 30 s)
         senders[0].send_kv("late", 7)
         _until(adm, "late", Readiness.READY, timeout=5.0)
         late = adm.take("late")

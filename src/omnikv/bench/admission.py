@@ -149,7 +149,7 @@ class LoopResult:
     steps: int = 0
     stalled: int = 0
     stalled_s: float = 0.0
-    #: the longest time one step's start spent inside the KV calls
+    #: the longest time one turn of the loop spent inside the KV calls
     max_api_s: float = 0.0
     wall_s: float = 0.0
     #: rid -> when it entered a slot (monotonic)
@@ -233,9 +233,9 @@ def run_loop(
                 elif res is not None:
                     out.failed += 1
                     pending -= 1
+        out.max_api_s = max(out.max_api_s, in_api)
         if running:
             out.steps += 1
-            out.max_api_s = max(out.max_api_s, in_api)
             if in_api > STALL_S:
                 out.stalled += 1
                 out.stalled_s += in_api
