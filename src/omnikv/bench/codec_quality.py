@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from omnikv.wire.codec import CODECS, decode_rows, encode_rows
+from omnikv.wire.codec import CODECS, round_trip
 
 __all__ = ["CodecQuality", "measure_codec_quality", "print_codec_quality"]
 
@@ -53,7 +53,7 @@ class CodecQuality:
 def _coded(t: torch.Tensor, codec: str, stats: CodecQuality) -> torch.Tensor:
     """``t`` ``[1, heads, seq, dim]`` through the codec and back; errors recorded."""
     rows = t[0].transpose(0, 1)  # [seq, heads, dim]
-    back = decode_rows(encode_rows(rows, codec), codec, t.dtype)
+    back = round_trip(rows, codec)
     err = (back.float() - rows.float()).abs()
     amax = rows.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
     stats.max_abs = max(stats.max_abs, float(err.max()))

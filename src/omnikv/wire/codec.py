@@ -32,6 +32,7 @@ __all__ = [
     "carrier_dtype",
     "decode_rows",
     "encode_rows",
+    "round_trip",
 ]
 
 #: The codecs a sender may name (``TransferOptions.wire_codec``).
@@ -98,3 +99,9 @@ def decode_rows(coded: torch.Tensor, codec: str, dtype: torch.dtype) -> torch.Te
     if not bool(torch.isfinite(scale).all()):
         raise DecodeError(f"corrupt KV payload: {codec} scales that are not finite")
     return (values * scale).to(dtype)
+
+
+def round_trip(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """``x`` as a receiver decodes it after ``codec`` (deterministic on the host): what a MAC over
+    coded KV must cover, and what the codec's error is measured on."""
+    return decode_rows(encode_rows(x, codec), codec, x.dtype)

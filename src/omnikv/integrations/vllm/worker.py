@@ -65,7 +65,7 @@ from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounter
 from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.receive import ReceiveStatus
-from omnikv.wire.codec import decode_rows, encode_rows
+from omnikv.wire.codec import round_trip
 
 __all__ = ["META_BINDING", "META_MAC", "WorkerSide", "transfer_cpus"]
 
@@ -144,11 +144,6 @@ def _request_amx_tiles() -> None:
     init = getattr(torch.cpu, "_init_amx", None)
     if init is None or not bool(init()):
         logger.warning("OmniKVConnector: could not enable AMX tiles for this process")
-
-
-def _through_codec(t: torch.Tensor, codec: str) -> torch.Tensor:
-    """``t`` as a consumer decodes it after the wire codec (deterministic on the host)."""
-    return decode_rows(encode_rows(t, codec), codec, t.dtype)
 
 
 def _pool(size: int, role: str, cpus: set[int] | None) -> ThreadPoolExecutor:
@@ -343,7 +338,7 @@ class WorkerSide:
             tokens = [layer.gather(spec.block_ids, spec.num_tokens) for layer in layers]
             codec = self.manager.options.wire_codec
             if codec != "off":  # the MAC covers what the consumer decodes, not what was coded
-                tokens = [(_through_codec(k, codec), _through_codec(v, codec)) for k, v in tokens]
+                tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
             metadata[META_MAC] = kv_mac(self.options.secret, spec.key, tokens)
         # What the sender gathers from: the cache's own views, or (packed layouts) a copy of
         # the request's blocks; the block ids are the same for every layer.
