@@ -40,12 +40,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from omnikv.deadline import deadline_after
-from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
+from omnikv.transfer.receive import ReceiveFn, ReceiveResult, ReceiveStatus
 
 __all__ = ["KVAdmission", "Readiness", "RequestReadiness"]
 
@@ -53,22 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: Receives that run at once, by default (each is one thread waiting on the connector).
 DEFAULT_MAX_RECEIVES = 32
-
-
-class ReceiveResultFn(Protocol):
-    """The manager's typed receive (:meth:`OmniKVTransferManager.receive_kv_cache_result`)."""
-
-    def __call__(
-        self,
-        request_id: str,
-        target_device: torch.device | None = None,
-        *,
-        sender_info: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        abort: threading.Event | None = None,
-        quiet: bool = False,
-        on_arrival: Any = None,
-    ) -> ReceiveResult: ...
 
 
 class Readiness(str, Enum):
@@ -119,7 +103,7 @@ class KVAdmission:
 
     def __init__(
         self,
-        receive: ReceiveResultFn,
+        receive: ReceiveFn,
         *,
         recv_timeout: float,
         max_receives: int = DEFAULT_MAX_RECEIVES,

@@ -79,7 +79,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -87,7 +87,7 @@ from omnikv.config import OmniKVCacheConfig
 from omnikv.deadline import deadline_after, remaining
 from omnikv.errors import KVPrefetchConsumeError
 from omnikv.transfer import staging
-from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
+from omnikv.transfer.receive import ReceiveFn, ReceiveResult, ReceiveStatus
 from omnikv.transfer.received import ReceivedKV, move_kv
 
 __all__ = [
@@ -100,26 +100,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class ReceiveFn(Protocol):
-    """What the worker runs per prefetch: the manager's typed receive
-    (``OmniKVTransferManager.receive_kv_cache_result``).
-
-    Receives ``request_id`` from the endpoint in ``sender_info`` by ``deadline``, onto
-    ``target_device`` (``None``: the host). Must honour ``abort`` between connector waits and
-    raise only ``KVPrefetchConsumeError``.
-    """
-
-    def __call__(
-        self,
-        request_id: str,
-        target_device: torch.device | None,
-        *,
-        sender_info: dict[str, Any] | None,
-        deadline: float,
-        abort: threading.Event,
-    ) -> ReceiveResult: ...
 
 
 _LOST_KEPT = 1024

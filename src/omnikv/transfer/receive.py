@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ __all__ = [
     "DUMMY_REQUEST_ID",
     "FetchTrace",
     "KVReceiver",
+    "ReceiveFn",
     "ReceiveResult",
     "ReceiveStatus",
 ]
@@ -108,6 +109,29 @@ class ReceiveResult:
     def metadata(self) -> dict[str, Any]:
         """The payload's metadata (``custom_metadata`` included); empty without KV."""
         return {} if self.kv is None else self.kv.metadata
+
+
+class ReceiveFn(Protocol):
+    """The manager's typed receive (``OmniKVTransferManager.receive_kv_cache_result``), as the
+    background receivers (prefetch, admission) call it.
+
+    Receives ``request_id`` from the endpoint in ``sender_info`` by ``deadline``, onto
+    ``target_device`` (``None``: the host); honours ``abort`` between connector waits; logs a
+    miss at DEBUG with ``quiet``; calls ``on_arrival`` with the payload's bytes once it is taken.
+    Raises only ``KVPrefetchConsumeError``.
+    """
+
+    def __call__(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
+    ) -> ReceiveResult: ...
 
 
 @dataclass
