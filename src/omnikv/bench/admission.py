@@ -44,6 +44,7 @@ import torch
 from omnikv.bench.common import (
     MODELS,
     JsonChannel,
+    Stats,
     reap,
     serve_commands,
     shm_stage_config,
@@ -158,6 +159,14 @@ class LoopResult:
     bad: list[str] = field(default_factory=list)
 
     @property
+    def wait_p50_p99(self) -> tuple[float, float]:
+        """Median and p99 of the waits (:class:`Stats`, as every bench); NaN without any."""
+        if not self.waits_s:
+            return float("nan"), float("nan")
+        waits = Stats("wait", self.waits_s)
+        return waits.median, waits.p99
+
+    @property
     def throughput(self) -> float:
         return self.completed / self.wall_s if self.wall_s > 0 else 0.0
 
@@ -251,13 +260,6 @@ def run_loop(
             time.sleep(0.0005)  # nothing ready and nothing to compute: idle, not stalled
     out.wall_s = time.monotonic() - start
     return out
-
-
-def _quantile(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -380,7 +382,7 @@ def _report(
             print(
                 f"{mode:10} {i:5d} {r.throughput:7.2f} {r.steps:6d} {r.stalled:8d} "
                 f"{r.stalled_s:8.2f} {r.max_api_s * 1e3:13.2f} "
-                f"{_quantile(r.waits_s, 0.5) * 1e3:12.1f} {_quantile(r.waits_s, 0.99) * 1e3:12.1f} "
+                f"{r.wait_p50_p99[0] * 1e3:12.1f} {r.wait_p50_p99[1] * 1e3:12.1f} "
                 f"{r.completed:5d} {r.failed:7d}"
             )
     fifo_tp = statistics.median(r.throughput for r in results["fifo"])
@@ -417,8 +419,8 @@ def _report(
                         "stalled": r.stalled,
                         "stalled_s": r.stalled_s,
                         "max_in_kv_calls_s": r.max_api_s,
-                        "wait_p50_s": _quantile(r.waits_s, 0.5),
-                        "wait_p99_s": _quantile(r.waits_s, 0.99),
+                        "wait_p50_s": r.wait_p50_p99[0],
+                        "wait_p99_s": r.wait_p50_p99[1],
                         "completed": r.completed,
                         "failed": r.failed,
                     }
