@@ -308,7 +308,9 @@ def test_metrics_count_outcomes_and_export(manager_pair: PairFactory) -> None:
     receiver.receive_kv_cache_for_request("m1")
     receiver.receive_kv_cache_for_request("m2")
     snap = sender.metrics.snapshot()
-    assert snap["outcomes"] == {"send.failed": 1, "send.sent": 1}
+    # the receiver accepted m1: its sender counts the delivery as well (the ack is synchronous
+    # in process)
+    assert snap["outcomes"] == {"send.failed": 1, "send.sent": 1, "delivery.delivered": 1}
     assert receiver.metrics.snapshot()["outcomes"] == {"recv.ok": 1, "recv.timeout": 1}
     assert receiver.metrics.snapshot()["phases_ms"]["recv.wait"]["count"] == 1
 

@@ -33,6 +33,7 @@ __all__ = [
     "KVPrefetchConsumeError",
     "OmniKVError",
     "PayloadError",
+    "PayloadRefused",
     "PeerGoneError",
     "PoolExhaustedError",
     "ReceiveTimeout",
@@ -57,6 +58,11 @@ class PayloadError(OmniKVError, ValueError):
 
 class DecodeError(PayloadError):
     """A packed KV payload is malformed; the message says what was expected, found, and where."""
+
+
+class PayloadRefused(PayloadError):
+    """A payload was taken and decoded, then rejected by a check (the caller's, or a duplicate
+    or stale one); its sender is told ``refused`` with this message."""
 
 
 class EncodeError(PayloadError):

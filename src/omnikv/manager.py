@@ -33,8 +33,16 @@ from omnikv.topology.placement import (
 )
 from omnikv.transfer import requests as _requests
 from omnikv.transfer.admission import KVAdmission
+from omnikv.transfer.delivery import DeliveryBook
 from omnikv.transfer.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume
-from omnikv.transfer.receive import DUMMY_REQUEST_ID, KVReceiver, ReceiveResult, ReceiveStatus
+from omnikv.transfer.receive import (
+    DUMMY_REQUEST_ID,
+    KVReceiver,
+    ReceiveCallbacks,
+    ReceiveResult,
+    ReceiveStatus,
+)
+from omnikv.transfer.received import ReceivedKV
 from omnikv.transfer.requests import apply_received_kv, request_id_of
 from omnikv.transfer.results import TransferLog
 from omnikv.transfer.send import KVSender, SendResult
@@ -89,6 +97,7 @@ class OmniKVTransferManager:
         #: Counters and phase histograms: `snapshot()`; exported by `omnikv.metrics.register()`.
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
+        self._deliveries = self._sender.deliveries = DeliveryBook(self._log.delivered)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
         self._prefetch_on = bool(async_prefetch) and receives
@@ -245,8 +254,24 @@ class OmniKVTransferManager:
         return list(finished_reqs)
 
     def get_send_result(self, request_id: str) -> SendResult | None:
-        """The outcome of the latest send of ``request_id`` (``None`` if never handled)."""
-        return self._log.sends.get(str(request_id))
+        """The outcome of the latest send of ``request_id`` (``None`` if never handled); with a
+        connector that acknowledges, ``sent`` turns into ``delivered`` / ``refused`` /
+        ``expired`` when the receiver's verdict (or the TTL) says so."""
+        rid = str(request_id)
+        return self._deliveries.result(rid) or self._log.sends.get(rid)
+
+    def wait_delivered(self, request_id: str, timeout: float | None = None) -> SendResult | None:
+        """Wait up to ``timeout`` s (``None``: no limit) until the send of ``request_id`` has its
+        verdict: ``delivered``, ``refused`` (with the receiver's reason) or ``expired``.
+
+        Returns the send result then; still ``sent`` when the timeout passed first; the result
+        as it stands (never waiting) when the connector does not acknowledge or the send did
+        not publish; ``None`` when ``request_id`` was never sent. Every published payload gets
+        its verdict by the connector's TTL (``buffer_ttl_seconds``) at the latest.
+        """
+        rid = str(request_id)
+        watched = self._deliveries.wait(rid, timeout)
+        return watched if watched is not None else self._log.sends.get(rid)
 
     def update_sender_info(
         self, sender_info: dict[str, Any], sender_stage_id: str | int | None = None
@@ -282,8 +307,12 @@ class OmniKVTransferManager:
         abort: Event | None = None,
         quiet: bool = False,
         on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
     ) -> ReceiveResult:
-        """:meth:`receive_kv_cache_for_request` as a ReceiveResult (:meth:`KVReceiver.receive`)."""
+        """:meth:`receive_kv_cache_for_request` as a ReceiveResult (:meth:`KVReceiver.receive`).
+
+        ``check`` (optional) is run on the received KV before it is accepted: a returned reason
+        makes the result ``refused`` and is sent back to the sender as its verdict."""
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
         deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
@@ -295,7 +324,7 @@ class OmniKVTransferManager:
             target_device=target_device,
             abort=abort,
             quiet=quiet,
-            on_arrival=on_arrival,
+            callbacks=ReceiveCallbacks(on_arrival, check) if on_arrival or check else None,
         )
         return self._log.received(result)
 

@@ -21,6 +21,10 @@ Who calls what:
   ``ConnectorClosedError``.
 
 * ``flush``: the owner before closing, to wait (bounded) until what it published is consumed.
+* ``acknowledge``: the receiver, once per payload it took, with its verdict (delivered or
+  refused); ``set_delivery_listener``: the sender's owner, to learn each published payload's
+  verdict (see :mod:`omnikv.connectors.delivery`). Transports that carry verdicts say so with
+  ``acknowledges``.
 
 ``wait`` returns a :class:`ManagedBuffer` (release it when done) or ``None``. ``get`` keeps the
 reference's shape, ``(obj, size)``: a :class:`ManagedBuffer` for raw payloads, the decoded object
@@ -54,6 +58,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from omnikv.connectors.delivery import DeliveryListener, Verdict
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorError
 from omnikv.wire.serializer import OmniSerializer, decode_object, encode_object, is_object
@@ -485,6 +490,9 @@ class OmniConnectorBase(ABC):
     error_map: ClassVar[ErrorMap | None] = None
     #: Seconds the reference-shaped ``put`` waits for pool space (0: try once).
     put_timeout_s: float = 0.0
+    #: Carries receivers' verdicts back to the sender (:meth:`acknowledge`,
+    #: :meth:`set_delivery_listener`); without it a send never gets past ``sent``.
+    acknowledges: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._closed = False
@@ -650,6 +658,33 @@ class OmniConnectorBase(ABC):
         keys still unconsumed. Default: a transport that keeps nothing has nothing to wait for.
         """
         return []
+
+    def acknowledge(  # noqa: B027 - optional hook
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        verdict: Verdict,
+        reason: str | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Tell the sender of the payload taken under ``get_key`` what became of it.
+
+        Called by the receiver once per payload it took, after its checks: ``delivered`` or
+        ``refused`` (with the reason). ``metadata`` is the one given to that ``wait``. Never
+        blocks for long and never raises (a verdict that cannot be carried is logged; the
+        sender then learns ``expired`` from its own watch). Default: nothing carries verdicts.
+        """
+
+    def set_delivery_listener(self, listener: DeliveryListener | None) -> None:  # noqa: B027
+        """Have each payload this connector publishes from now on reported once to ``listener``
+        (a :class:`~omnikv.connectors.delivery.DeliveryReport`: delivered, refused or expired).
+
+        Called by the sender's owner (the manager's send path) before it publishes. The listener
+        runs on a transport thread: it must be quick and must not call back into the connector.
+        Default: nothing is reported (``acknowledges`` is false).
+        """
 
     def health(self) -> dict[str, Any]:
         """Status and counters; cheap and never raising."""

@@ -15,7 +15,10 @@ only as payloads use them); ``put_timeout_s`` (seconds >= 0 the reference-shaped
 for space, default 0); ``buffer_ttl_seconds`` (default 300, as the other connectors; 0: never):
 a payload unconsumed for that long is dropped and its slot freed, with a warning naming it and
 the ``ttl_reaped`` / ``ttl_reaped_bytes`` counts. The namespace is swept on its next operation
-(put, get, wait, health), at most every ``buffer_ttl_seconds / 2``.
+(put, get, wait, health), at most every ``buffer_ttl_seconds / 2``. Verdicts
+(:mod:`omnikv.connectors.delivery`): a receiver's ``acknowledge`` reaches the publishing
+connector's listener directly; an expired payload is reported ``expired``, and so is one taken
+and not acknowledged within ``ack_timeout_s`` (default 60; checked by ``health``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ from omnikv.connectors.base import (
     matches_request,
 )
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.delivery import (
+    DEFAULT_ACK_TIMEOUT_S,
+    DeliveryListener,
+    DeliveryNotices,
+    Verdict,
+)
 from omnikv.connectors.pool import BufferAllocator
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorClosedError
@@ -86,11 +95,22 @@ class _Item:
     offset: int
     size: int
     put_at: float
+    put_key: str
+    notices: DeliveryNotices
+
+
+@dataclass
+class _Taken:
+    put_key: str
+    notices: DeliveryNotices
 
 
 class _Store:
     def __init__(self, pool_size: int) -> None:
         self.items: dict[str, _Item] = {}
+        # taken and not yet acknowledged: key -> who published it (bounded by the senders'
+        # notices: an entry whose sender stopped watching it is dropped by the sweep)
+        self.taken: dict[str, _Taken] = {}
         self.cond = threading.Condition()
         self.pool = _Pool(pool_size)
         self.users = 0
@@ -109,12 +129,16 @@ class _Store:
             counters.add("ttl_reaped")
             counters.add("ttl_reaped_bytes", item.size)
             logger.warning("LocalConnector dropped %s after %.0f s unconsumed (TTL)", key, ttl_s)
+            item.notices.report(item.put_key, Verdict.EXPIRED, f"unconsumed for {ttl_s:g} s (TTL)")
+        for key in [k for k, t in self.taken.items() if not t.notices.is_open(t.put_key)]:
+            del self.taken[key]
 
 
 class LocalConnector(OmniConnectorBase):
     """Keyed in-memory hand-off between managers of one process, over a shared pool."""
 
     supports_raw_data = True
+    acknowledges = True
     _stores: ClassVar[dict[str, _Store]] = {}
     # reentrant: a garbage-collected connector may close inside another one's constructor
     _stores_lock: ClassVar[threading.RLock] = threading.RLock()
@@ -137,6 +161,9 @@ class LocalConnector(OmniConnectorBase):
         self._counters = Counters(
             ("puts", "put_bytes", "gets", "get_bytes", "misses", "ttl_reaped", "ttl_reaped_bytes")
         )
+        self._notices = DeliveryNotices(
+            parse_number("ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S)
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -157,10 +184,13 @@ class LocalConnector(OmniConnectorBase):
         pool = self._store.pool
         offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
+        self._notices.published(put_key)
         with self._store.cond:
             self._store.reap_locked(self.buffer_ttl_s, self._counters)
             old = self._store.items.pop(key, None)
-            self._store.items[key] = _Item(offset, nbytes, time.monotonic())
+            item = _Item(offset, nbytes, time.monotonic(), put_key, self._notices)
+            self._store.items[key] = item
+            self._store.taken.pop(key, None)
             self._store.cond.notify_all()
         if old is not None:
             pool.allocator.free(old.offset)
@@ -175,6 +205,8 @@ class LocalConnector(OmniConnectorBase):
         if item is None:
             return None
         self._store.cond.notify_all()  # flush() waits for consumption
+        self._store.taken[key] = _Taken(item.put_key, item.notices)
+        item.notices.taken(item.put_key)
         self._counters.add("gets")
         self._counters.add("get_bytes", item.size)
         pool = self._store.pool
@@ -221,12 +253,37 @@ class LocalConnector(OmniConnectorBase):
                 self._store.cond.wait(timeout=min(left, 3600.0))
 
     def cleanup(self, request_id: str) -> None:
-        """Drop unconsumed payloads of ``request_id`` (:func:`matches_request`)."""
+        """Drop unconsumed payloads of ``request_id`` (:func:`matches_request`); their senders
+        get no verdict for them (the owner dropped them on purpose)."""
         with self._store.cond:
             keys = [k for k in self._store.items if matches_request(k, request_id)]
             dropped = [self._store.items.pop(k) for k in keys]
         for item in dropped:
             self._store.pool.allocator.free(item.offset)
+            item.notices.forget(item.put_key)
+
+    def acknowledge(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        verdict: Verdict,
+        reason: str | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Report ``verdict`` to the connector that published the payload taken under
+        ``get_key`` (once; a second verdict, or one for a key not taken, is ignored)."""
+        key = self._make_key(get_key, from_stage, to_stage)
+        with self._store.cond:
+            taken = self._store.taken.pop(key, None)
+        if taken is not None:
+            taken.notices.report(taken.put_key, verdict, reason)
+
+    def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
+        """Report each payload published here to ``listener`` once (see
+        :mod:`omnikv.connectors.delivery`)."""
+        self._notices.set_listener(listener)
 
     def pending_keys(self) -> list[str]:
         """Keys published and not yet consumed (tests, diagnostics)."""
@@ -242,6 +299,7 @@ class LocalConnector(OmniConnectorBase):
             return list(self._store.items)
 
     def health(self) -> dict[str, Any]:
+        self._notices.sweep()
         with self._store.cond:
             self._store.reap_locked(self.buffer_ttl_s, self._counters)
             pending = len(self._store.items)

@@ -34,6 +34,7 @@ import torch
 
 from omnikv.config import TransferOptions
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase, get_result
+from omnikv.connectors.delivery import Verdict
 from omnikv.connectors.factory import LazyConnector
 from omnikv.errors import (
     ConnectorError,
@@ -41,6 +42,8 @@ from omnikv.errors import (
     DecodeError,
     KVPrefetchConsumeError,
     OmniKVError,
+    PayloadError,
+    PayloadRefused,
     PeerGoneError,
     ReceiveCancelled,
     ReceiveTimeout,
@@ -57,6 +60,7 @@ __all__ = [
     "DUMMY_REQUEST_ID",
     "FetchTrace",
     "KVReceiver",
+    "ReceiveCallbacks",
     "ReceiveFn",
     "ReceiveResult",
     "ReceiveStatus",
@@ -79,6 +83,8 @@ class ReceiveStatus(str, Enum):
     SKIPPED = "skipped"
     #: The caller aborted the wait (prefetch shutdown); nothing was consumed for the missing key.
     CANCELLED = "cancelled"
+    #: Taken and decoded, then rejected by a check (the caller's ``check``); the sender is told.
+    REFUSED = "refused"
     #: The manager is configured neither to send nor to receive (see its construction warning).
     NOT_CONFIGURED = "not_configured"
 
@@ -117,7 +123,8 @@ class ReceiveFn(Protocol):
 
     Receives ``request_id`` from the endpoint in ``sender_info`` by ``deadline``, onto
     ``target_device`` (``None``: the host); honours ``abort`` between connector waits; logs a
-    miss at DEBUG with ``quiet``; calls ``on_arrival`` with the payload's bytes once it is taken.
+    miss at DEBUG with ``quiet``; calls ``on_arrival`` with the payload's bytes once it is taken;
+    refuses KV that ``check`` gives a reason for (see :class:`ReceiveCallbacks`).
     Raises only ``KVPrefetchConsumeError``.
     """
 
@@ -131,7 +138,24 @@ class ReceiveFn(Protocol):
         abort: threading.Event | None = None,
         quiet: bool = False,
         on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
     ) -> ReceiveResult: ...
+
+
+@dataclass(frozen=True)
+class ReceiveCallbacks:
+    """What a caller of :meth:`KVReceiver.receive` / :meth:`KVReceiver.fetch` is told, and
+    asked, during one receive.
+
+    ``on_arrival`` is called with the payload's bytes once every shard has been taken from the
+    connector, before decoding (readiness tracking: the KV is no longer missing, not yet
+    usable). ``check`` runs on the finished KV and returns why it must not be used, or ``None``
+    (a vLLM consumer's binding, shape and MAC checks); its reason becomes the ``refused``
+    verdict the sender gets.
+    """
+
+    on_arrival: Callable[[int], object] | None = None
+    check: Callable[[ReceivedKV], str | None] | None = None
 
 
 @dataclass
@@ -201,6 +225,21 @@ def _missing(
     return ReceiveTimeout(request_id, waited, f"{detail}; {report.detail}")
 
 
+def _acknowledge(
+    connector: OmniConnectorBase,
+    stages: tuple[str, str],
+    waits: list[tuple[str, dict[str, Any] | None]],
+    verdict: Verdict,
+    reason: str | None,
+) -> None:
+    """Give every payload of one receive its verdict (a connector without acknowledgements
+    ignores it; one that fails to carry it logs that, and its sender sees ``expired``)."""
+    if not connector.acknowledges:
+        return
+    for key, meta in waits:
+        connector.acknowledge(*stages, key, verdict, reason, metadata=meta)
+
+
 def _names_device(target: torch.device | str | None, device: torch.device) -> bool:
     """Whether ``target`` is ``device`` (``None``: stay where it is). A name torch does not
     know is not: the device move then fails, after the consume, as a consume error."""
@@ -216,6 +255,7 @@ _STATUS = (
     (PeerGoneError, ReceiveStatus.PEER_GONE),
     (ConnectorUnavailableError, ReceiveStatus.UNAVAILABLE),
     (ConnectorError, ReceiveStatus.UNAVAILABLE),
+    (PayloadRefused, ReceiveStatus.REFUSED),
     (DecodeError, ReceiveStatus.CORRUPT),
     (ReceiveCancelled, ReceiveStatus.CANCELLED),
     (ReceiveTimeout, ReceiveStatus.TIMEOUT),
@@ -266,7 +306,7 @@ class KVReceiver:
         target_device: torch.device | str | None = None,
         abort: threading.Event | None = None,
         quiet: bool = False,
-        on_arrival: Callable[[int], object] | None = None,
+        callbacks: ReceiveCallbacks | None = None,
     ) -> ReceiveResult:
         """:meth:`fetch` as a :class:`ReceiveResult`; raises only ``KVPrefetchConsumeError``.
 
@@ -298,7 +338,7 @@ class KVReceiver:
                 target_device=target_device,
                 abort=abort,
                 trace=trace,
-                on_arrival=on_arrival,
+                callbacks=callbacks,
             )
         except OmniKVError as exc:
             return self._miss(request_id, exc, t0, trace.keys, quiet)
@@ -350,7 +390,7 @@ class KVReceiver:
         target_device: torch.device | str | None = None,
         abort: threading.Event | None = None,
         trace: FetchTrace | None = None,
-        on_arrival: Callable[[int], object] | None = None,
+        callbacks: ReceiveCallbacks | None = None,
     ) -> ReceivedKV:
         """Wait for every shard of ``request_id`` until ``deadline`` and return its KV.
 
@@ -359,9 +399,12 @@ class KVReceiver:
         times out are dropped (they were consumed; the error says so). ``abort``: each connector
         wait is cut into slices of at most :data:`ABORT_SLICE_S` and the event is checked before
         every slice. ``trace`` (optional) receives the keys and the phase timings.
-        ``on_arrival`` (optional) is called with the payload's bytes once every shard has been
-        taken from the connector, before decoding (readiness tracking: the KV is no longer
-        missing, not yet usable).
+        ``callbacks`` (optional): see :class:`ReceiveCallbacks`; a reason from its ``check``
+        raises :class:`~omnikv.errors.PayloadRefused`.
+
+        Every payload taken gets its verdict through ``connector.acknowledge``: ``delivered``
+        when the KV is returned, ``refused`` with the reason when decoding, a check, or a
+        sibling shard failed after it was taken (the sender's ``get_send_result`` shows it).
         """
         from_stage, to_stage = self.stages
         if from_stage is None or to_stage is None:
@@ -388,7 +431,10 @@ class KVReceiver:
             t0=t0,
         )
         t_wait = time.monotonic()
+        verdict = Verdict.REFUSED
+        reason: str | None = "the receiver failed while using it"
         try:
+            on_arrival = None if callbacks is None else callbacks.on_arrival
             if on_arrival is not None:
                 on_arrival(sum(int(buf.size) for buf in raws))
             shards = [self._decode(buf, target_device) for buf in raws]
@@ -396,9 +442,18 @@ class KVReceiver:
             kv = self._combine(shards)
             aliased = any(not buf.released for buf in raws)
             kv = self._finish(request_id, kv, target_device, aliased)
+            check = None if callbacks is None else callbacks.check
+            refusal = None if check is None else check(kv)
+            if refusal is not None:
+                raise PayloadRefused(f"KV of {request_id} refused: {refusal}")
+            verdict, reason = Verdict.DELIVERED, None
+        except (PayloadError, KVPrefetchConsumeError) as exc:
+            reason = str(exc)
+            raise
         finally:
             for buf in raws:
                 buf.release()
+            _acknowledge(connector, (from_stage, to_stage), waits, verdict, reason)
         if trace is not None:
             trace.phases(t0, t_wait, t_decode, time.monotonic())
         logger.debug(
@@ -422,7 +477,7 @@ class KVReceiver:
         t0: float,
     ) -> list[ManagedBuffer]:
         """One wait per ``(key, metadata)`` of ``waits``, in order, all until ``deadline``; on
-        any failure the shards taken so far are released."""
+        any failure the shards taken so far are released and refused."""
         raws: list[ManagedBuffer] = []
         try:
             for key, meta in waits:
@@ -438,9 +493,11 @@ class KVReceiver:
                         taken=len(raws),
                     )
                 raws.append(got)
-        except BaseException:
+        except BaseException as exc:
             for buf in raws:
                 buf.release()
+            why = f"another shard of {request_id} was not received ({type(exc).__name__})"
+            _acknowledge(connector, stages, waits[: len(raws)], Verdict.REFUSED, why)
             raise
         return raws
 

@@ -12,11 +12,12 @@ from typing import Any, Generic, TypeVar
 
 from omnikv.metrics import TransferMetrics
 from omnikv.transfer.receive import ReceiveResult
-from omnikv.transfer.send import SendResult
+from omnikv.transfer.send import SendResult, SendStatus
 
 __all__ = ["DEFAULT_KEPT", "ResultLog", "TransferLog"]
 
 DEFAULT_KEPT = 4096
+_VERDICTS = (SendStatus.DELIVERED, SendStatus.REFUSED, SendStatus.EXPIRED)
 
 T = TypeVar("T")
 
@@ -67,9 +68,15 @@ class TransferLog:
     def sent(self, results: list[SendResult]) -> list[SendResult]:
         for r in results:
             self.sends.record(r.request_id, r)
-            self.metrics.record("send", r.status.value, r.nbytes, r.timings_ms)
+            # a verdict that came in before the batch ended is counted by ``delivered``
+            status = "sent" if r.status in _VERDICTS else r.status.value
+            self.metrics.record("send", status, r.nbytes, r.timings_ms)
         self.last_sends = results
         return results
+
+    def delivered(self, result: SendResult) -> None:
+        """Count a send's verdict (``delivery.delivered`` / ``.refused`` / ``.expired``)."""
+        self.metrics.record("delivery", result.status.value, result.nbytes, {})
 
     def received(self, result: ReceiveResult) -> ReceiveResult:
         """Log ``result`` (without its KV) and count it; returns it."""

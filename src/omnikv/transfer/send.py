@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from omnikv.topology.tp import KVTPTopology, head_range, head_slice_tag
 from omnikv.wire.codec import encode_rows
 from omnikv.wire.encode import PackedPayload
 from omnikv.wire.format import DTYPE_TO_NAME
+
+if TYPE_CHECKING:
+    from omnikv.transfer.delivery import DeliveryBook
 
 __all__ = ["KVSender", "SendResult", "SendStatus", "put_with_retry"]
 
@@ -62,7 +65,15 @@ _DTYPE_ALIASES = {
 
 
 class SendStatus(str, Enum):
+    """A send's outcome. ``sent``: every key published; with a connector that acknowledges
+    (``acknowledges``), it later becomes ``delivered`` (every receiver accepted its payload),
+    ``refused`` (a receiver rejected it, with its reason) or ``expired`` (nobody took it within
+    the TTL, or the receiver that took it went away without a verdict)."""
+
     SENT = "sent"
+    DELIVERED = "delivered"
+    REFUSED = "refused"
+    EXPIRED = "expired"
     SKIPPED = "skipped"
     FAILED = "failed"
     #: The manager is configured neither to send nor to receive (see its construction warning).
@@ -71,7 +82,8 @@ class SendStatus(str, Enum):
 
 @dataclass
 class SendResult:
-    """Outcome of one request's send. ``ok`` only when every key was published."""
+    """Outcome of one request's send. ``ok`` when every key was published (``sent``, and
+    ``delivered`` after it); ``refused`` and ``expired`` are not ok."""
 
     request_id: str
     status: SendStatus
@@ -83,7 +95,7 @@ class SendResult:
 
     @property
     def ok(self) -> bool:
-        return self.status is SendStatus.SENT
+        return self.status is SendStatus.SENT or self.status is SendStatus.DELIVERED
 
 
 class _Refused(Exception):
@@ -293,6 +305,9 @@ class KVSender:
         self.sleep = sleep
         #: Each cache layer's K/V split and checks, kept across requests (see LayerCache).
         self.layers = LayerCache()
+        #: Verdicts of what was sent (set by the manager); fed by the connector's listener.
+        self.deliveries: DeliveryBook | None = None
+        self._listened: OmniConnectorBase | None = None
 
     def send_batch(
         self,
@@ -326,10 +341,23 @@ class KVSender:
 
     def _send_one(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         try:
-            return self.send(request_id, entry, batch)
+            result = self.send(request_id, entry, batch)
         except Exception as exc:  # input nobody foresaw: this request fails, the batch goes on
             logger.debug("sending %s raised", request_id, exc_info=True)
-            return self._fail(request_id, f"{type(exc).__name__}: {exc}")
+            result = self._fail(request_id, f"{type(exc).__name__}: {exc}")
+        book = self.deliveries
+        return result if book is None else book.settle(result)
+
+    def _watch(self, connector: OmniConnectorBase, request_id: str, keys: list[str]) -> None:
+        """Have ``connector`` report the verdicts of ``keys`` to :attr:`deliveries` (the listener
+        is installed once per connector, before its first put)."""
+        book = self.deliveries
+        if book is None or not connector.acknowledges:
+            return
+        if self._listened is not connector:
+            connector.set_delivery_listener(book.on_report)
+            self._listened = connector
+        book.expect(request_id, keys)
 
     def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         """Validate, extract, encode and publish one request."""
@@ -351,6 +379,7 @@ class KVSender:
         except (_Refused, OmniKVError) as exc:
             return self._fail(request_id, str(exc))
         t_plan = time.perf_counter()
+        self._watch(connector, request_id, keys)
         total, failed = 0, []
         for key, payload in zip(keys, payloads, strict=True):
             ok, size, err = put_with_retry(

@@ -1,0 +1,165 @@
+"""The sender's view of delivery: which requests' payloads were delivered, refused or expired.
+
+Called by :class:`~omnikv.transfer.send.KVSender` (``expect`` before a request's puts,
+``settle`` after them) and by the sending connector's listener thread (``on_report``, one
+:class:`~omnikv.connectors.delivery.DeliveryReport` per payload). A request with several keys
+(TP ranks of the receiving stage) is ``delivered`` only when every key was, ``refused`` as soon
+as one was refused, ``expired`` as soon as one expired (and none was refused). The manager's
+``get_send_result`` shows the latest status; ``wait`` blocks (bounded) until a request's
+verdict is in.
+
+Reports may arrive before ``settle`` (a fast receiver acknowledges while the sender is still
+putting the next key): ``expect`` registers the keys before the first put, so no report is lost.
+Memory is bounded: at most ``capacity`` requests are watched (the oldest are dropped first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from omnikv.connectors.delivery import DeliveryReport, Verdict
+from omnikv.transfer.send import SendResult, SendStatus
+
+__all__ = ["DeliveryBook"]
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {
+    Verdict.DELIVERED: SendStatus.DELIVERED,
+    Verdict.REFUSED: SendStatus.REFUSED,
+    Verdict.EXPIRED: SendStatus.EXPIRED,
+}
+
+
+@dataclass
+class _Watch:
+    keys: frozenset[str]
+    verdicts: dict[str, DeliveryReport] = field(default_factory=dict)
+    result: SendResult | None = None
+
+
+class DeliveryBook:
+    """Request -> verdicts of its keys; the send results it updates (thread-safe)."""
+
+    def __init__(
+        self,
+        record: Callable[[SendResult], object] | None = None,
+        capacity: int = 4096,
+    ) -> None:
+        #: Called once with each result when its verdict is decided (the manager's metrics).
+        self.record = record
+        self.capacity = capacity
+        self._cond = threading.Condition()
+        self._watches: OrderedDict[str, _Watch] = OrderedDict()
+        self._owner: dict[str, str] = {}  # key -> request id
+
+    def expect(self, request_id: str, keys: Iterable[str]) -> None:
+        """``request_id`` is about to be published under ``keys`` (a re-send starts afresh)."""
+        watch = _Watch(frozenset(keys))
+        with self._cond:
+            self._drop(request_id)
+            self._watches[request_id] = watch
+            for key in watch.keys:
+                self._owner[key] = request_id
+            while len(self._watches) > self.capacity:
+                self._drop(next(iter(self._watches)))
+
+    def settle(self, result: SendResult) -> SendResult:
+        """The send of ``result.request_id`` ended: watch it if it was sent, else forget it.
+        Returns the result, with the verdict already applied when every report came first."""
+        with self._cond:
+            watch = self._watches.get(result.request_id)
+            if watch is None:
+                return result
+            if result.status is not SendStatus.SENT:
+                self._drop(result.request_id)
+                return result
+            watch.result = result
+            final = self._apply(watch)
+            self._cond.notify_all()
+        if final is not None and self.record is not None:
+            self.record(final)
+        return final or result
+
+    def result(self, request_id: str) -> SendResult | None:
+        """The watched send result of ``request_id`` with its verdict so far (``None``: not
+        watched: never sent through a connector that acknowledges, or forgotten)."""
+        with self._cond:
+            watch = self._watches.get(request_id)
+            return None if watch is None else watch.result
+
+    def on_report(self, report: DeliveryReport) -> None:
+        """The sending connector's listener: one payload's verdict."""
+        changed: SendResult | None = None
+        with self._cond:
+            rid = self._owner.get(report.key)
+            watch = None if rid is None else self._watches.get(rid)
+            if watch is None or report.key in watch.verdicts:
+                logger.debug("verdict for unwatched key %s ignored", report.key)
+                return
+            watch.verdicts[report.key] = report
+            if watch.result is not None:
+                changed = self._apply(watch)
+            self._cond.notify_all()
+        if changed is not None and self.record is not None:
+            self.record(changed)
+
+    def wait(self, request_id: str, timeout: float | None) -> SendResult | None:
+        """Block until ``request_id``'s verdict is in or ``timeout`` s passed (``None``: no
+        limit); the latest result then, ``None`` when the request is not watched."""
+        end = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while True:
+                watch = self._watches.get(request_id)
+                if watch is None or watch.result is None:
+                    return None
+                if watch.result.status is not SendStatus.SENT:
+                    return watch.result
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return watch.result
+                self._cond.wait(timeout=left)
+
+    def _apply(self, watch: _Watch) -> SendResult | None:
+        """The watched result with its verdict, once one is decided (the caller holds the lock).
+        Once decided the watch stops taking reports (its keys are released)."""
+        assert watch.result is not None
+        if watch.result.status is not SendStatus.SENT:
+            return None
+        reports = list(watch.verdicts.values())
+        worst = _decide(reports, watch.keys)
+        if worst is None:
+            return None
+        reasons = [f"{r.key}: {r.reason}" for r in reports if r.verdict is worst and r.reason]
+        reason = "; ".join(reasons) or None
+        watch.result = dataclasses.replace(watch.result, status=_STATUS[worst], reason=reason)
+        for key in watch.keys:
+            if self._owner.get(key) == watch.result.request_id:
+                del self._owner[key]
+        return watch.result
+
+    def _drop(self, request_id: str) -> None:
+        watch = self._watches.pop(request_id, None)
+        if watch is None:
+            return
+        for key in watch.keys:
+            if self._owner.get(key) == request_id:
+                del self._owner[key]
+
+
+def _decide(reports: list[DeliveryReport], keys: frozenset[str]) -> Verdict | None:
+    """Refused if any key was, then expired if any, delivered when every key was."""
+    verdicts = {r.verdict for r in reports}
+    if Verdict.REFUSED in verdicts:
+        return Verdict.REFUSED
+    if Verdict.EXPIRED in verdicts:
+        return Verdict.EXPIRED
+    if len(reports) == len(keys):
+        return Verdict.DELIVERED
+    return None
