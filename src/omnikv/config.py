@@ -43,7 +43,7 @@ from omnikv.values import (
     parse_ratio,
 )
 from omnikv.wire.codec import CODECS
-from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES
+from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES, MAX_INSTANCE_CHARS
 
 __all__ = [
     "KNOWN_KEYS",
@@ -132,6 +132,12 @@ class TransferOptions:
       a sender codes fp16 / bf16 / fp32 KV to 8 bits with one scale per token and head, half the
       bytes on the link, lossy within the bounds :mod:`omnikv.wire.codec` documents. Receivers
       decode it whatever their own setting.
+    * ``instance_id``: a stable name for this sending instance (``"prefill-0"``), the same
+      across its restarts. Every payload carries the sender's session, epoch (its start time)
+      and a sequence number; a receiver refuses a duplicate always, and, for a named instance,
+      a payload from an older epoch of that instance than one it has already seen (a restarted
+      sender supersedes its earlier incarnation). Unnamed senders (the default) are never
+      ordered against each other: data-parallel producers of one stage and rank are normal.
     """
 
     kv_cache_layout: str = "auto"
@@ -142,6 +148,7 @@ class TransferOptions:
     send_timeout: float = 30.0
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     wire_codec: str = "off"
+    instance_id: str | None = None
 
     def __post_init__(self) -> None:
         parse_choice("kv_cache_layout", self.kv_cache_layout, "auto", LAYOUTS)
@@ -152,6 +159,7 @@ class TransferOptions:
         parse_positive("send_timeout", self.send_timeout, 30.0)
         parse_int("max_header_bytes", self.max_header_bytes, DEFAULT_MAX_HEADER_BYTES)
         parse_choice("wire_codec", self.wire_codec, "off", ("off", *CODECS))
+        parse_instance_id(self.instance_id)
         if self.max_header_bytes >= 1 << 32:
             raise ConfigError(f"max_header_bytes must be < 2**32, got {self.max_header_bytes}")
 
@@ -226,7 +234,25 @@ def options_from_dict(omni_kv_config: Mapping[str, Any] | None) -> TransferOptio
             "max_header_bytes", pick("max_header_bytes"), DEFAULT_MAX_HEADER_BYTES
         ),
         wire_codec=parse_choice("wire_codec", pick("wire_codec"), "off", ("off", *CODECS)),
+        instance_id=parse_instance_id(pick("instance_id")),
     )
+
+
+def parse_instance_id(value: Any) -> str | None:
+    """``instance_id`` checked: ``None``, or 1 to :data:`MAX_INSTANCE_CHARS` printable ASCII
+    characters without spaces (it travels in every payload header)."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= MAX_INSTANCE_CHARS
+        or not all("!" <= ch <= "~" for ch in value)
+    ):
+        raise ConfigError(
+            f"instance_id must be 1..{MAX_INSTANCE_CHARS} printable ASCII characters without "
+            f"spaces, got {value!r:.80}"
+        )
+    return value
 
 
 def receiver_pool_on_device(omni_kv_config: Mapping[str, Any] | None) -> bool:
@@ -333,6 +359,7 @@ OPTION_KEYS = frozenset(
         "send_timeout",
         "max_header_bytes",
         "wire_codec",
+        "instance_id",
     }
 )
 #: Keys of the same dict that the host framework reads (the AR scheduler's transfer criteria).

@@ -46,6 +46,7 @@ from omnikv.transfer.received import ReceivedKV
 from omnikv.transfer.requests import apply_received_kv, request_id_of
 from omnikv.transfer.results import TransferLog
 from omnikv.transfer.send import KVSender, SendResult
+from omnikv.transfer.sessions import SessionGuard
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
@@ -98,6 +99,7 @@ class OmniKVTransferManager:
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
         self._deliveries = self._sender.deliveries = DeliveryBook(self._log.delivered)
+        self._receiver.guard = SessionGuard(self.metrics)
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
         self._prefetch_on = bool(async_prefetch) and receives

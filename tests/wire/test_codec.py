@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_paged_caches
 from omnikv.errors import DecodeError, EncodeError
-from omnikv.wire.codec import CODECS, decode_rows, encode_rows
+from omnikv.wire.codec import CODECS, Coded, decode_rows, encode_rows
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.encode import PackedPayload
 
@@ -75,8 +75,7 @@ def _payload(codec: str | None, dtype: torch.dtype = torch.bfloat16) -> tuple[by
         [coded(t) for t in v],
         [1, 2],
         {"seq_len": 33},
-        codec=codec,
-        original_dtype="bfloat16",
+        coded=Coded(codec, "bfloat16"),
     )
     return plan.to_bytes(), k + v
 
@@ -118,7 +117,7 @@ def test_a_forged_codec_header_is_refused(old: bytes, new: bytes, message: str) 
 
 def test_a_payload_that_claims_a_codec_but_is_not_coded_is_refused() -> None:
     x = _rows(torch.bfloat16)
-    plan = PackedPayload("r", [x], [x], [0], {}, codec="int8", original_dtype="bfloat16")
+    plan = PackedPayload("r", [x], [x], [0], {}, coded=Coded("int8", "bfloat16"))
     with pytest.raises(DecodeError, match=r"head_size \+ 4"):
         decode_kv(plan.to_bytes())
 

@@ -52,6 +52,7 @@ from omnikv.topology.keys import TransferHooks, build_recv_keys
 from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
 from omnikv.transfer.received import ReceivedKV, move_kv
+from omnikv.transfer.sessions import SessionGuard
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
 
@@ -294,6 +295,8 @@ class KVReceiver:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._kept: dict[str, ReceiveResult] = {}
+        #: Refuses duplicates and stale epochs (set by the manager; ``None``: unchecked).
+        self.guard: SessionGuard | None = None
 
     # -- the result form ----------------------------------------------------------------------
     def receive(
@@ -522,6 +525,8 @@ class KVReceiver:
             payload = buf.tensor
         limit = self.options.max_header_bytes
         decoded = decode_kv(payload, copy=own, max_header_bytes=limit)
+        if self.guard is not None:
+            self.guard.admit(decoded.stamp, decoded.request_id)
         if own:
             buf.release()
         return ReceivedKV.from_decoded(decoded, size)

@@ -40,7 +40,8 @@ from omnikv.layouts.gather import BlockGather, plan_request_kv
 from omnikv.layouts.specs import HF_HINT
 from omnikv.topology.keys import TransferHooks, build_send_keys
 from omnikv.topology.tp import KVTPTopology, head_range, head_slice_tag
-from omnikv.wire.codec import encode_rows
+from omnikv.transfer.sessions import SenderStamps
+from omnikv.wire.codec import Coded, encode_rows
 from omnikv.wire.encode import PackedPayload
 from omnikv.wire.format import DTYPE_TO_NAME
 
@@ -305,6 +306,8 @@ class KVSender:
         self.sleep = sleep
         #: Each cache layer's K/V split and checks, kept across requests (see LayerCache).
         self.layers = LayerCache()
+        #: Session, epoch and sequence written into every payload (duplicates, restarts).
+        self.stamps = SenderStamps(options.instance_id)
         #: Verdicts of what was sent (set by the manager); fed by the connector's listener.
         self.deliveries: DeliveryBook | None = None
         self._listened: OmniConnectorBase | None = None
@@ -460,13 +463,14 @@ class KVSender:
         codec = self.options.wire_codec
         keys_src: Sequence[BlockGather | torch.Tensor | None] = keys_g
         values_src: Sequence[BlockGather | torch.Tensor | None] = values_g
-        extra: dict[str, Any] = {"checksum": self.options.payload_checksum}
+        extra: dict[str, Any] = {
+            "checksum": self.options.payload_checksum,
+            "stamp": self.stamps.next(),
+        }
         if codec != "off":
             present = [g for g in (*keys_g, *values_g) if g is not None]
-            extra.update(
-                codec=codec,
-                original_dtype=DTYPE_TO_NAME.get(present[0].dtype) if present else "float16",
-            )
+            original = DTYPE_TO_NAME.get(present[0].dtype) if present else "float16"
+            extra["coded"] = Coded(codec, original or "float16")
             keys_src, values_src = _coded(keys_g, codec), _coded(values_g, codec)
         targets = topo.target_ranks()
         slicing = (

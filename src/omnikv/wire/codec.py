@@ -21,6 +21,8 @@ into fresh tensors of the original dtype (no zero-copy views with a codec).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from omnikv.errors import DecodeError, EncodeError
@@ -29,6 +31,7 @@ __all__ = [
     "CODECS",
     "CODEC_FORMAT_VERSION",
     "SCALE_BYTES",
+    "Coded",
     "carrier_dtype",
     "decode_rows",
     "encode_rows",
@@ -47,6 +50,15 @@ _CODED = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 #: The dtype a coded tensor travels as (named in ``td``): bytes that are values and scales.
 _CARRIER = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
 _CODABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Coded:
+    """How a payload's tensors were coded: ``codec`` (one of :data:`CODECS`) and the dtype name
+    a receiver decodes them to (the header's ``cx`` and ``od``, which travel together)."""
+
+    codec: str
+    original_dtype: str
 
 
 def carrier_dtype(codec: str) -> torch.dtype:

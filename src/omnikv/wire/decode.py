@@ -60,6 +60,7 @@ from omnikv.wire.format import (
     PAGE,
     Header,
     Span,
+    Stamp,
     TensorDesc,
     crc32,
 )
@@ -104,6 +105,8 @@ class DecodedKV:
     metadata: dict[str, Any]
     key_cache: list[torch.Tensor | None]
     value_cache: list[torch.Tensor | None]
+    #: The sender's stamp (header ``ss``), when it wrote one.
+    stamp: Stamp | None = None
 
     @property
     def num_layers(self) -> int:
@@ -199,7 +202,7 @@ def _assemble(header: Header, spans: list[Span], tensors: list[torch.Tensor]) ->
     )
     for span, tensor in zip(spans, tensors, strict=True):
         caches[span.cache][span.layer] = tensor
-    return DecodedKV(header.rid, header.bids, header.meta, caches[0], caches[1])
+    return DecodedKV(header.rid, header.bids, header.meta, caches[0], caches[1], header.ss)
 
 
 def decode(buf: Any, *, verify: bool = True) -> dict[str, Any]:

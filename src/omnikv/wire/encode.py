@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from omnikv.errors import EncodeError
-from omnikv.wire.codec import CODEC_FORMAT_VERSION
+from omnikv.wire.codec import CODEC_FORMAT_VERSION, Coded
 from omnikv.wire.format import (
     ALIGN,
     BITS_NP,
@@ -154,9 +154,10 @@ class PackedPayload:
     packed size; :meth:`pack_into` writes the payload into a caller's buffer with one copy per
     tensor. Raises :class:`EncodeError` for a dtype the format cannot name, metadata that is not
     JSON-serialisable, or a header larger than receivers accept by default. Not thread-safe;
-    cheap to build. With ``codec`` the sources are already coded
-    (:func:`omnikv.wire.codec.encode_rows`) and the header names the codec and
-    ``original_dtype``, the dtype a receiver decodes them to.
+    cheap to build. With ``coded`` the sources are already coded
+    (:func:`omnikv.wire.codec.encode_rows`) and the header names the codec and the original
+    dtype, the one a receiver decodes them to. ``stamp`` (the sender's
+    :class:`~omnikv.wire.format.Stamp` fields) goes into the header as ``ss``.
 
     A plan is itself the writer a connector's ``put_packed`` takes: called with a tensor, or
     (:meth:`write_host`, the :class:`omnikv.connectors.base.HostArrayWriter` protocol) with a
@@ -173,8 +174,8 @@ class PackedPayload:
         metadata: Mapping[str, Any] | None = None,
         *,
         checksum: bool = False,
-        codec: str | None = None,
-        original_dtype: str | None = None,
+        coded: Coded | None = None,
+        stamp: Mapping[str, Any] | None = None,
     ) -> None:
         num_layers = len(key_cache)
         self._checksum = checksum
@@ -195,8 +196,10 @@ class PackedPayload:
         }
         if checksum:
             header["ck"] = CHECKSUM_PLACEHOLDER
-        if codec is not None:  # the sources are coded rows (omnikv.wire.codec.encode_rows)
-            header.update(v=CODEC_FORMAT_VERSION, cx=codec, od=original_dtype)
+        if stamp is not None:  # the sender's session, epoch and sequence (wire.format.Stamp)
+            header["ss"] = dict(stamp)
+        if coded is not None:  # the sources are coded rows (omnikv.wire.codec.encode_rows)
+            header.update(v=CODEC_FORMAT_VERSION, cx=coded.codec, od=coded.original_dtype)
         # the layout's descriptors are encoded once per layout, then spliced in as the last key
         raw = encode_header(header)[:-1] + b',"td":' + layout.td_json + b"}"
         if len(raw) > DEFAULT_MAX_HEADER_BYTES:

@@ -12,8 +12,9 @@ Packed layout (byte-compatible with the reference packed format):
 dtype name, shape, offset, byte length) (:class:`TensorDesc`).
 
 omnikv's extensions are extra header keys an old reader ignores: ``v`` (format version), ``al``
-(the alignment the writer used), ``bo`` (byte order), ``dl`` (data section length) and, when asked
-for, ``ck`` (``"crc32:%08x"`` of the data section, :func:`crc32`). The JSON is padded with trailing
+(the alignment the writer used), ``bo`` (byte order), ``dl`` (data section length), ``ss`` (the
+sender's :class:`Stamp`) and, when asked for, ``ck`` (``"crc32:%08x"`` of the data section,
+:func:`crc32`). The JSON is padded with trailing
 spaces so the data section starts on an :data:`ALIGN` boundary (:data:`PAGE` when a tensor is
 large), and every tensor starts on an :data:`ALIGN` boundary (:data:`PAGE` for tensors of
 :data:`LARGE_TENSOR_BYTES` and more); the gaps are zero.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -54,11 +55,14 @@ __all__ = [
     "LARGE_TENSOR_BYTES",
     "MAX_DIMS",
     "MAX_ELEMENTS",
+    "MAX_INSTANCE_CHARS",
     "MAX_LAYERS",
+    "MAX_SESSION_CHARS",
     "NUMPY_OF",
     "PAGE",
     "Header",
     "Span",
+    "Stamp",
     "TensorDesc",
     "crc32",
     "encode_header",
@@ -181,6 +185,24 @@ class TensorDesc(msgspec.Struct, frozen=True, gc=False):
     b: int | None = None
 
 
+#: Longest ``instance_id`` a sender names (config) and a header may carry.
+MAX_INSTANCE_CHARS = 128
+#: Longest session id a header may carry.
+MAX_SESSION_CHARS = 64
+
+
+class Stamp(msgspec.Struct, frozen=True, gc=False):
+    """Who sent a payload, and which one it is (header key ``ss``; see
+    :mod:`omnikv.transfer.sessions`): ``s`` the sender's session (random per sender), ``e`` its
+    epoch (its start time in ns: a restarted sender has a larger one), ``q`` the payload's
+    sequence number in that session, ``i`` the configured ``instance_id`` (or absent)."""
+
+    s: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_CHARS)]
+    e: Annotated[int, msgspec.Meta(ge=0)]
+    q: Annotated[int, msgspec.Meta(ge=0)]
+    i: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_INSTANCE_CHARS)] | None = None
+
+
 class Header(msgspec.Struct, frozen=True, gc=False):
     """The JSON header: the reference's keys plus omnikv's optional extensions."""
 
@@ -197,6 +219,8 @@ class Header(msgspec.Struct, frozen=True, gc=False):
     #: the wire codec (:mod:`omnikv.wire.codec`) and the dtype it decodes to; format version 2
     cx: str | None = None
     od: str | None = None
+    #: the sender's stamp (session, epoch, sequence, instance): duplicates and stale epochs
+    ss: Stamp | None = None
 
 
 #: Typed decoder of :class:`Header`: a wrong type anywhere is a ``msgspec.ValidationError``
