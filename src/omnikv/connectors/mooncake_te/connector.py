@@ -42,7 +42,13 @@ __all__ = ["MooncakeTransferEngineConnector"]
 logger = logging.getLogger(__name__)
 
 #: What ``health()`` shows of a sender side on a connector that has none.
-_NO_SENDER = {"entries": 0, "inflight": 0, "connections": 0, "channels": 0}
+_NO_SENDER = {
+    "entries": 0,
+    "inflight": 0,
+    "connections": 0,
+    "channels": 0,
+    "awaiting_verdicts": 0,
+}
 
 
 class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
@@ -134,7 +140,8 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
         codec = ControlCodec(SCHEMA, cfg.secret, window_s=cfg.window_s)
         self._receiver = ReceiverSide(cfg, codec, self.session_id, pool, self._counters)
         if cfg.role == "sender":
-            self._sender = SenderSide(cfg, codec, self._engine, pool, self._counters)
+            verdicts = self._open_verdicts(cfg)
+            self._sender = SenderSide(cfg, codec, self._engine, pool, self._counters, verdicts)
 
     def set_write_hook(self, hook: Callable[[], object] | None) -> None:
         """Fault-injection hook for tests: ``hook`` runs on a pull worker just before each

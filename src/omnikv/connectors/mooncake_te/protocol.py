@@ -5,7 +5,9 @@ window, channels). A receiver's ``hello`` declares its engine session, a random 
 connector and the address range of its registered receive pool; the sender writes only there.
 Requests: ``query`` (long-poll for a key's size), ``pull`` (write the entry into
 ``[dst, dst + cap)`` of the requester's pool), ``status`` (what became of a transfer, for
-quarantined slots), ``ping``. Replies: ``info``, ``done``, ``xstate``, ``pong``, ``error``.
+quarantined slots), ``verdict`` (the receiver's verdict on a payload it pulled, unanswered: see
+:mod:`omnikv.connectors.pull.verdicts`), ``ping``. Replies: ``info``, ``done``, ``xstate``,
+``pong``, ``error``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from omnikv.connectors.pull.connector import (
     PullSettings,
 )
 from omnikv.connectors.pull.control import Schema
+from omnikv.connectors.pull.verdicts import VERDICT_CHECKS, VERDICT_REQUESTS
 from omnikv.values import parse_bool, parse_choice, parse_int
 
 __all__ = [
@@ -43,9 +46,11 @@ SCHEMA = Schema(
         "query": {"key": str, "wait_ms": int},
         "pull": {"key": str, "dst": int, "cap": int, "xid": str, "budget_ms": int},
         "status": {"xid": str},
+        **VERDICT_REQUESTS,
     },
     replies={"info": {"found": bool, "size": int}, "done": {"size": int}, "xstate": {"state": str}},
     hello={"sess": str, "inc": bytes, "base": int, "len": int},
+    checks=VERDICT_CHECKS,
 )
 
 

@@ -8,6 +8,11 @@ requester declared in its hello) and handed to a worker, which writes the entry 
 ``transfer_sync_write`` into the requester's session and frees the slot on success
 (consume-once). Entries older than ``buffer_ttl_seconds`` are dropped, never one in flight.
 
+Verdicts (:mod:`omnikv.connectors.pull.verdicts`): a completed pull marks the entry taken by the
+requester (its hello); that requester's ``verdict`` message, and only its, reports
+``delivered`` / ``refused``; an entry dropped by the TTL is reported ``expired``, and so is one
+taken without a verdict for ``ack_timeout_s`` (swept on the listener thread).
+
 The engine keeps the segment it opened for a session name (``host:port``) for as long as it lives,
 and a write whose transport connection fails does not drop it. A receiver that starts on the
 port of an earlier one the engine wrote to (the engine picks its port among about 2,000) would
@@ -40,6 +45,7 @@ from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.connector import published
 from omnikv.connectors.pull.control import ControlCodec, Request
 from omnikv.connectors.pull.server import ControlServer
+from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_identity
 
 __all__ = ["SenderSide"]
 
@@ -53,6 +59,7 @@ class _Entry:
     size: int
     created: float
     inflight: bool = False
+    pub: int = 0  # its publication's number in the verdict watch
 
 
 @dataclass
@@ -130,8 +137,10 @@ class SenderSide:
         engine: Any,
         pool: HostPool,
         counters: Counters,
+        verdicts: SentVerdicts,
     ) -> None:
         self._cfg = cfg
+        self._verdicts = verdicts
         self._engine = engine
         self._pool = pool
         self._counters = counters
@@ -162,12 +171,17 @@ class SenderSide:
         self._server.start()
 
     # -- publishing (caller threads) --------------------------------------------------------------
-    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
-        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``."""
-        return self._publish(key, fill_slot(self._pool, nbytes, write, deadline), nbytes)
+    def put_packed(
+        self, key: str, nbytes: int, write: Writer, deadline: float, put_key: str
+    ) -> dict[str, Any]:
+        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``
+        (its verdict is watched as ``put_key``)."""
+        offset = fill_slot(self._pool, nbytes, write, deadline)
+        return self._publish(key, offset, nbytes, put_key)
 
-    def _publish(self, key: str, offset: int, size: int) -> dict[str, Any]:
-        entry = _Entry(key, offset, size, time.monotonic())
+    def _publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+        pub = self._verdicts.published(key, put_key)  # watched before anyone can pull it
+        entry = _Entry(key, offset, size, time.monotonic(), pub=pub)
         with self._lock:
             old = self._entries.get(key)
             self._entries[key] = entry
@@ -187,6 +201,7 @@ class SenderSide:
                 del self._entries[e.key]
         for e in gone:
             self._pool.allocator.free(e.offset)
+            self._verdicts.forget(e.key, e.pub)
 
     def pending_keys(self) -> list[str]:
         with self._lock:
@@ -208,6 +223,9 @@ class SenderSide:
             self._server.answer(req, {"op": "xstate", "state": state})
         elif req.op == "query":
             self._query(req)
+        elif req.op == VERDICT_OP:
+            m, peer = req.msg, peer_identity(req.peer)
+            self._verdicts.receive(m["key"], peer, m["verdict"], m["reason"])
         else:
             self._start_pull(req)
 
@@ -226,15 +244,17 @@ class SenderSide:
         self._server.answer(req, {"op": "info", "found": found, "size": size})
 
     def _tick(self) -> float:
-        """Answer long-polls that can be answered, sweep by TTL; seconds until needed again."""
+        """Answer long-polls that can be answered, sweep by TTL, expire overdue verdicts;
+        seconds until needed again."""
         self._serve_waiters()
         now = time.monotonic()
         if now >= self._next_sweep:
             self._reap_ttl()
             self._next_sweep = now + self._sweep_every
+        verdict_due = now + self._verdicts.sweep(now)
         with self._lock:
             soonest = min((w.expires for w in self._waiters), default=self._next_sweep)
-        return max(0.0, min(soonest, self._next_sweep) - time.monotonic())
+        return max(0.0, min(soonest, self._next_sweep, verdict_due) - time.monotonic())
 
     def _serve_waiters(self) -> None:
         now = time.monotonic()
@@ -312,7 +332,9 @@ class SenderSide:
             if not expired and not self._stopping:
                 reason = self._write(req, entry)
         finally:
-            self._finish_pull(entry, req.msg["xid"], ok=not reason)
+            consumed = self._finish_pull(entry, req.msg["xid"], ok=not reason)
+        if consumed:  # before ``done``: the requester's verdict may follow at once
+            self._verdicts.taken(entry.key, entry.pub, peer_identity(req.peer))
         if not reason:
             self._counters.add("pulls_served")
             self._server.answer(req, {"op": "done", "size": entry.size})
@@ -321,7 +343,9 @@ class SenderSide:
             logger.warning("pull of %s failed: %s", entry.key, reason)
             self._server.answer(req, {"op": "error", "reason": reason})
 
-    def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> None:
+    def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> bool:
+        """End a pull: free the slot if consumed (or replaced meanwhile); True when this pull
+        consumed the key's current entry."""
         with self._lock:
             self._note_xfer(xid, "done" if ok else "failed")
             entry.inflight = False
@@ -335,6 +359,7 @@ class SenderSide:
             self._pool.allocator.free(entry.offset)
         if not ok:
             self._server.wake()  # waiters may retry
+        return ok and current
 
     def _reap_ttl(self) -> None:
         cutoff = time.monotonic() - self._cfg.ttl_s
@@ -344,9 +369,11 @@ class SenderSide:
                 del self._entries[e.key]
             if old:
                 self._idle.notify_all()
+        why = f"unconsumed for {self._cfg.ttl_s:g} s (TTL, buffer_ttl_seconds)"
         for e in old:
             self._pool.allocator.free(e.offset)
             logger.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
+            self._verdicts.expired(e.key, e.pub, why)
         if old:
             self._counters.add("ttl_reaped", len(old))
 
@@ -354,6 +381,7 @@ class SenderSide:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             mine = {"entries": len(self._entries), "inflight": self._inflight}
+        mine["awaiting_verdicts"] = len(self._verdicts)
         return {**mine, **self._server.stats()}
 
     @property

@@ -123,7 +123,9 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
         )
 
     def _build(self, s: NixlSettings) -> None:
-        self.agent_name = f"omnikv-nixl-{s.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # 122 random bits: a sender accepts verdicts only from the hello of the agent that took
+        # the payload, and no other receiver can guess the name
+        self.agent_name = f"omnikv-nixl-{s.role}-{os.getpid()}-{uuid.uuid4().hex}"
         self._agent = NixlAgent(self.agent_name, s.backends)
         self._pool = HostPool(s.pool_size)
         self._agent.register(self._pool.address, self._pool.size)
@@ -134,7 +136,8 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
             assert s.zmq_port is not None
             if s.secret is None:
                 warn_unauthenticated(s.host, "NIXL sender")
-            side = NixlSenderSide(s, self._agent, self._pool, self._counters, self._lock)
+            verdicts = self._open_verdicts(s)
+            side = NixlSenderSide(s, self._agent, self._pool, self._counters, self._lock, verdicts)
             self._server = ControlServer(
                 codec,
                 (s.host, s.zmq_port),

@@ -14,6 +14,8 @@ Messages (on :mod:`omnikv.connectors.pull.control`, which adds the envelope, ``h
   ``buffer_ttl_seconds`` (counted from the put); then it is dropped, freed once no lease is
   out, and reported.
 * ``abort`` {``xid``}: the receiver will not read (no receive slot): the lease ends now.
+* ``verdict`` {``key``, ``verdict``, ``reason``}: the receiver's verdict on a payload it READ,
+  unanswered (see :mod:`omnikv.connectors.pull.verdicts`).
 
 The receiver then READs ``size`` bytes at ``addr`` from the sender's registered pool with the
 notification ``xid``; the sender frees the entry when that notification arrives (consume-once).
@@ -30,6 +32,7 @@ from omnikv.connectors.pull.connector import (
     PullSettings,
 )
 from omnikv.connectors.pull.control import Schema
+from omnikv.connectors.pull.verdicts import VERDICT_CHECKS, VERDICT_REQUESTS
 from omnikv.errors import ConfigError
 from omnikv.values import parse_int
 
@@ -51,12 +54,14 @@ SCHEMA = Schema(
         "meta": {},
         "claim": {"key": str, "wait_ms": int, "xid": str, "budget_ms": int},
         "abort": {"xid": str},
+        **VERDICT_REQUESTS,
     },
     replies={
         "agentmd": {"md": bytes, "agent": str},
         "grant": {"found": bool, "size": int, "addr": int, "agent": str},
     },
     hello={"agent": str},
+    checks=VERDICT_CHECKS,
 )
 
 

@@ -14,6 +14,13 @@ at once or, if a lease is out, when that lease ends (at most one lease budget pl
 ``peer_timeout_seconds`` later), and it is reported: a WARNING naming the key and a counter
 (``ttl_reaped`` / ``lease_limit_reaped``).
 
+Verdicts (:mod:`omnikv.connectors.pull.verdicts`): an entry is taken by the agent whose READ
+notification freed it, and only the verdict of the receiver that said hello as that agent is
+reported (``delivered`` / ``refused``). The verdict travels on TCP and the notification on
+NIXL, so a verdict may come first: from the lease holder it is kept until the notification
+arrives. An entry dropped by its TTL or the lease cap is reported ``expired`` (a leased one when
+its lease ends unconsumed), and so is one taken without a verdict for ``ack_timeout_s``.
+
 Everything that touches the entries runs under one lock; the control listener thread also polls
 NIXL's notifications (finely while leases are out) and sweeps leases and the TTL.
 """
@@ -38,6 +45,7 @@ from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.connector import published, transfer_budget_s
 from omnikv.connectors.pull.control import Request
 from omnikv.connectors.pull.server import ControlServer
+from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_identity
 
 __all__ = ["NixlSenderSide"]
 
@@ -47,6 +55,11 @@ logger = logging.getLogger(__name__)
 NOTIFY_POLL_S = 0.002
 MAX_WAITERS = 4096
 MAX_XIDS = 8192
+#: The reason an entry dropped unconsumed is reported ``expired`` with, by why it was dropped.
+_EXPIRED = {
+    "ttl": "unconsumed within its TTL (buffer_ttl_seconds)",
+    "leases": "leased max_leases_per_entry times without a completed READ",
+}
 
 
 @dataclass
@@ -60,6 +73,9 @@ class _Entry:
     lease_until: float = 0.0
     consumed: bool = False
     leases: int = 0
+    pub: int = 0  # its publication's number in the verdict watch
+    lease_peer: bytes = b""  # the lease holder's hello (peer_identity)
+    dropped: str = ""  # why it was dropped while leased (TTL): reported when the lease ends
 
 
 @dataclass
@@ -85,8 +101,10 @@ class NixlSenderSide:
         pool: HostPool,
         counters: Counters,
         lock: Any,
+        verdicts: SentVerdicts,
     ) -> None:
         self._s = settings
+        self._verdicts = verdicts
         self._agent = agent
         self._pool = pool
         self._counters = counters
@@ -104,13 +122,17 @@ class NixlSenderSide:
         self.server = server
 
     # -- puts (caller's thread) --------------------------------------------------------------
-    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
-        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``."""
+    def put_packed(
+        self, key: str, nbytes: int, write: Writer, deadline: float, put_key: str
+    ) -> dict[str, Any]:
+        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``
+        (its verdict is watched as ``put_key``)."""
         offset = fill_slot(self._pool, nbytes, write, max(0.0, deadline))
-        return self._publish(key, offset, nbytes)
+        return self._publish(key, offset, nbytes, put_key)
 
-    def _publish(self, key: str, offset: int, size: int) -> dict[str, Any]:
-        entry = _Entry(key, offset, size, time.monotonic())
+    def _publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+        pub = self._verdicts.published(key, put_key)  # watched before anyone can claim it
+        entry = _Entry(key, offset, size, time.monotonic(), pub=pub)
         with self._lock:
             old = self._entries.get(key)
             self._entries[key] = entry
@@ -131,7 +153,7 @@ class NixlSenderSide:
 
     # -- control requests (listener thread) --------------------------------------------------
     def handle(self, req: Request) -> None:
-        """The control server's handler: ``meta``, ``claim``, ``abort``."""
+        """The control server's handler: ``meta``, ``claim``, ``abort``, ``verdict``."""
         assert self.server is not None
         if req.op == "meta":
             self.server.answer(req, {"op": "agentmd", "md": self._md, "agent": self._agent.name})
@@ -139,6 +161,18 @@ class NixlSenderSide:
             self._claim(req)
         elif req.op == "abort":
             self._end_lease(req.msg["xid"], "aborted")
+        elif req.op == VERDICT_OP:
+            self._verdict(req)
+
+    def _verdict(self, req: Request) -> None:
+        """A receiver's verdict: counted for the key's current publication when this peer took
+        it, or kept until its notification arrives when this peer holds its lease."""
+        self.poll_notifications()  # a completed READ is usually noted already
+        msg, peer = req.msg, peer_identity(req.peer)
+        with self._lock:
+            entry = self._entries.get(msg["key"])
+            leased = entry is not None and entry.lease is not None and entry.lease_peer == peer
+        self._verdicts.receive(msg["key"], peer, msg["verdict"], msg["reason"], early_ok=leased)
 
     def _claim(self, req: Request) -> None:
         if self._try_grant(req):
@@ -166,12 +200,14 @@ class NixlSenderSide:
                 entry.lease = msg["xid"]
                 entry.leases += 1
                 entry.lease_agent = str(req.peer.get("agent", ""))
+                entry.lease_peer = peer_identity(req.peer)
                 budget = min(msg["budget_ms"] / 1000.0, transfer_budget_s(entry.size))
                 entry.lease_until = now + budget + self._s.peer_timeout_s
                 self._by_xid[entry.lease] = entry
         if why:
             self._pool.allocator.free(entry.offset)
             self._report(entry, why, now)
+            self._verdicts.expired(entry.key, entry.pub, _EXPIRED[why])
             return False
         assert self.server is not None
         addr = self._pool.address + entry.offset
@@ -226,6 +262,8 @@ class NixlSenderSide:
             free = entry.consumed
         if free:
             self._pool.allocator.free(entry.offset)
+            if entry.dropped:  # its TTL passed while leased: nobody took it
+                self._verdicts.expired(entry.key, entry.pub, _EXPIRED[entry.dropped])
         self._counters.add("lease_expired" if why == "expired" else "aborted")
         logger.debug("lease of %s to %s ended: %s", entry.key, xid, why)
         if self.server is not None:
@@ -244,10 +282,11 @@ class NixlSenderSide:
         if now >= self._next_sweep:
             self._reap_ttl(now)
             self._next_sweep = now + max(0.05, min(10.0, self._s.ttl_s / 2))
+        verdict_due = self._verdicts.sweep(now)
         with self._lock:
             if self._by_xid:
                 return NOTIFY_POLL_S
-            nxt = self._next_sweep - now
+            nxt = min(self._next_sweep - now, verdict_due)
             if self._waiters:
                 nxt = min(nxt, min(w.expires for w in self._waiters) - now)
         return max(0.0, min(nxt, 1.0))
@@ -274,6 +313,8 @@ class NixlSenderSide:
             return
         if free:
             self._pool.allocator.free(entry.offset)
+        # the publication this READ consumed (a newer put under the key is not affected)
+        self._verdicts.taken(entry.key, entry.pub, entry.lease_peer)
         self._counters.add("consumed")
         logger.debug("%s consumed by %s (transfer %s)", entry.key, agent_name, xid)
 
@@ -307,8 +348,11 @@ class NixlSenderSide:
         with self._lock:
             old = [e for e in self._entries.values() if e.created <= cutoff]
             freeable = [e for e in old if self._drop_locked(e)]
+            for e in old:
+                e.dropped = "ttl"
         for e in freeable:
             self._pool.allocator.free(e.offset)
+            self._verdicts.expired(e.key, e.pub, _EXPIRED["ttl"])
         for e in old:
             self._report(e, "ttl", now)
 
@@ -320,6 +364,8 @@ class NixlSenderSide:
             freeable = [e for e in hits if self._drop_locked(e)]
         for e in freeable:
             self._pool.allocator.free(e.offset)
+        for e in hits:
+            self._verdicts.forget(e.key, e.pub)
 
     def pending_keys(self) -> list[str]:
         with self._lock:
@@ -338,7 +384,8 @@ class NixlSenderSide:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._entries), "leases": len(self._by_xid)}
+            mine = {"entries": len(self._entries), "leases": len(self._by_xid)}
+        return {**mine, "awaiting_verdicts": len(self._verdicts)}
 
     def drain(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> bool:
         """At close: take notifications until no lease is out or ``timeout_s`` passes.

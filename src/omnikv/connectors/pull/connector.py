@@ -4,7 +4,11 @@ Both publish into a registered pool on the sender and let the receiver fetch fro
 split into a sending side and a receiving side, and the role is chosen once, at construction.
 :class:`PullConnector` holds the glue between the connector contract
 (:mod:`omnikv.connectors.base`) and those sides: the role checks, the transport key, the sender
-endpoint rule, the reference-shaped ``get`` and the error boundary around every call.
+endpoint rule, the reference-shaped ``get``, the error boundary around every call, and the
+delivery verdicts (:mod:`omnikv.connectors.pull.verdicts`): a receiver's ``acknowledge`` sends
+its verdict to the sender it took the payload from; a sender reports each publication once to
+its delivery listener (``delivered`` / ``refused`` from the receiver that took it, ``expired`` at
+its ``buffer_ttl_seconds`` or ``ack_timeout_s`` after it was taken without a verdict).
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from omnikv.connectors.base import (
 )
 from omnikv.connectors.boundary import ErrorMap
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.delivery import DEFAULT_ACK_TIMEOUT_S, DeliveryListener, Verdict
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import ControlClient
 from omnikv.connectors.pull.control import DEFAULT_WINDOW_S, Endpoint, ServerLimits
 from omnikv.connectors.pull.host import resolve_host
+from omnikv.connectors.pull.verdicts import VERDICT_COUNTER_NAMES, SentVerdicts, verdict_message
 from omnikv.errors import (
     ConfigError,
     ConnectorClosedError,
@@ -76,6 +82,7 @@ PULL_COUNTER_NAMES = (
     "quarantine_freed",
     "late_arrivals",
     "peer_gone",
+    *VERDICT_COUNTER_NAMES,
 )
 
 
@@ -112,6 +119,7 @@ class PullSettings:
     zmq_port: int | None
     pool_size: int
     ttl_s: float
+    ack_timeout_s: float
     peer_timeout_s: float
     quarantine_dead_s: float
     close_timeout_s: float
@@ -127,6 +135,8 @@ class PullSettings:
 
         ``role`` ("sender" binds ``zmq_port``, required then; "receiver" binds nothing),
         ``host``, ``memory_pool_size`` (1 GiB), ``buffer_ttl_seconds`` (300),
+        ``ack_timeout_s`` (:data:`~omnikv.connectors.delivery.DEFAULT_ACK_TIMEOUT_S`: a payload
+        taken without a verdict for this long is reported ``expired``),
         ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
         ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30), ``put_timeout_s`` (0),
         ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender),
@@ -156,6 +166,9 @@ class PullSettings:
             "zmq_port": zmq_port,
             "pool_size": parse_size("memory_pool_size", cfg.get("memory_pool_size"), 1 << 30),
             "ttl_s": seconds("buffer_ttl_seconds", 300.0),
+            "ack_timeout_s": parse_positive(
+                "ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S
+            ),
             "peer_timeout_s": seconds("peer_timeout_seconds", 5.0),
             "quarantine_dead_s": seconds("quarantine_dead_seconds", 60.0),
             "close_timeout_s": seconds("close_timeout_seconds", 30.0),
@@ -244,9 +257,11 @@ class LateArrivals:
 class SendingSide(Protocol):
     """The sender half of a pull connector (``role="sender"``)."""
 
-    def put_packed(self, key: str, nbytes: int, write: Writer, deadline: float) -> dict[str, Any]:
+    def put_packed(
+        self, key: str, nbytes: int, write: Writer, deadline: float, put_key: str
+    ) -> dict[str, Any]:
         """Fill a pool slot with ``write`` (space waited for until ``deadline``), publish it
-        under ``key``; the metadata a receiver needs."""
+        under ``key`` (watched for its verdict as ``put_key``); the metadata a receiver needs."""
         ...
 
     def cleanup(self, request_id: str) -> None: ...
@@ -300,13 +315,18 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
     """Base of the pull-model connectors: the contract's methods, delegated to the sides.
 
     A subclass builds ``_sender`` (senders only) and ``_receiver`` (receivers; the TE connector
-    builds one for every role), ``_counters`` and ``_default_sender`` in its constructor,
-    declares ``error_map`` (its backend's table, applied around every call into a side), and
-    implements ``health`` and ``close``.
+    builds one for every role), ``_counters`` and ``_default_sender`` in its constructor, and a
+    sender its ``_verdicts`` (:meth:`_open_verdicts`, before its sending side, which reports to
+    it); declares ``error_map`` (its backend's table, applied around every call into a side),
+    and implements ``health`` and ``close``.
     """
 
     supports_raw_data: ClassVar[bool] = True
+    acknowledges: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap]
+    _verdicts: SentVerdicts | None = None
+    #: How long ``acknowledge`` may take to reach the sender (the peer timeout).
+    _ack_send_s: float = 5.0
     _sender: _S | None = None
     _receiver: _R | None = None
     _counters: Counters
@@ -341,7 +361,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         side = self._sending_side()
         key = self._make_key(put_key, from_stage, to_stage)
         try:
-            return True, nbytes, side.put_packed(key, nbytes, write, deadline)
+            return True, nbytes, side.put_packed(key, nbytes, write, deadline, put_key)
         except ConnectorError:
             self._counters.add("put_failures")
             raise
@@ -407,6 +427,59 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         key = self._make_key(get_key, from_stage, to_stage)
         with self.error_map.translate(f"wait for {key}"):
             return side.wait(key, sender_endpoint(metadata, self._default_sender), deadline)
+
+    # -- delivery verdicts ----------------------------------------------------------------------
+    def _open_verdicts(self, settings: PullSettings) -> SentVerdicts:
+        """The sender's verdict bookkeeping (called by a subclass's constructor)."""
+        self._ack_send_s = settings.peer_timeout_s
+        self._verdicts = SentVerdicts(settings.ack_timeout_s, self._counters)
+        return self._verdicts
+
+    def acknowledge(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        verdict: Verdict,
+        reason: str | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Send ``verdict`` on the payload taken under ``get_key`` to the sender it came from
+        (``metadata``'s endpoint, as for that ``wait``, else the default sender).
+
+        Called by the receiver once per payload it took, after its checks. One message on this
+        thread's control channel to that sender (opened if needed, within the peer timeout);
+        no answer is awaited. Never raises: a verdict that cannot be sent is logged, and the
+        sender reports ``expired`` after its ``ack_timeout_s``.
+        """
+        key = self._make_key(get_key, from_stage, to_stage)
+        try:
+            side = self._receiving_side()
+            msg = verdict_message(key, verdict, reason)
+            if msg is None:
+                logger.warning("no verdict sent for %.200s: key too long", key)
+                return
+            endpoint = sender_endpoint(metadata, self._default_sender)
+            with self.error_map.translate(f"verdict on {key}"):
+                chan = side.client.channel(endpoint, self._ack_send_s)
+                if chan is not None:
+                    chan.send(msg)
+            if chan is None or chan.closed:
+                logger.warning(
+                    "verdict %s on %s not delivered: sender %s:%d unreachable",
+                    msg["verdict"],
+                    key,
+                    *endpoint,
+                )
+        except Exception as exc:  # never raises: the sender's own watch expires it
+            logger.warning("verdict on %s not sent: %s: %s", key, type(exc).__name__, exc)
+
+    def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
+        """Report each payload this sender publishes to ``listener`` once (see
+        :mod:`omnikv.connectors.pull.verdicts`); a receiver-only connector reports nothing."""
+        if self._verdicts is not None:
+            self._verdicts.set_listener(listener)
 
     # -- common --------------------------------------------------------------------------------
     def cleanup(self, request_id: str) -> None:

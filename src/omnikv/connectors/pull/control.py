@@ -71,8 +71,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -119,6 +119,8 @@ MAX_REPLAY_ENTRIES = 1 << 17
 FRAME_HEADER = struct.Struct("!IH")
 
 Fields = Mapping[str, type | tuple[type, ...]]
+#: A further check of one op's message, after its fields' types: raises ``ProtocolError``.
+Check = Callable[[Mapping[str, Any]], None]
 Endpoint = tuple[str, int]
 
 # Messages every engine shares; an engine's Schema adds its own.
@@ -134,12 +136,15 @@ class Schema:
     ``requests`` (client to server) and ``replies`` (server to client) map an op to its fields
     and their types (``str``, ``int`` (non-negative), ``bool``, ``bytes``, ``float``, ``dict``);
     ``hello`` gives the fields of the client's self-description. ``hello``/``welcome``,
-    ``ping``/``pong`` and ``error`` are added by the control plane itself.
+    ``ping``/``pong`` and ``error`` are added by the control plane itself. ``checks`` (optional)
+    maps an op to a further check of its message (value ranges, tighter bounds), run by the
+    codec after the types: a message that fails it is rejected like a malformed one.
     """
 
     requests: Mapping[str, Fields]
     replies: Mapping[str, Fields]
     hello: Fields
+    checks: Mapping[str, Check] = field(default_factory=dict)
 
     def request_ops(self) -> dict[str, Fields]:
         return {**_BASE_REQUESTS, **self.requests}
@@ -163,8 +168,14 @@ def _check_fields(op: str, msg: Mapping[str, Any], fields: Fields) -> None:
         _check_field(op, name, msg.get(name), kind)
 
 
-def validate(msg: Any, ops: Mapping[str, Fields], hello: Fields) -> dict[str, Any]:
-    """Check a decoded body against the envelope and the op's fields; returns it or raises."""
+def validate(
+    msg: Any,
+    ops: Mapping[str, Fields],
+    hello: Fields,
+    checks: Mapping[str, Check] | None = None,
+) -> dict[str, Any]:
+    """Check a decoded body against the envelope, the op's fields and its ``checks`` entry;
+    returns it or raises ``ProtocolError``."""
     if not isinstance(msg, dict):
         raise ProtocolError("control message is not a map")
     if msg.get("v") != PROTOCOL_VERSION:
@@ -180,6 +191,9 @@ def validate(msg: Any, ops: Mapping[str, Fields], hello: Fields) -> dict[str, An
     _check_fields(op, msg, ops[op])
     if op == "hello":
         _check_fields("hello.peer", msg["peer"], hello)
+    check = None if checks is None else checks.get(op)
+    if check is not None:
+        check(msg)
     return msg
 
 
@@ -296,7 +310,7 @@ class ControlCodec:
             msgpack.StackError,
         ) as exc:
             raise ProtocolError(f"undecodable control message: {exc}") from exc
-        msg = validate(raw, ops, self.schema.hello)
+        msg = validate(raw, ops, self.schema.hello, self.schema.checks)
         if self._secret is not None:
             self._guard.check(msg["n"], msg["ts"])
         return msg

@@ -1,0 +1,243 @@
+"""Delivery verdicts of the pull connectors (Mooncake Transfer Engine, NIXL).
+
+What the two pull connectors share to carry a receiver's verdict
+(:mod:`omnikv.connectors.delivery`) back to the sender:
+
+* the control message: ``verdict`` {``key`` (the transport key), ``verdict`` (``delivered``,
+  ``refused`` or ``expired``), ``reason`` (``""`` for none)}, a request on the authenticated
+  control channel (:mod:`omnikv.connectors.pull.control`: MAC, nonce and timestamp like every
+  message). :data:`VERDICT_REQUESTS` and :data:`VERDICT_CHECKS` go into each engine's
+  :class:`~omnikv.connectors.pull.control.Schema`; the check bounds the key
+  (:data:`~omnikv.connectors.delivery.MAX_KEY_CHARS`), the reason
+  (:data:`~omnikv.connectors.delivery.MAX_REASON_CHARS`) and the verdict's value before any
+  handler sees the message. Nothing is answered to it: the receiver sends and goes on.
+* :class:`SentVerdicts`: the sending connector's watch of what it published, on top of
+  :class:`~omnikv.connectors.delivery.DeliveryNotices`. A publication is watched from the put;
+  it is *taken* by one peer (the Transfer Engine: the pull that wrote it; NIXL: the agent whose
+  READ completion freed it), and only that peer's verdict is accepted, once. A verdict from any
+  other peer, for a key not taken, or a second one changes nothing and is counted
+  (``acks_ignored``). An entry reaped by its TTL is reported ``expired``; one taken and not
+  acknowledged within ``ack_timeout_s`` too (:meth:`SentVerdicts.sweep`, run by the sender's
+  control thread).
+
+A peer is known by its hello (:func:`peer_identity`): the Transfer Engine receiver's carries a
+random token of its connector, NIXL's its agent name and a random token, so a peer that did not
+take a key cannot speak for the one that did without having seen that one's hello.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from omnikv.connectors.counters import Counters
+from omnikv.connectors.delivery import (
+    MAX_KEY_CHARS,
+    MAX_REASON_CHARS,
+    MAX_WATCHED,
+    DeliveryListener,
+    DeliveryNotices,
+    Verdict,
+    clip_reason,
+)
+from omnikv.connectors.pull.control import Check, Fields
+from omnikv.errors import ProtocolError
+
+__all__ = [
+    "VERDICT_CHECKS",
+    "VERDICT_COUNTER_NAMES",
+    "VERDICT_OP",
+    "VERDICT_REQUESTS",
+    "SentVerdicts",
+    "check_verdict",
+    "peer_identity",
+    "verdict_message",
+]
+
+logger = logging.getLogger(__name__)
+
+VERDICT_OP = "verdict"
+_VALUES = frozenset(v.value for v in Verdict)
+
+#: The counters a sending pull connector keeps for verdicts: reports by kind (``expired``
+#: includes the TTL's and the ``ack_timeout_s`` watch's) and verdict messages that changed
+#: nothing (not from the peer that took the key, for a key not taken, or a repeat).
+VERDICT_COUNTER_NAMES = ("acks_delivered", "acks_refused", "acks_expired", "acks_ignored")
+
+
+def check_verdict(msg: Mapping[str, Any]) -> None:
+    """The ``verdict`` message's bounds (the codec runs it after the field types): a key of 1 to
+    ``MAX_KEY_CHARS`` characters, a reason of at most ``MAX_REASON_CHARS``, one of the three
+    verdicts. Raises ``ProtocolError``."""
+    key, reason, verdict = msg["key"], msg["reason"], msg["verdict"]
+    if not 0 < len(key) <= MAX_KEY_CHARS:
+        raise ProtocolError(f"verdict: key of {len(key)} characters")
+    if len(reason) > MAX_REASON_CHARS:
+        raise ProtocolError(f"verdict: reason longer than {MAX_REASON_CHARS}")
+    if verdict not in _VALUES:
+        raise ProtocolError(f"verdict: unknown verdict {verdict[:32]!r}")
+
+
+#: The request every pull engine's schema adds, and its check.
+VERDICT_REQUESTS: dict[str, Fields] = {VERDICT_OP: {"key": str, "verdict": str, "reason": str}}
+VERDICT_CHECKS: dict[str, Check] = {VERDICT_OP: check_verdict}
+
+
+def verdict_message(key: str, verdict: Verdict, reason: object) -> dict[str, Any] | None:
+    """The ``verdict`` request for ``key`` (the reason clipped to one bounded line); ``None``
+    when the key is too long to be accepted (the receiver then sends nothing)."""
+    if not 0 < len(key) <= MAX_KEY_CHARS:
+        return None
+    text = clip_reason(reason) or ""
+    return {"op": VERDICT_OP, "key": key, "verdict": Verdict(verdict).value, "reason": text}
+
+
+def peer_identity(peer: Mapping[str, Any]) -> bytes:
+    """A digest of a channel's hello (``Request.peer``): equal for every channel one receiving
+    connector opens, different for every other connector (its hello holds a random token)."""
+    packed = msgpack.packb(sorted(peer.items()), use_bin_type=True)
+    return hashlib.sha256(packed).digest()
+
+
+@dataclass
+class _Watch:
+    put_key: str
+    pub: int
+    taker: bytes | None = None
+    due: float = float("inf")
+    early: tuple[bytes, Verdict, str | None] | None = None
+
+
+class SentVerdicts:
+    """The sending pull connector's verdict bookkeeping (thread-safe), keyed by transport key.
+
+    Called by the sending side: :meth:`published` when an entry becomes visible (returns the
+    publication's number, which the entry keeps), :meth:`taken` when a peer consumed it,
+    :meth:`expired` when its TTL dropped it, :meth:`forget` when its owner did
+    (``cleanup``); and by the control thread: :meth:`receive` for each ``verdict`` message,
+    :meth:`sweep` from its timer. Events about an older publication of a key (replaced by a
+    newer put) change nothing. Reports go to the listener of :attr:`notices` with the key as
+    it was given to ``put``; at most :data:`~omnikv.connectors.delivery.MAX_WATCHED` keys are
+    watched (the notices drop the oldest, and so does this map on its next sweep).
+    """
+
+    def __init__(self, ack_timeout_s: float, counters: Counters) -> None:
+        self.notices = DeliveryNotices(ack_timeout_s)
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._watch: OrderedDict[str, _Watch] = OrderedDict()
+        self._next_pub = 0
+        self._next_due = float("inf")  # no taken key is due before this
+
+    def set_listener(self, listener: DeliveryListener | None) -> None:
+        self.notices.set_listener(listener)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._watch)
+
+    # -- the sending side ---------------------------------------------------------------------
+    def published(self, key: str, put_key: str) -> int:
+        """Watch ``key`` (published as ``put_key``) from now on; its publication number."""
+        self.notices.published(put_key)
+        with self._lock:
+            self._next_pub += 1
+            self._watch[key] = _Watch(put_key, self._next_pub)
+            self._watch.move_to_end(key)
+            while len(self._watch) > MAX_WATCHED:
+                self._watch.popitem(last=False)
+            return self._next_pub
+
+    def taken(self, key: str, pub: int, taker: bytes) -> None:
+        """Publication ``pub`` of ``key`` was consumed by the peer ``taker``: its verdict is
+        awaited (``ack_timeout_s``); one it sent early (:meth:`receive`) is reported now."""
+        now = time.monotonic()
+        with self._lock:
+            watch = self._watch.get(key)
+            if watch is None or watch.pub != pub or watch.taker is not None:
+                return
+            watch.taker = taker
+            watch.due = now + self.notices.ack_timeout_s
+            self._next_due = min(self._next_due, watch.due)
+            early, watch.early = watch.early, None
+            self.notices.taken(watch.put_key, now)
+            if early is not None and early[0] == taker:
+                del self._watch[key]
+            else:
+                early = None
+        if early is not None:
+            self._report(watch.put_key, early[1], early[2])
+
+    def expired(self, key: str, pub: int, why: str) -> None:
+        """Publication ``pub`` of ``key`` was dropped unconsumed: report it ``expired``."""
+        with self._lock:
+            watch = self._watch.get(key)
+            if watch is None or watch.pub != pub:
+                return
+            del self._watch[key]
+        self._report(watch.put_key, Verdict.EXPIRED, why)
+
+    def forget(self, key: str, pub: int) -> None:
+        """Publication ``pub`` of ``key`` was dropped by its owner: no verdict is reported."""
+        with self._lock:
+            watch = self._watch.get(key)
+            if watch is None or watch.pub != pub:
+                return
+            del self._watch[key]
+        self.notices.forget(watch.put_key)
+
+    # -- the control thread -------------------------------------------------------------------
+    def receive(
+        self, key: str, peer: bytes, verdict: str, reason: str, *, early_ok: bool = False
+    ) -> bool:
+        """A ``verdict`` message from ``peer`` (:func:`peer_identity`) about ``key``; whether it
+        counted. It counts when ``peer`` took the key's current publication and gave no verdict
+        yet; with ``early_ok`` (the sending side vouches that ``peer`` holds the key's lease and
+        its completion may still be on its way) it is kept, one per publication, until
+        :meth:`taken` names the same peer. Anything else is ignored and counted."""
+        text = reason or None
+        with self._lock:
+            watch = self._watch.get(key)
+            accepted = watch is not None and watch.taker == peer
+            kept = watch is not None and watch.taker is None and early_ok and watch.early is None
+            if accepted:
+                del self._watch[key]
+            elif kept:
+                assert watch is not None
+                watch.early = (peer, Verdict(verdict), text)
+        if accepted:
+            assert watch is not None
+            self._report(watch.put_key, Verdict(verdict), text)
+        elif not kept:
+            self._counters.add("acks_ignored")
+            logger.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
+        return accepted or kept
+
+    def sweep(self, now: float | None = None) -> float:
+        """Expire the taken keys whose verdict is overdue (reported ``expired``, counted); the
+        seconds until the next one falls due (``inf``: none). Cheap until then: the control
+        thread calls it on every turn."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if now < self._next_due:
+                return self._next_due - now
+            due = [k for k, w in self._watch.items() if w.due <= now]
+            for k in due:
+                del self._watch[k]
+            self._next_due = min((w.due for w in self._watch.values()), default=float("inf"))
+            left = self._next_due - now
+        if due:
+            self._counters.add("acks_expired", self.notices.sweep(now))
+        return left
+
+    def _report(self, put_key: str, verdict: Verdict, reason: object) -> None:
+        if self.notices.report(put_key, verdict, reason):
+            self._counters.add(f"acks_{verdict.value}")
