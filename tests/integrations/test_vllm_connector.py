@@ -191,6 +191,9 @@ def test_send_then_load_writes_the_same_tokens(edge: Any) -> None:
     stats = edge.consumer.worker.stats()
     assert stats["loads_ok"] == 1 and stats["tokens_loaded"] == len(PROMPT)
     assert _same_tokens(edge, [6, 2, 7], [3, 5, 1])
+    # The producer learns that the consumer accepted the KV.
+    record = edge.producer.worker.transfer_record(params["omnikv_transfer_id"])
+    assert record is not None and record["delivery"] == "delivered"
     # Loaded once: the request is not offered for loading again (e.g. after a preemption).
     assert edge.consumer.sched.get_num_new_matched_tokens(_request("c1", params), 0) == (0, False)
 
@@ -596,6 +599,10 @@ def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> 
         )
         assert attacker.get_send_result(key).ok
         results = _load(secure.consumer, params, "c1", [6, 2, 7])
+        # the forger learns its KV was refused, and why
+        verdict = attacker.wait_delivered(key, timeout=5)
+        assert verdict is not None and verdict.status.value == "refused"
+        assert "MAC" in (verdict.reason or "")
     assert results.failed_recving == {"c1"}
     reason = secure.consumer.worker.transfer_record(params["omnikv_transfer_id"])["reason"]
     assert "MAC" in reason

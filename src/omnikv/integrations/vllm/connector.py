@@ -252,8 +252,9 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._scheduler_side().counters.counts()
 
     def transfer_record(self, transfer_id: str) -> dict[str, Any] | None:
-        """What this worker did for a transfer: block ids, tokens, monotonic start/end, outcome."""
-        return self._worker.counters.get(transfer_id) if self._worker is not None else None
+        """What this worker did for a transfer: block ids, tokens, monotonic start/end, outcome,
+        and for a send what became of it at the consumer (``delivery``)."""
+        return self._worker.transfer_record(transfer_id) if self._worker is not None else None
 
     def wait_transfers(self, timeout: float) -> bool:
         """Block until no send or load of this worker is in flight; False at ``timeout``."""

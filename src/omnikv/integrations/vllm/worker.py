@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -65,6 +65,7 @@ from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounter
 from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.receive import ReceiveStatus
+from omnikv.transfer.received import ReceivedKV
 from omnikv.wire.codec import round_trip
 
 __all__ = ["META_BINDING", "META_MAC", "WorkerSide", "transfer_cpus"]
@@ -280,6 +281,18 @@ class WorkerSide:
             finished_sending=sent, finished_recving=loaded, failed_recving=failed
         )
 
+    def transfer_record(self, transfer_id: str) -> dict[str, Any] | None:
+        """What this worker did for a transfer; a sent one also says what became of it at the
+        consumer (``delivery``: ``sent`` until the consumer's verdict, then ``delivered``,
+        ``refused`` or ``expired``, with ``delivery_reason``)."""
+        record = self.counters.get(transfer_id)
+        key = None if record is None else record.get("send_key")
+        result = None if key is None else self.manager.get_send_result(key)
+        if record is not None and result is not None:
+            record["delivery"] = result.status.value
+            record["delivery_reason"] = result.reason
+        return record
+
     def take_stats(self) -> OmniKVConnectorStats | None:
         """``get_kv_connector_stats``: the interval's counts and durations."""
         return self.counters.take_interval()
@@ -313,6 +326,7 @@ class WorkerSide:
         self.counters.observe("send_seconds", end - t0)
         self.counters.record(
             spec.transfer_id,
+            send_key=spec.key,
             block_ids=list(spec.block_ids),
             num_tokens=spec.num_tokens,
             start=t0,
@@ -429,30 +443,37 @@ class WorkerSide:
             return "cancelled: the request was aborted", 0
         if time.monotonic() >= deadline:
             return "timeout: recv_timeout passed before the load could start", 0
+
+        def check(kv: ReceivedKV) -> str | None:
+            return self._check_payload(spec, kv.metadata, kv.key_cache, kv.value_cache)
+
         result = self.manager.receive_kv_cache_result(
-            spec.key, deadline=until, abort=abort, quiet=True
+            spec.key, deadline=until, abort=abort, quiet=True, check=check
         )
         if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
             return None
-        if not result.ok or result.data is None:
+        if result.status is ReceiveStatus.REFUSED:  # the producer is told why as well
+            return result.reason, 0
+        if not result.ok or result.kv is None:
             return f"receive {result.status.value}: {result.reason}", 0
-        data = result.data
-        blocks = data.get("layer_blocks") or {}
-        keys, values = blocks.get("key_cache") or [], blocks.get("value_cache") or []
-        reason = self._check_payload(spec, data.get("metadata") or {}, keys, values)
-        if reason is not None:
-            return reason, 0
+        keys, values = result.kv.key_cache, result.kv.value_cache
         nbytes = 0
         for layer, k, v in zip(self.layers.values(), keys, values, strict=True):
+            assert k is not None and v is not None  # the check refused absent layers
             span = slice(spec.start, spec.end)
             layer.scatter(spec.block_ids, k[span], v[span], spec.start)
             nbytes += k.nbytes + v.nbytes
         return None, nbytes
 
     def _check_payload(
-        self, spec: LoadSpec, meta: Mapping[str, Any], keys: list[Any], values: list[Any]
+        self,
+        spec: LoadSpec,
+        meta: Mapping[str, Any],
+        keys: Sequence[torch.Tensor | None],
+        values: Sequence[torch.Tensor | None],
     ) -> str | None:
-        """Why the received payload must not be written into this request's blocks, or None."""
+        """Why the received payload must not be written into this request's blocks, or None
+        (run by the receive as its ``check``: a reason is the producer's ``refused`` verdict)."""
         if meta.get(META_BINDING) != spec.binding:
             return "the payload's binding does not match the request"
         layers = list(self.layers.values())
@@ -472,7 +493,10 @@ class WorkerSide:
                 if self.options.verify_finite and not bool(torch.isfinite(t).all()):
                     return f"layer {idx} {name}: values that are not finite"
         if self.options.secret is not None:
-            mac = kv_mac(self.options.secret, spec.key, list(zip(keys, values, strict=True)))
+            pairs = [
+                (k, v) for k, v in zip(keys, values, strict=True) if k is not None and v is not None
+            ]
+            mac = kv_mac(self.options.secret, spec.key, pairs)
             if not mac_matches(meta.get(META_MAC), mac):
                 return "the payload's MAC does not match (forged or damaged KV)"
         return None
