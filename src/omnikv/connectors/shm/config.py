@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omnikv.connectors.delivery import DEFAULT_ACK_TIMEOUT_S
 from omnikv.errors import ConfigError
 from omnikv.values import (
     parse_bool,
@@ -76,6 +77,7 @@ _KNOWN_CONFIG = frozenset(
         "expected_payload_bytes",
         "kv_bytes_per_token",
         "max_model_len",
+        "ack_timeout_s",
     }
 )
 
@@ -165,6 +167,8 @@ class ShmConfig:
     expected_payload_bytes: int = 0
     kv_bytes_per_token: int = 0
     max_model_len: int = 0
+    # a payload taken and not acknowledged this long after its offer is reported expired
+    ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
@@ -208,6 +212,9 @@ class ShmConfig:
                 "kv_bytes_per_token", cfg.get("kv_bytes_per_token"), 0, minimum=0
             ),
             max_model_len=parse_int("max_model_len", cfg.get("max_model_len"), 0, minimum=0),
+            ack_timeout_s=parse_number(
+                "ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S
+            ),
         )
 
     @property

@@ -55,6 +55,17 @@ Design (one page; the parts live in modules of this package, each named in paren
   for KV and never come back (a served deployment) can hold: a pool that fills with such
   payloads empties within ``buffer_ttl_seconds``. With 0 a payload waits for a reader,
   ``cleanup`` or close however long that takes (a pipeline whose every payload is awaited).
+* **Delivery verdicts** (``acks``; :mod:`omnikv.connectors.delivery`). A receiver's
+  ``acknowledge`` sends ``verdict`` to the peer whose offer it took, on the same link; the
+  sender reports each payload put here once to its listener (``set_delivery_listener``):
+  ``delivered`` / ``refused`` (with the receiver's reason) when that verdict comes (accepted
+  only from the link the offer went to, once); ``expired`` when the payload stayed unclaimed
+  for ``buffer_ttl_seconds`` (the reason names the TTL), when the reader that took it went
+  away (died, closed, dropped) before its verdict, or when no verdict came within
+  ``ack_timeout_s`` of the offer (checked by the TTL timer thread and by ``health()``). A
+  payload dropped by ``cleanup`` gets no verdict. ``health()`` counts ``acks_delivered``,
+  ``acks_refused``, ``acks_expired``, ``acks_ignored`` (verdicts naming nothing that peer
+  took), ``acks_sent`` / ``ack_failures`` (as a receiver).
 * **A full pool.** A put that finds no space waits until its deadline while space can come
   back: readers holding payloads are asked to migrate them, a payload being written may go to
   a waiting reader, an unconsumed one may expire, a reader may come for one put recently. It
@@ -111,6 +122,10 @@ key                         default      meaning
 ``buffer_ttl_seconds``      300          an unconsumed payload is freed this many seconds after
                                          its put, with a WARNING naming it (a number >= 0;
                                          0: never); a reader that comes later misses
+``ack_timeout_s``           60           a payload taken by a reader and not acknowledged this
+                                         many seconds after its offer is reported ``expired``
+                                         (a number >= 0; a reader that goes away first makes it
+                                         ``expired`` at once)
 ``poll_us``                 1000         a blocking wait polls its sockets this many microseconds
                                          before it sleeps (0-100000; 0: never), yielding the CPU
                                          between polls: lower latency for payloads that come soon
@@ -142,7 +157,10 @@ from omnikv.connectors.base import (
     Writer,
 )
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.delivery import DeliveryListener, DeliveryNotices, Verdict
 from omnikv.connectors.shm import codec
+from omnikv.connectors.shm.acks import COUNTER_NAMES as ACK_COUNTERS
+from omnikv.connectors.shm.acks import SentVerdicts, TakenPayloads
 from omnikv.connectors.shm.cleanup import Cleanups
 from omnikv.connectors.shm.config import DEFAULT_POOL_SIZE, ShmConfig
 from omnikv.connectors.shm.diag import SenderWatch
@@ -168,7 +186,7 @@ __all__ = ["COUNTER_NAMES", "DEFAULT_POOL_SIZE", "SharedMemoryConnector"]
 logger = logging.getLogger(__name__)
 
 #: Everything a connector counts (``health()``): its mesh's, sending side's and receiving side's.
-COUNTER_NAMES = (*MESH_COUNTERS, *SEND_COUNTERS, *RECV_COUNTERS)
+COUNTER_NAMES = (*MESH_COUNTERS, *SEND_COUNTERS, *RECV_COUNTERS, *ACK_COUNTERS)
 #: Longest wait for the peers' answers when a receive that found nothing asks them why.
 PROBE_S = 0.05
 
@@ -215,6 +233,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     """
 
     supports_raw_data = True
+    acknowledges = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -232,6 +251,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._counters,
             poll_s=self.config.poll_us / 1e6,
         )
+        self._verdicts = SentVerdicts(DeliveryNotices(self.config.ack_timeout_s), self._counters)
+        self._taken = TakenPayloads(self._mesh, self._counters)
         self._store = SendStore(
             self.config.pool_size,
             self.config.prefault.ahead,
@@ -240,10 +261,13 @@ class SharedMemoryConnector(OmniConnectorBase):
             counters=self._counters,
             reserve=self.config.reserve_bytes,
             ttl_s=self.config.buffer_ttl_s,
+            verdicts=self._verdicts,
         )
         self._recv = RecvSide(self._mesh, self._counters)
         self._cleanups = Cleanups(self._mesh, self._store)
-        self._dispatcher = Dispatcher(self._mesh, self._store, self._recv, self._cleanups)
+        self._dispatcher = Dispatcher(
+            self._mesh, self._store, self._recv, self._cleanups, self._verdicts
+        )
         self._watch = SenderWatch(self._mesh.prefix, self.namespace, self.instance)
         self._sends = threading.Lock()  # held while this connector starts to send
         self._record: SenderRecord | None = None  # the namespace's record of us, once we send
@@ -289,7 +313,9 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def on_link_gone(self, link: Link) -> None:
         self._store.on_link_gone(link)
+        self._verdicts.link_gone(link)
         self._recv.on_link_gone(link)
+        self._taken.link_gone(link)
         self._cleanups.on_link_gone(link)
         self._watch.lost(link)
 
@@ -419,7 +445,10 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _take(self, key: str, block: bool, deadline: float) -> Offer | None:
         self._check_open()
         with _boundary("receive"):
-            return self._recv.take(key, block, deadline)
+            offer = self._recv.take(key, block, deadline)
+        if offer is not None:
+            self._taken.took(key, offer.link, offer.token, offer.acks)
+        return offer
 
     def get(
         self,
@@ -545,6 +574,41 @@ class SharedMemoryConnector(OmniConnectorBase):
             return 0
         return self._cleanups.run(prefix, "prefix", self.config.get_timeout_s)
 
+    # -- delivery verdicts ---------------------------------------------------------------------
+    def acknowledge(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        verdict: Verdict,
+        reason: str | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Send ``verdict`` on the payload taken under ``get_key`` (``metadata``: the one given
+        to that ``wait``) to the peer that offered it, over the mesh link it came on (``acks``).
+
+        Called by the receiver once per payload it took, after its checks. Never raises and
+        never blocks longer than one small control message's send; a verdict that cannot be
+        carried (not taken here, inline, the sender gone) is logged and its sender reports the
+        payload ``expired`` from its own watch. A second verdict on one payload is not sent.
+        """
+        try:
+            if self._closed or codec.inline_payload(metadata) is not None:
+                return
+            key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
+        except Exception as exc:
+            logger.debug("no verdict sent for %r: %s", get_key, exc)
+            return
+        self._taken.acknowledge(key, verdict, reason)
+
+    def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
+        """Report each payload put here from now on to ``listener`` once: ``delivered`` /
+        ``refused`` from its reader's verdict, ``expired`` on its TTL, when its reader went away
+        before a verdict, or after ``ack_timeout_s`` without one (see the module docstring).
+        Called by the sender's owner before it puts; the listener runs on a connector thread."""
+        self._verdicts.notices.set_listener(listener)
+
     # -- lifetime -----------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> list[str]:
         """Wait until every payload put here was taken by a reader, or ``timeout`` seconds
@@ -559,7 +623,12 @@ class SharedMemoryConnector(OmniConnectorBase):
         (``published``, ``published_bytes``, ``oldest_published_s``, ``youngest_published_s``;
         ``buffer_ttl_seconds``)
         and counters (among them ``ttl_reaped`` / ``ttl_reaped_bytes``: payloads freed unconsumed
-        by their TTL, ``put_pool_full``: puts refused at once); cheap and never raising."""
+        by their TTL, ``put_pool_full``: puts refused at once; the verdicts' ``acks_delivered``,
+        ``acks_refused``, ``acks_expired``, ``acks_ignored``, ``acks_sent``, ``ack_failures``,
+        and ``awaiting_verdicts``: payloads taken here and not yet acknowledged); cheap and never
+        raising. Expires the verdicts overdue by ``ack_timeout_s`` first."""
+        if not self._closed:
+            self._verdicts.sweep()
         return {
             "status": "closed" if self._closed else "healthy",
             "type": "SharedMemoryConnector",
@@ -567,6 +636,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             "instance": self.instance,
             "threshold": self.threshold,
             "buffer_ttl_seconds": self.config.buffer_ttl_s,
+            "ack_timeout_s": self.config.ack_timeout_s,
+            "awaiting_verdicts": self._verdicts.awaiting(),
             "pool_reserve_source": self.config.reserve_source,
             "peers": len(self._mesh.links(local=False)),
             **self._store.snapshot(),

@@ -7,9 +7,12 @@ Every message is a msgpack array (``wire``) whose first element names it:
   it starts sending), so a receive can tell a sender that went away;
 * ``want(wid, key, block[, "probe"])``: a reader asks for ``key`` (``probe``: only what the
   sender holds, to explain a miss; answered with ``miss``, never an offer);
-* ``offer(wid, token, offset, size, kind)``, ``release(token)``, ``return(token)``,
+* ``offer(wid, token, offset, size, kind[, "ack"])``, ``release(token)``, ``return(token)``,
   ``cancel(wid)``, ``miss(wid[, answer])``, ``evict(token)``: the hand-over of one payload
-  (``store``, ``recv``);
+  (``store``, ``recv``); ``"ack"``: the sender takes a verdict on it;
+* ``verdict(token, key, verdict[, reason])``: a reader's verdict on a payload it was offered
+  with ``"ack"`` (``acks``): checked by :func:`~omnikv.connectors.shm.acks.parse_verdict`
+  (bounded key and reason, a known verdict) and accepted only from the link that offer went to;
 * ``pool(id, size)`` with the pool's descriptor: the sender's pool, once per connection;
 * ``cleanup(pattern[, id, mode])`` and ``cleaned(id, n)``: a namespace-wide cleanup
   (``cleanup``).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from omnikv.connectors.shm.acks import SentVerdicts, parse_verdict
 from omnikv.connectors.shm.cleanup import Cleanups
 from omnikv.connectors.shm.diag import MAX_KEYS_SHOWN
 from omnikv.connectors.shm.mesh import Link, Mesh
@@ -36,7 +40,7 @@ __all__ = ["Dispatcher"]
 
 # leading non-negative int arguments of each control message
 _INT_ARGS = {"offer": 4, "release": 1, "return": 1, "cancel": 1, "miss": 1, "evict": 1}
-_INT_ARGS.update({"want": 1, "pool": 2, "cleaned": 2})
+_INT_ARGS.update({"want": 1, "pool": 2, "cleaned": 2, "verdict": 1})
 
 
 class Dispatcher:
@@ -47,11 +51,19 @@ class Dispatcher:
     the local link); holds no state of its own.
     """
 
-    def __init__(self, mesh: Mesh, store: SendStore, recv: RecvSide, cleanups: Cleanups) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        store: SendStore,
+        recv: RecvSide,
+        cleanups: Cleanups,
+        verdicts: SentVerdicts | None = None,
+    ) -> None:
         self._mesh = mesh
         self._store = store
         self._recv = recv
         self._cleanups = cleanups
+        self._verdicts = verdicts
 
     def on_message(self, link: Link, msg: list[Any]) -> None:
         """Validate and dispatch one control message (``ValueError`` drops the peer)."""
@@ -83,6 +95,10 @@ class Dispatcher:
             self._recv.on_miss(link, args[0], args[1] if len(args) > 1 else None)
         elif kind == "evict":
             self._recv.on_evict(link, args[0])
+        elif kind == "verdict":
+            token, key, verdict, reason = parse_verdict(args)
+            if self._verdicts is not None:
+                self._verdicts.on_verdict(link, token, key, verdict, reason)
         else:
             self._dispatch_peer(link, kind, args)
 

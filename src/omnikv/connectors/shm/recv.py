@@ -23,6 +23,7 @@ import numpy as np
 
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.shm.acks import ACK_FLAG
 from omnikv.connectors.shm.codec import KINDS
 from omnikv.connectors.shm.mesh import Link, Mesh
 from omnikv.connectors.shm.pool import MappedRegion
@@ -49,6 +50,7 @@ class Offer:
     offset: int
     nbytes: int
     kind: str
+    acks: bool = False  # its sender takes a verdict on it (``acks``)
 
 
 @dataclass
@@ -188,7 +190,8 @@ class RecvSide:
             early = self._early_evicts.pop((link, token), None) is not None
             want = self._wants.get(wid)
             if want is not None and want.offer is None and not self.closed and not want.probe:
-                want.offer = Offer(link, region, view, token, offset, nbytes, str(kind))
+                acks = len(msg) > 6 and msg[6] == ACK_FLAG
+                want.offer = Offer(link, region, view, token, offset, nbytes, str(kind), acks)
                 # held from now on, so an evict that overtakes the waiter's wake-up is served
                 self._holding[(link, token)] = (want.offer, region)
                 self._signal(want)

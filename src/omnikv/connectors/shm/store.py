@@ -26,6 +26,12 @@ expected to help (see :meth:`SendStore.allocate`): every slot in use holds a pub
 nobody claimed, none expires before the deadline, and none was put more recently than the put
 would wait. It then fails at once and says so.
 
+Delivery verdicts (``acks``): with a :class:`~omnikv.connectors.shm.acks.SentVerdicts`, every
+put is published there, an offer says ``"ack"`` and is recorded as taken by its link just before
+it is sent (undone when it cannot be sent or the reader returns it), an expired payload is
+reported ``expired``, a cleanup's are forgotten, and the timer thread also wakes for the
+``ack_timeout_s`` watches.
+
 Per-peer state is bounded: at most :data:`MAX_WANTS_PER_LINK` blocking wants per connection
 (the peer is disconnected beyond that).
 """
@@ -45,6 +51,7 @@ from typing import Any, cast
 from omnikv.connectors.base import HostArrayWriter, Writer, takes_host_arrays
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.pool import BufferAllocator
+from omnikv.connectors.shm.acks import ACK_FLAG, SentVerdicts
 from omnikv.connectors.shm.mesh import Link
 from omnikv.connectors.shm.pool import SenderPool
 from omnikv.deadline import remaining
@@ -115,10 +122,13 @@ class Unconsumed:
         lock: threading.Lock,
         changed: threading.Condition,
         counters: Counters,
+        verdicts: SentVerdicts | None = None,
     ) -> None:
         self.ttl_s = ttl_s
         self.next_expiry = math.inf
         self._counters = counters
+        self._verdicts = verdicts
+        self._sleeps_until = math.inf  # what the timer sleeps until (lock held to read/write)
         self._entries: dict[str, Entry] = {}
         self._changed = changed
         self._wake = threading.Condition(lock)  # the timer sleeps on it
@@ -144,9 +154,10 @@ class Unconsumed:
         return entry.published_at + self.ttl_s if self.ttl_s else math.inf
 
     def start(self, alloc: BufferAllocator) -> None:
-        """The pool exists (``alloc`` frees its slots): start the timer if payloads expire."""
+        """The pool exists (``alloc`` frees its slots): start the timer if payloads expire or
+        verdicts are watched (``ack_timeout_s``)."""
         self._alloc = alloc
-        if self.ttl_s:
+        if self.ttl_s or self._verdicts is not None:
             self._timer = threading.Thread(target=self._run, name="omnikv-shm-ttl", daemon=True)
             self._timer.start()
 
@@ -209,7 +220,7 @@ class Unconsumed:
         return [(e, now - e.published_at) for e in gone]
 
     def report(self, gone: list[tuple[Entry, float]]) -> None:
-        """One WARNING per expired payload (lock not held)."""
+        """One WARNING per expired payload, and its ``expired`` verdict (lock not held)."""
         for e, age in gone:
             logger.warning(
                 "shared-memory payload %s (%d bytes) expired unconsumed after %.1fs"
@@ -219,20 +230,40 @@ class Unconsumed:
                 age,
                 self.ttl_s,
             )
+            if self._verdicts is not None:
+                self._verdicts.expired(
+                    e.label,
+                    f"unconsumed for {age:.1f} s, past its TTL (buffer_ttl_seconds {self.ttl_s:g})",
+                )
+
+    def ack_watch_started(self, due: float) -> None:
+        """(lock held) A verdict is due by ``due`` (monotonic): wake the timer if it sleeps
+        past that (it then sleeps until the earliest ``ack_timeout_s`` watch)."""
+        if due < self._sleeps_until:
+            self._wake.notify()
 
     def _run(self) -> None:
-        """The timer: sleep until the earliest expiry (woken sooner by :meth:`add` when an
-        earlier one is published, and by :meth:`clear`), free what is due, again."""
+        """The timer: sleep until the earliest expiry or ``ack_timeout_s`` watch (woken sooner
+        by :meth:`add` when an earlier expiry is published, by :meth:`ack_watch_started`, and
+        by :meth:`clear`), free and report what is due, again."""
+        verdicts = self._verdicts
         while True:
             with self._changed:
                 while not self._closed:
-                    left = self.next_expiry - time.monotonic()
+                    due = self.next_expiry
+                    if verdicts is not None:
+                        due = min(due, verdicts.next_due())
+                    left = due - time.monotonic()
                     if left <= 0:
                         break
+                    self._sleeps_until = due
                     self._wake.wait(min(left, 3600.0))
+                    self._sleeps_until = math.inf
                 if self._closed:
                     return
             self.expire_due()
+            if verdicts is not None:
+                verdicts.sweep()
 
     def first_expiry(self) -> float:
         """The earliest expiry of the entries now published (exact; kept as ``next_expiry``)."""
@@ -295,6 +326,7 @@ class SendStore:
         counters: Counters,
         reserve: int = 0,
         ttl_s: float = 0.0,
+        verdicts: SentVerdicts | None = None,
     ) -> None:
         self.pool_size = pool_size
         self.prefault = prefault
@@ -308,8 +340,10 @@ class SendStore:
         self.alloc: BufferAllocator | None = None
         self.pool_id = secrets.randbits(48)
         self._counters = counters
+        #: Delivery verdicts of what is put here (``acks``); ``None``: not watched.
+        self.verdicts = verdicts
         # claimed by no reader
-        self._published = Unconsumed(ttl_s, self._lock, self._changed, counters)
+        self._published = Unconsumed(ttl_s, self._lock, self._changed, counters, verdicts)
         self._held: dict[int, Entry] = {}
         self._wanters: dict[str, list[tuple[Link, int]]] = {}
         self._want_count: dict[Link, int] = {}
@@ -450,6 +484,8 @@ class SendStore:
         """A put's written entry becomes visible: offered to a waiting reader or published (its
         TTL runs from now)."""
         entry.published_at = time.monotonic()
+        if self.verdicts is not None:  # before the offer: a verdict may follow it at once
+            self.verdicts.published(entry.key, entry.label)
         self.deliver(entry)
         if self.pool is not None:  # after the write, so prefaulting ahead never competes with it
             self.pool.note_used(entry.offset + max(entry.nbytes, 1))
@@ -464,7 +500,10 @@ class SendStore:
         entry.evicting = False
         entry.sent = False
         self._held[entry.token] = entry
-        return ["offer", wid, entry.token, entry.offset, entry.nbytes, entry.kind]
+        msg: list[Any] = ["offer", wid, entry.token, entry.offset, entry.nbytes, entry.kind]
+        if self.verdicts is not None:
+            msg.append(ACK_FLAG)  # the reader answers with its verdict (``acks``)
+        return msg
 
     def _next_target(self, entry: Entry) -> tuple[Link, list[Any]] | None:
         """(lock held) Offer to the first live waiter, else publish (replacing) and ``None``."""
@@ -494,13 +533,24 @@ class SendStore:
                 target = self._next_target(entry)
             if target is None:
                 return
-            if self._send(target[0], [target[1]], self.pool_handle()):
+            link, offer = target
+            self._offering(entry, link, offer[2])
+            if self._send(link, [offer], self.pool_handle()):
                 self._offer_sent(entry)
                 return
-            self._take_back(entry)
+            self._take_back(entry, link, offer[2])
 
-    def _take_back(self, entry: Entry) -> None:
+    def _offering(self, entry: Entry, link: Link, token: int) -> None:
+        """(lock not held) The offer of ``entry`` to ``link`` as ``token`` is about to be
+        sent: the verdict is awaited from that link (recorded before the send, so a verdict
+        never overtakes it)."""
+        if self.verdicts is not None:
+            self.verdicts.taken(entry.key, entry.label, link, token)
+
+    def _take_back(self, entry: Entry, link: Link, token: int) -> None:
         """An offer could not be sent: the entry is ours again (lock not held)."""
+        if self.verdicts is not None:
+            self.verdicts.returned(entry.key, link, token)
         with self._lock:
             if self._held.get(entry.token) is entry:
                 del self._held[entry.token]
@@ -531,20 +581,24 @@ class SendStore:
         if reply is None:
             return
         pool = self.pool_handle() if entry is not None else None
+        if entry is not None:
+            self._offering(entry, link, reply[2])
         if self._send(link, [reply], pool):
             if entry is not None:
                 self._offer_sent(entry)
         elif entry is not None:
-            self._take_back(entry)
+            self._take_back(entry, link, reply[2])
             self.deliver(entry)
 
     def _offer_sent(self, entry: Entry) -> None:
         """The offer of ``entry`` left: it counts as consumed (flush); a put waiting for space
-        asks its new holder to evict at once."""
+        asks its new holder to evict at once; the timer wakes for its ``ack_timeout_s``."""
         with self._lock:
             entry.sent = True
             self._changed.notify_all()
             waiting = self._waiting
+            if self.verdicts is not None:
+                self._published.ack_watch_started(time.monotonic() + self.verdicts.ack_timeout_s)
         if waiting:
             self._evict(0)
 
@@ -569,8 +623,13 @@ class SendStore:
                 # released, or returned after a newer put of the key (the newer one wins)
                 self._counters.add("releases")
                 self.free(entry)
-                return
-            self._counters.add("returns")
+                republish = False
+            else:
+                self._counters.add("returns")
+        if not republish:
+            return
+        if self.verdicts is not None:  # given back unused: unclaimed again
+            self.verdicts.returned(entry.key, link, token)
         self.deliver(entry)
 
     def on_link_gone(self, link: Link) -> None:
@@ -594,7 +653,10 @@ class SendStore:
             entries = self._published.pop_matching(match)
             for e in entries:
                 self.free(e)
-        return [e.label for e in entries]
+        labels = [e.label for e in entries]
+        if self.verdicts is not None:
+            self.verdicts.forget(labels)
+        return labels
 
     def published_summary(self, key: str, limit: int) -> dict[str, Any]:
         """A probe's answer (``diag``): how many payloads are published here, the newest
