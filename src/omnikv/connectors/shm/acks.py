@@ -281,7 +281,11 @@ class TakenPayloads:
             with self._lock:
                 took = self._taken.pop(key, None)
             if took is None:
-                logger.debug("no verdict sent for %s: not taken from a peer that takes them", key)
+                logger.debug(
+                    "no verdict sent for %s: not taken here from a live peer that takes verdicts"
+                    " (or already acknowledged)",
+                    key,
+                )
                 return
             link, token = took
             msg = ["verdict", token, key, verdict.value, clip_reason(reason)]
