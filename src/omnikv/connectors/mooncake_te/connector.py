@@ -8,6 +8,16 @@ once, at construction: every connector can receive (:class:`~.receiver.ReceiverS
 ``role="sender"`` connector also publishes and serves pulls (:class:`~.sender.SenderSide`) on
 its control port.
 
+Delivery verdicts (``acknowledges``; :mod:`omnikv.connectors.pull.verdicts`): a receiver's
+``acknowledge`` sends its verdict to the sender it pulled the payload from, as a ``verdict``
+message on the control channel (signed and replay-checked with ``auth_secret``). The sender
+reports each publication once to its delivery listener: ``delivered`` / ``refused`` (with the
+receiver's reason) when the receiver whose pull consumed it says so; ``expired`` when its
+``buffer_ttl_seconds`` drop it unpulled, or ``ack_timeout_s`` (default 60) after that pull
+without a verdict (a receiver that died). Verdicts from any other peer, for a key not pulled, or
+repeated are ignored (``acks_ignored``); ``health()`` counts ``acks_delivered`` /
+``acks_refused`` / ``acks_expired`` and shows ``awaiting_verdicts``.
+
 ``close`` stops and joins every thread, closes every socket, waits for in-flight writes,
 unregisters the pool from the engine and unmaps it; a failed constructor leaves nothing open.
 """
@@ -60,7 +70,9 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     address), ``zmq_port``, ``role`` (``"sender"`` binds the control socket; ``"receiver"`` binds
     nothing), ``protocol`` (``"tcp"``), ``device_name`` (``""``), ``memory_pool_size`` (bytes,
     default 1 GiB), ``memory_pool_device`` (``"cpu"``), ``buffer_ttl_seconds`` (300),
-    ``auth_secret`` (shared by all peers; without it anyone who reaches the port can pull),
+    ``ack_timeout_s`` (60: a payload pulled without a verdict for this long is reported
+    ``expired``), ``auth_secret`` (shared by all peers; without it anyone who reaches the port
+    can pull),
     ``auth_window_seconds`` (30: the replay window), ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
     (60), ``close_timeout_seconds`` (30), ``workers`` (4), ``put_timeout_s`` (0),

@@ -22,6 +22,17 @@ gives up is quarantined until NIXL reports it finished (then it is a late arriva
 ``wait`` of that key) or cancelled. See :mod:`~omnikv.connectors.nixl.sender` and
 :mod:`~omnikv.connectors.nixl.receiver` for the two sides; the role is chosen once, here.
 
+Delivery verdicts (``acknowledges``; :mod:`omnikv.connectors.pull.verdicts`): after its checks
+the receiver's ``acknowledge`` sends a ``verdict`` message to the sender it READ from, on the
+control channel. The sender reports each publication once to its delivery listener:
+``delivered`` / ``refused`` (with the receiver's reason) from the receiver whose READ
+notification consumed it (a verdict that overtakes its notification is kept until that
+arrives); ``expired`` when ``buffer_ttl_seconds`` or ``max_leases_per_entry`` drop it unread,
+or ``ack_timeout_s`` (default 60) after its READ without a verdict (a receiver that died).
+Verdicts from any other peer, for a key not read, or repeated are ignored (``acks_ignored``);
+``health()`` counts ``acks_delivered`` / ``acks_refused`` / ``acks_expired`` and shows
+``awaiting_verdicts``.
+
 Trust model: the control plane can be authenticated (``auth_secret``); the data plane is NIXL's
 (UCX): an agent that holds the sender's metadata can READ its registered pool, and that metadata
 is handed out only over the (authenticated, when configured) control plane.
@@ -71,7 +82,8 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
     for the Transfer Engine connector), ``zmq_port``, ``role``
     (``"sender"`` binds the control socket; ``"receiver"`` binds nothing), ``backends``
     (``["UCX"]``), ``memory_pool_size`` (bytes or "512MB", default 1 GiB),
-    ``buffer_ttl_seconds`` (300), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
+    ``buffer_ttl_seconds`` (300), ``ack_timeout_s`` (60: a payload READ without a verdict
+    for this long is reported ``expired``), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
     (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
     (60), ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30: the replay window),
     ``put_timeout_s`` (0: the reference-shaped ``put`` tries once), ``max_leases_per_entry``
