@@ -7,6 +7,21 @@ of that size in its own registered pool and ``get_into``s it (zero-copy into mem
 can write). After a successful get the object is removed from the store (``remove_after_get``,
 default true) so the store does not fill up. ``wait`` polls with a bounded back-off until its
 deadline. ``close`` unregisters the pool, closes the store client and unmaps the pool.
+
+Delivery verdicts (:mod:`omnikv.connectors.delivery`, the records in :mod:`.acks`): a receiver's
+``acknowledge`` stores ``{"key", "verdict", "reason"}`` as JSON under ``"{key}.ack"`` (one small
+``put``). A sender with a delivery listener watches each key it published from one background
+thread: while any key is open it polls the master (one ``batch_is_exist`` over the open keys'
+records and untaken payloads, every 20 ms after a change, backing off to 200 ms; no polling
+while nothing is open), reads and removes each record and reports ``delivered`` / ``refused``
+with the receiver's reason. A payload found gone from the store counts as taken: without a
+record within ``ack_timeout_s`` (default 60) it is reported ``expired``; so is a payload the TTL
+removed unconsumed (the reason names ``buffer_ttl_seconds``). Malformed records are dropped and
+counted (``acks_malformed``). Records do not outlive their use: the sender removes those it
+read, and at its ack timeout or close those of the keys it stops watching; the receiver removes
+its own still unread after ``buffer_ttl_seconds``, and at its close waits up to ``ack_linger_s``
+(default 1) for its sender to read the recent ones (a record may lie in the receiver's segment,
+which goes when it closes) before removing them.
 """
 
 from __future__ import annotations
@@ -32,6 +47,13 @@ from omnikv.connectors.base import (
 )
 from omnikv.connectors.boundary import CodeRule, ErrorMap, ErrorRule
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.delivery import (
+    DEFAULT_ACK_TIMEOUT_S,
+    DeliveryListener,
+    DeliveryNotices,
+    Verdict,
+)
+from omnikv.connectors.mooncake_store.acks import VerdictWatch, WrittenRecords
 from omnikv.connectors.mooncake_te.engine import (
     INSTALL_HINT,
     set_metadata_cache,
@@ -58,6 +80,8 @@ logger = logging.getLogger(__name__)
 _TRANSFER_FAIL = -800
 #: ``buffer_ttl_seconds`` by default (the other connectors' default).
 DEFAULT_BUFFER_TTL_S = 300.0
+#: ``ack_linger_s`` by default: how long a closing receiver waits for its verdicts to be read.
+DEFAULT_ACK_LINGER_S = 1.0
 
 #: The Store connector's boundary. Mooncake's bindings (pybind11) declare no exception classes:
 #: the store reports failures as return codes (a read's ``TRANSFER_FAIL`` means the sender is
@@ -131,9 +155,14 @@ class MooncakeStoreConnector(OmniConnectorBase):
     client opened stays open under its name for as long as the client lives, so a client that
     starts under an earlier client's name is unreachable to the long-lived ones: give ``host``
     as ``"ip:port"`` with a port no earlier client had where clients restart often.
+    ``ack_timeout_s`` (60: a payload taken without a verdict for that long is reported
+    ``expired``) and ``ack_linger_s`` (1: how long ``close`` waits for the verdict records this
+    client wrote as a receiver to be read by their senders) govern delivery verdicts (see the
+    module docstring).
     """
 
     supports_raw_data: ClassVar[bool] = True
+    acknowledges: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap] = STORE_ERRORS
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -165,6 +194,12 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self.buffer_ttl_s = parse_number(
             "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
         )
+        ack_timeout_s = parse_positive(
+            "ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S
+        )
+        self.ack_linger_s = parse_number(
+            "ack_linger_s", cfg.get("ack_linger_s"), DEFAULT_ACK_LINGER_S
+        )
         self._next_sweep = 0.0
         store_cls, replicate_cls = import_mooncake_store()
         _probe_master(self.master, probe_s)
@@ -185,8 +220,18 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 "misses",
                 "removed",
                 "ttl_reaped",
+                "acks_sent",
+                "ack_failures",
+                "ack_records_dropped",
+                "acks_delivered",
+                "acks_refused",
+                "acks_expired",
+                "acks_malformed",
             )
         )
+        self._notices = DeliveryNotices(ack_timeout_s)
+        self._verdicts = VerdictWatch(self, self._notices, self._counters, STORE_ERRORS)
+        self._records = WrittenRecords(self._counters, STORE_ERRORS, self.max_tracked_keys)
         self._rcfg = replicate_cls()
         self._rcfg.replica_num = replicas
         self._store: Any = None
@@ -230,6 +275,16 @@ class MooncakeStoreConnector(OmniConnectorBase):
             raise ConnectorClosedError("MooncakeStoreConnector is closed")
         return self._store, self._pool
 
+    def live_store(self) -> Any | None:
+        """The store client while open, else ``None`` (for the verdict watch)."""
+        return None if self._closed else self._store
+
+    def consumed_elsewhere(self, key: str) -> None:
+        """The verdict watch found ``key`` gone from the store: a receiver took it, so it is no
+        longer this client's to clean up or expire."""
+        with self._lock:
+            self._put_keys.pop(key, None)
+
     # -- sender ------------------------------------------------------------------------------
     def put_packed(
         self,
@@ -260,6 +315,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self._counters.add("put_failures")
             raise STORE_ERRORS.other_codes(f"put_from of {key} returned {rc}")
         self._track(key)
+        self._verdicts.published(key, put_key)
         self.reap_expired()
         self._counters.add("puts")
         self._counters.add("put_bytes", nbytes)
@@ -403,9 +459,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     def reap_expired(self) -> list[str]:
         """Remove from the store the objects this client put ``buffer_ttl_seconds`` ago or more
-        that nobody consumed (each named in a warning, counted as ``ttl_reaped``); returns their
-        keys. Runs at each put and health check, at most every ``buffer_ttl_seconds / 2``; 0
-        turns it off. Objects already consumed are only forgotten. Never raises."""
+        that nobody consumed (each named in a warning, counted as ``ttl_reaped``, reported
+        ``expired`` to the delivery listener); returns their keys. Verdict records this client
+        wrote that long ago and nobody read are removed too. Runs at each put and health check
+        and from the verdict watch, at most every ``buffer_ttl_seconds / 2``; 0 turns it off.
+        Objects already consumed are only forgotten. Never raises."""
         now = time.monotonic()
         ttl = self.buffer_ttl_s
         with self._lock:
@@ -416,6 +474,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             for k in old:
                 del self._put_keys[k]
         store, reaped = self._store, []
+        self._records.reap(store, ttl)
         for k in old:
             try:
                 with STORE_ERRORS.translate(f"remove of {k}"):
@@ -425,6 +484,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 continue
             if rc == 0:  # it was still there: nobody consumed it
                 reaped.append(k)
+                self._verdicts.expired_by_ttl(k, ttl)
         if reaped:
             self._counters.add("ttl_reaped", len(reaped))
             logger.warning(
@@ -441,7 +501,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
             return list(self._put_keys)
 
     def cleanup(self, request_id: str) -> None:
-        """Remove objects this client stored for ``request_id`` and nobody consumed."""
+        """Remove objects this client stored for ``request_id`` and nobody consumed (no verdict
+        is reported for those)."""
         with self._lock:
             keys = [k for k in self._put_keys if matches_request(k, request_id)]
             for k in keys:
@@ -453,11 +514,42 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 rc = int(self._store.remove(k, True))
             if rc == 0:
                 self._counters.add("removed")
+                self._verdicts.forget(k)
+
+    def acknowledge(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        verdict: Verdict,
+        reason: str | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Store the verdict on the payload taken under ``get_key`` for its sender to read.
+
+        Called by the receiver once per payload it took, after its checks. One small ``put``
+        (bounded by the store client's own RPC timeouts); never raises: a record that cannot be
+        stored is logged and counted ``ack_failures``, and the sender then reports ``expired``
+        after its ``ack_timeout_s``.
+        """
+        store = self.live_store()
+        key = self._make_key(get_key, from_stage, to_stage)
+        if store is None:
+            logger.warning("no verdict for %s: the connector is closed", key)
+            return
+        self._records.write(store, self._rcfg, key, verdict, reason)
+
+    def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
+        """Report each payload put from now on once to ``listener`` (delivered, refused or
+        expired; see the module docstring). Called by the sender's owner before its puts."""
+        self._notices.set_listener(listener)
 
     def health(self) -> dict[str, Any]:
-        """Status, endpoints, pool use and counters (after a TTL sweep when one is due); never
-        raises."""
+        """Status, endpoints, pool use and counters (after a TTL sweep when one is due, and the
+        ``ack_timeout_s`` sweep); never raises."""
         self.reap_expired()
+        self._verdicts.sweep()
         pool = self._pool
         counters = self._counters.snapshot()
         with self._lock:
@@ -472,14 +564,21 @@ class MooncakeStoreConnector(OmniConnectorBase):
             "pool_used": pool.allocator.used_bytes if pool is not None and not pool.closed else 0,
             "registered": self._registered,
             "tracked_keys": pending,
+            "watched_keys": self._verdicts.watched(),
             **counters,
         }
 
     def close(self) -> None:
-        """Unregister the pool, close the store client, unmap the pool. Idempotent."""
+        """Wait up to ``ack_linger_s`` for the verdicts this client wrote to be read, stop the
+        verdict watch (removing the records of keys still watched), unregister the pool, close
+        the store client, unmap the pool. Idempotent."""
         if self._closed:
             return
+        store = self._store
+        if store is not None:
+            self._records.settle(store, self.ack_linger_s)
         self._closed = True
+        self._verdicts.close(store)
         self._teardown()
 
     def _teardown(self) -> None:
