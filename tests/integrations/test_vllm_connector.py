@@ -194,8 +194,45 @@ def test_send_then_load_writes_the_same_tokens(edge: Any) -> None:
     # The producer learns that the consumer accepted the KV.
     record = edge.producer.worker.transfer_record(params["omnikv_transfer_id"])
     assert record is not None and record["delivery"] == "delivered"
+    _step(edge.producer, set())  # the producer counts the verdict on its next step
+    assert edge.producer.worker.stats()["sends_delivered"] == 1
     # Loaded once: the request is not offered for loading again (e.g. after a preemption).
     assert edge.consumer.sched.get_num_new_matched_tokens(_request("c1", params), 0) == (0, False)
+
+
+def test_free_blocks_on_verdict_holds_the_blocks_until_the_consumer_answers(edge: Any) -> None:
+    """With ``free_blocks_on: verdict`` the producer reports the send finished (vLLM frees the
+    blocks) only once the consumer's verdict is in; by default it does at once."""
+    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": edge.conn}
+    producer = _pair("kv_producer", omni, free_blocks_on="verdict")
+    edge.made.append(producer)
+    request = _request("p9", {"do_remote_decode": True}, computed=len(PROMPT))
+    _, params = producer.sched.request_finished(request, [3, 5, 1])
+    assert params is not None
+    assert _step(producer, {"p9"}).finished_sending == set()  # staged, no verdict yet
+    assert producer.sched.has_pending_push_work()
+    assert _step(producer, set()).finished_sending == set()
+    results = _load(edge.consumer, dict(params), "c9", [6, 2, 7])
+    assert results.finished_recving == {"c9"}
+    assert _step(producer, set()).finished_sending == {"p9"}  # delivered: blocks go back
+    assert not producer.sched.has_pending_push_work()
+    assert producer.worker.stats()["sends_delivered"] == 1
+
+
+def test_free_blocks_on_verdict_frees_an_untaken_payloads_blocks_at_its_ttl(edge: Any) -> None:
+    conn = {**edge.conn, "buffer_ttl_seconds": 0.2}
+    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn}
+    producer = _pair("kv_producer", omni, free_blocks_on="verdict")
+    edge.made.append(producer)
+    request = _request("p8", {"do_remote_decode": True}, computed=len(PROMPT))
+    producer.sched.request_finished(request, [3, 5, 1])
+    assert _step(producer, {"p8"}).finished_sending == set()
+    deadline = time.monotonic() + 10
+    while not _step(producer, set()).finished_sending:  # steps, as an idle engine runs them
+        assert time.monotonic() < deadline, "the blocks were never given back"
+        time.sleep(0.05)
+    assert producer.worker.stats()["sends_expired"] == 1
+    assert not producer.sched.has_pending_push_work()
 
 
 def test_transfer_ids_are_fresh_and_unguessable(edge: Any) -> None:

@@ -18,7 +18,8 @@ the ``ttl_reaped`` / ``ttl_reaped_bytes`` counts. The namespace is swept on its 
 (put, get, wait, health), at most every ``buffer_ttl_seconds / 2``. Verdicts
 (:mod:`omnikv.connectors.delivery`): a receiver's ``acknowledge`` reaches the publishing
 connector's listener directly; an expired payload is reported ``expired``, and so is one taken
-and not acknowledged within ``ack_timeout_s`` (default 60; checked by ``health``).
+and not acknowledged within ``ack_timeout_s`` (default 60; checked by ``health`` and
+``reap_consumed``).
 """
 
 from __future__ import annotations
@@ -297,6 +298,13 @@ class LocalConnector(OmniConnectorBase):
             while self._store.items and time.monotonic() < end:
                 self._store.cond.wait(timeout=end - time.monotonic())
             return list(self._store.items)
+
+    def reap_consumed(self) -> None:
+        """Expire what is due: payloads past ``buffer_ttl_seconds`` and verdicts overdue by
+        ``ack_timeout_s`` (this connector runs no timer; a sender calls this between steps)."""
+        self._notices.sweep()
+        with self._store.cond:
+            self._store.reap_locked(self.buffer_ttl_s, self._counters)
 
     def health(self) -> dict[str, Any]:
         self._notices.sweep()

@@ -24,6 +24,12 @@ Keys:
   from its namespace).
 * ``verify_finite`` (false): a consumer refuses KV with NaN or infinite values (one pass over
   the payload).
+* ``free_blocks_on`` (``"staged"``): when a producer hands a request's blocks back to vLLM.
+  ``staged``: once its payload is in the connector's memory (a copy; the blocks are not read
+  again, so this is safe and frees them soonest); ``verdict``: once the consumer's verdict is in
+  (delivered, refused, or expired by the connector's TTL / ``ack_timeout_s``), for deployments
+  that keep the blocks until the consumer has the KV. Connectors without verdicts always free
+  at ``staged``.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import Any
 from omnikv.errors import ConfigError
 from omnikv.integrations.vllm.binding import is_tag, producer_tag
 from omnikv.layouts.blocks import VLLM_BLOCK_LAYOUTS
-from omnikv.values import parse_bool, parse_int, parse_positive, parse_secret
+from omnikv.values import parse_bool, parse_choice, parse_int, parse_positive, parse_secret
 
 __all__ = ["ConnectorOptions", "parse_options"]
 
@@ -55,6 +61,7 @@ _KNOWN = frozenset(
         "producer_tag",
         "accept_producer_tags",
         "verify_finite",
+        "free_blocks_on",
     }
 )
 
@@ -74,6 +81,7 @@ class ConnectorOptions:
     tag: str
     accepted_tags: frozenset[str]
     verify_finite: bool
+    free_blocks_on: str = "staged"
 
 
 def _omni_kv_config(extra: Mapping[str, Any], producer: bool, consumer: bool) -> dict[str, Any]:
@@ -138,4 +146,7 @@ def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -
         tag=tag,
         accepted_tags=tags,
         verify_finite=parse_bool("verify_finite", extra.get("verify_finite")),
+        free_blocks_on=parse_choice(
+            "free_blocks_on", extra.get("free_blocks_on"), "staged", ("staged", "verdict")
+        ),
     )

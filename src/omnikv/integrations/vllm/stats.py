@@ -8,9 +8,11 @@ class builds for the server's Prometheus registry (``build_prom_metrics``), as v
 and Mooncake connectors do.
 
 Counts (cumulative in :meth:`TransferCounters.counts`, per interval in the stats):
-``sends_ok``, ``sends_failed``, ``bytes_sent``, ``loads_ok``, ``loads_failed`` (the request
-recomputes its prefill), ``loads_refused`` (parameters refused at admission, never waited for),
-``tokens_loaded``, ``bytes_loaded``; durations ``send_seconds`` and ``load_seconds``.
+``sends_ok``, ``sends_failed``, the consumers' verdicts on the sends (``sends_delivered``,
+``sends_refused``, ``sends_expired``; connectors that carry verdicts), ``bytes_sent``,
+``loads_ok``, ``loads_failed`` (the request recomputes its prefill), ``loads_refused``
+(parameters refused at admission, never waited for), ``tokens_loaded``, ``bytes_loaded``;
+durations ``send_seconds`` and ``load_seconds``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ __all__ = [
 COUNTS = (
     "sends_ok",
     "sends_failed",
+    "sends_delivered",
+    "sends_refused",
+    "sends_expired",
     "bytes_sent",
     "loads_ok",
     "loads_failed",
@@ -142,6 +147,9 @@ class OmniKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
 _COUNTER_DOCS = {
     "sends_ok": "Prompt KV payloads this producer sent through omnikv.",
     "sends_failed": "Prompt KV sends that failed (the consumer recomputes).",
+    "sends_delivered": "Prompt KV payloads a consumer accepted (its verdict).",
+    "sends_refused": "Prompt KV payloads a consumer took and refused (binding, MAC, shape).",
+    "sends_expired": "Prompt KV payloads nobody took in time, or taken without a verdict.",
     "bytes_sent": "Bytes of KV this producer sent through omnikv.",
     "loads_ok": "Prompt KV payloads this consumer loaded through omnikv.",
     "loads_failed": "Admitted loads that failed or timed out (the prefill was recomputed).",

@@ -205,6 +205,10 @@ class WorkerSide:
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._aborts: dict[str, threading.Event] = {}
+        # sends published through a connector that acknowledges, until their verdict:
+        # send key -> request id (the request's blocks stay held meanwhile when
+        # free_blocks_on is "verdict")
+        self._verdicts_due: dict[str, str] = {}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
         """``register_kv_caches``: per layer the blocks of the engine's caches
@@ -268,7 +272,12 @@ class WorkerSide:
             self._send_pool.submit(self._send, spec)
 
     def results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
-        """``get_transfer_results``: sends done for finished requests, loads ended."""
+        """``get_transfer_results``: sends done for finished requests, loads ended. A send is
+        done when its payload is staged in the connector (a copy: the blocks are no longer
+        read), or, with ``free_blocks_on: verdict``, when the consumer's verdict is in
+        (delivered, refused or expired: by ``buffer_ttl_seconds + ack_timeout_s`` at the
+        latest)."""
+        self._collect_verdicts()
         with self._lock:
             self._released.update(r for r in finished_req_ids if r in self._sending)
             sent = self._sent & self._released
@@ -292,6 +301,33 @@ class WorkerSide:
             record["delivery"] = result.status.value
             record["delivery_reason"] = result.reason
         return record
+
+    def _collect_verdicts(self) -> None:
+        """Count the verdicts that came in since the last step (``sends_delivered``,
+        ``sends_refused``, ``sends_expired``); with ``free_blocks_on: verdict`` their requests'
+        sends are done now."""
+        with self._lock:
+            due = list(self._verdicts_due.items())
+        if not due:
+            return
+        connector = self.manager.connector
+        if connector is not None:
+            connector.reap_consumed()  # a transport without a timer expires what is due now
+        ended: list[tuple[str, str]] = []
+        for key, req_id in due:
+            result = self.manager.get_send_result(key)
+            status = "expired" if result is None else result.status.value
+            if status in ("delivered", "refused", "expired"):
+                self.counters.add(f"sends_{status}")
+                ended.append((key, req_id))
+        if not ended:
+            return
+        hold = self.options.free_blocks_on == "verdict"
+        with self._lock:
+            for key, req_id in ended:
+                self._verdicts_due.pop(key, None)
+                if hold:
+                    self._sent.add(req_id)
 
     def take_stats(self) -> OmniKVConnectorStats | None:
         """``get_kv_connector_stats``: the interval's counts and durations."""
@@ -334,8 +370,13 @@ class WorkerSide:
             ok=ok,
             reason=reason,
         )
+        connector = self.manager.connector
+        watched = ok and connector is not None and connector.acknowledges
         with self._lock:
-            self._sent.add(spec.req_id)
+            if watched:
+                self._verdicts_due[spec.key] = spec.req_id
+            if not (watched and self.options.free_blocks_on == "verdict"):
+                self._sent.add(spec.req_id)
             self._done()
         if not ok:
             logger.debug("OmniKVConnector: send of %s failed: %s", spec.transfer_id, reason)
