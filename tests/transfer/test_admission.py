@@ -195,3 +195,107 @@ def test_a_request_with_cfg_companions_is_ready_only_when_every_branch_is(
         assert len(adm) == 0
     finally:
         mgr.close()
+
+
+# -- what the prefetcher builds on (unit level, scripted receives) ------------------------------
+def test_withdraw_takes_back_only_a_request_whose_receive_has_not_started() -> None:
+    """One receive thread, busy with ``first``: ``queued`` (and a request with a companion) can
+    be withdrawn and is never received; a started or ended request cannot be."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def receive(rid: str, target_device: Any = None, **kw: Any) -> ReceiveResult:
+        calls.append(rid)
+        if rid == "first":
+            entered.set()
+            assert release.wait(10)
+        return ReceiveResult(rid, ReceiveStatus.OK, nbytes=1)
+
+    adm = KVAdmission(receive, recv_timeout=10.0, max_receives=1, name="kv-test")
+    try:
+        assert [t.name for t in adm.threads] == ["kv-test"]
+        adm.offer(["first", "queued"])
+        adm.offer("p", companions={"p": ["p__neg"]})
+        assert entered.wait(10)
+        states = adm.poll()
+        assert states["first"].started and not states["queued"].started
+        assert states["queued"].state is Readiness.MISSING
+        assert not adm.withdraw("first")  # running: it may have taken its payload already
+        assert not adm.withdraw("p__neg")  # a companion goes with its request
+        assert adm.withdraw("queued") and not adm.withdraw("queued")
+        assert adm.withdraw("p") and sorted(adm.poll()) == ["first"]
+        release.set()
+        assert adm.wait("first", time.monotonic() + 10)
+        assert not adm.withdraw("first")  # ended: its outcome waits for take
+        assert adm.take("first") is not None
+    finally:
+        release.set()
+        adm.close()
+    assert calls == ["first"]  # the withdrawn requests never reached the receive
+
+
+def test_wait_blocks_until_outcomes_are_in_and_takes_nothing() -> None:
+    release = threading.Event()
+
+    def receive(rid: str, target_device: Any = None, **kw: Any) -> ReceiveResult:
+        if rid == "slow":
+            assert release.wait(10)
+        return ReceiveResult(rid, ReceiveStatus.OK, nbytes=1)
+
+    adm = KVAdmission(receive, recv_timeout=10.0, max_receives=2)
+    try:
+        assert [t.name for t in adm.threads] == ["kv-admission-0", "kv-admission-1"]
+        assert adm.wait(deadline=time.monotonic())  # nothing tracked: at once
+        adm.offer(["slow", "fast"])
+        assert adm.wait("fast", time.monotonic() + 10)
+        fast = adm.poll(["fast"])["fast"]
+        assert fast.state is Readiness.READY and fast.started and fast.held_s >= 0.0
+        assert not adm.wait("slow", time.monotonic() + 0.05)  # still running at the deadline
+        assert not adm.wait(deadline=time.monotonic())
+        assert adm.poll(["slow"])["slow"].held_s == 0.0  # no outcome yet
+        assert adm.wait("unknown", time.monotonic())  # not tracked: nothing to wait for
+        release.set()
+        assert adm.wait(deadline=time.monotonic() + 10)
+        assert sorted(adm.ready()) == ["fast", "slow"]  # wait took nothing
+    finally:
+        release.set()
+        adm.close()
+
+
+def test_offer_takes_a_deadline_made_by_its_caller() -> None:
+    seen: dict[str, float] = {}
+
+    def receive(rid: str, target_device: Any = None, *, deadline: float, **kw: Any) -> Any:
+        seen[rid] = deadline
+        return ReceiveResult(rid, ReceiveStatus.OK, nbytes=1)
+
+    adm = KVAdmission(receive, recv_timeout=60.0, max_receives=1)
+    try:
+        end = time.monotonic() + 5.0
+        with pytest.raises(ValueError, match="not both"):
+            adm.offer("a", timeout=1.0, deadline=end)
+        assert adm.offer("a", deadline=end) == ["a"]
+        adm.offer("late", deadline=time.monotonic() - 1.0)  # passed before a thread was free
+        assert adm.wait(deadline=time.monotonic() + 10)
+        assert seen == {"a": end}
+        late = adm.poll(["late"])["late"]
+        assert late.state is Readiness.FAILED and not late.started
+        assert late.status is ReceiveStatus.TIMEOUT
+    finally:
+        adm.close()
+
+
+def test_close_from_a_receive_thread_does_not_join_itself() -> None:
+    """A receive that closes its own tracker (a prefetch shut down from its callback) returns."""
+    closed: list[list[str]] = []
+    holder: list[KVAdmission] = []
+
+    def receive(rid: str, target_device: Any = None, **kw: Any) -> ReceiveResult:
+        closed.append(holder[0].close())
+        return ReceiveResult(rid, ReceiveStatus.OK, nbytes=1)
+
+    adm = KVAdmission(receive, recv_timeout=10.0, max_receives=1)
+    holder.append(adm)
+    adm.offer("a")
+    adm.threads[0].join(10)
+    assert not adm.threads[0].is_alive() and closed == [["a"]]

@@ -23,16 +23,25 @@ A request offered with CFG companions (``offer(..., companions=...)``) is one un
 only when every branch has ended (a companion that failed is handed out as such), ``failed``
 when the request's own KV failed, ``pending`` while some branch has arrived.
 
-Guarantees: :meth:`offer`, :meth:`poll`, :meth:`ready` and :meth:`take` never wait for a
-transfer; each request has one deadline, counted from its offer; at most ``max_receives``
-receives run at once (later offers wait their turn, still ``missing``); a ready payload is held
-until taken, cancelled or the tracker is closed, and both of those say what they dropped;
-``take`` hands out a request's outcome exactly once.
+Guarantees: :meth:`offer`, :meth:`poll`, :meth:`ready`, :meth:`take`, :meth:`cancel` and
+:meth:`withdraw` never wait for a transfer (only :meth:`wait` and :meth:`close` block, both
+bounded); each request has one deadline, counted from its offer (or given to it); at most
+``max_receives`` receives run at once (later offers wait their turn, still ``missing`` and not
+``started``); a ready payload is held until taken, cancelled or the tracker is closed, and both
+of those say what they dropped; ``take`` hands out a request's outcome exactly once; a request
+withdrawn before its receive started consumed nothing (its payload stays at the source).
+
+This is the one state machine of a request's background receive: the prefetcher
+(:class:`omnikv.transfer.prefetch.KVPrefetcher`) is a :class:`KVAdmission` with one receive
+thread named ``kv-prefetch`` (a prefetch is offered when it starts and taken when it is
+consumed), plus what only prefetch has (its calling conventions, device staging, the table
+bound, consume errors).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -44,7 +53,7 @@ from typing import Any
 
 import torch
 
-from omnikv.deadline import deadline_after
+from omnikv.deadline import deadline_after, remaining
 from omnikv.transfer.receive import ReceiveFn, ReceiveResult, ReceiveStatus
 
 __all__ = ["KVAdmission", "Readiness", "RequestReadiness"]
@@ -75,10 +84,15 @@ class RequestReadiness:
     #: ``failed`` only: the receive's status and reason.
     status: ReceiveStatus | None = None
     reason: str | None = None
+    #: Whether its receive has begun (a receive thread took it: it may have touched the
+    #: connector). ``missing`` and not started: still queued for a free receive thread.
+    started: bool = False
+    #: ``ready`` / ``failed`` (its own outcome): seconds that outcome has waited to be taken.
+    held_s: float = 0.0
 
 
 class _Tracked:
-    __slots__ = ("abort", "deadline", "nbytes", "offered", "result", "state")
+    __slots__ = ("abort", "deadline", "ended", "nbytes", "offered", "result", "started", "state")
 
     def __init__(self, deadline: float) -> None:
         self.state = Readiness.MISSING
@@ -87,6 +101,8 @@ class _Tracked:
         self.deadline = deadline
         self.abort = threading.Event()
         self.result: ReceiveResult | None = None
+        self.started = False
+        self.ended = 0.0
 
 
 _Job = tuple[str, _Tracked, "torch.device | None", "dict[str, Any] | None"]
@@ -95,10 +111,13 @@ _Job = tuple[str, _Tracked, "torch.device | None", "dict[str, Any] | None"]
 class KVAdmission:
     """Background receives for offered requests, and their readiness on demand.
 
-    Made by :attr:`OmniKVTransferManager.admission` (one per manager) or directly with a
-    manager's ``receive_kv_cache_result``. Thread-safe: a scheduler thread may poll while
-    another offers. The ``max_receives`` receive threads start here, so that an offer only
-    queues (starting a thread waits until it runs: milliseconds on a busy host).
+    Made by :attr:`OmniKVTransferManager.admission` (one per manager), by the prefetcher (one
+    receive thread, ``name="kv-prefetch"``) or directly with a manager's
+    ``receive_kv_cache_result``. Thread-safe: a scheduler thread may poll while another
+    offers. The ``max_receives`` receive threads start here, so that an offer only queues
+    (starting a thread waits until it runs: milliseconds on a busy host); they are named
+    ``name`` when there is one, ``name-0``, ``name-1``, ... otherwise, and ``name`` also heads
+    this tracker's log lines.
     """
 
     def __init__(
@@ -107,12 +126,16 @@ class KVAdmission:
         *,
         recv_timeout: float,
         max_receives: int = DEFAULT_MAX_RECEIVES,
+        name: str = "kv-admission",
     ) -> None:
         if max_receives < 1:
             raise ValueError(f"max_receives must be >= 1, got {max_receives}")
         self._receive = receive
         self.recv_timeout = float(recv_timeout)
+        self.name = name
         self._lock = threading.Lock()
+        #: notified whenever a request ends or stops being tracked (:meth:`wait`)
+        self._changed = threading.Condition(self._lock)
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
         self._ready_order: list[str] = []
         #: primary id -> its CFG companions' ids; companion id -> its primary
@@ -120,12 +143,18 @@ class KVAdmission:
         self._primary_of: dict[str, str] = {}
         self._closed = False
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"kv-admission-{i}", daemon=True)
-            for i in range(max_receives)
-        ]
+        names = [name] if max_receives == 1 else [f"{name}-{i}" for i in range(max_receives)]
+        self._threads = tuple(
+            threading.Thread(target=self._serve, name=n, daemon=True) for n in names
+        )
         for t in self._threads:
             t.start()
+
+    @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The receive threads (diagnostics; after :meth:`close` they have exited, or are left
+        inside a connector call that ignores its deadline)."""
+        return self._threads
 
     # -- offering -------------------------------------------------------------------------------
     def offer(
@@ -136,33 +165,40 @@ class KVAdmission:
         sender_info: dict[str, Any] | None = None,
         timeout: float | None = None,
         companions: Mapping[str, Iterable[str]] | None = None,
+        deadline: float | None = None,
     ) -> list[str]:
         """Start receiving each request not tracked yet; never waits. Returns the ids it started.
 
-        Each request's deadline is ``timeout`` (default: ``recv_timeout``) from now. An id that
-        is already tracked (in any state, until taken) is left as it is. ``companions`` maps a
-        request to its CFG companions' request ids (``sampling_params.cfg_kv_request_ids``'s
-        values): they are received beside it under the same deadline, and the request is
-        ``ready`` only when every branch has ended; a companion is never listed by
-        :meth:`ready` itself, and is taken by its own id once its request is.
+        Each request's deadline is ``timeout`` (default: ``recv_timeout``) from now, or
+        ``deadline`` (an absolute ``time.monotonic()`` value) when the caller made it at its
+        own entry point (the prefetcher, from ``recv_timeout``); giving both is a
+        ``ValueError``. ``target_device`` and ``sender_info`` go to each of these requests'
+        receives. An id that is already tracked (in any state, until taken) is left as it is.
+        ``companions`` maps a request to its CFG companions' request ids
+        (``sampling_params.cfg_kv_request_ids``'s values): they are received beside it under
+        the same deadline, and the request is ``ready`` only when every branch has ended; a
+        companion is never listed by :meth:`ready` itself, and is taken by its own id once its
+        request is.
         """
+        if timeout is not None and deadline is not None:
+            raise ValueError("offer takes a timeout or a deadline, not both")
         ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
         groups = {str(k): tuple(str(c) for c in v) for k, v in (companions or {}).items()}
         limit = self.recv_timeout if timeout is None else float(timeout)
         started: list[str] = []
         with self._lock:
             if self._closed:
-                raise RuntimeError("KVAdmission is closed")
+                raise RuntimeError(f"{self.name} is closed")
             for rid in ids:
                 if rid in self._tracked:
                     continue
-                deadline = deadline_after(limit, "admission timeout")
+                ends = deadline_after(limit, "admission timeout") if deadline is None else deadline
                 members = tuple(c for c in groups.get(rid, ()) if c not in self._tracked)
                 if members:
                     self._groups[rid] = members
                     self._primary_of.update(dict.fromkeys(members, rid))
                 for one in (rid, *members):
-                    entry = _Tracked(deadline)
+                    entry = _Tracked(ends)
                     self._tracked[one] = entry
                     self._jobs.put((one, entry, target_device, sender_info))
                     started.append(one)
@@ -189,12 +225,14 @@ class KVAdmission:
                 if entry.state is Readiness.MISSING:
                     entry.state = Readiness.PENDING
 
-        if entry.abort.is_set():
-            result = ReceiveResult(rid, ReceiveStatus.CANCELLED, reason="cancelled before start")
-            with self._lock:
-                entry.result = result
-            return
-        elif time.monotonic() >= entry.deadline:
+        with self._lock:  # one step with withdraw(): a request withdrawn never starts
+            if entry.abort.is_set():
+                entry.result = ReceiveResult(
+                    rid, ReceiveStatus.CANCELLED, reason="cancelled before start"
+                )
+                return
+            begins = entry.started = time.monotonic() < entry.deadline
+        if not begins:
             result = ReceiveResult(
                 rid,
                 ReceiveStatus.TIMEOUT,
@@ -217,8 +255,10 @@ class KVAdmission:
                 )
         with self._lock:
             entry.result = result
+            entry.ended = time.monotonic()
             entry.nbytes = result.nbytes or entry.nbytes
             entry.state = Readiness.READY if result.ok else Readiness.FAILED
+            self._changed.notify_all()
             if self._tracked.get(rid) is entry:
                 primary = self._primary_of.get(rid, rid)
                 if self._group_ended_locked(primary) and primary not in self._ready_order:
@@ -226,7 +266,7 @@ class KVAdmission:
                 return
         # cancelled or closed while receiving: nobody will take it
         if result.ok:
-            logger.warning("KVAdmission dropped the KV of %s (cancelled while it arrived)", rid)
+            logger.warning("%s dropped the KV of %s (cancelled while it arrived)", self.name, rid)
 
     def _group_ended_locked(self, primary: str) -> bool:
         """Whether ``primary`` and each companion still tracked have their outcome."""
@@ -268,9 +308,11 @@ class KVAdmission:
                     rid,
                     state,
                     nbytes,
-                    now - e.offered,
-                    res.status if res is not None else None,
-                    res.reason if res is not None else None,
+                    age_s=now - e.offered,
+                    status=res.status if res is not None else None,
+                    reason=res.reason if res is not None else None,
+                    started=e.started,
+                    held_s=now - e.ended if e.result is not None else 0.0,
                 )
             return out
 
@@ -300,6 +342,7 @@ class KVAdmission:
                 self._ready_order.remove(rid)
             self._groups.pop(rid, None)
             self._primary_of.pop(rid, None)
+            self._changed.notify_all()
             return e.result
 
     def cancel(self, request_id: str) -> bool:
@@ -320,9 +363,67 @@ class KVAdmission:
                 e.abort.set()
                 if e.result is not None and e.result.ok:
                     dropped.append(one)
+            self._changed.notify_all()
         if dropped:
-            logger.warning("KVAdmission dropped the KV of %s (cancelled)", dropped)
+            logger.warning("%s dropped the KV of %s (cancelled)", self.name, dropped)
         return True
+
+    def withdraw(self, request_id: str) -> bool:
+        """Stop tracking a request whose receive has not started; never waits.
+
+        Called by the prefetcher when a queued prefetch is superseded. ``True`` when it (with
+        its CFG companions) was still waiting for a free receive thread: it never touched the
+        connector, so its payload stays at the source for a later receive. ``False``, and
+        nothing changes, once any of its branches has started or ended, for a companion (it
+        goes with its request) and for an unknown id. Deciding and removing are one step with
+        a receive thread's start, so a withdrawn request is never received.
+        """
+        rid = str(request_id)
+        with self._lock:
+            e = self._tracked.get(rid)
+            if e is None or rid in self._primary_of:
+                return False
+            members = (self._tracked.get(c) for c in self._groups.get(rid, ()))
+            branches = [e, *(m for m in members if m is not None)]
+            if any(b.started or b.result is not None for b in branches):
+                return False
+            for one in (rid, *self._groups.pop(rid, ())):
+                b = self._tracked.pop(one, None)
+                self._primary_of.pop(one, None)
+                if b is not None:
+                    b.abort.set()  # its queued job ends at once, unreceived
+            self._changed.notify_all()
+        return True
+
+    def wait(
+        self, request_ids: str | Iterable[str] | None = None, deadline: float = math.inf
+    ) -> bool:
+        """Block until every listed request (default: every tracked one), with its CFG
+        companions, has its outcome in or is no longer tracked, or until ``deadline`` (absolute
+        ``time.monotonic()``) passes; whether nothing listed is still ``missing`` / ``pending``.
+
+        For a caller with nothing else to do (the prefetcher's consume and ``wait_prefetch``);
+        a step loop polls instead. Takes nothing: outcomes stay for :meth:`take`. Each receive
+        ends by its own deadline, so even ``math.inf`` returns within about one deadline per
+        request queued behind the others.
+        """
+        if request_ids is None:
+            ids = None
+        else:
+            ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
+        with self._changed:
+            while True:
+                if ids is None:
+                    entries: Iterable[_Tracked | None] = self._tracked.values()
+                else:
+                    every = [m for r in ids for m in (r, *self._groups.get(r, ()))]
+                    entries = (self._tracked.get(m) for m in every)
+                if all(e is None or e.result is not None for e in entries):
+                    return True
+                left = remaining(deadline)
+                if left <= 0:
+                    return False
+                self._changed.wait(None if math.isinf(left) else left)
 
     def __len__(self) -> int:
         with self._lock:
@@ -341,16 +442,21 @@ class KVAdmission:
             self._ready_order.clear()
             self._groups.clear()
             self._primary_of.clear()
+            self._changed.notify_all()
         for _, e in entries:
             e.abort.set()
         for _ in self._threads:
             self._jobs.put(None)  # after every queued job: those end at once, aborted
         end = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join(None if end is None else max(0.0, end - time.monotonic()))
+            if t is not threading.current_thread():  # closed from a receive (its callback)
+                t.join(None if end is None else max(0.0, end - time.monotonic()))
         dropped = [rid for rid, e in entries if e.result is not None and e.result.ok]
         if dropped:
             logger.warning(
-                "KVAdmission closed with %d KV payload(s) not taken: %s", len(dropped), dropped[:8]
+                "%s closed with %d KV payload(s) not taken: %s",
+                self.name,
+                len(dropped),
+                dropped[:8],
             )
         return [rid for rid, _ in entries]
