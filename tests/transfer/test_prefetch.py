@@ -31,6 +31,7 @@ from omnikv.connectors.local import LocalConnector
 from omnikv.ranks import distribution
 from omnikv.ranks.distribution import StageRanks
 from omnikv.transfer.prefetch import KVPrefetcher, PrefetchStart
+from omnikv.transfer.received import ReceivedKV
 
 SENDER = {"host": "127.0.0.1", "zmq_port": 50151}
 KEY = "omni_stage1_to_stage2_kv_cache_{}"
@@ -602,3 +603,53 @@ def test_a_prefetch_takes_the_recv_timeout_the_config_has_when_it_starts() -> No
     assert pf.wait_idle(time.monotonic() + 5.0)
     assert len(waits) == 1 and 0.0 < waits[0] <= 0.5
     pf.shutdown()
+
+
+def _scripted(outcomes: dict[str, ReceiveStatus]) -> Any:
+    """A receive that ends each request at once with its scripted status (OK: a tiny KV)."""
+
+    def receive(request_id: str, target_device: Any, **_: Any) -> ReceiveResult:
+        status = outcomes[request_id]
+        if status is not ReceiveStatus.OK:
+            return ReceiveResult(request_id, status)
+        kv = ReceivedKV(request_id, [], {"seq_len": 1}, [torch.ones(1)], [torch.ones(1)], nbytes=8)
+        return ReceiveResult(request_id, status, kv=kv, nbytes=8)
+
+    return receive
+
+
+def test_the_table_keeps_results_evicts_failures_and_declines_when_full() -> None:
+    """capacity 1: a failed prefetch makes room for the next one; a finished one with KV does
+    not (the new request's payload stays at its source)."""
+    outcomes = {"fails": ReceiveStatus.TIMEOUT, "A": ReceiveStatus.OK, "B": ReceiveStatus.OK}
+    pf = KVPrefetcher(_scripted(outcomes), config=OmniKVCacheConfig(recv_timeout=5.0), capacity=1)
+    try:
+        assert pf.start("fails", dict(SENDER)) is PrefetchStart.STARTED
+        assert pf.wait_idle(time.monotonic() + 5.0) and pf.tracked() == {"fails": "done"}
+        assert pf.start("A", dict(SENDER)) is PrefetchStart.STARTED  # the failure was evicted
+        assert pf.wait_idle(time.monotonic() + 5.0) and pf.tracked() == {"A": "done"}
+        assert pf.start("B", dict(SENDER)) is PrefetchStart.FULL
+        found = pf.consume("A")
+        assert found.result is not None and found.result.ok and not found.sync_retry
+        assert pf.consume("fails").result is None  # evicted: a synchronous receive may find it
+    finally:
+        pf.shutdown()
+
+
+def test_an_unconsumed_result_past_its_ttl_is_released_and_its_consume_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    outcomes = {"A": ReceiveStatus.OK, "B": ReceiveStatus.OK}
+    config = OmniKVCacheConfig(recv_timeout=5.0)
+    pf = KVPrefetcher(_scripted(outcomes), config=config, result_ttl_s=0.0)
+    try:
+        assert pf.start("A", dict(SENDER)) is PrefetchStart.STARTED
+        assert pf.wait_idle(time.monotonic() + 5.0)
+        with caplog.at_level(logging.ERROR):
+            assert pf.start("B", dict(SENDER)) is PrefetchStart.STARTED  # A's TTL has passed
+        assert "A" not in pf.tracked() and "never consumed" in caplog.text
+        with pytest.raises(KVPrefetchConsumeError, match="dropped"):
+            pf.consume("A")
+        assert pf.consume("A").result is None  # raised once; the request is forgotten
+    finally:
+        pf.shutdown()

@@ -5,21 +5,29 @@ Who calls what
 The manager owns one :class:`KVPrefetcher` and uses it only when prefetch is enabled. The
 model-runner thread calls :meth:`KVPrefetcher.start_jobs` / :meth:`KVPrefetcher.start`
 (non-blocking) and :meth:`KVPrefetcher.consume` (bounded wait); teardown calls
-:meth:`KVPrefetcher.shutdown`. One daemon worker thread (``kv-prefetch``), started with the first
-prefetch, runs the receives, one at a time ("serial mode"), through the manager's typed receive
-(:class:`ReceiveFn`).
+:meth:`KVPrefetcher.shutdown`.
+
+A prefetch is an entry of a :class:`~omnikv.transfer.admission.KVAdmission`, the one state
+machine of a background receive: ``start`` offers it, ``consume`` waits for it and takes it, a
+superseded queued prefetch is withdrawn, ``shutdown`` closes the tracker. The prefetcher's
+tracker has one receive thread, ``kv-prefetch``, made with the first prefetch, so prefetches
+run one at a time ("serial mode") through the manager's typed receive (:class:`ReceiveFn`).
+What the prefetcher keeps itself is what only prefetch has: which jobs are prefetched (a
+sender endpoint, device memory to spare, room in the table), the reference's calling
+conventions (``sender_info``, ``deadline``, ``abort``; the reference's job dicts), the CUDA
+staging, the TTL of unconsumed results, and the consume errors and fallbacks below.
 
 Guarantees
 ----------
 * **Consume-once.** A finished prefetch is handed out by exactly one ``consume`` of its
-  request id; afterwards the table forgets it.
+  request id (the tracker's ``take``); afterwards the table forgets it.
 * **No lost payloads.** omnikv never drops a payload it took from the connector without saying
   so. The reference discarded every other request's future on ``start`` and ``consume`` (the
   "stale sweep"), so a running receive consumed the sender's payload and threw it away, and a
   request prefetched, dropped and scheduled later timed out. Here, by state of the superseded
   prefetch:
 
-  - *queued, not started*: cancelled. It never touched the connector, so the payload is still
+  - *queued, not started*: withdrawn. It never touched the connector, so the payload is still
     at the source and a later (prefetch or synchronous) receive of that request finds it;
   - *running*: it finishes into the table;
   - *finished*: its result stays in the table until that request is consumed.
@@ -33,25 +41,25 @@ Guarantees
   never evicted to make room: when the table is full of them, ``start`` declines the new
   prefetch (a warning), so that request's payload stays at its source and the synchronous
   receive gets it. Failed results (no payload) are evicted freely. The only way a taken payload
-  is dropped is its time-to-live (``result_ttl_s``, default 600 s: the request was presumably
-  aborted) or ``shutdown``; both log at ERROR/WARNING with the request id, and a later consume of
-  an evicted request raises :class:`~omnikv.errors.KVPrefetchConsumeError` at once (its payload
-  was consumed and cannot come back) instead of waiting out a doomed receive.
+  is dropped is its time-to-live (``result_ttl_s``, default 600 s from its arrival: the request
+  was presumably aborted) or ``shutdown``; both log at ERROR/WARNING with the request id, and a
+  later consume of an evicted request raises :class:`~omnikv.errors.KVPrefetchConsumeError` at
+  once (its payload was consumed and cannot come back) instead of waiting out a doomed receive.
 * **Every wait is bounded.** A prefetch receive runs under a deadline made when it was started
   (from the config's ``recv_timeout`` at that moment). ``consume`` waits for it at most until
   that deadline plus ``consume_grace_s`` (for a payload taken just before the deadline and still
-  being decoded or copied); if the worker is still busy then, ``consume`` returns a timeout and
-  the result, if it ever comes, stays in the table for a later consume.
+  being decoded or copied); if the receive is still running then, ``consume`` returns a timeout
+  and the result, if it ever comes, stays in the table for a later consume.
 * **One request, one deadline.** When a prefetch timed out, the synchronous fallback is told to
   use what is left of the same deadline (:attr:`PrefetchConsume.retry_deadline`), so a miss does
   not wait a second full ``recv_timeout`` (reference weakness §10.1).
-* **Prompt shutdown.** The worker's receives get the prefetcher's stop event; the receiver cuts
+* **Prompt shutdown.** Closing the tracker sets every receive's abort event; the receiver cuts
   each connector wait into slices of :data:`omnikv.transfer.receive.ABORT_SLICE_S` (50 ms) and
   checks the event between slices, so ``shutdown`` normally joins the worker within one slice.
   A connector call that ignores its deadline cannot be interrupted from Python; ``shutdown``
   then returns after ``join_timeout_s`` anyway, and the worker, once the call returns, never
-  calls the connector again (the stop event is checked before every further connector use) and
-  exits.
+  calls the connector again (the abort event is checked before every further connector use, and
+  queued prefetches end unreceived) and exits.
 * **Consume errors.** :class:`~omnikv.errors.KVPrefetchConsumeError` is raised by ``consume``
   exactly when a payload was taken from the connector but cannot be used. A failed background
   device copy is not yet such a case: the host tensors are kept and ``consume`` retries the copy
@@ -77,16 +85,17 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnikv.config import OmniKVCacheConfig
-from omnikv.deadline import deadline_after, remaining
+from omnikv.deadline import deadline_after
 from omnikv.errors import KVPrefetchConsumeError
 from omnikv.transfer import staging
+from omnikv.transfer.admission import KVAdmission, Readiness, RequestReadiness
 from omnikv.transfer.receive import ReceiveFn, ReceiveResult, ReceiveStatus
 from omnikv.transfer.received import ReceivedKV, move_kv
 
@@ -100,6 +109,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The name of the prefetch's one receive thread (and of its tracker in log lines).
+_THREAD_NAME = "kv-prefetch"
+_ENDED = (Readiness.READY, Readiness.FAILED)
 
 
 _LOST_KEPT = 1024
@@ -170,41 +183,36 @@ class PrefetchConsume:
     retry_deadline: float | None = None
 
 
-class _State(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
 @dataclass(eq=False)
-class _Entry:
-    request_id: str
-    sender_info: dict[str, Any] | None
-    target_device: torch.device | None
-    deadline: float
-    state: _State = _State.QUEUED
-    done: threading.Event = field(default_factory=threading.Event)
-    result: ReceiveResult | None = None
-    error: KVPrefetchConsumeError | None = None
-    #: set when the background device copy failed and the data is still on the host
-    device_pending: torch.device | None = None
-    finished_at: float = 0.0
+class _Prefetch:
+    """What the prefetcher knows of one prefetch beyond its tracker entry (whose state, result
+    and deadline enforcement live in the :class:`KVAdmission`)."""
 
-    @property
-    def holds_payload(self) -> bool:
-        return self.state is _State.DONE and self.result is not None and self.result.ok
+    #: made by ``start`` and given to the tracker's offer; bounds ``consume``'s wait
+    deadline: float
+    #: the payload was consumed but cannot be used (set by the worker; ``consume`` raises it)
+    error: KVPrefetchConsumeError | None = None
+    #: the background device copy failed: the data is still on the host, ``consume`` copies
+    device_pending: torch.device | None = None
+
+
+def _phase(state: RequestReadiness) -> str:
+    """A tracker state as the prefetch's ``queued`` / ``running`` / ``done``."""
+    if state.state in _ENDED:
+        return "done"
+    return "running" if state.started else "queued"
 
 
 class KVPrefetcher:
-    """One background worker, a bounded table of prefetches keyed by request id.
+    """A bounded table of prefetches keyed by request id, received by one background thread.
 
     ``receive`` is the manager's typed receive (:class:`ReceiveFn`). ``config`` (the manager's
     ``OmniKVCacheConfig``) is read at each :meth:`start`: ``recv_timeout`` makes the prefetch's
     deadline, ``kv_prefetch_min_free_mem_ratio`` guards device targets. ``stager`` does the
     device copies of ``cuda`` targets (default: a fresh
     :class:`~omnikv.transfer.staging.PinnedStager`). Nothing runs until the first prefetch
-    starts the worker; once :meth:`shutdown` ran, nothing starts again. See the module docstring
-    for the guarantees.
+    makes the tracker (a :class:`KVAdmission` with one ``kv-prefetch`` thread); once
+    :meth:`shutdown` ran, nothing starts again. See the module docstring for the guarantees.
     """
 
     def __init__(
@@ -227,12 +235,12 @@ class KVPrefetcher:
         self.consume_grace_s = consume_grace_s
         self.join_timeout_s = join_timeout_s
         self._stager = stager or staging.PinnedStager()
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._entries: dict[str, _Entry] = {}
-        self._queue: collections.deque[_Entry] = collections.deque()
+        #: guards the prefetcher's own bookkeeping; never held by the worker while the tracker's
+        #: lock is, so the two locks are always taken in this order
+        self._lock = threading.Lock()
+        self._admission: KVAdmission | None = None
+        self._prefetches: dict[str, _Prefetch] = {}
         self._lost: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._thread: threading.Thread | None = None
         self._closed = False
 
     # -- inspection (tests, diagnostics) ------------------------------------------------------
@@ -248,7 +256,8 @@ class KVPrefetcher:
     @property
     def thread(self) -> threading.Thread | None:
         """The worker thread (``None`` before the first start)."""
-        return self._thread
+        admission = self._admission
+        return None if admission is None else admission.threads[0]
 
     @property
     def side_streams(self) -> int:
@@ -256,9 +265,12 @@ class KVPrefetcher:
         return self._stager.side_streams
 
     def tracked(self) -> dict[str, str]:
-        """``{request_id: state}`` of every tracked prefetch."""
-        with self._cond:
-            return {rid: e.state.value for rid, e in self._entries.items()}
+        """``{request_id: state}`` of every tracked prefetch: ``queued`` (waiting for the
+        worker: nothing consumed), ``running`` or ``done`` (its outcome is in)."""
+        admission = self._admission
+        if admission is None:
+            return {}
+        return {rid: _phase(state) for rid, state in admission.poll().items()}
 
     # -- start --------------------------------------------------------------------------------
     def start_jobs(self, jobs: Any, target_device: torch.device | str | None = None) -> None:
@@ -278,7 +290,7 @@ class KVPrefetcher:
         """Queue a background receive of ``request_id``; never blocks on the transport.
 
         Called by the model-runner thread after the current request's KV was consumed. A queued
-        (not started) prefetch of another request is cancelled: it consumed nothing. Running and
+        (not started) prefetch of another request is withdrawn: it consumed nothing. Running and
         finished ones are kept (module docstring).
         """
         rid = str(request_id)
@@ -291,58 +303,71 @@ class KVPrefetcher:
                 "Skip KV prefetch for %s: device free mem below %.3f", rid, self.min_free_mem_ratio
             )
             return PrefetchStart.LOW_MEMORY
-        with self._cond:
+        with self._lock:
             if self._closed:
                 logger.debug("Prefetcher is shut down; not prefetching %s", rid)
                 return PrefetchStart.CLOSED
-            if rid in self._entries:
+            if rid in self._prefetches:
                 return PrefetchStart.TRACKED
             self._lost.pop(rid, None)
-            self._cancel_queued_locked(keep=rid)
+            self._withdraw_queued_locked(keep=rid)
             self._evict_locked()
-            if len(self._entries) >= self.capacity:
+            if len(self._prefetches) >= self.capacity:
                 logger.warning(
                     "KV prefetch table full (%d unconsumed: %s); not prefetching %s, "
                     "its KV stays at the source for the synchronous receive",
-                    len(self._entries),
-                    ", ".join(self._entries),
+                    len(self._prefetches),
+                    ", ".join(self._prefetches),
                     rid,
                 )
                 return PrefetchStart.FULL
-            entry = _Entry(
-                rid,
-                dict(sender_info),
-                device,
-                deadline_after(self.config.recv_timeout, "recv_timeout"),
+            deadline = deadline_after(self.config.recv_timeout, "recv_timeout")
+            self._prefetches[rid] = _Prefetch(deadline)
+            self._tracker_locked().offer(
+                rid, target_device=device, sender_info=dict(sender_info), deadline=deadline
             )
-            self._entries[rid] = entry
-            self._queue.append(entry)
-            self._ensure_thread_locked()
-            self._cond.notify_all()
         logger.debug("KV prefetch queued for %s (device=%s)", rid, device)
         return PrefetchStart.STARTED
 
-    def _cancel_queued_locked(self, keep: str | None) -> None:
-        self._cond.notify_all()  # a wait_idle() may be waiting on the entries dropped here
-        for entry in [e for e in self._queue if e.request_id != keep]:
-            self._queue.remove(entry)
-            self._entries.pop(entry.request_id, None)
-            entry.done.set()  # result None: nothing was received
-            logger.debug(
-                "KV prefetch of %s superseded before it started; its payload stays at the source",
-                entry.request_id,
+    def _tracker_locked(self) -> KVAdmission:
+        """The tracker, made (with its ``kv-prefetch`` thread) by the first prefetch."""
+        if self._admission is None:
+            self._admission = KVAdmission(
+                self._receive_prefetch,
+                recv_timeout=self.config.recv_timeout,
+                max_receives=1,
+                name=_THREAD_NAME,
             )
+        return self._admission
+
+    def _withdraw_queued_locked(self, keep: str | None) -> None:
+        """Withdraw every prefetch but ``keep`` that the worker has not started yet."""
+        if self._admission is None:
+            return
+        for rid in [r for r in self._prefetches if r != keep]:
+            if self._admission.withdraw(rid):
+                del self._prefetches[rid]
+                logger.debug(
+                    "KV prefetch of %s superseded before it started; its payload stays at the "
+                    "source",
+                    rid,
+                )
 
     def _evict_locked(self) -> None:
-        """Drop failed results; drop successful ones only past their TTL (loudly)."""
-        now = time.monotonic()
-        for rid, entry in list(self._entries.items()):
-            if entry.state is not _State.DONE:
+        """Drop failed results; drop successful ones (and consume errors) only past their TTL
+        (loudly)."""
+        if self._admission is None:
+            return
+        for rid, state in self._admission.poll(list(self._prefetches)).items():
+            if state.state not in _ENDED:
                 continue
-            if not entry.holds_payload and entry.error is None:
-                del self._entries[rid]
-            elif now - entry.finished_at > self.result_ttl_s:
-                del self._entries[rid]
+            prefetch = self._prefetches[rid]
+            if state.state is Readiness.FAILED and prefetch.error is None:
+                self._admission.take(rid)
+                del self._prefetches[rid]
+            elif state.held_s > self.result_ttl_s:
+                self._admission.take(rid)
+                del self._prefetches[rid]
                 self._mark_lost_locked(rid, f"evicted after {self.result_ttl_s:.0f}s unconsumed")
                 logger.error(
                     "Prefetched KV of %s was never consumed within %.0fs: released; "
@@ -356,78 +381,78 @@ class KVPrefetcher:
         while len(self._lost) > _LOST_KEPT:
             self._lost.popitem(last=False)
 
-    def _ensure_thread_locked(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
-            self._thread.start()
-
     # -- worker -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stop.is_set():
-                    self._cond.wait()
-                if self._stop.is_set():
-                    return
-                entry = self._queue.popleft()
-                entry.state = _State.RUNNING
-            self._execute(entry)
-            with self._cond:
-                entry.state = _State.DONE
-                entry.finished_at = time.monotonic()
-                if self._stop.is_set() and entry.holds_payload:
-                    logger.warning(
-                        "KV of %s arrived during prefetch shutdown and was dropped",
-                        entry.request_id,
-                    )
-                    entry.result = None
-                entry.done.set()
-                self._cond.notify_all()
+    def _receive_prefetch(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
+    ) -> ReceiveResult:
+        """The receive the tracker runs for each prefetch, on the ``kv-prefetch`` thread.
 
-    def _execute(self, entry: _Entry) -> None:
-        rid, device = entry.request_id, entry.target_device
+        Calls the manager's receive as the prefetch always has (``sender_info``, ``deadline``,
+        ``abort``; a ``cuda`` target through the pinned stager on a side stream). The tracker's
+        ``quiet`` and ``on_arrival`` are not passed on: a prefetch miss is logged as any
+        receive's, and prefetch reports queued / running / done, not the arrival; ``check``
+        (the tracker never sets one) would be. Never raises: a consume error is kept for
+        ``consume`` to raise (the result says ``corrupt``), an unexpected error becomes
+        ``unavailable`` (``consume`` falls back to a synchronous receive).
+        """
+        rid, device = request_id, target_device
+        with self._lock:
+            prefetch = self._prefetches.get(rid)  # None only once shutdown forgot it
+        checked: dict[str, Any] = {} if check is None else {"check": check}
+
+        def receive(to: torch.device | None) -> ReceiveResult:
+            return self._receive(
+                rid, to, sender_info=sender_info, deadline=deadline, abort=abort, **checked
+            )
+
         t0 = time.monotonic()
         try:
             if device is not None and device.type == "cuda" and torch.cuda.is_available():
-                self._execute_cuda(entry, device)
+                result = self._receive_cuda(rid, device, prefetch, receive)
             else:
-                entry.result = self._receive(
-                    rid,
-                    device,
-                    sender_info=entry.sender_info,
-                    deadline=entry.deadline,
-                    abort=self._stop,
-                )
+                result = receive(device)
         except KVPrefetchConsumeError as exc:
             logger.error("KV prefetch of %s consumed the payload but failed: %s", rid, exc)
-            entry.error = exc
+            with self._lock:
+                if prefetch is not None:
+                    prefetch.error = exc
+            result = ReceiveResult(rid, ReceiveStatus.CORRUPT, reason=f"consume error: {exc}")
         except Exception as exc:  # a bug below the receiver: recorded, consume falls back
             logger.exception("KV prefetch of %s failed (payload may be lost)", rid)
-            entry.result = ReceiveResult(
+            result = ReceiveResult(
                 rid, ReceiveStatus.UNAVAILABLE, reason=f"prefetch failed: {exc!r}"
             )
-        res = entry.result
         logger.debug(
             "KV prefetch of %s finished in %.1f ms: %s",
             rid,
             (time.monotonic() - t0) * 1e3,
-            res.status.value if res is not None else "consume error",
+            result.status.value,
         )
+        return result
 
-    def _execute_cuda(self, entry: _Entry, device: torch.device) -> None:
+    def _receive_cuda(
+        self,
+        rid: str,
+        device: torch.device,
+        prefetch: _Prefetch | None,
+        receive: Callable[[torch.device | None], ReceiveResult],
+    ) -> ReceiveResult:
+        """``receive`` to the host, then the copy to ``device`` on the stager's side stream."""
         torch.cuda.set_device(device)  # background threads do not inherit the current device
         stream = self._stager.side_stream(device)
         with torch.cuda.stream(stream):
-            result = self._receive(
-                entry.request_id,
-                None,
-                sender_info=entry.sender_info,
-                deadline=entry.deadline,
-                abort=self._stop,
-            )
-            entry.result = result
+            result = receive(None)
             if not result.ok or result.kv is None:
-                return
+                return result
             try:
                 t0 = time.monotonic()
                 result.kv = self._stager.to_device(result.kv, device, stream)
@@ -435,10 +460,13 @@ class KVPrefetcher:
             except Exception as exc:  # OOM and the like: the host copy survives, consume retries
                 logger.warning(
                     "Background device copy of %s failed (%s); consume will copy synchronously",
-                    entry.request_id,
+                    rid,
                     exc,
                 )
-                entry.device_pending = device
+                with self._lock:
+                    if prefetch is not None:
+                        prefetch.device_pending = device
+        return result
 
     # -- consume ------------------------------------------------------------------------------
     def consume(
@@ -452,29 +480,30 @@ class KVPrefetcher:
 
         Called by the model-runner thread. Waits at most until the prefetch's own receive
         deadline plus ``consume_grace_s`` (and never past ``deadline``). A queued prefetch of
-        another request is cancelled (it consumed nothing); finished ones are kept. With
-        ``target_device`` the data is moved there if it was prefetched elsewhere.
+        another request is withdrawn (it consumed nothing); finished ones are kept. A prefetch
+        of this request still queued behind another one's running receive is withdrawn too
+        (receiving it here is faster: ``result`` ``None``). With ``target_device`` the data is
+        moved there if it was prefetched elsewhere.
 
         Raises :class:`KVPrefetchConsumeError` when the payload was consumed but cannot be used.
         """
         rid = str(request_id)
-        with self._cond:
-            self._cancel_queued_locked(keep=None if rid not in self._entries else rid)
+        with self._lock:
+            prefetch = self._prefetches.get(rid)
+            self._withdraw_queued_locked(keep=None if prefetch is None else rid)
             lost = self._lost.pop(rid, None)
-            entry = self._entries.get(rid)
-            busy = any(e.state is _State.RUNNING for e in self._entries.values())
-            if entry is not None and entry.state is _State.QUEUED and busy:
-                # The worker is busy with another request: receiving here is faster.
-                self._queue.remove(entry)
-                del self._entries[rid]
-                logger.debug("KV prefetch of %s had not started; receiving synchronously", rid)
-                return PrefetchConsume(None)
+            admission = self._admission
+            if prefetch is not None and admission is not None:
+                busy = any(_phase(s) == "running" for s in admission.poll().values())
+                if busy and admission.withdraw(rid):  # False once its own receive started
+                    del self._prefetches[rid]
+                    logger.debug("KV prefetch of %s had not started; receiving synchronously", rid)
+                    return PrefetchConsume(None)
         if lost is not None:
             raise KVPrefetchConsumeError(f"Prefetched KV of {rid} was dropped ({lost})")
-        if entry is None:
+        if prefetch is None or admission is None:
             return PrefetchConsume(None)
-        limit = min(deadline, entry.deadline + self.consume_grace_s)
-        if not entry.done.wait(timeout=_wait_timeout(limit)):
+        if not admission.wait(rid, min(deadline, prefetch.deadline + self.consume_grace_s)):
             logger.error(
                 "KV prefetch of %s still running at its deadline; proceeding without it "
                 "(a late result stays available to a later consume)",
@@ -484,30 +513,33 @@ class KVPrefetcher:
                 rid, ReceiveStatus.TIMEOUT, reason="prefetch still running at its deadline"
             )
             return PrefetchConsume(result, sync_retry=False)
-        with self._cond:
-            if self._entries.get(rid) is entry:
-                del self._entries[rid]
-        return self._finish_consume(entry, target_device)
+        taken = admission.take(rid)
+        with self._lock:
+            if self._prefetches.get(rid) is prefetch:
+                del self._prefetches[rid]
+        if taken is None:  # released by shutdown, or taken by a concurrent consume
+            return PrefetchConsume(None)
+        return self._finish_consume(prefetch, taken, target_device)
 
     def _finish_consume(
-        self, entry: _Entry, target_device: torch.device | str | None
+        self,
+        prefetch: _Prefetch,
+        result: ReceiveResult,
+        target_device: torch.device | str | None,
     ) -> PrefetchConsume:
-        rid = entry.request_id
-        if entry.error is not None:
-            raise entry.error
-        result = entry.result
-        if result is None:  # dropped at shutdown
-            return PrefetchConsume(None)
+        rid = result.request_id
+        if prefetch.error is not None:
+            raise prefetch.error
         if not result.ok or result.kv is None:
             status = result.status
             if status is ReceiveStatus.CORRUPT:
                 return PrefetchConsume(result, sync_retry=False)
             if status is ReceiveStatus.CANCELLED:
                 return PrefetchConsume(result, sync_retry=True)
-            return PrefetchConsume(result, sync_retry=True, retry_deadline=entry.deadline)
+            return PrefetchConsume(result, sync_retry=True, retry_deadline=prefetch.deadline)
         kv = result.kv
         want = None if target_device is None else torch.device(target_device)
-        move_to = entry.device_pending
+        move_to = prefetch.device_pending
         if want is not None and any(t.device != want for t in kv.tensors()):
             move_to = want
         if move_to is not None:
@@ -541,13 +573,8 @@ class KVPrefetcher:
         ends by its own receive deadline, so even ``math.inf`` returns within about one
         ``recv_timeout`` per queued request.
         """
-        with self._cond:
-            while any(e.state is not _State.DONE for e in self._entries.values()):
-                left = remaining(deadline)
-                if left <= 0:
-                    return False
-                self._cond.wait(None if math.isinf(left) else left)
-            return True
+        admission = self._admission
+        return True if admission is None else admission.wait(None, deadline)
 
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> bool:
@@ -555,35 +582,23 @@ class KVPrefetcher:
 
         Called on teardown (``manager.shutdown_prefetch`` / ``close``). Idempotent. Queued
         prefetches are cancelled (their payloads stay at the source); unconsumed results are
-        released with a warning naming them; a running receive is aborted at its next wait slice.
-        Returns within ``timeout`` (default ``join_timeout_s``) even when the worker is stuck in a
-        connector call that ignores its deadline; that worker never touches the connector again.
+        released with a warning naming them (the tracker's close); a running receive is aborted
+        at its next wait slice. Returns within ``timeout`` (default ``join_timeout_s``) even
+        when the worker is stuck in a connector call that ignores its deadline; that worker
+        never touches the connector again.
         """
-        with self._cond:
-            first = not self._closed
+        with self._lock:
             self._closed = True
-            self._stop.set()
-            self._queue.clear()
-            dropped = [rid for rid, e in self._entries.items() if e.holds_payload]
-            self._entries.clear()
-            self._cond.notify_all()
-            thread = self._thread
-        if first and dropped:
-            logger.warning(
-                "Prefetch shutdown released unconsumed KV of %s", ", ".join(sorted(dropped))
-            )
-        if thread is None or thread is threading.current_thread():
+            self._prefetches.clear()
+            admission = self._admission
+        if admission is None:
             return True
-        thread.join(self.join_timeout_s if timeout is None else timeout)
-        if thread.is_alive():
-            logger.error(
-                "KV prefetch worker still inside a connector call after shutdown; "
-                "it will exit without touching the connector again"
-            )
-            return False
-        return True
-
-
-def _wait_timeout(limit: float) -> float | None:
-    left = remaining(limit)
-    return None if math.isinf(left) else left
+        admission.close(self.join_timeout_s if timeout is None else timeout)
+        thread = admission.threads[0]
+        if thread is threading.current_thread() or not thread.is_alive():
+            return True
+        logger.error(
+            "KV prefetch worker still inside a connector call after shutdown; "
+            "it will exit without touching the connector again"
+        )
+        return False
