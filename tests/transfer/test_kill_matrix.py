@@ -50,8 +50,9 @@ _LIVE = {
 
 # -- the scenario (runs isolated) ----------------------------------------------------------------
 class _Edge:
-    """One transport's stage configs: ``sender(i)`` / ``receiver()`` and the endpoint ``info(i)``
-    a receiver needs for sender ``i`` (pull transports; ``None`` elsewhere)."""
+    """One transport's stage configs: ``sender(i)`` / ``receiver(i)`` (each process its own
+    ``i``: the Store keeps a client's segment by name) and the endpoint ``info(i)`` a receiver
+    needs for sender ``i`` (pull transports; ``None`` elsewhere)."""
 
     def __init__(self, transport: str, store: Any = None) -> None:
         self.transport = transport
@@ -99,11 +100,11 @@ class _Edge:
             "need_send_cache": True,
         }
 
-    def receiver(self) -> dict[str, Any]:
+    def receiver(self, i: int) -> dict[str, Any]:
         if self.transport in ("te", "nixl"):
-            return self._pull("receiver", 1000)
+            return self._pull("receiver", 1000 + i)
         return {
-            "connector_config": self._conn(1000),
+            "connector_config": self._conn(1000 + i),
             "stage_id": 1,
             "engine_input_source": [0],
             "need_recv_cache": True,
@@ -141,18 +142,18 @@ def scenario_kills(transport: str) -> dict[str, Any]:
         # -- receivers die; one sender lives ---------------------------------------------------
         sender = Stage(edge.sender(0))
         try:
-            receiver = Stage(edge.receiver(), edge.info(0))
+            receiver = Stage(edge.receiver(0), edge.info(0))
             assert sender.ask("send", "d")[1] == "sent"
             receiver.kill()
             res["receiver_dies_before_taking"] = _verdict(sender, "d")
 
-            receiver = Stage(edge.receiver(), edge.info(0))
+            receiver = Stage(edge.receiver(1), edge.info(0))
             assert sender.ask("send", "f")[1] == "sent"
             assert receiver.ask("take_and_hang", "f", timeout=RECV_S + 30) == ("taken",)
             receiver.kill()
             res["receiver_dies_before_its_verdict"] = _verdict(sender, "f")
 
-            receiver = Stage(edge.receiver(), edge.info(0))
+            receiver = Stage(edge.receiver(2), edge.info(0))
             assert sender.ask("send", "e")[1] == "sent"
             res["adopted"] = _received(receiver, "e")
             receiver.kill()
@@ -161,7 +162,7 @@ def scenario_kills(transport: str) -> dict[str, Any]:
         finally:
             sender.close()
         # -- senders die; one receiver lives ---------------------------------------------------
-        receiver = Stage(edge.receiver())
+        receiver = Stage(edge.receiver(3))
         try:
             sender = Stage(edge.sender(1))
             receiver.ask("sender", edge.info(1))
