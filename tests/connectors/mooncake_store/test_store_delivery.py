@@ -125,7 +125,7 @@ def scenario_verdicts() -> dict[str, Any]:
 
     res: dict[str, Any] = {}
     with Master() as master:
-        names = iter(free_ports(6))
+        names = iter(free_ports(7))
         r_out, r_in, t_out, t_in = queue(), queue(), queue(), queue()
         recv_proc = spawn(peer_receiver, store_cfg(master, next(names)), r_out, r_in)
         take_proc = spawn(peer_taker, store_cfg(master, next(names)), t_out, t_in)
@@ -189,6 +189,20 @@ def scenario_verdicts() -> dict[str, Any]:
             r_in.put(("close",))
             closed = r_out.get(timeout=60)[1]
             res["receiver"] = {k: v for k, v in closed.items() if "ack" in k}
+            # a verdict nobody reads (its sender has no listener) is removed by its writer at
+            # close, after ack_linger_s
+            lone = MooncakeStoreConnector(store_cfg(master, next(names), ack_linger_s=0.3))
+            assert other.put(*STAGES, "n1", b"x" * 1000)[0]
+            keys.append(f"n1@{STAGES[0]}_{STAGES[1]}")
+            buf = lone.wait(*STAGES, "n1", deadline=time.monotonic() + 10)
+            assert buf is not None
+            buf.release()
+            lone.acknowledge(*STAGES, "n1", Verdict.DELIVERED)
+            res["n1_record"] = other._store.is_exist(ack_key(keys[-1]))
+            t0 = time.monotonic()
+            lone.close()
+            res["n1_close_s"] = time.monotonic() - t0
+            res["n1_dropped"] = lone.health()["ack_records_dropped"]
             # nothing of the test is left in the store: payloads and verdict records
             everything = keys + [ack_key(k) for k in keys]
             res["left"] = [
@@ -252,8 +266,23 @@ class TestStoreVerdicts:
         assert verdicts["left"] == []
         assert verdicts["threads"] == []
 
+    def test_a_verdict_nobody_reads_is_removed_by_its_writer_at_close(
+        self, verdicts: dict[str, Any]
+    ) -> None:
+        assert verdicts["n1_record"] == 1 and verdicts["n1_dropped"] == 1
+        assert 0.2 < verdicts["n1_close_s"] < 3.0
 
-# -- the record format alone ---------------------------------------------------------------------
+
+# -- configuration and the record format alone ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "bad"), [("ack_timeout_s", 0), ("ack_linger_s", -1)])
+def test_bad_verdict_settings_are_config_errors_naming_the_key(key: str, bad: object) -> None:
+    from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
+    from omnikv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        MooncakeStoreConnector({key: bad})
 
 
 def test_a_record_round_trips_and_its_reason_is_bounded() -> None:

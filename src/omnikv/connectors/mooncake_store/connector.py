@@ -539,6 +539,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             logger.warning("no verdict for %s: the connector is closed", key)
             return
         self._records.write(store, self._rcfg, key, verdict, reason)
+        self.reap_expired()  # a receiver puts nothing: its unread records age out here
 
     def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
         """Report each payload put from now on once to ``listener`` (delivered, refused or
