@@ -173,7 +173,8 @@ def test_tp2_senders_slice_heads_for_their_tp4_receivers(te_tp: dict[str, Any]) 
     sent = te_tp["sent"]
     assert sorted(sent) == ["0", "1"]
     for rank, body in sent.items():
-        assert body["status"] == "sent", body
+        # published; a fast receiver may have accepted it already
+        assert body["status"] in ("sent", "delivered"), body
         # sender rank r slices its heads for receivers 2r and 2r + 1: one key each
         first = 2 * int(rank)
         assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]

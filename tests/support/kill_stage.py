@@ -77,6 +77,7 @@ def stage_main(cfg: dict[str, Any], sender_info: Any, in_q: Any, out_q: Any) -> 
             t0 = time.monotonic()
             got = mgr.receive_kv_cache_result(cmd[1], quiet=True)
             out_q.put(("received", got.status.value, got.reason, time.monotonic() - t0))
+            del got  # its KV may be views of the connector's memory: adopted, then let go
         elif op == "take_and_hang":
 
             def check(kv: Any) -> str | None:

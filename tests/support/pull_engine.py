@@ -433,7 +433,8 @@ def check_receiver_closed(r: dict[str, Any], metadata_port: int = 0) -> None:
 
 
 def check_sent_224(sent: dict[str, Any]) -> None:
-    assert sent["done"] == ["req"] and sent["status"] == "sent", sent
+    # published; a fast receiver may have accepted it already
+    assert sent["done"] == ["req"] and sent["status"] in ("sent", "delivered"), sent
     assert sent["nbytes"] >= 224 * MiB
 
 

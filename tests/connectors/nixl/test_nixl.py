@@ -468,7 +468,8 @@ def test_managers_leave_nothing_after_close(manager_224: dict[str, Any]) -> None
 def test_tp2_senders_slice_heads_for_their_tp4_receivers(manager_tp: dict[str, Any]) -> None:
     assert sorted(manager_tp["sent"]) == ["0", "1"]
     for rank, body in manager_tp["sent"].items():
-        assert body["status"] == "sent", body
+        # published; a fast receiver may have accepted it already
+        assert body["status"] in ("sent", "delivered"), body
         first = 2 * int(rank)  # sender rank r slices its heads for receivers 2r and 2r + 1
         assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
 
