@@ -23,6 +23,11 @@ its element size, or it is refused. A payload without ``al`` (the reference writ
 accepted, and a tensor whose bytes are not aligned for its dtype is copied to aligned memory
 (:mod:`omnikv.wire.views`).
 
+A piece of a streamed send (format version 3, header ``sm``: a chunk or the tail that is its
+manifest) decodes like any payload and says so in :attr:`DecodedKV.stream`; assembling the
+pieces is the receiver's (:mod:`omnikv.transfer.stream`). A reader that predates version 3
+refuses such a piece, so a tail is never taken for a whole request's KV.
+
 A payload that carries ``ck`` has its data checksum verified (unless ``verify=False``); it
 detects corruption, not tampering.
 
@@ -58,9 +63,11 @@ from omnikv.wire.format import (
     MAX_ELEMENTS,
     MAX_LAYERS,
     PAGE,
+    STREAM_FORMAT_VERSION,
     Header,
     Span,
     Stamp,
+    StreamMark,
     TensorDesc,
     crc32,
 )
@@ -107,6 +114,8 @@ class DecodedKV:
     value_cache: list[torch.Tensor | None]
     #: The sender's stamp (header ``ss``), when it wrote one.
     stamp: Stamp | None = None
+    #: Which piece of a streamed send this is (header ``sm``; ``None``: a whole send).
+    stream: StreamMark | None = None
 
     @property
     def num_layers(self) -> int:
@@ -202,7 +211,9 @@ def _assemble(header: Header, spans: list[Span], tensors: list[torch.Tensor]) ->
     )
     for span, tensor in zip(spans, tensors, strict=True):
         caches[span.cache][span.layer] = tensor
-    return DecodedKV(header.rid, header.bids, header.meta, caches[0], caches[1], header.ss)
+    return DecodedKV(
+        header.rid, header.bids, header.meta, caches[0], caches[1], header.ss, header.sm
+    )
 
 
 def decode(buf: Any, *, verify: bool = True) -> dict[str, Any]:
@@ -262,11 +273,15 @@ def _check_header(header: Header, available: int) -> int:
         raise _fail(f"nl={header.nl} outside [0, {MAX_LAYERS}]")
     if len(header.td) > 2 * MAX_LAYERS:
         raise _fail(f"td has {len(header.td)} entries, more than {2 * MAX_LAYERS}")
-    if not 0 <= header.v <= CODEC_FORMAT_VERSION:
+    streamed = header.v == STREAM_FORMAT_VERSION
+    if header.sm is None and not 0 <= header.v < STREAM_FORMAT_VERSION:
         raise _fail(
-            f"unsupported format version {header.v} (this reader knows <= {CODEC_FORMAT_VERSION})"
+            f"unsupported format version {header.v} (this reader knows <= "
+            f"{CODEC_FORMAT_VERSION}, and {STREAM_FORMAT_VERSION} for a streamed send's pieces)"
         )
-    if (header.v == CODEC_FORMAT_VERSION) != (header.cx is not None):
+    if header.sm is not None and not streamed:
+        raise _fail(f"stream mark with format version {header.v}")
+    if not streamed and (header.v == CODEC_FORMAT_VERSION) != (header.cx is not None):
         raise _fail(f"format version {header.v} with wire codec {header.cx!r:.40}")
     if header.cx is not None:
         if header.cx not in CODECS:

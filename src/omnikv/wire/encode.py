@@ -47,6 +47,7 @@ from omnikv.wire.format import (
     ITEMSIZE,
     LARGE_TENSOR_BYTES,
     PAGE,
+    STREAM_FORMAT_VERSION,
     crc32,
     encode_header,
 )
@@ -157,7 +158,9 @@ class PackedPayload:
     cheap to build. With ``coded`` the sources are already coded
     (:func:`omnikv.wire.codec.encode_rows`) and the header names the codec and the original
     dtype, the one a receiver decodes them to. ``stamp`` (the sender's
-    :class:`~omnikv.wire.format.Stamp` fields) goes into the header as ``ss``.
+    :class:`~omnikv.wire.format.Stamp` fields) goes into the header as ``ss``; ``stream`` (the
+    :class:`~omnikv.wire.format.StreamMark` fields of a streamed send's piece) as ``sm``, which
+    makes it format version :data:`~omnikv.wire.format.STREAM_FORMAT_VERSION` (codec or not).
 
     A plan is itself the writer a connector's ``put_packed`` takes: called with a tensor, or
     (:meth:`write_host`, the :class:`omnikv.connectors.base.HostArrayWriter` protocol) with a
@@ -165,7 +168,7 @@ class PackedPayload:
     torch operator call, costly on a process that has just been idle).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - one keyword per optional header extension
         self,
         request_id: str,
         key_cache: Sequence[TensorLike | None],
@@ -176,6 +179,7 @@ class PackedPayload:
         checksum: bool = False,
         coded: Coded | None = None,
         stamp: Mapping[str, Any] | None = None,
+        stream: Mapping[str, Any] | None = None,
     ) -> None:
         num_layers = len(key_cache)
         self._checksum = checksum
@@ -200,6 +204,8 @@ class PackedPayload:
             header["ss"] = dict(stamp)
         if coded is not None:  # the sources are coded rows (omnikv.wire.codec.encode_rows)
             header.update(v=CODEC_FORMAT_VERSION, cx=coded.codec, od=coded.original_dtype)
+        if stream is not None:  # a piece of a streamed send: readers that predate it refuse it
+            header.update(v=STREAM_FORMAT_VERSION, sm=dict(stream))
         # the layout's descriptors are encoded once per layout, then spliced in as the last key
         raw = encode_header(header)[:-1] + b',"td":' + layout.td_json + b"}"
         if len(raw) > DEFAULT_MAX_HEADER_BYTES:

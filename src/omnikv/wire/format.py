@@ -13,11 +13,12 @@ dtype name, shape, offset, byte length) (:class:`TensorDesc`).
 
 omnikv's extensions are extra header keys an old reader ignores: ``v`` (format version), ``al``
 (the alignment the writer used), ``bo`` (byte order), ``dl`` (data section length), ``ss`` (the
-sender's :class:`Stamp`) and, when asked for, ``ck`` (``"crc32:%08x"`` of the data section,
-:func:`crc32`). The JSON is padded with trailing
-spaces so the data section starts on an :data:`ALIGN` boundary (:data:`PAGE` when a tensor is
-large), and every tensor starts on an :data:`ALIGN` boundary (:data:`PAGE` for tensors of
-:data:`LARGE_TENSOR_BYTES` and more); the gaps are zero.
+sender's :class:`Stamp`), ``sm`` (a piece of a streamed send, :class:`StreamMark`; format
+version :data:`STREAM_FORMAT_VERSION`) and, when asked for, ``ck`` (``"crc32:%08x"`` of the
+data section, :func:`crc32`). The JSON is padded with trailing spaces so the data section
+starts on an :data:`ALIGN` boundary (:data:`PAGE` when a tensor is large), and every tensor
+starts on an :data:`ALIGN` boundary (:data:`PAGE` for tensors of :data:`LARGE_TENSOR_BYTES`
+and more); the gaps are zero.
 
 This module holds what both directions agree on and nothing that moves bytes:
 :mod:`omnikv.wire.encode` writes the format, :mod:`omnikv.wire.decode` checks and reads it,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import numpy as np
@@ -58,17 +59,25 @@ __all__ = [
     "MAX_INSTANCE_CHARS",
     "MAX_LAYERS",
     "MAX_SESSION_CHARS",
+    "MAX_STREAM_CHUNKS",
     "NUMPY_OF",
     "PAGE",
+    "STREAM_FORMAT_VERSION",
     "Header",
     "Span",
     "Stamp",
+    "StreamMark",
     "TensorDesc",
     "crc32",
     "encode_header",
 ]
 
 FORMAT_VERSION = 1
+#: The format version of a piece of a streamed send (header ``sm``). A reader that does not
+#: know it refuses the payload, so a stream's tail is never mistaken for a whole request's KV.
+STREAM_FORMAT_VERSION = 3
+#: Most chunks one streamed send may have (a manifest claiming more is refused unread).
+MAX_STREAM_CHUNKS = 4096
 ALIGN = 64
 PAGE = 4096
 LARGE_TENSOR_BYTES = 256 * 1024
@@ -203,6 +212,23 @@ class Stamp(msgspec.Struct, frozen=True, gc=False):
     i: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_INSTANCE_CHARS)] | None = None
 
 
+class StreamMark(msgspec.Struct, frozen=True, gc=False):
+    """Which piece of a streamed send a payload is (header key ``sm``; see
+    :mod:`omnikv.transfer.stream`). ``k`` is ``"chunk"`` (a run of full blocks shipped during
+    decode, under ``<key>#c<n>``) or ``"tail"`` (the last tokens and the request's metadata,
+    under the request's key: the manifest). ``id`` names the stream; ``n`` is a chunk's index,
+    or the tail's chunk count; ``r`` holds token ranges ``[start, stop)``: a chunk's own (one),
+    the tail's one per chunk, in order."""
+
+    k: Literal["chunk", "tail"]
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_CHARS)]
+    n: Annotated[int, msgspec.Meta(ge=0, le=MAX_STREAM_CHUNKS)]
+    r: Annotated[
+        list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]]],
+        msgspec.Meta(max_length=MAX_STREAM_CHUNKS),
+    ]
+
+
 class Header(msgspec.Struct, frozen=True, gc=False):
     """The JSON header: the reference's keys plus omnikv's optional extensions."""
 
@@ -221,6 +247,8 @@ class Header(msgspec.Struct, frozen=True, gc=False):
     od: str | None = None
     #: the sender's stamp (session, epoch, sequence, instance): duplicates and stale epochs
     ss: Stamp | None = None
+    #: a piece of a streamed send (format version 3): a chunk, or the tail with its manifest
+    sm: StreamMark | None = None
 
 
 #: Typed decoder of :class:`Header`: a wrong type anywhere is a ``msgspec.ValidationError``
