@@ -138,6 +138,10 @@ class TransferOptions:
       a payload from an older epoch of that instance than one it has already seen (a restarted
       sender supersedes its earlier incarnation). Unnamed senders (the default) are never
       ordered against each other: data-parallel producers of one stage and rank are normal.
+    * ``stream_kv``: ship a request's full blocks while it decodes (the model runner calls
+      ``stream_kv_blocks`` per step), so that only the last partial block and the metadata move
+      when it finishes (:mod:`omnikv.transfer.stream`; default False). Receivers assemble the
+      pieces whatever their own setting; receivers older than this option refuse them.
     """
 
     kv_cache_layout: str = "auto"
@@ -149,6 +153,7 @@ class TransferOptions:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     wire_codec: str = "off"
     instance_id: str | None = None
+    stream_kv: bool = False
 
     def __post_init__(self) -> None:
         parse_choice("kv_cache_layout", self.kv_cache_layout, "auto", LAYOUTS)
@@ -160,6 +165,8 @@ class TransferOptions:
         parse_int("max_header_bytes", self.max_header_bytes, DEFAULT_MAX_HEADER_BYTES)
         parse_choice("wire_codec", self.wire_codec, "off", ("off", *CODECS))
         parse_instance_id(self.instance_id)
+        if not isinstance(self.stream_kv, bool):
+            raise ConfigError(f"stream_kv must be a bool, got {self.stream_kv!r:.60}")
         if self.max_header_bytes >= 1 << 32:
             raise ConfigError(f"max_header_bytes must be < 2**32, got {self.max_header_bytes}")
 
@@ -235,6 +242,7 @@ def options_from_dict(omni_kv_config: Mapping[str, Any] | None) -> TransferOptio
         ),
         wire_codec=parse_choice("wire_codec", pick("wire_codec"), "off", ("off", *CODECS)),
         instance_id=parse_instance_id(pick("instance_id")),
+        stream_kv=parse_bool("stream_kv", pick("stream_kv")),
     )
 
 
@@ -360,6 +368,7 @@ OPTION_KEYS = frozenset(
         "max_header_bytes",
         "wire_codec",
         "instance_id",
+        "stream_kv",
     }
 )
 #: Keys of the same dict that the host framework reads (the AR scheduler's transfer criteria).

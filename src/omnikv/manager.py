@@ -47,6 +47,7 @@ from omnikv.transfer.requests import apply_received_kv, request_id_of
 from omnikv.transfer.results import TransferLog
 from omnikv.transfer.send import KVSender, SendResult
 from omnikv.transfer.sessions import SessionGuard
+from omnikv.transfer.stream import KVStreams, StreamProgress
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
@@ -100,6 +101,8 @@ class OmniKVTransferManager:
         self._log = TransferLog(self.metrics)
         self._deliveries = self._sender.deliveries = DeliveryBook(self._log.delivered)
         self._receiver.guard = SessionGuard(self.metrics)
+        self._streams = KVStreams(self._sender) if self.options.stream_kv else None
+        self._sender.streams = self._streams
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
         self._prefetch_on = bool(async_prefetch) and receives
@@ -254,6 +257,36 @@ class OmniKVTransferManager:
         args = (finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver)
         self.last_send_results = self._log.sent(self._sender.send_batch(*args, deadline=deadline))
         return list(finished_reqs)
+
+    def stream_kv_blocks(
+        self,
+        request_id: str,
+        entry: Mapping[str, Any],
+        kv_caches: Sequence[LayerKV],
+        block_size: int,
+        cache_dtype: str,
+        request_id_resolver: Callable[[str], str] | None = None,
+    ) -> StreamProgress:
+        """Ship the full blocks of a request still decoding (``stream_kv``); called by the model
+        runner once per step per request, or from its per-step hook.
+
+        ``entry`` is shaped like a ``finished_reqs`` entry (``block_ids``, ``seq_len``: the
+        tokens whose KV is written). The blocks not shipped yet go as one chunk; the finish
+        (:meth:`handle_finished_requests_kv_transfer`) then sends only the rest and the
+        metadata. Synchronous and short (one put attempt, at most
+        :data:`omnikv.transfer.stream.STEP_PUT_S`); never raises for the request's failure
+        (the progress says why nothing went). A no-op without ``stream_kv``.
+        """
+        if self._streams is None:
+            return StreamProgress(str(request_id), reason="stream_kv is off")
+        args = (entry, kv_caches, block_size, cache_dtype, request_id_resolver)
+        return self._streams.ship(str(request_id), *args)
+
+    def abort_kv_stream(self, request_id: str) -> int:
+        """Drop what ``request_id``'s stream shipped (a request aborted or preempted before it
+        finished; call it wherever the runner frees such a request): the chunks leave the
+        connector. Returns how many chunk keys were dropped (0 without a stream)."""
+        return 0 if self._streams is None else self._streams.abort(str(request_id))
 
     def get_send_result(self, request_id: str) -> SendResult | None:
         """The outcome of the latest send of ``request_id`` (``None`` if never handled); with a
@@ -522,6 +555,8 @@ class OmniKVTransferManager:
         if admission is not None:
             admission.close()
         self._receiver.close()
+        if self._streams is not None:
+            self._streams.close()
         self._lazy.close(final=True)
 
     def __enter__(self) -> OmniKVTransferManager:

@@ -42,7 +42,6 @@ from omnikv.errors import (
     DecodeError,
     KVPrefetchConsumeError,
     OmniKVError,
-    PayloadError,
     PayloadRefused,
     PeerGoneError,
     ReceiveCancelled,
@@ -53,6 +52,7 @@ from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
 from omnikv.transfer.received import ReceivedKV, move_kv
 from omnikv.transfer.sessions import SessionGuard
+from omnikv.transfer.stream import StreamAssembly
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
 
@@ -224,6 +224,36 @@ def _missing(
             f" is gone ({detail}; {report.detail})"
         )
     return ReceiveTimeout(request_id, waited, f"{detail}; {report.detail}")
+
+
+@dataclass
+class _ChunkWaits:
+    """The :class:`~omnikv.transfer.stream.ChunkSource` of one receive: its connector, stages,
+    deadline and abort event; a chunk that is not there by the deadline raises the receive's
+    typed miss (:func:`_missing`)."""
+
+    connector: OmniConnectorBase
+    stages: tuple[str, str]
+    deadline: float
+    abort: threading.Event | None
+    request_id: str
+    t0: float
+    taken: int
+
+    def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer:
+        got = _wait_sliced(self.connector, self.stages, key, self.deadline, metadata, self.abort)
+        if got is None:
+            raise _missing(
+                self.connector,
+                self.stages,
+                key,
+                metadata=metadata,
+                request_id=self.request_id,
+                t0=self.t0,
+                taken=self.taken,
+            )
+        self.taken += 1
+        return got
 
 
 def _acknowledge(
@@ -436,11 +466,20 @@ class KVReceiver:
         t_wait = time.monotonic()
         verdict = Verdict.REFUSED
         reason: str | None = "the receiver failed while using it"
+        chunks = _ChunkWaits(
+            connector, (from_stage, to_stage), deadline, abort, request_id, t0, len(raws)
+        )
+        streams = StreamAssembly(
+            chunks, max_header_bytes=self.options.max_header_bytes, guard=self.guard
+        )
         try:
             on_arrival = None if callbacks is None else callbacks.on_arrival
             if on_arrival is not None:
                 on_arrival(sum(int(buf.size) for buf in raws))
-            shards = [self._decode(buf, target_device) for buf in raws]
+            shards = [
+                self._decode(buf, target_device, streams, wait)
+                for buf, wait in zip(raws, waits, strict=True)
+            ]
             t_decode = time.monotonic()
             kv = self._combine(shards)
             aliased = any(not buf.released for buf in raws)
@@ -450,13 +489,15 @@ class KVReceiver:
             if refusal is not None:
                 raise PayloadRefused(f"KV of {request_id} refused: {refusal}")
             verdict, reason = Verdict.DELIVERED, None
-        except (PayloadError, KVPrefetchConsumeError) as exc:
+        except (OmniKVError, KVPrefetchConsumeError) as exc:
             reason = str(exc)
             raise
         finally:
             for buf in raws:
                 buf.release()
-            _acknowledge(connector, (from_stage, to_stage), waits, verdict, reason)
+            streams.release()
+            taken = [*waits, *streams.taken]  # a streamed key's chunks get the verdict too
+            _acknowledge(connector, (from_stage, to_stage), taken, verdict, reason)
         if trace is not None:
             trace.phases(t0, t_wait, t_decode, time.monotonic())
         logger.debug(
@@ -504,8 +545,17 @@ class KVReceiver:
             raise
         return raws
 
-    def _decode(self, buf: ManagedBuffer, target_device: torch.device | str | None) -> ReceivedKV:
+    def _decode(
+        self,
+        buf: ManagedBuffer,
+        target_device: torch.device | str | None,
+        streams: StreamAssembly | None = None,
+        wait: tuple[str, dict[str, Any] | None] | None = None,
+    ) -> ReceivedKV:
         """One shard as :class:`ReceivedKV`: views of ``buf`` where they may stay, else copied.
+
+        A shard that is the tail of a streamed send (``wait``: the key and metadata it came
+        under) is joined with its chunks by ``streams`` (into new memory; ``buf`` is released).
 
         Host memory with ``receive_copy="auto"`` and no target device is adopted (the views keep
         it); otherwise, when the tensors would alias ``buf`` past its release (no target device,
@@ -527,6 +577,12 @@ class KVReceiver:
         decoded = decode_kv(payload, copy=own, max_header_bytes=limit)
         if self.guard is not None:
             self.guard.admit(decoded.stamp, decoded.request_id)
+        if decoded.stream is not None:
+            if streams is None or wait is None:
+                raise DecodeError("corrupt KV payload: a streamed piece outside a receive")
+            kv = streams.assemble(wait[0], wait[1], decoded, size)
+            buf.release()
+            return kv
         if own:
             buf.release()
         return ReceivedKV.from_decoded(decoded, size)

@@ -47,8 +47,9 @@ from omnikv.wire.format import DTYPE_TO_NAME
 
 if TYPE_CHECKING:
     from omnikv.transfer.delivery import DeliveryBook
+    from omnikv.transfer.stream import KVStreams
 
-__all__ = ["KVSender", "SendResult", "SendStatus", "put_with_retry"]
+__all__ = ["KVSender", "SendBatch", "SendRefused", "SendResult", "SendStatus", "put_with_retry"]
 
 logger = logging.getLogger(__name__)
 
@@ -266,8 +267,8 @@ def _num_heads(gathers: Sequence[BlockGather | None]) -> int:
 
 
 class _Batch(NamedTuple):
-    """What every request of one ``handle_finished_requests_kv_transfer`` call shares (a
-    tuple: one is built per call)."""
+    """What every request of one ``handle_finished_requests_kv_transfer`` call (or one
+    ``stream_kv_blocks`` step) shares (a tuple: one is built per call; :meth:`KVSender.prepare`)."""
 
     kv_caches: Sequence[Any]
     block_size: int
@@ -275,6 +276,11 @@ class _Batch(NamedTuple):
     want_dtype: torch.dtype | None
     resolver: Callable[[str], str] | None
     deadline: float
+
+
+#: The public names of a call's checked inputs and of a refusal (:mod:`omnikv.transfer.stream`).
+SendBatch = _Batch
+SendRefused = _Refused
 
 
 class KVSender:
@@ -310,6 +316,9 @@ class KVSender:
         self.stamps = SenderStamps(options.instance_id)
         #: Verdicts of what was sent (set by the manager); fed by the connector's listener.
         self.deliveries: DeliveryBook | None = None
+        #: Requests whose full blocks were shipped during decode (set by the manager when
+        #: ``stream_kv`` is on; :mod:`omnikv.transfer.stream`); their finish sends the tail.
+        self.streams: KVStreams | None = None
         self._listened: OmniConnectorBase | None = None
 
     def send_batch(
@@ -327,6 +336,23 @@ class KVSender:
         Not sending at all (``need_send_cache`` false, no connector) is recorded per request:
         ``not_configured`` when the manager neither sends nor receives, else skipped/failed.
         """
+        results = self._send_all(
+            finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver, deadline
+        )
+        if self.streams is not None:  # a failed finish drops what its stream had shipped
+            for result in results:
+                self.streams.settle(result)
+        return results
+
+    def _send_all(
+        self,
+        finished_reqs: Mapping[str, Any],
+        kv_caches: Any,
+        block_size: Any,
+        cache_dtype: Any,
+        resolver: Callable[[str], str] | None,
+        deadline: float,
+    ) -> list[SendResult]:
         if type(finished_reqs) is not dict and not isinstance(finished_reqs, Mapping):
             why = f"finished_reqs must be a dict of request entries, got {type(finished_reqs)}"
             return [self._fail(str(rid), why) for rid in finished_reqs]
@@ -335,12 +361,24 @@ class KVSender:
                 logger.warning("No connector available, skipping KV transfer but freeing resources")
             return [self._not_sending(str(rid)) for rid in finished_reqs]
         try:
-            want = _check_batch(kv_caches, block_size, cache_dtype)
+            batch = self.prepare(kv_caches, block_size, cache_dtype, resolver, deadline)
         except _Refused as exc:
             return [self._fail(str(rid), str(exc)) for rid in finished_reqs]
-        layers = [_detached(layer) for layer in kv_caches]
-        batch = _Batch(layers, int(block_size), cache_dtype, want, request_id_resolver, deadline)
         return [self._send_one(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+
+    @staticmethod
+    def prepare(
+        kv_caches: Any,
+        block_size: Any,
+        cache_dtype: Any,
+        resolver: Callable[[str], str] | None,
+        deadline: float,
+    ) -> _Batch:
+        """The checked :class:`_Batch` of one call (the finish, or a streaming step); raises
+        :class:`SendRefused` with the reason the caches cannot be sent."""
+        want = _check_batch(kv_caches, block_size, cache_dtype)
+        layers = [_detached(layer) for layer in kv_caches]
+        return _Batch(layers, int(block_size), cache_dtype, want, resolver, deadline)
 
     def _send_one(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         try:
@@ -357,10 +395,17 @@ class KVSender:
         book = self.deliveries
         if book is None or not connector.acknowledges:
             return
-        if self._listened is not connector:
+        self.listen(connector)
+        book.expect(request_id, keys)
+
+    def listen(self, connector: OmniConnectorBase) -> None:
+        """Install :attr:`deliveries`' listener on ``connector`` (once per connector), so that
+        what is published from now on reports its verdict (also a stream's chunks, put before
+        their request is watched)."""
+        book = self.deliveries
+        if book is not None and connector.acknowledges and self._listened is not connector:
             connector.set_delivery_listener(book.on_report)
             self._listened = connector
-        book.expect(request_id, keys)
 
     def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
         """Validate, extract, encode and publish one request."""
@@ -377,26 +422,18 @@ class KVSender:
         if connector is None:
             return self._fail(request_id, "no connector available")
         try:
-            transfer_id = self._transfer_id(request_id, batch.resolver)
-            payloads, keys = self._plan(transfer_id, entry, batch, (from_stage, to_stage))
+            transfer_id = self.transfer_id(request_id, batch.resolver)
+            payloads, keys, shipped = self._plan(
+                request_id, transfer_id, entry, batch, (from_stage, to_stage)
+            )
         except (_Refused, OmniKVError) as exc:
             return self._fail(request_id, str(exc))
         t_plan = time.perf_counter()
-        self._watch(connector, request_id, keys)
-        total, failed = 0, []
-        for key, payload in zip(keys, payloads, strict=True):
-            ok, size, err = put_with_retry(
-                connector,
-                (from_stage, to_stage),
-                key,
-                payload,
-                self.options.retry,
-                deadline=batch.deadline,
-                sleep=self.sleep,
-            )
-            total += size
-            if not ok:
-                failed.append(f"{key}: {err}")
+        self._watch(connector, request_id, [*shipped, *keys])
+        total, failed = self.put_all(
+            connector, (from_stage, to_stage), keys, payloads, batch.deadline, self.options.retry
+        )
+        keys = [*shipped, *keys]  # a streamed request's chunks, then its keys
         t_end = time.perf_counter()
         timings = {"extract_ms": (t_plan - t0) * 1e3, "encode_put_ms": (t_end - t_plan) * 1e3}
         if failed:
@@ -408,8 +445,56 @@ class KVSender:
         logger.debug("KV sent for %s: %d bytes, %d key(s)", transfer_id, total, len(keys))
         return SendResult(request_id, SendStatus.SENT, transfer_id, keys, total, None, timings)
 
+    def put_all(
+        self,
+        connector: OmniConnectorBase,
+        stages: tuple[str, str],
+        keys: Sequence[str],
+        payloads: Sequence[PackedPayload],
+        deadline: float,
+        policy: RetryPolicy,
+    ) -> tuple[int, list[str]]:
+        """Put each payload under its key (:func:`put_with_retry`); the bytes published and a
+        ``"key: error"`` line per key that failed."""
+        total, failed = 0, []
+        for key, payload in zip(keys, payloads, strict=True):
+            ok, size, err = put_with_retry(
+                connector, stages, key, payload, policy, deadline=deadline, sleep=self.sleep
+            )
+            total += size
+            if not ok:
+                failed.append(f"{key}: {err}")
+        return total, failed
+
+    def plan_blocks(
+        self,
+        transfer_id: str,
+        keys: list[str],
+        block_ids: Sequence[int],
+        batch: _Batch,
+        stream: Mapping[str, Any],
+    ) -> list[PackedPayload]:
+        """One payload per key holding every token of the full blocks ``block_ids``, marked as
+        the piece ``stream`` of a streamed send (:mod:`omnikv.transfer.stream`, which calls
+        this once per chunk). Sliced per target rank as a whole send is; raises
+        :class:`SendRefused` / ``OmniKVError`` with the reason it cannot be made."""
+        ids = _check_block_ids(block_ids)
+        keys_g, values_g = plan_request_kv(
+            batch.kv_caches,
+            ids,
+            len(ids) * batch.block_size,
+            batch.block_size,
+            layout=self.options.kv_cache_layout,
+            request_id=transfer_id,
+            cache=self.layers,
+        )
+        _check_kv(keys_g, values_g, batch.want_dtype)
+        return self._payloads(transfer_id, keys, keys_g, values_g, ids, {}, stream=stream)
+
     @staticmethod
-    def _transfer_id(request_id: str, resolver: Callable[[str], str] | None) -> str:
+    def transfer_id(request_id: str, resolver: Callable[[str], str] | None) -> str:
+        """The id ``request_id`` travels under (``resolver``'s answer); raises
+        :class:`SendRefused` when the resolver fails."""
         if resolver is None:
             return request_id
         try:
@@ -418,9 +503,16 @@ class KVSender:
             raise _Refused(f"request_id_resolver raised {exc!r}") from exc
 
     def _plan(
-        self, transfer_id: str, entry: Mapping[str, Any], batch: _Batch, stages: tuple[str, str]
-    ) -> tuple[list[PackedPayload], list[str]]:
-        """The payloads and keys of one request; raises with the reason it cannot be sent."""
+        self,
+        request_id: str,
+        transfer_id: str,
+        entry: Mapping[str, Any],
+        batch: _Batch,
+        stages: tuple[str, str],
+    ) -> tuple[list[PackedPayload], list[str], list[str]]:
+        """The payloads and keys of one request, and the chunk keys its stream already
+        published (a streamed request's payloads then hold only its tail and the manifest);
+        raises with the reason it cannot be sent."""
         block_ids = _check_block_ids(entry.get("block_ids"))
         seq_len = entry.get("seq_len")
         keys_g, values_g = plan_request_kv(
@@ -443,8 +535,27 @@ class KVSender:
         metadata = _metadata(entry, base)
         hook = self.hooks.send_keys
         keys = build_send_keys(self.topology, transfer_id, *stages, hook)
-        payloads = self._payloads(transfer_id, keys, keys_g, values_g, block_ids, metadata)
-        return payloads, keys
+        streams = self.streams
+        tail = None
+        if streams is not None:
+            tail = streams.tail(request_id, transfer_id, keys, block_ids, seq_len, batch)
+        if tail is None:
+            payloads = self._payloads(transfer_id, keys, keys_g, values_g, block_ids, metadata)
+            return payloads, keys, []
+        tail_ids, tail_len = tail.blocks(block_ids, seq_len, batch.block_size)
+        keys_g, values_g = plan_request_kv(
+            batch.kv_caches,
+            tail_ids,
+            tail_len,
+            batch.block_size,
+            layout=self.options.kv_cache_layout,
+            request_id=transfer_id,
+            cache=self.layers,
+        )
+        payloads = self._payloads(
+            transfer_id, keys, keys_g, values_g, block_ids, metadata, stream=tail.manifest
+        )
+        return payloads, keys, tail.chunk_keys
 
     def _payloads(
         self,
@@ -454,8 +565,11 @@ class KVSender:
         values_g: list[BlockGather | None],
         block_ids: Sequence[int],
         metadata: dict[str, Any],
+        *,
+        stream: Mapping[str, Any] | None = None,
     ) -> list[PackedPayload]:
-        """One payload per key: the same one for every key, or, when a smaller sender TP
+        """One payload per key (``stream``: the piece of a streamed send each one is): the
+        same one for every key, or, when a smaller sender TP
         feeds a larger receiver TP, each target rank's heads. With ``wire_codec`` the tokens are
         gathered and coded first (:func:`omnikv.wire.codec.encode_rows`); raises
         ``EncodeError`` for KV the codec does not code."""
@@ -466,6 +580,7 @@ class KVSender:
         extra: dict[str, Any] = {
             "checksum": self.options.payload_checksum,
             "stamp": self.stamps.next(),
+            "stream": stream,
         }
         if codec != "off":
             present = [g for g in (*keys_g, *values_g) if g is not None]

@@ -1,0 +1,539 @@
+"""Streaming a request's KV while it decodes: full blocks ship as they fill, the tail at finish.
+
+With ``stream_kv: true`` the model runner calls the manager's ``stream_kv_blocks`` once per
+step for each request still decoding (its ``entry`` has the shape of a ``finished_reqs`` entry:
+``block_ids`` and ``seq_len``, the tokens whose KV is written). Each call ships the request's
+*full* blocks not shipped yet as one **chunk**: a normal packed payload (stamped, sliced per
+target rank as a whole send is) under ``<key>#c<n>`` for each of the request's keys.
+``handle_finished_requests_kv_transfer`` then publishes, under the request's own keys, only the
+**tail**: the tokens after the last chunk, the request's block ids and metadata, and the
+manifest (header ``sm``: the stream id, the chunk count, each chunk's token range). Every piece
+is format version 3, which a reader that predates streaming refuses (a clean ``corrupt``), so a
+tail is never taken for a whole request's KV.
+
+Sender (:class:`KVStreams`, owned by :class:`~omnikv.transfer.send.KVSender`):
+
+* a step is synchronous and short: it gathers only the newly full blocks (work the finish would
+  otherwise do), puts them with one attempt and a deadline of at most :data:`STEP_PUT_S`
+  (``send_timeout`` if shorter), and never raises for a request's failure. Synchronous, not on
+  a thread, because the chunks must be in the connector before the tail (the receiver trusts
+  that order), the gather reads the engine's cache while the runner holds it, and a step's
+  chunk is usually one block;
+* a chunk that could not be published (no room in the pool within the step's deadline, a
+  transport error) is dropped and its blocks go with a later chunk or the tail; after
+  :data:`MAX_FAILED_STEPS` such steps in a row the stream ships no more (the tail takes the
+  rest). A changed block list, block size, dtype or transfer id drops what the stream shipped
+  and starts it again (at the finish: the request is sent whole). At most
+  :data:`~omnikv.wire.format.MAX_STREAM_CHUNKS` chunks; later blocks go with the tail;
+* :meth:`KVStreams.abort` (the manager's ``abort_kv_stream``: a request aborted mid-stream)
+  drops every chunk it published (``connector.cleanup`` of each chunk key); so does a finish
+  that failed, and closing the manager. At most ``capacity`` streams are open (the oldest is
+  aborted first). A full block must not change once shipped (true of vLLM's paged cache).
+
+Receiver (:class:`StreamAssembly`, one per receive, made by
+:class:`~omnikv.transfer.receive.KVReceiver`): a payload under a request key that is a tail
+makes it take the chunk keys of that key too (same metadata, same deadline), check every one
+against the manifest as hostile input (count bounded before anything is waited for, ranges
+contiguous from 0, stream id, request id, layers, dtypes, head shapes and token counts), and
+concatenate along tokens: the result is exactly what a whole send of the request gives (ids,
+block ids, metadata and bit-identical tensors). Every chunk taken gets the receive's verdict.
+Per key, so receiving TP > sending TP (sender-side slices, receiver-side merge or slice) works
+unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from omnikv.config import RetryPolicy
+from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
+from omnikv.errors import DecodeError, OmniKVError
+from omnikv.topology.keys import build_send_keys
+from omnikv.transfer.received import ReceivedKV
+from omnikv.transfer.send import KVSender, SendBatch, SendRefused, SendResult, SendStatus
+from omnikv.transfer.sessions import SessionGuard
+from omnikv.wire.decode import DecodedKV, decode_kv
+from omnikv.wire.format import MAX_STREAM_CHUNKS
+
+__all__ = [
+    "MAX_FAILED_STEPS",
+    "STEP_PUT_S",
+    "ChunkSource",
+    "KVStreams",
+    "StreamAssembly",
+    "StreamProgress",
+    "TailPlan",
+    "chunk_key",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Longest a streaming step waits for room to put a chunk (seconds; ``send_timeout`` if less).
+STEP_PUT_S = 0.25
+#: Failed chunk puts in a row after which a stream ships no more (the tail takes the rest).
+MAX_FAILED_STEPS = 3
+#: Streams open at once per sender (the oldest is aborted beyond it).
+DEFAULT_CAPACITY = 4096
+_ONE_ATTEMPT = RetryPolicy(attempts=1)
+
+
+def chunk_key(key: str, index: int) -> str:
+    """The key of chunk ``index`` of a stream whose request is published under ``key``."""
+    return f"{key}#c{index}"
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """What one ``stream_kv_blocks`` call did for a request: ``shipped`` tokens in
+    ``chunks`` chunks so far, ``new`` of them by this call; ``reason`` says why it shipped
+    nothing or stopped the stream (``None``: nothing to say)."""
+
+    request_id: str
+    shipped: int = 0
+    chunks: int = 0
+    new: int = 0
+    reason: str | None = None
+
+
+@dataclass
+class _Stream:
+    """One request's stream on the sender: what it shipped, under which keys."""
+
+    transfer_id: str
+    stream_id: str
+    block_size: int
+    cache_dtype: str
+    num_layers: int
+    keys: list[str]
+    block_ids: list[int] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    chunk_keys: list[str] = field(default_factory=list)
+    #: why no more chunks are shipped (the finish still uses those shipped)
+    stopped: str | None = None
+    #: chunk puts that failed in a row
+    failures: int = 0
+
+    @property
+    def shipped(self) -> int:
+        return self.ranges[-1][1] if self.ranges else 0
+
+
+class TailPlan(NamedTuple):
+    """What a streamed request's finish sends (:meth:`KVStreams.tail`): the tail's blocks
+    (:meth:`blocks`), its manifest (the header's ``sm``) and the chunk keys it refers to."""
+
+    first_block: int
+    manifest: dict[str, Any]
+    chunk_keys: list[str]
+
+    def blocks(
+        self, block_ids: Sequence[int], seq_len: int, block_size: int
+    ) -> tuple[Sequence[int], int]:
+        """The block ids and token count of the tail (tokens after the last chunk). An empty
+        tail still names one block (the planner needs one; zero tokens are read from it)."""
+        ids = block_ids[self.first_block :] or block_ids[self.first_block - 1 : self.first_block]
+        return ids, seq_len - self.first_block * block_size
+
+
+class KVStreams:
+    """The sender's open streams, one per request shipping blocks while it decodes.
+
+    Called by the manager (:meth:`ship` per step, :meth:`abort`, :meth:`close`) and by its
+    :class:`~omnikv.transfer.send.KVSender` at the finish (:meth:`tail`, :meth:`settle`).
+    Thread-safe; steps of one request are expected from one thread at a time (the runner's).
+    """
+
+    def __init__(self, sender: KVSender, *, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.sender = sender
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+
+    # -- per step -----------------------------------------------------------------------------
+    def ship(
+        self,
+        request_id: str,
+        entry: Any,
+        kv_caches: Any,
+        block_size: Any,
+        cache_dtype: Any,
+        resolver: Callable[[str], str] | None = None,
+    ) -> StreamProgress:
+        """Ship ``request_id``'s full blocks not shipped yet as one chunk; never raises for the
+        request's failure (the progress says why nothing went)."""
+        rid = str(request_id)
+        sender = self.sender
+        from_stage, to_stage = sender.stages
+        connector = sender.connector.get() if sender.enabled else None
+        if from_stage is None or to_stage is None or connector is None:
+            return StreamProgress(rid, reason="not sending (need_send_cache, stages, connector)")
+        try:
+            step = self._step(rid, entry, kv_caches, block_size, cache_dtype, resolver)
+        except (SendRefused, OmniKVError) as exc:
+            logger.debug("Not streaming KV of %s: %s", rid, exc)
+            self.abort(rid)
+            return StreamProgress(rid, reason=str(exc))
+        stream, ids, batch = step
+        if stream.stopped is not None or not ids:
+            return StreamProgress(rid, stream.shipped, len(stream.ranges), 0, stream.stopped)
+        index = len(stream.ranges)
+        start = stream.shipped
+        stop = start + len(ids) * stream.block_size
+        keys = [chunk_key(k, index) for k in stream.keys]
+        mark = {"k": "chunk", "id": stream.stream_id, "n": index, "r": [[start, stop]]}
+        try:
+            payloads = sender.plan_blocks(stream.transfer_id, keys, ids, batch, mark)
+        except (SendRefused, OmniKVError) as exc:
+            return self._stop(rid, stream, f"chunk {index} cannot be made: {exc}")
+        sender.listen(connector)
+        nbytes, failed = sender.put_all(
+            connector, (from_stage, to_stage), keys, payloads, batch.deadline, _ONE_ATTEMPT
+        )
+        if failed:  # none of it stays; the blocks go with a later chunk or the tail
+            self._drop(connector, keys)
+            why = f"chunk {index} not published: {'; '.join(failed)}"
+            stream.failures += 1
+            if stream.failures >= MAX_FAILED_STEPS:
+                return self._stop(rid, stream, why)
+            logger.debug("KV chunk %d of %s deferred: %s", index, rid, why)
+            return StreamProgress(rid, start, index, 0, why)
+        stream.failures = 0
+        with self._lock:
+            stream.ranges.append((start, stop))
+            stream.block_ids.extend(ids)
+            stream.chunk_keys.extend(keys)
+        logger.debug(
+            "KV chunk %d of %s shipped: tokens [%d, %d), %d bytes", index, rid, start, stop, nbytes
+        )
+        return StreamProgress(rid, stop, index + 1, stop - start)
+
+    def _step(
+        self,
+        rid: str,
+        entry: Any,
+        kv_caches: Any,
+        block_size: Any,
+        cache_dtype: Any,
+        resolver: Callable[[str], str] | None,
+    ) -> tuple[_Stream, list[int], SendBatch]:
+        """The request's stream (opened, or restarted when what it shipped no longer holds),
+        the ids of its newly full blocks, and the step's batch; raises the reason it cannot
+        stream."""
+        sender = self.sender
+        deadline = time.monotonic() + min(STEP_PUT_S, sender.options.send_timeout)
+        batch = sender.prepare(kv_caches, block_size, cache_dtype, resolver, deadline)
+        if not isinstance(entry, Mapping):
+            raise SendRefused(f"entry must be a dict, got {type(entry).__name__}")
+        block_ids, seq_len = entry.get("block_ids"), entry.get("seq_len")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+            raise SendRefused(f"seq_len must be an int >= 0, got {seq_len!r:.40}")
+        if not isinstance(block_ids, list | tuple) or not all(type(b) is int for b in block_ids):
+            raise SendRefused("block_ids must be a list of ints")
+        full = min(seq_len // batch.block_size, len(block_ids))
+        transfer_id = sender.transfer_id(rid, resolver)
+        with self._lock:
+            stream = self._streams.get(rid)
+        if stream is not None and not _still_holds(stream, transfer_id, batch, block_ids):
+            logger.debug("KV stream of %s restarts: its blocks or caches changed", rid)
+            self.abort(rid)
+            stream = None
+        if stream is None:
+            from_stage, to_stage = sender.stages
+            assert from_stage is not None and to_stage is not None
+            keys = build_send_keys(
+                sender.topology, transfer_id, from_stage, to_stage, sender.hooks.send_keys
+            )
+            stream = _Stream(
+                transfer_id,
+                secrets.token_hex(8),
+                batch.block_size,
+                str(cache_dtype),
+                len(batch.kv_caches),
+                keys,
+            )
+            self._open(rid, stream)
+        done = len(stream.block_ids)
+        if len(stream.ranges) >= MAX_STREAM_CHUNKS and stream.stopped is None:
+            stream.stopped = f"{MAX_STREAM_CHUNKS} chunks shipped; the rest goes with the tail"
+        return stream, [int(b) for b in block_ids[done:full]], batch
+
+    def _open(self, rid: str, stream: _Stream) -> None:
+        with self._lock:
+            self._streams[rid] = stream
+            evicted = []
+            while len(self._streams) > self.capacity:
+                evicted.append(self._streams.popitem(last=False))
+        for old_rid, old in evicted:
+            logger.warning(
+                "KV stream of %s dropped: more than %d streams open (abort_kv_stream missing?)",
+                old_rid,
+                self.capacity,
+            )
+            self._drop_stream(old)
+
+    def _stop(self, rid: str, stream: _Stream, why: str) -> StreamProgress:
+        logger.debug("KV stream of %s stopped: %s", rid, why)
+        stream.stopped = why
+        return StreamProgress(rid, stream.shipped, len(stream.ranges), 0, why)
+
+    # -- at the finish --------------------------------------------------------------------------
+    def tail(
+        self,
+        request_id: str,
+        transfer_id: str,
+        keys: list[str],
+        block_ids: Sequence[int],
+        seq_len: int,
+        batch: SendBatch,
+    ) -> TailPlan | None:
+        """Called by the sender's finish once it has checked the request's blocks: the tail to
+        send when the request's stream shipped chunks that are still the start of its KV,
+        under these same ``keys`` (else the stream, if any, is dropped and ``None`` says: send
+        it whole)."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None or not stream.ranges:
+            return None
+        if (
+            stream.keys != keys
+            or stream.shipped > seq_len
+            or not _still_holds(stream, transfer_id, batch, block_ids)
+        ):
+            logger.debug("KV stream of %s dropped: it no longer matches the finish", request_id)
+            self.abort(request_id)
+            return None
+        manifest = {
+            "k": "tail",
+            "id": stream.stream_id,
+            "n": len(stream.ranges),
+            "r": [list(r) for r in stream.ranges],
+        }
+        return TailPlan(len(stream.block_ids), manifest, list(stream.chunk_keys))
+
+    def settle(self, result: SendResult) -> None:
+        """The finish of ``result.request_id`` ended: a sent stream's chunks are the
+        receiver's now; those of a finish that failed or was skipped are dropped."""
+        if result.status in (SendStatus.SENT, SendStatus.DELIVERED):
+            with self._lock:
+                self._streams.pop(result.request_id, None)
+        else:
+            self.abort(result.request_id)
+
+    # -- dropping -------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> int:
+        """Forget ``request_id``'s stream and drop every chunk it published (a request aborted
+        mid-stream); the number of chunk keys dropped (0: no stream)."""
+        with self._lock:
+            stream = self._streams.pop(str(request_id), None)
+        return 0 if stream is None else self._drop_stream(stream)
+
+    def close(self) -> None:
+        """Abort every open stream (the manager's close). Idempotent."""
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            self._drop_stream(stream)
+
+    def open_streams(self) -> list[str]:
+        """The requests with an open stream (tests, diagnostics)."""
+        with self._lock:
+            return list(self._streams)
+
+    def _drop_stream(self, stream: _Stream) -> int:
+        connector = self.sender.connector.current
+        if connector is not None and stream.chunk_keys:
+            self._drop(connector, stream.chunk_keys)
+        return len(stream.chunk_keys)
+
+    @staticmethod
+    def _drop(connector: OmniConnectorBase, keys: list[str]) -> None:
+        """``cleanup`` of each key: the rule it matches by takes a key as its own id."""
+        for key in keys:
+            try:
+                connector.cleanup(key)
+            except Exception as exc:  # a transport that cannot drop: the TTL still will
+                logger.warning("Could not drop KV chunk %s: %s", key, exc)
+
+
+def _still_holds(
+    stream: _Stream, transfer_id: str, batch: SendBatch, block_ids: Sequence[int]
+) -> bool:
+    """Whether what ``stream`` shipped is still the start of the request's KV (same transfer
+    id, block size, cache dtype, layer count, and block ids)."""
+    shipped = stream.block_ids
+    return (
+        stream.transfer_id == transfer_id
+        and stream.block_size == batch.block_size
+        and stream.cache_dtype == str(batch.cache_dtype)
+        and stream.num_layers == len(batch.kv_caches)
+        and [int(b) for b in block_ids[: len(shipped)]] == shipped
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The receiver's side
+# --------------------------------------------------------------------------------------------
+class ChunkSource(Protocol):
+    """Where one receive takes a stream's chunks from (the receiver's connector, deadline and
+    abort event): ``take`` returns the payload under ``key`` or raises the receive's typed
+    miss (timeout, peer gone, cancelled)."""
+
+    def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer: ...
+
+
+class StreamAssembly:
+    """The streamed keys of one receive: their chunks taken, checked and joined to the tail.
+
+    Made by :meth:`KVReceiver.fetch <omnikv.transfer.receive.KVReceiver.fetch>` per receive.
+    :attr:`taken` lists every chunk wait that took a payload (each gets the receive's
+    verdict); :meth:`release` frees any chunk memory still held (called in the receive's
+    ``finally``). Raises :class:`~omnikv.errors.DecodeError` for anything inconsistent.
+    """
+
+    def __init__(
+        self,
+        source: ChunkSource,
+        *,
+        max_header_bytes: int,
+        guard: SessionGuard | None = None,
+    ) -> None:
+        self.source = source
+        self.max_header_bytes = max_header_bytes
+        self.guard = guard
+        self.taken: list[tuple[str, dict[str, Any] | None]] = []
+        self._held: list[ManagedBuffer] = []
+
+    def assemble(
+        self, key: str, metadata: dict[str, Any] | None, tail: DecodedKV, nbytes: int
+    ) -> ReceivedKV:
+        """The whole KV of the stream whose tail (decoded, ``nbytes`` on the wire) came under
+        ``key``: exactly what a whole send would have given. Its tensors are new memory."""
+        mark = tail.stream
+        if mark is None or mark.k != "tail":
+            raise _corrupt(key, "a stream chunk was published under a request's key")
+        ranges = _ranges(key, mark.n, mark.r)
+        tail_tokens = _tokens(key, tail)
+        seq_len = tail.metadata.get("seq_len")
+        total = ranges[-1][1] + tail_tokens
+        if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len != total:
+            raise _corrupt(key, f"chunks and tail hold {total} tokens, metadata seq_len={seq_len}")
+        pieces: list[DecodedKV] = []
+        held = len(self._held)
+        for index, (start, stop) in enumerate(ranges):
+            ckey = chunk_key(key, index)
+            buf = self.source.take(ckey, metadata)
+            self.taken.append((ckey, metadata))
+            self._held.append(buf)
+            chunk = self._decode(buf)
+            if self.guard is not None:
+                self.guard.admit(chunk.stamp, tail.request_id)
+            _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
+            pieces.append(chunk)
+        caches = [
+            [_join([p.key_cache[i] for p in pieces], t) for i, t in enumerate(tail.key_cache)],
+            [_join([p.value_cache[i] for p in pieces], t) for i, t in enumerate(tail.value_cache)],
+        ]
+        size = nbytes + sum(b.size for b in self._held[held:])
+        for buf in self._held[held:]:
+            buf.release()
+        del self._held[held:]
+        return ReceivedKV(
+            tail.request_id, tail.block_ids, tail.metadata, caches[0], caches[1], size
+        )
+
+    def _decode(self, buf: ManagedBuffer) -> DecodedKV:
+        host = buf.host_array
+        payload: Any = host if host is not None else buf.tensor
+        return decode_kv(payload, max_header_bytes=self.max_header_bytes)
+
+    def release(self) -> None:
+        """Release every chunk still held (after a failure); idempotent."""
+        held, self._held = self._held, []
+        for buf in held:
+            buf.release()
+
+
+def _corrupt(key: str, msg: str) -> DecodeError:
+    return DecodeError(f"corrupt KV stream under {key}: {msg}")
+
+
+def _ranges(key: str, count: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The manifest's chunk ranges, checked: ``count`` of them (1 to the maximum), contiguous
+    from token 0, none empty."""
+    if not 1 <= count <= MAX_STREAM_CHUNKS or len(ranges) != count:
+        raise _corrupt(key, f"manifest claims {count} chunks with {len(ranges)} ranges")
+    at = 0
+    for i, (start, stop) in enumerate(ranges):
+        if start != at or stop <= start:
+            raise _corrupt(key, f"chunk {i} covers [{start}, {stop}), expected to start at {at}")
+        at = stop
+    return ranges
+
+
+def _tokens(key: str, tail: DecodedKV) -> int:
+    """The tail's token count: every tensor's first dimension, the same for all."""
+    tensors = [t for t in (*tail.key_cache, *tail.value_cache) if t is not None]
+    counts = {int(t.shape[0]) if t.dim() else -1 for t in tensors}
+    if len(counts) != 1 or -1 in counts:
+        raise _corrupt(key, f"tail tensors disagree on their token count ({sorted(counts)[:4]})")
+    return counts.pop()
+
+
+def _check_chunk(
+    key: str,
+    chunk: DecodedKV,
+    tail: DecodedKV,
+    stream_id: str,
+    index: int,
+    span: tuple[int, int],
+) -> None:
+    """Raise unless ``chunk`` is piece ``index`` of the stream and fits the tail's layers."""
+    mark = chunk.stream
+    if mark is None or mark.k != "chunk" or mark.id != stream_id or mark.n != index:
+        raise _corrupt(key, f"not chunk {index} of stream {stream_id} ({mark!r:.80})")
+    if [tuple(r) for r in mark.r] != [span]:
+        raise _corrupt(key, f"chunk covers {mark.r!r:.60}, the manifest says {list(span)}")
+    if chunk.request_id != tail.request_id:
+        raise _corrupt(key, f"chunk of request {chunk.request_id!r:.60}")
+    if chunk.num_layers != tail.num_layers:
+        raise _corrupt(key, f"chunk has {chunk.num_layers} layers, the tail {tail.num_layers}")
+    tokens = span[1] - span[0]
+    for name, mine, theirs in (
+        ("key_cache", chunk.key_cache, tail.key_cache),
+        ("value_cache", chunk.value_cache, tail.value_cache),
+    ):
+        for layer, (c, t) in enumerate(zip(mine, theirs, strict=True)):
+            if c is None and t is None:
+                continue
+            if c is None or t is None:
+                raise _corrupt(key, f"{name}_{layer} is present in only one of chunk and tail")
+            if (
+                c.dtype != t.dtype
+                or c.device != t.device
+                or c.dim() != t.dim()
+                or c.shape[1:] != t.shape[1:]
+                or c.shape[0] != tokens
+            ):
+                raise _corrupt(
+                    key,
+                    f"{name}_{layer} is {c.dtype} {tuple(c.shape)}, expected {t.dtype} "
+                    f"[{tokens}, *{tuple(t.shape[1:])}]",
+                )
+
+
+def _join(chunks: list[torch.Tensor | None], tail: torch.Tensor | None) -> torch.Tensor | None:
+    """One layer's tokens in order: the chunks', then the tail's (new memory)."""
+    if tail is None:
+        return None
+    parts = [c for c in chunks if c is not None]
+    return torch.cat([*parts, tail], dim=0)
