@@ -1,0 +1,441 @@
+"""``stream_kv``: full blocks ship while a request decodes, the tail and manifest at the finish.
+
+LocalConnector for the logic (bit-identical results, abort, hostile manifests, TP slicing,
+verdicts), and real sender processes over the SharedMemoryConnector for a whole stream and for
+a producer killed mid-stream.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import ManagerFactory, make_paged_caches
+from omnikv import ReceiveStatus
+from omnikv.connectors.local import LocalConnector
+from omnikv.topology.keys import legacy_kv_key
+from omnikv.transfer.send import SendStatus
+from omnikv.transfer.stream import chunk_key
+from omnikv.wire.decode import decode_kv
+from omnikv.wire.encode import PackedPayload
+
+BS = 4
+DTYPE_NAMES = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16"}
+
+
+def _caches(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    return make_paged_caches(layers=3, blocks=12, block_size=BS, heads=2, dim=8, dtype=dtype)
+
+
+def _entry(ids: list[int], seq_len: int) -> dict[str, Any]:
+    return {"block_ids": ids, "seq_len": seq_len, "custom_metadata": {"note": "x"}}
+
+
+def _decode_steps(
+    mgr: Any, rid: str, ids: list[int], seq_len: int, caches: list[torch.Tensor], dtype: str
+) -> None:
+    """The runner's per-step calls as decode grows: tokens 1..seq_len written in turn."""
+    for t in range(1, seq_len + 1):
+        mgr.stream_kv_blocks(rid, _entry(ids, t), caches, BS, dtype)
+
+
+def _finish(mgr: Any, rid: str, ids: list[int], seq_len: int, caches: Any, dtype: str) -> Any:
+    mgr.handle_finished_requests_kv_transfer({rid: _entry(ids, seq_len)}, caches, BS, dtype)
+    return mgr.get_send_result(rid)
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["request_id"] == want["request_id"]
+    assert got["block_ids"] == want["block_ids"]
+    assert got["metadata"] == want["metadata"]
+    for cache in ("key_cache", "value_cache"):
+        a, b = got["layer_blocks"][cache], want["layer_blocks"][cache]
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))  # bit for bit
+
+
+def _connector(mgr: Any) -> LocalConnector:
+    conn = mgr.connector
+    assert isinstance(conn, LocalConnector)
+    return conn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seq_len", [1, BS - 1, BS, BS + 1, 3 * BS, 3 * BS + 1])
+def test_streamed_and_whole_sends_give_bit_identical_kv(
+    make_manager: ManagerFactory, dtype: torch.dtype, seq_len: int
+) -> None:
+    caches, name = _caches(dtype), DTYPE_NAMES[dtype]
+    ids = [7, 2, 9, 0, 5]
+    whole, streamed = make_manager("sender"), make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver")
+    assert _finish(whole, "r1", ids, seq_len, caches, name).ok
+    want, _ = receiver.receive_kv_cache_for_request("r1")
+    assert want is not None
+
+    _decode_steps(streamed, "r1", ids, seq_len, caches, name)
+    res = _finish(streamed, "r1", ids, seq_len, caches, name)
+    assert res.ok, res.reason
+    chunks = [k for k in res.keys if "#c" in k]
+    assert len(chunks) == seq_len // BS  # one chunk per step that filled a block
+    got, _ = receiver.receive_kv_cache_for_request("r1")
+    assert got is not None, receiver.get_receive_result("r1")
+    _assert_same(got, want)
+    assert streamed.wait_delivered("r1", 5).status is SendStatus.DELIVERED
+    assert _connector(receiver).pending_keys() == []
+
+
+def test_only_the_tail_moves_at_the_finish(make_manager: ManagerFactory) -> None:
+    caches, ids = _caches(), list(range(10))
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver")
+    progress = sender.stream_kv_blocks("r1", _entry(ids, 8 * BS + 1), caches, BS, "torch.float32")
+    assert (progress.shipped, progress.chunks, progress.new) == (8 * BS, 1, 8 * BS)
+    again = sender.stream_kv_blocks("r1", _entry(ids, 8 * BS + 2), caches, BS, "torch.float32")
+    assert (again.shipped, again.chunks, again.new) == (8 * BS, 1, 0)  # no new full block
+    res = _finish(sender, "r1", ids, 8 * BS + 2, caches, "torch.float32")
+    tail_bytes = 3 * 2 * 2 * 2 * 8 * 4  # 2 tokens x layers x K,V x heads x dim x fp32
+    assert res.ok and res.nbytes < tail_bytes + 8192  # header and padding, not 34 tokens
+    assert receiver.receive_kv_cache_result("r1").ok
+
+
+def test_streaming_off_makes_the_per_step_call_a_no_op(make_manager: ManagerFactory) -> None:
+    sender = make_manager("sender")
+    progress = sender.stream_kv_blocks("r1", _entry([0, 1], 8), _caches(), BS, "torch.float32")
+    assert progress.chunks == 0 and progress.reason == "stream_kv is off"
+    assert _connector(sender).pending_keys() == []
+    assert sender.abort_kv_stream("r1") == 0
+
+
+def test_an_aborted_stream_leaves_nothing_in_the_pool(make_manager: ManagerFactory) -> None:
+    caches, ids = _caches(), [3, 4, 5, 6]
+    sender = make_manager("sender", stream_kv=True)
+    _decode_steps(sender, "r1", ids, 3 * BS + 2, caches, "torch.float32")
+    conn = _connector(sender)
+    assert len(conn.pending_keys()) == 3 and conn.health()["pool_used"] > 0
+    assert sender.abort_kv_stream("r1") == 3
+    assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
+    assert sender.abort_kv_stream("r1") == 0  # idempotent
+
+
+def test_a_failed_finish_drops_the_chunks(make_manager: ManagerFactory) -> None:
+    caches, ids = _caches(), [3, 4, 5, 6]
+    sender = make_manager("sender", stream_kv=True)
+    _decode_steps(sender, "r1", ids, 2 * BS, caches, "torch.float32")
+    assert len(_connector(sender).pending_keys()) == 2
+    res = _finish(sender, "r1", ids, 2 * BS, caches, "float16")  # contradicts the caches
+    assert res.status is SendStatus.FAILED
+    assert _connector(sender).pending_keys() == []
+
+
+def test_changed_blocks_restart_the_stream_and_a_changed_finish_sends_whole(
+    make_manager: ManagerFactory,
+) -> None:
+    caches = _caches()
+    sender, receiver = make_manager("sender", stream_kv=True), make_manager("receiver")
+    sender.stream_kv_blocks("r1", _entry([1, 2, 3], 2 * BS), caches, BS, "torch.float32")
+    # preempted and rescheduled on other blocks: what was shipped is dropped, shipping restarts
+    p = sender.stream_kv_blocks("r1", _entry([8, 9, 10], 2 * BS), caches, BS, "torch.float32")
+    assert (p.shipped, p.chunks) == (2 * BS, 1)
+    assert len(_connector(sender).pending_keys()) == 1
+    # the finish names yet other blocks: the stream is dropped, the request goes whole
+    res = _finish(sender, "r1", [4, 5, 6], 2 * BS + 1, caches, "torch.float32")
+    assert res.ok and not any("#c" in k for k in res.keys)
+    got, _ = receiver.receive_kv_cache_for_request("r1")
+    assert got is not None
+    want = torch.cat([caches[0][0, b] for b in (4, 5, 6)])[: 2 * BS + 1]
+    assert torch.equal(got["layer_blocks"]["key_cache"][0], want)
+    assert _connector(sender).pending_keys() == []
+
+
+def test_receiving_tp_above_sending_tp_assembles_each_rank_slice(
+    make_manager: ManagerFactory,
+) -> None:
+    from omnikv.ranks.context import ParallelContext
+
+    tp = {"rank_mapping": {"from_tp": 1, "to_tp": 2}}
+    caches, ids = _caches(), [0, 1, 2]
+    whole = make_manager("sender", **tp)
+    streamed = make_manager("sender", stream_kv=True, **tp)
+    ranks = [
+        make_manager("receiver", parallel_context=ParallelContext(local_rank=r), **tp)
+        for r in (0, 1)
+    ]
+    assert _finish(whole, "r1", ids, 2 * BS + 3, caches, "torch.float32").ok
+    wants = [r.receive_kv_cache_for_request("r1")[0] for r in ranks]
+    _decode_steps(streamed, "r1", ids, 2 * BS + 3, caches, "torch.float32")
+    res = _finish(streamed, "r1", ids, 2 * BS + 3, caches, "torch.float32")
+    assert res.ok and len(res.keys) == 2 * 2 + 2  # two chunks and the tail, per rank
+    for rank, want in zip(ranks, wants, strict=True):
+        got, _ = rank.receive_kv_cache_for_request("r1")
+        assert got is not None and want is not None
+        assert got["layer_blocks"]["key_cache"][0].shape[1] == 1  # this rank's head
+        _assert_same(got, want)
+    assert streamed.wait_delivered("r1", 5).status is SendStatus.DELIVERED
+
+
+def test_a_stream_piece_is_a_future_format_version() -> None:
+    """A tail is format version 3: readers before streaming refuse it (never read it as KV)."""
+    t = torch.zeros(2, 1, 4)
+    mark = {"k": "tail", "id": "abc", "n": 1, "r": [[0, 4]]}
+    raw = PackedPayload("r1", [t], [t], [0, 1], {"seq_len": 6}, stream=mark).to_bytes()
+    assert b'"v":3' in raw and decode_kv(raw).stream is not None
+    older = raw.replace(b'"sm":{', b'"xx":{', 1)  # what a reader that ignores sm sees
+    with pytest.raises(ValueError, match="unsupported format version 3"):
+        decode_kv(older)
+
+
+# -- hostile manifests ---------------------------------------------------------------------------
+def _put(conn: LocalConnector, key: str, payload: PackedPayload) -> None:
+    ok, _, _ = conn.put_packed(
+        "stage1", "stage2", key, payload.nbytes, payload, deadline=time.monotonic() + 5
+    )
+    assert ok
+
+
+def _piece(tokens: int, mark: dict[str, Any], layers: int = 2, seq_len: int = 0) -> PackedPayload:
+    t = torch.ones(tokens, 2, 4)
+    meta = {"seq_len": seq_len} if seq_len else {}
+    return PackedPayload("r1", [t] * layers, [t] * layers, [0], meta, stream=mark)
+
+
+def _tail(n: int, ranges: list[list[int]], seq_len: int, layers: int = 2) -> PackedPayload:
+    mark = {"k": "tail", "id": "s1", "n": n, "r": ranges}
+    return _piece(seq_len - (ranges[-1][1] if ranges else 0), mark, layers, seq_len)
+
+
+def _chunk(index: int, start: int, stop: int, layers: int = 2) -> PackedPayload:
+    return _piece(
+        stop - start, {"k": "chunk", "id": "s1", "n": index, "r": [[start, stop]]}, layers
+    )
+
+
+KEY = legacy_kv_key("stage1", "stage2", "r1")
+
+
+@pytest.mark.parametrize(
+    ("pieces", "match"),
+    [
+        pytest.param(
+            lambda: [(KEY, _piece(1, {"k": "tail", "id": "s1", "n": 10**6, "r": [[0, 4]]}))],
+            "`int` <= 4096 - at `$.sm.n`",
+            id="a million chunks",
+        ),
+        pytest.param(
+            lambda: [(KEY, _tail(2, [[0, 4], [6, 8]], 9))], "expected to start at 4", id="gap"
+        ),
+        pytest.param(
+            lambda: [(KEY, _tail(2, [[0, 4]], 9))], "claims 2 chunks with 1 ranges", id="count"
+        ),
+        pytest.param(
+            lambda: [(chunk_key(KEY, 0), _chunk(0, 0, 4, layers=3)), (KEY, _tail(1, [[0, 4]], 6))],
+            "chunk has 3 layers, the tail 2",
+            id="layers",
+        ),
+        pytest.param(
+            lambda: [(chunk_key(KEY, 0), _chunk(0, 0, 3)), (KEY, _tail(1, [[0, 4]], 6))],
+            "chunk covers",
+            id="ranges disagree",
+        ),
+        pytest.param(
+            lambda: [
+                (chunk_key(KEY, 0), _chunk(0, 0, 4)),
+                (KEY, _piece(2, {"k": "tail", "id": "s1", "n": 1, "r": [[0, 4]]}, seq_len=9)),
+            ],
+            "chunks and tail hold 6 tokens, metadata seq_len=9",
+            id="seq_len",
+        ),
+        pytest.param(
+            lambda: [(KEY, _chunk(0, 0, 4))], "stream chunk was published under", id="chunk"
+        ),
+    ],
+)
+def test_a_hostile_manifest_is_a_clean_corrupt_and_holds_nothing(
+    make_manager: ManagerFactory, pieces: Any, match: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a log record would keep the error, whose frames keep views of the payload, alive
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer.receive")
+    receiver = make_manager("receiver")
+    conn = _connector(receiver)
+    for key, payload in pieces():
+        _put(conn, key, payload)
+    t0 = time.monotonic()
+    result = receiver.receive_kv_cache_result("r1")
+    assert result.status is ReceiveStatus.CORRUPT, result
+    assert match in (result.reason or "")
+    assert time.monotonic() - t0 < 0.9  # refused at once, not at the deadline
+    gc.collect()  # an adopted buffer goes with its last view
+    for key in conn.pending_keys():  # chunks never taken stay for their sender (or the TTL)
+        assert "#c" in key
+        conn.cleanup(key.rsplit("@", 1)[0])
+    assert conn.health()["pool_used"] == 0  # nothing taken is held
+
+
+def test_a_missing_chunk_is_a_timeout_and_the_taken_chunks_are_refused(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer.receive")  # see above
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", recv_timeout=0.3)
+    caches, ids = _caches(), [0, 1, 2]
+    _decode_steps(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32")
+    conn = _connector(sender)
+    conn.cleanup(chunk_key(KEY, 1))  # lost on the way
+    assert _finish(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32").ok
+    result = receiver.receive_kv_cache_result("r1")
+    assert result.status is ReceiveStatus.TIMEOUT and "#c1" in (result.reason or "")
+    verdict = sender.wait_delivered("r1", 5)
+    assert verdict.status is SendStatus.REFUSED
+    gc.collect()
+    assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
+
+
+# -- real processes over shared memory -----------------------------------------------------------
+_CHILD = """
+import sys, torch
+from omnikv import OmniKVCacheConfig, OmniKVTransferManager
+from omnikv.config import TransferOptions
+
+ns, mode, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
+mgr = OmniKVTransferManager(
+    OmniKVCacheConfig(
+        connector_config={"type": "SharedMemoryConnector", "namespace": ns,
+                          "pool_size_bytes": 8 << 20},
+        from_stage="stage1", to_stage="stage2", need_send_cache=True,
+    ),
+    options=TransferOptions(stream_kv=True),
+)
+g = torch.Generator().manual_seed(1)
+caches = [torch.randn((2, 12, 4, 2, 8), generator=g).to(torch.bfloat16) for _ in range(2)]
+ids = [5, 3, 8, 1, 0]
+for t in range(1, seq_len + 1):
+    p = mgr.stream_kv_blocks("r1", {"block_ids": ids, "seq_len": t}, caches, 4, "bfloat16")
+h = mgr.connector.health()
+print("streamed", p.chunks, h["published"], flush=True)
+if mode == "abort":
+    n = mgr.abort_kv_stream("r1")
+    h = mgr.connector.health()
+    print("aborted", n, h["published"], h["published_bytes"], flush=True)
+elif mode == "finish":
+    mgr.handle_finished_requests_kv_transfer(
+        {"r1": {"block_ids": ids, "seq_len": seq_len}}, caches, 4, "bfloat16")
+    print("sent", mgr.get_send_result("r1").ok, flush=True)
+sys.stdin.read()  # until the test closes stdin, or kills this process
+mgr.close()
+"""
+
+
+def _expected(seq_len: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn((2, 12, 4, 2, 8), generator=g).to(torch.bfloat16) for _ in range(2)]
+    ids = [5, 3, 8, 1, 0]
+    return [torch.cat([c[0, b] for b in ids])[:seq_len] for c in caches]
+
+
+class _Child:
+    def __init__(self, namespace: str, mode: str, seq_len: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, namespace, mode, str(seq_len)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+
+    def line(self, timeout: float = 60.0) -> list[str]:
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()))  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout)
+        assert got and got[0], f"child said nothing within {timeout}s (rc={self.proc.poll()})"
+        return got[0].split()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(20)
+
+
+@pytest.fixture
+def children() -> Any:
+    made: list[_Child] = []
+    yield made
+    for child in made:
+        child.kill()
+
+
+def test_a_stream_across_processes_over_shared_memory(namespace: str, children: Any) -> None:
+    from support.stage_sender import stage_receiver
+
+    child = _Child(namespace, "finish", 3 * BS + 2)
+    children.append(child)
+    assert child.line()[:2] == ["streamed", "3"]
+    assert child.line() == ["sent", "True"]
+    receiver = stage_receiver(namespace, 10.0)
+    try:
+        got, _ = receiver.receive_kv_cache_for_request("r1")
+        assert got is not None, receiver.get_receive_result("r1")
+        for layer, want in enumerate(_expected(3 * BS + 2)):
+            assert torch.equal(
+                got["layer_blocks"]["key_cache"][layer].view(torch.uint8), want.view(torch.uint8)
+            )
+        assert got["metadata"]["seq_len"] == 3 * BS + 2
+    finally:
+        receiver.close()
+    child.close()
+    assert child.proc.returncode == 0
+
+
+def test_an_aborted_stream_leaves_the_shared_pool_empty(namespace: str, children: Any) -> None:
+    child = _Child(namespace, "abort", 2 * BS + 1)
+    children.append(child)
+    assert child.line() == ["streamed", "2", "2"]
+    assert child.line() == ["aborted", "2", "0", "0"]
+    child.close()
+
+
+def test_a_producer_killed_mid_stream_gives_a_clean_miss(namespace: str, children: Any) -> None:
+    from support.stage_sender import stage_receiver
+
+    child = _Child(namespace, "stream", 3 * BS + 1)  # chunks published, never the tail
+    children.append(child)
+    assert child.line()[:2] == ["streamed", "3"]
+    receiver = stage_receiver(namespace, 2.0)
+    try:
+        results: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: results.append(receiver.receive_kv_cache_result("r1"))
+        )
+        t0 = time.monotonic()
+        waiter.start()
+        child.kill()
+        waiter.join(10)
+        assert not waiter.is_alive() and time.monotonic() - t0 < 2.0 + 1.5
+        result = results[0]
+        assert result.status in (ReceiveStatus.TIMEOUT, ReceiveStatus.PEER_GONE), result
+        assert result.kv is None
+        health = receiver.connector.health()
+        assert health["awaiting_verdicts"] == 0  # nothing taken and held
+    finally:
+        receiver.close()
