@@ -162,8 +162,8 @@ def test_store_receiver_leaves_nothing_after_close(store_224: dict[str, Any]) ->
 @pytest.mark.timeout(200)
 def test_store_sender_leaves_nothing_after_close(store_224: dict[str, Any]) -> None:
     closed = store_224["closed"]
-    # the sender still remembers its put (it learns of consumption lazily, see _track)
-    assert closed["pool_used"] == 0 and closed["entries"] == 1, closed
+    # the sender remembers its put until its verdict watch sees it taken (it polls the store)
+    assert closed["pool_used"] == 0 and closed["entries"] in (0, 1), closed
     assert closed["threads"] == [], closed
     assert [c for c in closed["tcp"] if c[1] != store_224["metadata_port"]] == [], closed
 

@@ -139,7 +139,10 @@ class MooncakeStoreConnector(OmniConnectorBase):
     this client contributes to the store; size it for the live working set),
     ``local_buffer_size`` (64 MiB), ``protocol`` (``"tcp"``), ``device_name`` (``""``),
     ``memory_pool_size`` (512 MiB: the registered pool for put_from / get_into),
-    ``remove_after_get`` (true), ``replica_num`` (1), ``master_probe_timeout_s`` (3: a master
+    ``remove_after_get`` (true), ``replica_num`` (1), ``prefer_local_segment`` (true: a
+    payload is put into this client's own segment when it has one, so a hand-off's data lives
+    with its sender and a put never lands in a dead client's segment that the master still
+    lists; false: the master places it), ``master_probe_timeout_s`` (3: a master
     that does not accept a TCP connection within it fails the constructor with
     ``ConnectorUnavailableError`` instead of the engine's ~90 s of retries),
     ``max_tracked_keys`` (4096: how many of its own puts a client remembers for ``cleanup``;
@@ -232,8 +235,10 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._notices = DeliveryNotices(ack_timeout_s)
         self._verdicts = VerdictWatch(self, self._notices, self._counters, STORE_ERRORS)
         self._records = WrittenRecords(self._counters, STORE_ERRORS, self.max_tracked_keys)
-        self._rcfg = replicate_cls()
-        self._rcfg.replica_num = replicas
+        self._replicate_cls = replicate_cls
+        self._rcfg = self._placement(replicas, flag("prefer_local_segment", True) and segment > 0)
+        # key taken -> the segment that held it (its sender's): where its verdict record goes
+        self._holders: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._store: Any = None
         self._pool: HostPool | None = None
         self._registered = False
@@ -329,6 +334,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             size = int(store.get_size(key))
         if size <= 0:
             return None
+        self._note_holder(store, key)
         offset, _ = pool.allocator.alloc(size, deadline=deadline)
         try:
             with STORE_ERRORS.translate(f"get of {key}"):
@@ -343,6 +349,42 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._counters.add("gets")
         self._counters.add("get_bytes", size)
         return ManagedBuffer(pool.slot(offset, size), SlotRelease(pool, offset))
+
+    def _placement(self, replicas: int, local: bool) -> Any:
+        """The ``ReplicateConfig`` of this client's puts. ``local``: into its own segment, so a
+        hand-off's data lives with its sender (as on every other transport) and a put never
+        lands in the segment of a client that died (the master lists that segment until its
+        ``client_ttl`` passes, and a put into it fails with ``TRANSFER_FAIL``)."""
+        config = self._replicate_cls()
+        config.replica_num = replicas
+        if local:
+            config.preferred_segment = self.host
+        return config
+
+    def _note_holder(self, store: Any, key: str) -> None:
+        """Remember which segment holds ``key`` (its sender's, with ``prefer_local_segment``),
+        so that the verdict record goes there and outlives this receiver. Best effort: without
+        it the master places the record."""
+        try:
+            replicas = store.get_replica_desc(key)
+            holder = str(replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint)
+        except Exception:  # an optional placement hint, never an error
+            return
+        with self._lock:
+            self._holders[key] = holder
+            while len(self._holders) > self.max_tracked_keys:
+                self._holders.popitem(last=False)
+
+    def _record_config(self, key: str) -> Any:
+        """The placement of ``key``'s verdict record: its sender's segment when known."""
+        with self._lock:
+            holder = self._holders.pop(key, None)
+        if holder is None:
+            return self._rcfg
+        config = self._replicate_cls()
+        config.replica_num = 1
+        config.preferred_segment = holder
+        return config
 
     @staticmethod
     def _short_read(key: str, got: int, size: int) -> None:
@@ -538,7 +580,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if store is None:
             logger.warning("no verdict for %s: the connector is closed", key)
             return
-        self._records.write(store, self._rcfg, key, verdict, reason)
+        self._records.write(store, self._record_config(key), key, verdict, reason)
         self.reap_expired()  # a receiver puts nothing: its unread records age out here
 
     def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
