@@ -43,9 +43,8 @@ TRANSPORTS = {
     "nixl": {"type": "NixlConnector", "backends": ["UCX"]},
     "store": None,
 }
-_LIVE = {
-    "expire": {"buffer_ttl_seconds": TTL_S, "ack_timeout_s": ACK_S},
-}
+#: Every connector's expiry settings in the scenario.
+_EXPIRY = {"buffer_ttl_seconds": TTL_S, "ack_timeout_s": ACK_S}
 
 
 # -- the scenario (runs isolated) ----------------------------------------------------------------
@@ -61,13 +60,12 @@ class _Edge:
         self.ports: dict[int, int] = {}
 
     def _conn(self, i: int) -> dict[str, Any]:
-        live = _LIVE["expire"]
         if self.transport == "shm":
             return {
                 "type": "SharedMemoryConnector",
                 "namespace": self.namespace,
                 "pool_size_bytes": 4 * MiB,
-                **live,
+                **_EXPIRY,
             }
         if self.transport == "store":
             return {
@@ -79,9 +77,9 @@ class _Edge:
                 "global_segment_size": 16 * MiB,
                 "local_buffer_size": 4 * MiB,
                 "memory_pool_size": 8 * MiB,
-                **live,
+                **_EXPIRY,
             }
-        return {**(TRANSPORTS[self.transport] or {}), **live}
+        return {**(TRANSPORTS[self.transport] or {}), **_EXPIRY}
 
     def _pull(self, role: str, i: int) -> dict[str, Any]:
         base = self.ports.setdefault(i, free_base_port(1))
