@@ -18,110 +18,23 @@ Each scenario runs in its own network namespace where ``unshare`` allows (see
 
 from __future__ import annotations
 
-import contextlib
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from omnikv.connectors.mooncake_te.engine import unavailable_reason as mooncake_unavailable
 from omnikv.connectors.nixl.agent import unavailable_reason as nixl_unavailable
+from support.edges import TRANSPORTS, Edge, open_edge
 from support.kill_stage import Stage
-from support.mooncake_peers import Master, run_scenario
-from support.pull_engine import free_base_port, kv_config
+from support.mooncake_peers import run_scenario
 
-MiB = 1 << 20
 #: What each side waits for: a payload's time to live and the sender's verdict watch (seconds).
 TTL_S, ACK_S, RECV_S = 2.0, 2.0, 3.0
 #: Slack on top of a deadline for process scheduling on a loaded 2-core host (seconds).
 SLACK_S = 6.0
 
-TRANSPORTS = {
-    "shm": None,
-    "te": {"type": "MooncakeTransferEngineConnector", "protocol": "tcp"},
-    "nixl": {"type": "NixlConnector", "backends": ["UCX"]},
-    "store": None,
-}
 #: Every connector's expiry settings in the scenario.
 _EXPIRY = {"buffer_ttl_seconds": TTL_S, "ack_timeout_s": ACK_S}
-
-
-# -- the scenario (runs isolated) ----------------------------------------------------------------
-class _Edge:
-    """One transport's stage configs: ``sender(i)`` / ``receiver(i)`` (each process its own
-    ``i``: the Store keeps a client's segment by name) and the endpoint ``info(i)`` a receiver
-    needs for sender ``i`` (pull transports; ``None`` elsewhere)."""
-
-    def __init__(self, transport: str, store: Any = None) -> None:
-        self.transport = transport
-        self.namespace = f"k{uuid.uuid4().hex[:10]}"
-        self.store = store
-        self.ports: dict[int, int] = {}
-
-    def _conn(self, i: int) -> dict[str, Any]:
-        if self.transport == "shm":
-            return {
-                "type": "SharedMemoryConnector",
-                "namespace": self.namespace,
-                "pool_size_bytes": 4 * MiB,
-                **_EXPIRY,
-            }
-        if self.transport == "store":
-            return {
-                "type": "MooncakeStoreConnector",
-                # a name no earlier client had (the Store keeps peers' segments by name)
-                "host": f"127.0.0.1:{21000 + i}",
-                "metadata_server": self.store.metadata_url,
-                "master_server_address": self.store.address,
-                "global_segment_size": 16 * MiB,
-                "local_buffer_size": 4 * MiB,
-                "memory_pool_size": 8 * MiB,
-                **_EXPIRY,
-            }
-        return {**(TRANSPORTS[self.transport] or {}), **_EXPIRY}
-
-    def _pull(self, role: str, i: int) -> dict[str, Any]:
-        base = self.ports.setdefault(i, free_base_port(1))
-        cfg = kv_config(self._conn(i), role, base, 1, 1)
-        cfg["connector_config"]["memory_pool_size"] = 16 * MiB
-        cfg["recv_timeout"] = RECV_S
-        return cfg
-
-    def sender(self, i: int) -> dict[str, Any]:
-        if self.transport in ("te", "nixl"):
-            return self._pull("sender", i)
-        return {
-            "connector_config": self._conn(i),
-            "omni_from_stage": "0",
-            "omni_to_stage": "1",
-            "need_send_cache": True,
-        }
-
-    def receiver(self, i: int) -> dict[str, Any]:
-        if self.transport in ("te", "nixl"):
-            return self._pull("receiver", 1000 + i)
-        return {
-            "connector_config": self._conn(1000 + i),
-            "stage_id": 1,
-            "engine_input_source": [0],
-            "need_recv_cache": True,
-            "recv_timeout": RECV_S,
-        }
-
-    def info(self, i: int) -> dict[str, Any] | None:
-        if self.transport not in ("te", "nixl"):
-            return None
-        return {"0": {"host": "127.0.0.1", "zmq_port": self.ports[i] + 100}}
-
-
-@contextlib.contextmanager
-def _edge(transport: str) -> Iterator[_Edge]:
-    if transport == "store":
-        with Master() as master:
-            yield _Edge(transport, master)
-    else:
-        yield _Edge(transport)
 
 
 def _verdict(sender: Stage, rid: str) -> dict[str, Any]:
@@ -136,7 +49,7 @@ def _received(receiver: Stage, rid: str) -> dict[str, Any]:
 
 def scenario_kills(transport: str) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    with _edge(transport) as edge:
+    with open_edge(transport, _EXPIRY, RECV_S) as edge:
         # -- receivers die; one sender lives ---------------------------------------------------
         sender = Stage(edge.sender(0))
         try:
@@ -187,11 +100,11 @@ def scenario_kills(transport: str) -> dict[str, Any]:
     return res
 
 
-def _left_in_store(edge: _Edge) -> list[str]:
+def _left_in_store(edge: Edge) -> list[str]:
     """Keys of this scenario a fresh Store client still finds (payloads and verdict records)."""
     from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
 
-    probe = MooncakeStoreConnector(edge._conn(2000))
+    probe = MooncakeStoreConnector(edge.connector(2000))
     try:
         found = []
         for rid in "abcdef":
