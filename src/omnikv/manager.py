@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from threading import Event, Lock
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 
 from omnikv import config as _config
 from omnikv.config import OmniKVCacheConfig, TransferOptions
-from omnikv.connectors.base import OmniConnectorBase
+from omnikv.connectors.base import KeyProbe, KeyState, OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import deadline_after
 from omnikv.errors import KVPrefetchConsumeError
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 DEFAULT_SEND_TIMEOUT = 30.0
+#: How long ``probe_kv_cache`` may wait for its peers' answers, by default (seconds).
+DEFAULT_PROBE_TIMEOUT_S = 0.25
 _INERT = "omni_kv_config needs need_send_cache or need_recv_cache and a connector_config type"
 _HOOKS = ("kv_send_key_builder", "kv_recv_key_builder", "kv_payload_merger", "kv_payload_slicer")
 
@@ -362,6 +365,32 @@ class OmniKVTransferManager:
             callbacks=ReceiveCallbacks(on_arrival, check) if on_arrival or check else None,
         )
         return self._log.received(result)
+
+    def probe_kv_cache(
+        self,
+        request_id: str,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        timeout: float = DEFAULT_PROBE_TIMEOUT_S,
+    ) -> KeyProbe:
+        """Where ``request_id``'s KV stands for this rank, without receiving or claiming it:
+        ``ready`` (in memory of this node: taking it is local), ``offered`` (a sender holds
+        it: taking it moves ``nbytes`` over the link), ``missing`` (nobody offers it yet) or
+        ``unknown`` (the transport cannot tell, or a peer did not answer within ``timeout``
+        seconds). A scheduler asks it to order or bound its receives (offer to
+        :attr:`admission` the requests whose KV is there); the answer is a snapshot. Takes at
+        most ``timeout`` (transports that ask their peers), never raises."""
+        per_call = sender_info is not None
+        try:
+            sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
+        except Exception as exc:  # client input: an unusable sender_info is an answer
+            return KeyProbe(KeyState.UNKNOWN, detail=f"bad sender_info: {exc}")
+        return self._receiver.probe(
+            str(request_id),
+            deadline=time.monotonic() + max(0.0, float(timeout)),
+            sender=sender,
+            per_call=per_call,
+        )
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:
         """The latest receive outcome of ``request_id`` (status, reason, timings; no data)."""

@@ -1,5 +1,6 @@
 """A stage (sender or receiver manager) in its own process, driven by commands and killed at a
-chosen moment: the pieces of the kill matrix (``tests/transfer/test_kill_matrix.py``).
+chosen moment: the pieces of the kill matrix (``tests/transfer/test_kill_matrix.py``) and of the
+readiness probe's scenarios (``tests/transfer/test_probe.py``).
 
 Commands (tuples on ``in_q``; one answer each on ``out_q``):
 
@@ -11,6 +12,9 @@ Commands (tuples on ``in_q``; one answer each on ``out_q``):
   reason, seconds)``;
 * ``("take_and_hang", rid)``: a receive whose check says ``("taken",)`` and then never returns
   (the payload is taken and decoded, its verdict never given: the receiver is killed there);
+* ``("probe", rid, timeout)``: ``probe_kv_cache`` -> ``("probe", state, nbytes, detail,
+  seconds)``;
+* ``("result", rid)``: ``get_send_result`` -> ``("sent", status, reason)``;
 * ``("sender", info)``: ``update_sender_info(info)`` -> ``("ok",)``;
 * ``("health",)``: the connector's health -> ``("health", dict)``;
 * ``("close",)``: close -> ``("closed",)`` and exit.
@@ -86,6 +90,13 @@ def stage_main(cfg: dict[str, Any], sender_info: Any, in_q: Any, out_q: Any) -> 
                 return None
 
             mgr.receive_kv_cache_result(cmd[1], quiet=True, check=check)
+        elif op == "probe":
+            t0 = time.monotonic()
+            p = mgr.probe_kv_cache(cmd[1], timeout=cmd[2])
+            out_q.put(("probe", p.state.value, p.nbytes, p.detail, time.monotonic() - t0))
+        elif op == "result":
+            res = mgr.get_send_result(cmd[1])
+            out_q.put(("sent", res.status.value if res else None, res.reason if res else None))
         elif op == "sender":
             mgr.update_sender_info(cmd[1])
             out_q.put(("ok",))

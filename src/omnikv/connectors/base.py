@@ -16,6 +16,8 @@ Who calls what:
 * ``cleanup``: the receiver or an orchestrator, to drop what a request left unconsumed.
 * ``explain_miss``: the receiver, once after a ``wait`` returned ``None`` at its deadline, to say
   why in the timeout it reports (and whether the sender is gone).
+* ``probe``: a receiver's scheduler, any time, to learn where a payload stands (``missing``,
+  ``offered`` by a sender, ``ready`` in local memory) without taking or claiming it.
 * ``health``: anyone, any time; cheap, never raises.
 * ``close``: the owner, once or more (idempotent); afterwards put/get raise
   ``ConnectorClosedError``.
@@ -52,6 +54,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -70,6 +73,8 @@ if TYPE_CHECKING:
 __all__ = [
     "GetResult",
     "HostArrayWriter",
+    "KeyProbe",
+    "KeyState",
     "ManagedBuffer",
     "MissReport",
     "OmniConnectorBase",
@@ -456,6 +461,30 @@ class MissReport:
     peer_gone: bool = False
 
 
+class KeyState(str, Enum):
+    """Where a payload stands for its receiver, as :meth:`OmniConnectorBase.probe` sees it."""
+
+    #: Nobody offers it (yet): not published, already taken, or dropped.
+    MISSING = "missing"
+    #: A sender holds it, unclaimed: taking it moves its bytes to this node.
+    OFFERED = "offered"
+    #: It is in memory this process maps or holds: taking it is local.
+    READY = "ready"
+    #: The transport cannot tell without taking it, or a peer did not answer in time.
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class KeyProbe:
+    """One :meth:`OmniConnectorBase.probe` answer (a snapshot: a take may still miss it)."""
+
+    state: KeyState
+    #: The payload's size when ``offered`` or ``ready``, else 0.
+    nbytes: int = 0
+    #: Why ``unknown`` (one line), else ``None``.
+    detail: str | None = None
+
+
 def _put_packed_via_put(
     self: OmniConnectorBase,
     from_stage: str,
@@ -652,6 +681,27 @@ class OmniConnectorBase(ABC):
         nothing and never raises. Default: ``None`` (nothing known beyond the timeout).
         """
         return None
+
+    def probe(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> KeyProbe:
+        """Where the payload under ``get_key`` stands, without taking or claiming it.
+
+        Called by a receiver's scheduler (``OmniKVTransferManager.probe_kv_cache``) to order
+        its queue before it receives, with the metadata it would give :meth:`wait`. Consumes
+        nothing, leases nothing and leaves every sender's state as it was; returns by
+        ``deadline`` (a transport that asks its peers waits for their answers at most that
+        long: a peer that did not answer makes it ``unknown``); never raises. The answer is
+        a snapshot: another receiver may take an ``offered`` payload first. Default:
+        ``unknown`` (the transport cannot tell without taking it).
+        """
+        return KeyProbe(KeyState.UNKNOWN, detail=f"{type(self).__name__} cannot probe")
 
     def flush(self, timeout: float | None = None) -> list[str]:
         """Wait up to ``timeout`` seconds for published payloads to be consumed; returns the

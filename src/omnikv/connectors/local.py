@@ -37,6 +37,8 @@ import torch
 
 from omnikv.connectors.base import (
     GetResult,
+    KeyProbe,
+    KeyState,
     ManagedBuffer,
     OmniConnectorBase,
     PutResult,
@@ -252,6 +254,27 @@ class LocalConnector(OmniConnectorBase):
                     self._counters.add("misses")
                     return None
                 self._store.cond.wait(timeout=min(left, 3600.0))
+
+    def probe(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> KeyProbe:
+        """``ready`` with its size when the payload is in the namespace's pool (one process:
+        a take is local), else ``missing``; ``unknown`` once closed. Never waits."""
+        if self._closed:
+            return KeyProbe(KeyState.UNKNOWN, detail="LocalConnector is closed")
+        key = self._make_key(get_key, from_stage, to_stage)
+        with self._store.cond:
+            self._store.reap_locked(self.buffer_ttl_s, self._counters)
+            item = self._store.items.get(key)
+        if item is None:
+            return KeyProbe(KeyState.MISSING)
+        return KeyProbe(KeyState.READY, item.size)
 
     def cleanup(self, request_id: str) -> None:
         """Drop unconsumed payloads of ``request_id`` (:func:`matches_request`); their senders

@@ -33,7 +33,13 @@ import numpy as np
 import torch
 
 from omnikv.config import TransferOptions
-from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase, get_result
+from omnikv.connectors.base import (
+    KeyProbe,
+    KeyState,
+    ManagedBuffer,
+    OmniConnectorBase,
+    get_result,
+)
 from omnikv.connectors.delivery import Verdict
 from omnikv.connectors.factory import LazyConnector
 from omnikv.errors import (
@@ -65,6 +71,7 @@ __all__ = [
     "ReceiveFn",
     "ReceiveResult",
     "ReceiveStatus",
+    "combine_probes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -271,6 +278,22 @@ def _acknowledge(
         connector.acknowledge(*stages, key, verdict, reason, metadata=meta)
 
 
+def combine_probes(probes: Iterable[KeyProbe]) -> KeyProbe:
+    """One request's state from its keys' probes (see :meth:`KVReceiver.probe`): ``missing``
+    when any key is, else ``unknown`` when any is, else ``offered`` when any is, else
+    ``ready``; no keys is ``unknown``."""
+    probes = list(probes)
+    if not probes:
+        return KeyProbe(KeyState.UNKNOWN, detail="no keys to receive")
+    nbytes = sum(p.nbytes for p in probes)
+    states = {p.state for p in probes}
+    for state in (KeyState.MISSING, KeyState.UNKNOWN, KeyState.OFFERED):
+        if state in states:
+            detail = next((p.detail for p in probes if p.state is state and p.detail), None)
+            return KeyProbe(state, 0 if state is KeyState.MISSING else nbytes, detail)
+    return KeyProbe(KeyState.READY, nbytes)
+
+
 def _names_device(target: torch.device | str | None, device: torch.device) -> bool:
     """Whether ``target`` is ``device`` (``None``: stay where it is). A name torch does not
     know is not: the device move then fails, after the consume, as a consume error."""
@@ -411,6 +434,55 @@ class KVReceiver:
             log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
         log("KV receive for %s failed (%s): %s", request_id, status.value, exc)
         return ReceiveResult(request_id, status, None, 0, keys, str(exc), time.monotonic() - t0)
+
+    # -- where a request's KV stands, without receiving it -------------------------------------
+    def probe(
+        self,
+        request_id: str,
+        *,
+        deadline: float,
+        sender: SenderEndpoint | None = None,
+        per_call: bool = False,
+    ) -> KeyProbe:
+        """Where ``request_id``'s KV stands, without taking or claiming any of it.
+
+        Called by the manager's ``probe_kv_cache`` (a scheduler ordering its queue). Asks the
+        connector's :meth:`~omnikv.connectors.base.OmniConnectorBase.probe` for every key this
+        rank would wait for, with the metadata :meth:`fetch` would give, all by ``deadline``,
+        and combines them: ``ready`` when each is ready (or a companion receive already holds
+        the result), ``offered`` when each is offered or ready, ``missing`` when any is
+        missing, else ``unknown`` (with the first reason); ``nbytes`` sums the sizes known.
+        ``unknown`` also when this receiver would not receive (``need_recv_cache`` false,
+        stages unset, no connector). Never raises."""
+        with self._lock:
+            kept = self._kept.get(request_id)
+        if kept is not None:
+            return KeyProbe(KeyState.READY, kept.nbytes)
+        skipped = self._guard(request_id, sender, per_call)
+        if skipped is not None:
+            return KeyProbe(KeyState.UNKNOWN, detail=skipped.reason)
+        from_stage, to_stage = self.stages
+        connector = self.connector.get()
+        if connector is None or from_stage is None or to_stage is None:
+            return KeyProbe(KeyState.UNKNOWN, detail=self.connector.error or "no connector")
+        sender = sender if per_call else self.sender
+        try:
+            pairs = build_recv_keys(
+                self.topology, request_id, from_stage, to_stage, self.hooks.recv_keys
+            )
+            probes = [
+                connector.probe(
+                    from_stage,
+                    to_stage,
+                    key,
+                    deadline=deadline,
+                    metadata=source_metadata(sender, rank, per_call),
+                )
+                for key, rank in pairs
+            ]
+        except Exception as exc:  # a key hook or a connector that broke its contract
+            return KeyProbe(KeyState.UNKNOWN, detail=f"{type(exc).__name__}: {exc}")
+        return combine_probes(probes)
 
     # -- the raising form ---------------------------------------------------------------------
     def fetch(

@@ -36,6 +36,8 @@ from typing import Any, ClassVar
 
 from omnikv.connectors.base import (
     GetResult,
+    KeyProbe,
+    KeyState,
     ManagedBuffer,
     OmniConnectorBase,
     PutResult,
@@ -461,6 +463,33 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 return None
             time.sleep(min(step, left))
             step = min(step * 2, 0.01)
+
+    def probe(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> KeyProbe:
+        """``offered`` with its size while the object is in the store (one ``get_size`` at the
+        master; the bytes live in the segment they were put into, so a take moves them),
+        ``missing`` when it is not; ``unknown`` when the master cannot be asked or once
+        closed. Reads nothing, takes no lease; ``deadline`` is not checked (the master's RPC
+        has its own timeout). Never raises."""
+        if self._closed:
+            return KeyProbe(KeyState.UNKNOWN, detail="MooncakeStoreConnector is closed")
+        key = self._make_key(get_key, from_stage, to_stage)
+        try:
+            store, _pool = self._live()
+            with STORE_ERRORS.translate(f"size of {key}"):
+                size = int(store.get_size(key))
+        except Exception as exc:  # never raises: the scheduler asks again or receives
+            return KeyProbe(KeyState.UNKNOWN, detail=f"{type(exc).__name__}: {exc}")
+        if size <= 0:
+            return KeyProbe(KeyState.MISSING)
+        return KeyProbe(KeyState.OFFERED, size)
 
     # -- common ------------------------------------------------------------------------------
     def _track(self, key: str) -> None:

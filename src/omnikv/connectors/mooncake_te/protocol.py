@@ -5,9 +5,10 @@ window, channels). A receiver's ``hello`` declares its engine session, a random 
 connector and the address range of its registered receive pool; the sender writes only there.
 Requests: ``query`` (long-poll for a key's size), ``pull`` (write the entry into
 ``[dst, dst + cap)`` of the requester's pool), ``status`` (what became of a transfer, for
-quarantined slots), ``verdict`` (the receiver's verdict on a payload it pulled, unanswered: see
+quarantined slots), ``peek`` (a probe: the size of a key that could be pulled now),
+``verdict`` (the receiver's verdict on a payload it pulled, unanswered: see
 :mod:`omnikv.connectors.pull.verdicts`), ``ping``. Replies: ``info``, ``done``, ``xstate``,
-``pong``, ``error``.
+``held``, ``pong``, ``error``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors.pull.connector import (
+    PEEK_REPLIES,
+    PEEK_REQUESTS,
     PULL_COUNTER_NAMES,
     PullSettings,
 )
@@ -47,8 +50,14 @@ SCHEMA = Schema(
         "pull": {"key": str, "dst": int, "cap": int, "xid": str, "budget_ms": int},
         "status": {"xid": str},
         **VERDICT_REQUESTS,
+        **PEEK_REQUESTS,
     },
-    replies={"info": {"found": bool, "size": int}, "done": {"size": int}, "xstate": {"state": str}},
+    replies={
+        "info": {"found": bool, "size": int},
+        "done": {"size": int},
+        "xstate": {"state": str},
+        **PEEK_REPLIES,
+    },
     hello={"sess": str, "inc": bytes, "base": int, "len": int},
     checks=VERDICT_CHECKS,
 )

@@ -129,6 +129,11 @@ class ReceiverSide:
             late = self._late.take(key)
         return late
 
+    def held(self, key: str) -> int | None:
+        """The size of ``key`` when its transfer finished after its wait gave up (held here
+        for the next take), else ``None``."""
+        return self._late.size(key)
+
     def _channel(self, endpoint: Endpoint, deadline: float) -> Channel | None:
         return self._client.channel(endpoint, max(0.0, remaining(deadline)))
 

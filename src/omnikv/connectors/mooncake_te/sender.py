@@ -42,7 +42,7 @@ from omnikv.connectors.mooncake_te.protocol import (
     TEConfig,
 )
 from omnikv.connectors.pool import HostPool
-from omnikv.connectors.pull.connector import published
+from omnikv.connectors.pull.connector import PEEK_OP, peek_answer, published
 from omnikv.connectors.pull.control import ControlCodec, Request
 from omnikv.connectors.pull.server import ControlServer
 from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_identity
@@ -223,6 +223,11 @@ class SenderSide:
             self._server.answer(req, {"op": "xstate", "state": state})
         elif req.op == "query":
             self._query(req)
+        elif req.op == PEEK_OP:
+            with self._lock:
+                entry = self._entries.get(req.msg["key"])
+                size = entry.size if entry is not None and not entry.inflight else None
+            self._server.answer(req, peek_answer(size))
         elif req.op == VERDICT_OP:
             m, peer = req.msg, peer_identity(req.peer)
             self._verdicts.receive(m["key"], peer, m["verdict"], m["reason"])

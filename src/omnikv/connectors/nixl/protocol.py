@@ -14,6 +14,8 @@ Messages (on :mod:`omnikv.connectors.pull.control`, which adds the envelope, ``h
   ``buffer_ttl_seconds`` (counted from the put); then it is dropped, freed once no lease is
   out, and reported.
 * ``abort`` {``xid``}: the receiver will not read (no receive slot): the lease ends now.
+* ``peek`` {``key``} -> ``held`` {``found``, ``size``}: whether ``key`` could be leased now
+  (a receiver's probe); leases nothing.
 * ``verdict`` {``key``, ``verdict``, ``reason``}: the receiver's verdict on a payload it READ,
   unanswered (see :mod:`omnikv.connectors.pull.verdicts`).
 
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors.pull.connector import (
+    PEEK_REPLIES,
+    PEEK_REQUESTS,
     PULL_COUNTER_NAMES,
     PullSettings,
 )
@@ -55,10 +59,12 @@ SCHEMA = Schema(
         "claim": {"key": str, "wait_ms": int, "xid": str, "budget_ms": int},
         "abort": {"xid": str},
         **VERDICT_REQUESTS,
+        **PEEK_REQUESTS,
     },
     replies={
         "agentmd": {"md": bytes, "agent": str},
         "grant": {"found": bool, "size": int, "addr": int, "agent": str},
+        **PEEK_REPLIES,
     },
     hello={"agent": str},
     checks=VERDICT_CHECKS,

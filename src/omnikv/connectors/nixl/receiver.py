@@ -143,6 +143,11 @@ class NixlReceiverSide:
             self._counters.add("misses")
         return got
 
+    def held(self, key: str) -> int | None:
+        """The size of ``key`` when a READ of it completed after its wait gave up (held here
+        for the next take), else ``None``."""
+        return self._late.size(key)
+
     def _attempt(
         self, key: str, endpoint: Endpoint, deadline: float, hold_s: float
     ) -> ManagedBuffer | None:

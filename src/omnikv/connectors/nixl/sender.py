@@ -42,7 +42,7 @@ from omnikv.connectors.nixl.protocol import (
     NixlSettings,
 )
 from omnikv.connectors.pool import HostPool
-from omnikv.connectors.pull.connector import published, transfer_budget_s
+from omnikv.connectors.pull.connector import PEEK_OP, peek_answer, published, transfer_budget_s
 from omnikv.connectors.pull.control import Request
 from omnikv.connectors.pull.server import ControlServer
 from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_identity
@@ -153,7 +153,7 @@ class NixlSenderSide:
 
     # -- control requests (listener thread) --------------------------------------------------
     def handle(self, req: Request) -> None:
-        """The control server's handler: ``meta``, ``claim``, ``abort``, ``verdict``."""
+        """The control server's handler: ``meta``, ``claim``, ``abort``, ``peek``, ``verdict``."""
         assert self.server is not None
         if req.op == "meta":
             self.server.answer(req, {"op": "agentmd", "md": self._md, "agent": self._agent.name})
@@ -161,8 +161,19 @@ class NixlSenderSide:
             self._claim(req)
         elif req.op == "abort":
             self._end_lease(req.msg["xid"], "aborted")
+        elif req.op == PEEK_OP:
+            self.server.answer(req, peek_answer(self._claimable(req.msg["key"])))
         elif req.op == VERDICT_OP:
             self._verdict(req)
+
+    def _claimable(self, key: str) -> int | None:
+        """The size of ``key``'s entry when a claim would be granted now (no lease out, not
+        spent), else ``None``; changes nothing (a spent entry goes at its next claim or sweep)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.lease is not None or self._spent(entry, time.monotonic()):
+                return None
+            return entry.size
 
     def _verdict(self, req: Request) -> None:
         """A receiver's verdict: counted for the key's current publication when this peer took

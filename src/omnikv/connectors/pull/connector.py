@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from omnikv.connectors.base import (
     GetResult,
+    KeyProbe,
+    KeyState,
     ManagedBuffer,
     OmniConnectorBase,
     PutResult,
@@ -37,6 +39,7 @@ from omnikv.connectors.pull.client import ControlClient
 from omnikv.connectors.pull.control import DEFAULT_WINDOW_S, Endpoint, ServerLimits
 from omnikv.connectors.pull.host import resolve_host
 from omnikv.connectors.pull.verdicts import VERDICT_COUNTER_NAMES, SentVerdicts, verdict_message
+from omnikv.deadline import remaining
 from omnikv.errors import (
     ConfigError,
     ConnectorClosedError,
@@ -54,6 +57,9 @@ from omnikv.values import (
 )
 
 __all__ = [
+    "PEEK_OP",
+    "PEEK_REPLIES",
+    "PEEK_REQUESTS",
     "PULL_COUNTER_NAMES",
     "LateArrivals",
     "PullConnector",
@@ -61,6 +67,7 @@ __all__ = [
     "ReceivingSide",
     "SendingSide",
     "deliver",
+    "peek_answer",
     "published",
     "sender_endpoint",
     "transfer_budget_s",
@@ -84,6 +91,20 @@ PULL_COUNTER_NAMES = (
     "peer_gone",
     *VERDICT_COUNTER_NAMES,
 )
+
+
+#: A receiver's probe of one key at a sender (``OmniConnectorBase.probe``): ``peek`` {``key``}
+#: -> ``held`` {``found``, ``size``}. Answered at once from the sender's table; claims, leases
+#: and counts nothing. Every pull connector's schema includes these.
+PEEK_OP = "peek"
+PEEK_REQUESTS: dict[str, dict[str, type]] = {PEEK_OP: {"key": str}}
+PEEK_REPLIES: dict[str, dict[str, type]] = {"held": {"found": bool, "size": int}}
+
+
+def peek_answer(size: int | None) -> dict[str, Any]:
+    """A sender's ``held`` reply: the entry's size when it could be claimed now, ``None``
+    when it is absent, in flight or spent."""
+    return {"op": "held", "found": size is not None, "size": size or 0}
 
 
 def transfer_budget_s(nbytes: int) -> float:
@@ -230,6 +251,12 @@ class LateArrivals:
         self._counters.add("late_arrivals")
         return True
 
+    def size(self, key: str) -> int | None:
+        """The size of the slot held for ``key``, or ``None`` (a probe; takes nothing)."""
+        with self._lock:
+            held = self._held.get(key)
+        return None if held is None else held[1]
+
     def take(self, key: str) -> ManagedBuffer | None:
         """The slot held for ``key`` as a buffer (counted as a get), or ``None``."""
         with self._lock:
@@ -282,6 +309,10 @@ class ReceivingSide(Protocol):
 
     def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
         """Long-poll and fetch ``key``; ``None`` at ``deadline`` (nothing consumed)."""
+        ...
+
+    def held(self, key: str) -> int | None:
+        """The size of ``key`` when it is here already (a late arrival), else ``None``."""
         ...
 
     def cleanup(self, request_id: str) -> None: ...
@@ -427,6 +458,45 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         key = self._make_key(get_key, from_stage, to_stage)
         with self.error_map.translate(f"wait for {key}"):
             return side.wait(key, sender_endpoint(metadata, self._default_sender), deadline)
+
+    def probe(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> KeyProbe:
+        """``ready`` when the payload is in this receiver's pool already (it arrived after an
+        earlier wait gave up), else one ``peek`` to its sender (``metadata``'s endpoint, as
+        for ``wait``, else the default sender): ``offered`` with its size when the sender
+        could grant it now, ``missing`` when it holds no claimable entry (absent, in flight
+        to another receiver, or spent). ``unknown`` when the sender is unreachable or silent
+        by ``deadline``, for a sender that does not know ``peek``, and for a sender-only or
+        closed connector. Never raises, never claims."""
+        try:
+            side = self._receiving_side()
+            key = self._make_key(get_key, from_stage, to_stage)
+            size = side.held(key)
+            if size is not None:
+                return KeyProbe(KeyState.READY, size)
+            endpoint = sender_endpoint(metadata, self._default_sender)
+            with self.error_map.translate(f"probe of {key}"):
+                chan = side.client.channel(endpoint, max(0.0, remaining(deadline)))
+                reply = None
+                if chan is not None:
+                    reply = chan.request({"op": PEEK_OP, "key": key}, max(0.0, remaining(deadline)))
+        except Exception as exc:  # never raises: the scheduler asks again or receives
+            return KeyProbe(KeyState.UNKNOWN, detail=f"{type(exc).__name__}: {exc}")
+        if reply is None:
+            how = "unreachable" if chan is None else "silent"
+            return KeyProbe(KeyState.UNKNOWN, detail=f"sender {endpoint[0]}:{endpoint[1]} {how}")
+        if reply["op"] != "held":
+            return KeyProbe(KeyState.UNKNOWN, detail=f"sender answered {reply['op']!r}")
+        if not reply["found"]:
+            return KeyProbe(KeyState.MISSING)
+        return KeyProbe(KeyState.OFFERED, int(reply["size"]))
 
     # -- delivery verdicts ----------------------------------------------------------------------
     def _open_verdicts(self, settings: PullSettings) -> SentVerdicts:

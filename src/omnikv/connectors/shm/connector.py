@@ -150,6 +150,8 @@ from typing import Any
 
 from omnikv.connectors.base import (
     GetResult,
+    KeyProbe,
+    KeyState,
     ManagedBuffer,
     MissReport,
     OmniConnectorBase,
@@ -163,7 +165,7 @@ from omnikv.connectors.shm.acks import COUNTER_NAMES as ACK_COUNTERS
 from omnikv.connectors.shm.acks import SentVerdicts, TakenPayloads
 from omnikv.connectors.shm.cleanup import Cleanups
 from omnikv.connectors.shm.config import DEFAULT_POOL_SIZE, ShmConfig
-from omnikv.connectors.shm.diag import SenderWatch
+from omnikv.connectors.shm.diag import SenderWatch, held_size
 from omnikv.connectors.shm.mesh import COUNTER_NAMES as MESH_COUNTERS
 from omnikv.connectors.shm.mesh import Link, Mesh, random_instance
 from omnikv.connectors.shm.pool import PeerPool, SenderPool
@@ -546,6 +548,40 @@ class SharedMemoryConnector(OmniConnectorBase):
         wait_s = min(PROBE_S, self.config.get_timeout_s)
         answers = self._recv.probe(key, time.monotonic() + wait_s)
         return self._watch.explain(key, self._mesh.links(local=False), answers)
+
+    def probe(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        *,
+        deadline: float,
+        metadata: dict[str, Any] | None = None,
+    ) -> KeyProbe:
+        """``ready`` with its size when this connector or a peer of the namespace holds the
+        payload unclaimed (it is in shared memory of this node: a take maps it), ``missing``
+        when every peer answered without it, ``unknown`` when one did not answer by
+        ``deadline`` or once closed. One ``want`` with
+        ``probe`` per peer (the message :meth:`explain_miss` sends): nothing is offered or
+        claimed. A payload that travelled inline in ``metadata`` is ``ready``. Never raises."""
+        if self._closed:
+            return KeyProbe(KeyState.UNKNOWN, detail="SharedMemoryConnector is closed")
+        try:
+            inline = codec.inline_payload(metadata)
+            if inline is not None:
+                return KeyProbe(KeyState.READY, len(inline))
+            key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
+            asked = len(self._mesh.links())
+            answers = self._recv.probe(key, deadline)
+        except Exception as exc:  # never raises: the scheduler asks again or receives
+            return KeyProbe(KeyState.UNKNOWN, detail=f"{type(exc).__name__}: {exc}")
+        size = held_size(answers)
+        if size is not None:
+            return KeyProbe(KeyState.READY, size)
+        if len(answers) < asked:
+            silent = asked - len(answers)
+            return KeyProbe(KeyState.UNKNOWN, detail=f"{silent} of {asked} peer(s) did not answer")
+        return KeyProbe(KeyState.MISSING)
 
     def cleanup(self, request_id: str) -> bool:
         """Drop unconsumed payloads of ``request_id`` here and at every peer of the namespace;

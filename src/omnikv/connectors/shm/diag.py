@@ -31,7 +31,7 @@ from omnikv.connectors.base import MissReport
 from omnikv.connectors.shm.mesh import Link
 from omnikv.connectors.shm.registry import SenderSeen, scan
 
-__all__ = ["MAX_KEYS_SHOWN", "MAX_LOST", "SenderWatch", "probe_answer"]
+__all__ = ["MAX_KEYS_SHOWN", "MAX_LOST", "SenderWatch", "held_size", "probe_answer"]
 
 #: Senders a connector remembers having seen go.
 MAX_LOST = 16
@@ -59,6 +59,17 @@ def probe_answer(info: Any) -> tuple[int, list[str], bool]:
     keys = [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
     count = n if type(n) is int and n >= 0 else len(keys)
     return count, keys[:MAX_KEYS_SHOWN], info.get("has") is True
+
+
+def held_size(answers: Iterable[tuple[Link, Any]]) -> int | None:
+    """The size of the asked key at the first peer whose probe answer says it holds it
+    (``SharedMemoryConnector.probe``); ``None`` when none does. A peer that holds it without
+    naming a usable size (an older version) gives 0."""
+    for _link, info in answers:
+        if probe_answer(info)[2]:
+            size = info.get("size")
+            return size if type(size) is int and size >= 0 else 0
+    return None
 
 
 def _pids(instances: Iterable[str]) -> str:

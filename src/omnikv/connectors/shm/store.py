@@ -142,6 +142,9 @@ class Unconsumed:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def get(self, key: str) -> Entry | None:
+        return self._entries.get(key)
+
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
@@ -660,10 +663,14 @@ class SendStore:
 
     def published_summary(self, key: str, limit: int) -> dict[str, Any]:
         """A probe's answer (``diag``): how many payloads are published here, the newest
-        ``limit`` keys, and whether ``key`` is one of them."""
+        ``limit`` keys, whether ``key`` is one of them and, if so, its size."""
         with self._lock:
-            n, has = len(self._published), key in self._published
-            return {"n": n, "keys": self._published.newest(limit), "has": has}
+            entry = self._published.get(key)
+            answer = {"n": len(self._published), "keys": self._published.newest(limit)}
+            answer["has"] = entry is not None
+            if entry is not None:
+                answer["size"] = entry.nbytes
+            return answer
 
     def flush(self, deadline: float) -> list[str]:
         """Wait until every published payload was taken by a reader, or ``deadline``; the
