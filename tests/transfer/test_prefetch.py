@@ -653,3 +653,33 @@ def test_an_unconsumed_result_past_its_ttl_is_released_and_its_consume_raises(
         assert pf.consume("A").result is None  # raised once; the request is forgotten
     finally:
         pf.shutdown()
+
+
+def test_prefetch_readiness_shows_pending_with_its_bytes_once_the_payload_is_taken() -> None:
+    """Prefetch is an admission entry: between taking its payload and finishing the decode it
+    is ``pending`` with the payload's bytes (the receive below stands for the manager's: it
+    reports the arrival, then holds until the test lets it finish)."""
+    taken, finish = threading.Event(), threading.Event()
+
+    def receive(rid: str, target_device: Any = None, **kw: Any) -> ReceiveResult:
+        assert kw["on_arrival"] is not None
+        kw["on_arrival"](4096)
+        taken.set()
+        assert finish.wait(10)
+        return ReceiveResult(rid, ReceiveStatus.TIMEOUT, reason="stands in for a receive")
+
+    config = OmniKVCacheConfig(need_recv_cache=True, enable_kv_async_prefetch=True)
+    pf = KVPrefetcher(receive, config=config)
+    try:
+        assert pf.readiness() == {}
+        assert pf.start("r1", dict(SENDER)) is PrefetchStart.STARTED
+        assert taken.wait(10)
+        state = pf.readiness()["r1"]
+        assert (state.state.value, state.nbytes) == ("pending", 4096)
+        assert pf.tracked()["r1"] == "running"
+        finish.set()
+        _wait_state(pf, "r1", "done")
+        assert pf.readiness()["r1"].state.value == "failed"
+    finally:
+        finish.set()
+        pf.shutdown()

@@ -272,6 +272,14 @@ class KVPrefetcher:
             return {}
         return {rid: _phase(state) for rid, state in admission.poll().items()}
 
+    def readiness(self) -> dict[str, RequestReadiness]:
+        """Every tracked prefetch's state in the admission's terms (never waits): ``missing``
+        (queued, or its receive waits for the payload), ``pending`` (taken from the connector,
+        being decoded or copied; with its bytes), ``ready`` or ``failed`` (with the status
+        and reason). :meth:`tracked` is the same table in prefetch's own words."""
+        admission = self._admission
+        return {} if admission is None else admission.poll()
+
     # -- start --------------------------------------------------------------------------------
     def start_jobs(self, jobs: Any, target_device: torch.device | str | None = None) -> None:
         """:meth:`start` every job of ``jobs`` (see :func:`iter_prefetch_jobs`); never blocks.
@@ -397,17 +405,19 @@ class KVPrefetcher:
         """The receive the tracker runs for each prefetch, on the ``kv-prefetch`` thread.
 
         Calls the manager's receive as the prefetch always has (``sender_info``, ``deadline``,
-        ``abort``; a ``cuda`` target through the pinned stager on a side stream). The tracker's
-        ``quiet`` and ``on_arrival`` are not passed on: a prefetch miss is logged as any
-        receive's, and prefetch reports queued / running / done, not the arrival; ``check``
-        (the tracker never sets one) would be. Never raises: a consume error is kept for
-        ``consume`` to raise (the result says ``corrupt``), an unexpected error becomes
+        ``abort``; a ``cuda`` target through the pinned stager on a side stream), with the
+        tracker's ``on_arrival`` (so :meth:`readiness` shows ``pending`` once the payload is
+        taken) and ``check`` (the tracker never sets one). The tracker's ``quiet`` is not
+        passed on: a prefetch miss is logged as any receive's. Never raises: a consume error
+        is kept for ``consume`` to raise (the result says ``corrupt``), an unexpected error becomes
         ``unavailable`` (``consume`` falls back to a synchronous receive).
         """
         rid, device = request_id, target_device
         with self._lock:
             prefetch = self._prefetches.get(rid)  # None only once shutdown forgot it
         checked: dict[str, Any] = {} if check is None else {"check": check}
+        if on_arrival is not None:
+            checked["on_arrival"] = on_arrival
 
         def receive(to: torch.device | None) -> ReceiveResult:
             return self._receive(
