@@ -10,6 +10,8 @@ Commands (tuples on ``in_q``; one answer each on ``out_q``):
 * ``("verdict", rid, timeout)``: ``wait_delivered`` -> ``("verdict", status, reason, seconds)``;
 * ``("receive", rid)``: a receive with the stage's ``recv_timeout`` -> ``("received", status,
   reason, seconds)``;
+* ``("receive_watched", rid)``: a receive that records its ``on_arrival`` calls ->
+  ``("received", status, nbytes, [bytes of each call])``;
 * ``("take_and_hang", rid)``: a receive whose check says ``("taken",)`` and then never returns
   (the payload is taken and decoded, its verdict never given: the receiver is killed there);
 * ``("probe", rid, timeout)``: ``probe_kv_cache`` -> ``("probe", state, nbytes, detail,
@@ -82,6 +84,11 @@ def stage_main(cfg: dict[str, Any], sender_info: Any, in_q: Any, out_q: Any) -> 
             got = mgr.receive_kv_cache_result(cmd[1], quiet=True)
             out_q.put(("received", got.status.value, got.reason, time.monotonic() - t0))
             del got  # its KV may be views of the connector's memory: adopted, then let go
+        elif op == "receive_watched":
+            arrivals: list[int] = []
+            got = mgr.receive_kv_cache_result(cmd[1], quiet=True, on_arrival=arrivals.append)
+            out_q.put(("received", got.status.value, got.nbytes, arrivals))
+            del got
         elif op == "take_and_hang":
 
             def check(kv: Any) -> str | None:

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import ManagerFactory
 from omnikv import ReceiveStatus
+from omnikv.connectors.local import LocalConnector
 from omnikv.transfer.admission import KVAdmission, Readiness
 from omnikv.transfer.receive import ReceiveResult
 from support.stage_sender import SenderProc, stage_receiver
@@ -299,3 +301,44 @@ def test_close_from_a_receive_thread_does_not_join_itself() -> None:
     adm.offer("a")
     adm.threads[0].join(10)
     assert not adm.threads[0].is_alive() and closed == [["a"]]
+
+
+class _SlowPull(LocalConnector):
+    """A LocalConnector that reports its incoming bytes, then holds each wait until released:
+    the moment a cross-node pull is granted and its bytes move."""
+
+    reports_incoming = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.granted, self.finish = threading.Event(), threading.Event()
+
+    def wait(self, *args: Any, on_incoming: Any = None, **kw: Any) -> Any:
+        buf = super().wait(*args, **kw)
+        if buf is not None:
+            on_incoming(buf.size)
+            self.granted.set()
+            assert self.finish.wait(10)
+        return buf
+
+
+def test_a_request_whose_bytes_are_on_their_way_is_pending_with_their_size(
+    make_manager: ManagerFactory, namespace: str
+) -> None:
+    conn = _SlowPull({"namespace": namespace})
+    sender = make_manager("sender")
+    receiver = make_manager("receiver", connector=conn, recv_timeout=10.0)
+    try:
+        caches = [torch.full((2, 4, 8, 2, 4), float(i)) for i in range(2)]
+        spec = {"r": {"block_ids": [0, 1], "seq_len": 10}}
+        sender.handle_finished_requests_kv_transfer(spec, caches, 8, "torch.float32")
+        receiver.admission.offer("r")
+        assert conn.granted.wait(10)
+        state = receiver.admission.poll()["r"]
+        assert state.state is Readiness.PENDING and state.nbytes > 0, state
+        conn.finish.set()
+        assert receiver.admission.wait("r", deadline=time.monotonic() + 10)
+        result = receiver.admission.take("r")
+        assert result is not None and result.ok and result.nbytes == state.nbytes
+    finally:
+        conn.finish.set()

@@ -9,7 +9,8 @@ The rules and the in-process connector are checked here directly; every cross-pr
 (shared memory, Transfer Engine, NIXL, Store) runs one isolated scenario with a sender and a
 receiver stage in their own processes (``support.kill_stage``): the receiver probes an id never
 sent, a payload sent (twice: the first probe consumed nothing, and the sender still sees
-``sent``), the same id after its receive, and an id after the sender was SIGKILLed.
+``sent``), the same id after its receive (which hears its bytes on their way where the
+transport reports it), and an id after the sender was SIGKILLed.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def scenario_probe(transport: str) -> dict[str, Any]:
             res["sent"] = _probe(receiver, "p")
             res["sent_again"] = _probe(receiver, "p")
             res["sender_sees"] = sender.ask("result", "p")[1]
-            res["received"] = receiver.ask("receive", "p", timeout=60)[1]
+            _, res["received"], res["nbytes"], res["arrivals"] = receiver.ask(
+                "receive_watched", "p", timeout=60
+            )
             res["after_receive"] = _probe(receiver, "p")
             sender.kill()
             res["sender_killed"] = _probe(receiver, "q")
@@ -195,6 +198,18 @@ def test_probe_over_each_transport_takes_nothing_and_names_the_state(
     assert probed["sender_sees"] == "sent"  # probing is not taking
     assert probed["received"] == "ok"
     assert probed["after_receive"]["state"] == "missing", probed
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_receive_hears_its_bytes_on_their_way_where_the_transport_reports_it(
+    probed: dict[str, Any],
+) -> None:
+    """Cross-node transports say when a payload's bytes start to move (admission's
+    ``pending``); shared memory maps it at once, so its receive hears only the take."""
+    n = probed["sent"]["nbytes"]
+    expected = [n] if probed["transport"] == "shm" else [n, n]
+    assert probed["arrivals"] == expected, probed
 
 
 @pytest.mark.slow

@@ -86,6 +86,7 @@ __all__ = [
     "fill_slot",
     "get_result",
     "matches_request",
+    "notify_incoming",
     "takes_host_arrays",
 ]
 
@@ -448,6 +449,17 @@ def get_result(buf: ManagedBuffer) -> GetResult:
     return buf, buf.size
 
 
+def notify_incoming(on_incoming: Callable[[int], object] | None, nbytes: int) -> None:
+    """Tell a waiter that ``nbytes`` are on their way (a connector with ``reports_incoming``,
+    from inside its ``wait``). A failing callback is logged, never raised into the transfer."""
+    if on_incoming is None:
+        return
+    try:
+        on_incoming(int(nbytes))
+    except Exception:
+        logger.exception("on_incoming callback failed")
+
+
 @dataclass(frozen=True)
 class MissReport:
     """Why a wait found nothing, as a transport knows it (:meth:`OmniConnectorBase.explain_miss`).
@@ -522,6 +534,10 @@ class OmniConnectorBase(ABC):
     #: Carries receivers' verdicts back to the sender (:meth:`acknowledge`,
     #: :meth:`set_delivery_listener`); without it a send never gets past ``sent``.
     acknowledges: ClassVar[bool] = False
+    #: :meth:`wait` takes the keyword ``on_incoming``: a callable it calls once with the
+    #: payload's size when the payload's bytes start to move to this node (a pull granted, an
+    #: object found), before they have arrived (see :func:`notify_incoming`).
+    reports_incoming: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._closed = False

@@ -12,8 +12,9 @@ States of an offered request (:class:`Readiness`):
 
 * ``missing``: nothing has arrived for it yet (its receive waits, or waits for a free receive
   thread); this is also what a request whose sender never offered it shows until its deadline;
-* ``pending``: its payload has been taken from the connector and is being decoded or copied
-  (``nbytes`` says how big it is);
+* ``pending``: its payload is on its way (a transport that ``reports_incoming``, such as the
+  Transfer Engine, NIXL and the Store, granted its transfer) or has been taken from the
+  connector and is being decoded or copied; ``nbytes`` says how big it is;
 * ``ready``: its KV is in local memory (or on the target device), held for :meth:`take`;
 * ``failed``: its receive ended without KV (timeout at its deadline, corrupt payload, dead peer,
   cancelled), with the typed status and the reason. A failure is handed out by :meth:`take`
@@ -77,7 +78,8 @@ class RequestReadiness:
 
     request_id: str
     state: Readiness
-    #: The payload's size once it has arrived (``pending`` and ``ready``), else 0.
+    #: The payload's size once it is on its way or has arrived (``pending`` and ``ready``),
+    #: else 0.
     nbytes: int = 0
     #: Seconds since the request was offered.
     age_s: float = 0.0

@@ -157,7 +157,9 @@ class ReceiveCallbacks:
 
     ``on_arrival`` is called with the payload's bytes once every shard has been taken from the
     connector, before decoding (readiness tracking: the KV is no longer missing, not yet
-    usable). ``check`` runs on the finished KV and returns why it must not be used, or ``None``
+    usable); with a connector that ``reports_incoming`` it is also called as each shard's
+    transfer begins, with the bytes taken so far plus that shard's (the KV is on its way).
+    ``check`` runs on the finished KV and returns why it must not be used, or ``None``
     (a vLLM consumer's binding, shape and MAC checks); its reason becomes the ``refused``
     verdict the sender gets.
     """
@@ -186,19 +188,25 @@ def _wait_sliced(
     deadline: float,
     metadata: dict[str, Any] | None,
     abort: threading.Event | None,
+    *,
+    on_incoming: Callable[[int], object] | None = None,
 ) -> ManagedBuffer | None:
     """``connector.wait`` until ``deadline``, cut into abortable slices when ``abort`` is given.
 
     A wait that returns ``None`` at its (slice) deadline consumes nothing (connector contract),
     so slicing never loses a payload. Raises :class:`ReceiveCancelled` once ``abort`` is set.
+    ``on_incoming`` goes to a connector that ``reports_incoming`` (others are not given it).
     """
+    extra: dict[str, Any] = {}
+    if on_incoming is not None and connector.reports_incoming:
+        extra["on_incoming"] = on_incoming
     if abort is None:
-        return connector.wait(*stages, key, deadline=deadline, metadata=metadata)
+        return connector.wait(*stages, key, deadline=deadline, metadata=metadata, **extra)
     while True:
         if abort.is_set():
             raise ReceiveCancelled("receive aborted")
         step = min(deadline, time.monotonic() + ABORT_SLICE_S)
-        got = connector.wait(*stages, key, deadline=step, metadata=metadata)
+        got = connector.wait(*stages, key, deadline=step, metadata=metadata, **extra)
         if got is not None or step >= deadline:
             return got
 
@@ -534,6 +542,7 @@ class KVReceiver:
             abort=abort,
             request_id=request_id,
             t0=t0,
+            on_arrival=None if callbacks is None else callbacks.on_arrival,
         )
         t_wait = time.monotonic()
         verdict = Verdict.REFUSED
@@ -591,13 +600,22 @@ class KVReceiver:
         abort: threading.Event | None,
         request_id: str,
         t0: float,
+        on_arrival: Callable[[int], object] | None = None,
     ) -> list[ManagedBuffer]:
         """One wait per ``(key, metadata)`` of ``waits``, in order, all until ``deadline``; on
-        any failure the shards taken so far are released and refused."""
+        any failure the shards taken so far are released and refused. ``on_arrival`` hears
+        the bytes taken so far plus those of a shard whose transfer began."""
         raws: list[ManagedBuffer] = []
+
+        def incoming(nbytes: int) -> None:
+            if on_arrival is not None:
+                on_arrival(sum(int(buf.size) for buf in raws) + nbytes)
+
         try:
             for key, meta in waits:
-                got = _wait_sliced(connector, stages, key, deadline, meta, abort)
+                got = _wait_sliced(
+                    connector, stages, key, deadline, meta, abort, on_incoming=incoming
+                )
                 if got is None:
                     raise _missing(
                         connector,

@@ -31,7 +31,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from omnikv.connectors.base import (
@@ -46,6 +46,7 @@ from omnikv.connectors.base import (
     fill_slot,
     get_result,
     matches_request,
+    notify_incoming,
 )
 from omnikv.connectors.boundary import CodeRule, ErrorMap, ErrorRule
 from omnikv.connectors.counters import Counters
@@ -168,6 +169,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
+    reports_incoming: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap] = STORE_ERRORS
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -330,12 +332,15 @@ class MooncakeStoreConnector(OmniConnectorBase):
         return True, nbytes, {"data_size": nbytes, "key": key}
 
     # -- receiver ----------------------------------------------------------------------------
-    def _take(self, key: str, deadline: float) -> ManagedBuffer | None:
+    def _take(
+        self, key: str, deadline: float, on_incoming: Callable[[int], object] | None = None
+    ) -> ManagedBuffer | None:
         store, pool = self._live()
         with STORE_ERRORS.translate(f"size of {key}"):
             size = int(store.get_size(key))
         if size <= 0:
             return None
+        notify_incoming(on_incoming, size)
         self._note_holder(store, key)
         offset, _ = pool.allocator.alloc(size, deadline=deadline)
         try:
@@ -442,8 +447,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
+        on_incoming: Callable[[int], object] | None = None,
     ) -> ManagedBuffer | None:
         """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
+
+        ``on_incoming`` is called with the object's size once it is found, before it is read.
 
         Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline and
         ``PeerGoneError`` at once when the object's holder does not answer (sender killed after
@@ -454,7 +462,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         while True:
             if self._closed:
                 raise ConnectorClosedError("MooncakeStoreConnector is closed")
-            buf = self._take(key, deadline)
+            buf = self._take(key, deadline, on_incoming)
             if buf is not None:
                 return buf
             left = deadline - time.monotonic()

@@ -22,10 +22,11 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.base import ManagedBuffer, notify_incoming
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
 from omnikv.connectors.mooncake_te.protocol import (
@@ -109,8 +110,15 @@ class ReceiverSide:
             return None
         return self._pull(endpoint, key, size, time.monotonic() + transfer_budget_s(size))
 
-    def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
-        """Long-poll until the payload is delivered or ``deadline`` passes (``None``)."""
+    def wait(
+        self,
+        key: str,
+        endpoint: Endpoint,
+        deadline: float,
+        on_incoming: Callable[[int], object] | None = None,
+    ) -> ManagedBuffer | None:
+        """Long-poll until the payload is delivered or ``deadline`` passes (``None``);
+        ``on_incoming`` hears the size before each pull starts."""
         late = self._late.take(key)
         while late is None:
             if self._stop.is_set():
@@ -123,6 +131,7 @@ class ReceiverSide:
             hold_until = min(deadline, time.monotonic() + 0.25) if pending else deadline
             size = self._query(endpoint, key, hold_until, hold=True)
             if size > 0:
+                notify_incoming(on_incoming, size)
                 got = self._pull(endpoint, key, size, deadline)
                 if got is not None:
                     return got

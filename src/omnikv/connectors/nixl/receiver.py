@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.base import ManagedBuffer, notify_incoming
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent, Transfer
 from omnikv.connectors.nixl.protocol import (
@@ -112,8 +112,15 @@ class NixlReceiverSide:
         self.closed = False
 
     # -- the public paths --------------------------------------------------------------------
-    def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
-        """Claim, READ and hand over ``key``; ``None`` at ``deadline`` (nothing consumed)."""
+    def wait(
+        self,
+        key: str,
+        endpoint: Endpoint,
+        deadline: float,
+        on_incoming: Callable[[int], object] | None = None,
+    ) -> ManagedBuffer | None:
+        """Claim, READ and hand over ``key``; ``None`` at ``deadline`` (nothing consumed).
+        ``on_incoming`` hears the granted size before each READ starts."""
         late = self._late.take(key)
         if late is not None:
             return late
@@ -126,7 +133,8 @@ class NixlReceiverSide:
             with self._lock:
                 parked = any(q.key == key for q in self._quarantine.values())
             # a parked READ of this key may finish any moment: hold the claim briefly only
-            got = self._attempt(key, endpoint, deadline, _PARKED_HOLD_S if parked else math.inf)
+            hold_s = _PARKED_HOLD_S if parked else math.inf
+            got = self._attempt(key, endpoint, deadline, hold_s, on_incoming)
             if got is not None:
                 return got
             late = self._late.take(key)
@@ -149,7 +157,12 @@ class NixlReceiverSide:
         return self._late.size(key)
 
     def _attempt(
-        self, key: str, endpoint: Endpoint, deadline: float, hold_s: float
+        self,
+        key: str,
+        endpoint: Endpoint,
+        deadline: float,
+        hold_s: float,
+        on_incoming: Callable[[int], object] | None = None,
     ) -> ManagedBuffer | None:
         """One claim (held at most ``hold_s`` and the long-poll cap) and, if granted, the READ."""
         chan = self._client.channel(endpoint, min(remaining(deadline), self._s.peer_timeout_s))
@@ -168,6 +181,7 @@ class NixlReceiverSide:
         hook = self.read_hook
         if hook is not None and hook() is False:
             return None  # as if this receiver died between its grant and its READ
+        notify_incoming(on_incoming, grant.size)
         return self._read(chan, endpoint, grant, deadline)
 
     # -- metadata ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -307,8 +307,15 @@ class ReceivingSide(Protocol):
         """One attempt without holding (the reference-shaped ``get``); ``None`` if absent."""
         ...
 
-    def wait(self, key: str, endpoint: Endpoint, deadline: float) -> ManagedBuffer | None:
-        """Long-poll and fetch ``key``; ``None`` at ``deadline`` (nothing consumed)."""
+    def wait(
+        self,
+        key: str,
+        endpoint: Endpoint,
+        deadline: float,
+        on_incoming: Callable[[int], object] | None = None,
+    ) -> ManagedBuffer | None:
+        """Long-poll and fetch ``key``; ``None`` at ``deadline`` (nothing consumed).
+        ``on_incoming`` is told the size once the transfer is granted, before it runs."""
         ...
 
     def held(self, key: str) -> int | None:
@@ -354,6 +361,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
 
     supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
+    reports_incoming: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap]
     _verdicts: SentVerdicts | None = None
     #: How long ``acknowledge`` may take to reach the sender (the peer timeout).
@@ -446,18 +454,22 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
+        on_incoming: Callable[[int], object] | None = None,
     ) -> ManagedBuffer | None:
         """Block until the payload is in hand or ``deadline`` passes (then ``None``).
 
         Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
-        Long-polls the sender (no sleep loop). Raises ``PeerGoneError`` when the sender falls
-        silent mid-transfer, ``PoolExhaustedError`` when no receive slot frees up before the
-        deadline, ``ConnectorUnavailableError`` for a failed transfer or a missing endpoint.
+        Long-polls the sender (no sleep loop); ``on_incoming`` is called with the payload's
+        size once the sender granted the transfer, before the bytes move. Raises
+        ``PeerGoneError`` when the sender falls silent mid-transfer, ``PoolExhaustedError``
+        when no receive slot frees up before the deadline, ``ConnectorUnavailableError`` for a
+        failed transfer or a missing endpoint.
         """
         side = self._receiving_side()
         key = self._make_key(get_key, from_stage, to_stage)
         with self.error_map.translate(f"wait for {key}"):
-            return side.wait(key, sender_endpoint(metadata, self._default_sender), deadline)
+            endpoint = sender_endpoint(metadata, self._default_sender)
+            return side.wait(key, endpoint, deadline, on_incoming)
 
     def probe(
         self,
