@@ -302,6 +302,94 @@ def test_a_missing_chunk_is_a_timeout_and_the_taken_chunks_are_refused(
     assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
 
 
+# -- a receiver that takes the chunks as they come (stream_kv on the receiving stage) ----------
+def _chunk_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("omnikv-chunks")]
+
+
+def _until(cond: Any, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_a_streaming_receiver_takes_the_chunks_before_the_tail_is_sent(
+    make_manager: ManagerFactory,
+) -> None:
+    """With ``stream_kv`` on the receiving stage, each chunk leaves the sender while the
+    request still decodes (on a link: its bytes cross then), and the result is bit-identical
+    to a whole send's."""
+    caches, ids, seq_len = _caches(), [7, 2, 9, 0, 5], 4 * BS + 1
+    whole, streamed = make_manager("sender"), make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=10.0)
+    assert _finish(whole, "w", ids, seq_len, caches, "torch.float32").ok
+    want, _ = receiver.receive_kv_cache_for_request("w")
+    assert want is not None
+    want["request_id"] = "r1"
+    conn = _connector(streamed)
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(r=receiver.receive_kv_cache_result("r1")))
+    t.start()
+    try:
+        for step in range(1, seq_len + 1):
+            streamed.stream_kv_blocks("r1", _entry(ids, step), caches, BS, "torch.float32")
+            # every chunk published so far is taken before the next step (the tail is not sent)
+            assert _until(lambda: conn.pending_keys() == []), conn.pending_keys()
+        assert streamed.get_send_result("r1") is None  # not finished: nothing but chunks moved
+        res = _finish(streamed, "r1", ids, seq_len, caches, "torch.float32")
+        assert res.ok and len([k for k in res.keys if "#c" in k]) == seq_len // BS
+    finally:
+        t.join(15)
+    result = got["r"]
+    assert result.ok, result.reason
+    _assert_same(_seed_dict(result), want)
+    assert streamed.wait_delivered("r1", 5).status is SendStatus.DELIVERED
+    assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
+
+
+def _seed_dict(result: Any) -> dict[str, Any]:
+    kv = result.kv
+    return {
+        "request_id": kv.request_id,
+        "block_ids": kv.block_ids,
+        "metadata": kv.metadata,
+        "layer_blocks": {"key_cache": kv.key_cache, "value_cache": kv.value_cache},
+    }
+
+
+def test_a_streaming_receiver_takes_a_whole_send_as_before_and_stops_looking(
+    make_manager: ManagerFactory,
+) -> None:
+    sender = make_manager("sender")
+    receiver = make_manager("receiver", stream_kv=True)
+    assert _finish(sender, "r1", [0, 1, 2], 2 * BS + 1, _caches(), "torch.float32").ok
+    result = receiver.receive_kv_cache_result("r1")
+    assert result.ok and result.kv is not None and result.kv.key_cache[0].shape[0] == 2 * BS + 1
+    assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
+    assert sender.wait_delivered("r1", 5).status is SendStatus.DELIVERED
+
+
+def test_a_streaming_receiver_that_times_out_refuses_the_chunks_it_took(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer that streamed and never finished: the receive times out at its deadline,
+    the chunks it took ahead are released and refused, and its threads end."""
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer.receive")
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=0.5)
+    caches, ids = _caches(), [0, 1, 2]
+    _decode_steps(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32")
+    result = receiver.receive_kv_cache_result("r1")
+    assert result.status is ReceiveStatus.TIMEOUT
+    conn = _connector(sender)
+    gc.collect()
+    assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
+    assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
+
+
 # -- real processes over shared memory -----------------------------------------------------------
 _CHILD = """
 import sys, torch

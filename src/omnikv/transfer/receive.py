@@ -58,7 +58,7 @@ from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
 from omnikv.transfer.received import ReceivedKV, move_kv
 from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream import StreamAssembly
+from omnikv.transfer.stream import EagerChunks, StreamAssembly
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
 
@@ -255,6 +255,13 @@ class _ChunkWaits:
     t0: float
     taken: int
 
+    def wait_ahead(
+        self, key: str, metadata: dict[str, Any] | None, stop: threading.Event
+    ) -> ManagedBuffer | None:
+        """An :class:`~omnikv.transfer.stream.EagerWait`: ``key`` until the receive's deadline,
+        ended once ``stop`` is set."""
+        return _wait_sliced(self.connector, self.stages, key, self.deadline, metadata, stop)
+
     def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer:
         got = _wait_sliced(self.connector, self.stages, key, self.deadline, metadata, self.abort)
         if got is None:
@@ -269,6 +276,22 @@ class _ChunkWaits:
             )
         self.taken += 1
         return got
+
+
+def _refuse_unused(
+    connector: OmniConnectorBase,
+    stages: tuple[str, str],
+    unused: list[tuple[str, dict[str, Any] | None, ManagedBuffer]],
+) -> None:
+    """Release the chunks a receive took ahead and did not use (a whole send's key, a
+    restarted stream's first chunks), each refused to its sender."""
+    if not unused:
+        return
+    for _key, _meta, buf in unused:
+        buf.release()
+    logger.debug("refused %d chunk(s) taken ahead and not used", len(unused))
+    why = "a chunk taken ahead that its receive did not use"
+    _acknowledge(connector, stages, [(k, m) for k, m, _ in unused], Verdict.REFUSED, why)
 
 
 def _acknowledge(
@@ -534,25 +557,68 @@ class KVReceiver:
         if trace is not None:
             trace.keys = [k for k, _ in pairs]
         waits = [(key, source_metadata(sender, rank, per_call)) for key, rank in pairs]
-        raws = self._wait_all(
-            connector,
-            (from_stage, to_stage),
-            waits,
-            deadline=deadline,
-            abort=abort,
-            request_id=request_id,
-            t0=t0,
-            on_arrival=None if callbacks is None else callbacks.on_arrival,
+        stages = (from_stage, to_stage)
+        chunks = _ChunkWaits(connector, stages, deadline, abort, request_id, t0, 0)
+        eager = None
+        if self.options.stream_kv:  # take a stream's chunks while waiting for its tail
+            eager = EagerChunks(chunks.wait_ahead, waits, chunks, name="omnikv-chunks")
+        try:
+            raws = self._wait_all(
+                connector,
+                stages,
+                waits,
+                deadline=deadline,
+                abort=abort,
+                request_id=request_id,
+                t0=t0,
+                on_arrival=None if callbacks is None else callbacks.on_arrival,
+            )
+            t_wait = time.monotonic()
+            chunks.taken = len(raws)
+            streams = StreamAssembly(
+                eager or chunks, max_header_bytes=self.options.max_header_bytes, guard=self.guard
+            )
+            kv, t_decode = self._use(
+                request_id,
+                raws,
+                waits,
+                connector=connector,
+                stages=stages,
+                streams=streams,
+                target_device=target_device,
+                callbacks=callbacks,
+            )
+        finally:
+            if eager is not None:
+                _refuse_unused(connector, stages, eager.stop())
+        if trace is not None:
+            trace.phases(t0, t_wait, t_decode, time.monotonic())
+        logger.debug(
+            "Received KV for %s: %d bytes across %d key(s), wait=%.3fs",
+            request_id,
+            kv.nbytes,
+            len(pairs),
+            t_wait - t0,
         )
-        t_wait = time.monotonic()
+        return kv
+
+    def _use(
+        self,
+        request_id: str,
+        raws: list[ManagedBuffer],
+        waits: list[tuple[str, dict[str, Any] | None]],
+        *,
+        connector: OmniConnectorBase,
+        stages: tuple[str, str],
+        streams: StreamAssembly,
+        target_device: torch.device | str | None,
+        callbacks: ReceiveCallbacks | None,
+    ) -> tuple[ReceivedKV, float]:
+        """The KV of the shards ``raws`` (taken under ``waits``) and when decoding ended: each
+        decoded (a streamed key joined with its chunks), combined, finished and checked; then
+        every payload taken gets its verdict and every buffer is released, whatever happened."""
         verdict = Verdict.REFUSED
         reason: str | None = "the receiver failed while using it"
-        chunks = _ChunkWaits(
-            connector, (from_stage, to_stage), deadline, abort, request_id, t0, len(raws)
-        )
-        streams = StreamAssembly(
-            chunks, max_header_bytes=self.options.max_header_bytes, guard=self.guard
-        )
         try:
             on_arrival = None if callbacks is None else callbacks.on_arrival
             if on_arrival is not None:
@@ -578,17 +644,8 @@ class KVReceiver:
                 buf.release()
             streams.release()
             taken = [*waits, *streams.taken]  # a streamed key's chunks get the verdict too
-            _acknowledge(connector, (from_stage, to_stage), taken, verdict, reason)
-        if trace is not None:
-            trace.phases(t0, t_wait, t_decode, time.monotonic())
-        logger.debug(
-            "Received KV for %s: %d bytes across %d key(s), wait=%.3fs",
-            request_id,
-            kv.nbytes,
-            len(pairs),
-            t_wait - t0,
-        )
-        return kv
+            _acknowledge(connector, stages, taken, verdict, reason)
+        return kv, t_decode
 
     def _wait_all(
         self,

@@ -68,6 +68,8 @@ __all__ = [
     "MAX_FAILED_STEPS",
     "STEP_PUT_S",
     "ChunkSource",
+    "EagerChunks",
+    "EagerWait",
     "KVStreams",
     "StreamAssembly",
     "StreamProgress",
@@ -389,6 +391,118 @@ class ChunkSource(Protocol):
     miss (timeout, peer gone, cancelled)."""
 
     def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer: ...
+
+
+class EagerWait(Protocol):
+    """One connector wait of a chunk key until the receive's deadline, ended early (raising
+    :class:`~omnikv.errors.ReceiveCancelled`) once ``stop`` is set; ``None`` at the deadline."""
+
+    def __call__(
+        self, key: str, metadata: dict[str, Any] | None, stop: threading.Event
+    ) -> ManagedBuffer | None: ...
+
+
+class _Lane:
+    """One request key's chunks as :class:`EagerChunks` takes them: the next index it waits
+    for and whether it stopped."""
+
+    __slots__ = ("done", "metadata", "next")
+
+    def __init__(self, metadata: dict[str, Any] | None) -> None:
+        self.metadata = metadata
+        self.next = 0
+        self.done = False
+
+
+class EagerChunks:
+    """A stream's chunks taken as they are published, while the receive still waits for the
+    tail: what makes streaming pay on a link.
+
+    Made by :meth:`KVReceiver.fetch <omnikv.transfer.receive.KVReceiver.fetch>` when the
+    receiving stage has ``stream_kv``, before it waits for the request's keys: one thread per
+    key takes ``<key>#c0``, ``#c1``, ... in order, each with ``wait`` (the receive's deadline,
+    abortable), and holds them. It is the :class:`ChunkSource` of the receive's
+    :class:`StreamAssembly`: a chunk already here is handed over at once, the one its thread
+    waits for is waited for, and any other (its thread stopped: deadline, error) is taken from
+    ``fallback`` as without this class. :meth:`stop` ends the threads (within one wait slice,
+    without waiting for them) and returns the chunks taken and never used: a stream restarted
+    after its first chunks leaves some (the caller refuses and releases them; the assembly of
+    the new stream then finds the old first chunks and refuses the receive as corrupt, the
+    request's fallback). Thread-safe.
+    """
+
+    def __init__(
+        self,
+        wait: EagerWait,
+        keys: Sequence[tuple[str, dict[str, Any] | None]],
+        fallback: ChunkSource,
+        *,
+        name: str = "kv-chunks",
+    ) -> None:
+        self._wait = wait
+        self._fallback = fallback
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._held: dict[str, ManagedBuffer] = {}
+        self._closed = False
+        self._lanes = {key: _Lane(meta) for key, meta in keys}
+        self._threads = [
+            threading.Thread(target=self._run, args=(key,), name=f"{name}-{i}", daemon=True)
+            for i, key in enumerate(self._lanes)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, key: str) -> None:
+        lane = self._lanes[key]
+        try:
+            for index in range(MAX_STREAM_CHUNKS):
+                ckey = chunk_key(key, index)
+                buf = self._wait(ckey, lane.metadata, self._stop)
+                if buf is None:
+                    return
+                with self._cond:
+                    if not self._closed:
+                        self._held[ckey] = buf
+                        lane.next = index + 1
+                        self._cond.notify_all()
+                        continue
+                # taken after stop() collected the rest (a wait that outlived its slice)
+                logger.warning("dropped chunk %s, taken after its receive ended", ckey)
+                buf.release()
+                return
+        except OmniKVError as exc:  # the assembly's own take reports a missing chunk
+            logger.debug("taking the chunks of %s ahead ended: %s", key, exc)
+        except Exception:  # a bug must not kill the receive: its fallback still works
+            logger.exception("taking the chunks of %s ahead failed", key)
+        finally:
+            with self._cond:
+                lane.done = True
+                self._cond.notify_all()
+
+    def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer:
+        base, _, index = key.rpartition("#c")
+        lane = self._lanes.get(base)
+        with self._cond:
+            while True:
+                buf = self._held.pop(key, None)
+                if buf is not None:
+                    return buf
+                wanted = int(index) if index.isdigit() else -1
+                if lane is None or lane.done or lane.next != wanted:
+                    break  # this class will not take it: take it directly
+                self._cond.wait()
+        return self._fallback.take(key, metadata)
+
+    def stop(self) -> list[tuple[str, dict[str, Any] | None, ManagedBuffer]]:
+        """Tell the threads to end (each within one wait slice) and hand back what they took
+        and nobody used (key, metadata, buffer). Never waits: a chunk a thread takes after
+        this is released there, unused."""
+        self._stop.set()
+        with self._cond:
+            self._closed = True
+            held, self._held = self._held, {}
+        return [(k, self._lanes[k.rpartition("#c")[0]].metadata, b) for k, b in held.items()]
 
 
 class StreamAssembly:
