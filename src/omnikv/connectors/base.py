@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from omnikv.connectors.pool import BufferAllocator
 
 __all__ = [
+    "ABORT_POLL_S",
     "GetResult",
     "HostArrayWriter",
     "KeyProbe",
@@ -91,6 +92,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: How often a ``wait`` given an ``abort`` event looks at it while nothing has arrived (s).
+ABORT_POLL_S = 0.05
 
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
 GetResult = tuple[Any, int]
@@ -538,6 +542,12 @@ class OmniConnectorBase(ABC):
     #: payload's size when the payload's bytes start to move to this node (a pull granted, an
     #: object found), before they have arrived (see :func:`notify_incoming`).
     reports_incoming: ClassVar[bool] = False
+    #: :meth:`wait` takes the keyword ``abort`` (a ``threading.Event``): it looks at it at
+    #: least every :data:`ABORT_POLL_S` while nothing has arrived and then returns ``None``
+    #: (consuming nothing), while a transfer already granted runs to ``deadline``. A receive
+    #: that can be aborted gives such a connector its whole deadline instead of slices (a
+    #: slice's deadline would cut a large pull short).
+    takes_abort: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._closed = False

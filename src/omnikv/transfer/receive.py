@@ -195,13 +195,20 @@ def _wait_sliced(
 
     A wait that returns ``None`` at its (slice) deadline consumes nothing (connector contract),
     so slicing never loses a payload. Raises :class:`ReceiveCancelled` once ``abort`` is set.
-    ``on_incoming`` goes to a connector that ``reports_incoming`` (others are not given it).
+    ``on_incoming`` goes to a connector that ``reports_incoming`` (others are not given it);
+    a connector that ``takes_abort`` gets ``abort`` and the whole deadline in one wait.
     """
     extra: dict[str, Any] = {}
     if on_incoming is not None and connector.reports_incoming:
         extra["on_incoming"] = on_incoming
     if abort is None:
         return connector.wait(*stages, key, deadline=deadline, metadata=metadata, **extra)
+    if connector.takes_abort:  # one wait: a slice's deadline would cut a long transfer short
+        extra["abort"] = abort
+        got = connector.wait(*stages, key, deadline=deadline, metadata=metadata, **extra)
+        if got is None and abort.is_set():
+            raise ReceiveCancelled("receive aborted")
+        return got
     while True:
         if abort.is_set():
             raise ReceiveCancelled("receive aborted")

@@ -204,6 +204,37 @@ def _late_arrival(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, 
         r.release()
 
 
+def _abortable(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, Any]) -> None:
+    """A wait given an ``abort`` event (an admission or prefetch receive): a pull that started
+    runs to the wait's deadline however long it is held, and a set event ends a wait for a key
+    that never comes within a poll."""
+    before = recv.health()["quarantine_events"]
+    assert ask(in_q, out_q, "put", "slow", 2 * MiB, 7, 1.0)[1] is True
+    abort, got = threading.Event(), {}
+
+    def wait() -> None:
+        got["buf"] = recv.wait("0", "1", "slow", deadline=time.monotonic() + 10, abort=abort)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    assert out_q.get(timeout=20)[0] == "writing"
+    time.sleep(0.5)  # the condition under test: a write held over ten abort polls
+    hold_q.put("go")
+    th.join(timeout=20)
+    buf = got.get("buf")
+    res["abortable_ok"] = buf is not None and crc(buf.tensor.numpy()) == crc(pattern(2 * MiB, 7))
+    if buf is not None:
+        buf.release()
+    res["abortable_quarantined"] = recv.health()["quarantine_events"] - before
+    stop = threading.Event()
+    timer = threading.Timer(0.2, stop.set)
+    timer.start()
+    t0 = time.monotonic()
+    res["aborted_none"] = recv.wait("0", "1", "never2", deadline=t0 + 10, abort=stop) is None
+    res["aborted_s"] = time.monotonic() - t0
+    timer.join()
+
+
 def _sender_killed(recv: Any, proc: Any, in_q: Any, out_q: Any, res: dict[str, Any]) -> None:
     from omnikv.errors import PeerGoneError
 
@@ -256,6 +287,7 @@ def scenario_failures() -> dict[str, Any]:
         res["never_s"] = time.monotonic() - t0
         _pool_and_ttl(recv, in_q, out_q, res)
         _late_arrival(recv, in_q, out_q, hold_q, res)
+        _abortable(recv, in_q, out_q, hold_q, res)
         _sender_killed(recv, proc, in_q, out_q, res)
         recv.close()
         res["threads"] = omnikv_threads()
@@ -297,6 +329,16 @@ def test_a_transfer_that_finishes_late_is_handed_to_the_next_wait(
     failures: dict[str, Any],
 ) -> None:
     assert failures["late_ok"]
+
+
+def test_an_abortable_wait_never_cuts_a_pull_that_started(failures: dict[str, Any]) -> None:
+    assert failures["abortable_ok"] is True
+    assert failures["abortable_quarantined"] == 0
+
+
+def test_an_abortable_wait_ends_soon_after_its_abort(failures: dict[str, Any]) -> None:
+    assert failures["aborted_none"] is True
+    assert failures["aborted_s"] < 2.0, failures["aborted_s"]
 
 
 def test_a_killed_sender_is_peer_gone_quickly(failures: dict[str, Any]) -> None:

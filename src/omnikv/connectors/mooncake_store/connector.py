@@ -170,6 +170,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
     supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
+    takes_abort: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap] = STORE_ERRORS
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -448,10 +449,13 @@ class MooncakeStoreConnector(OmniConnectorBase):
         deadline: float,
         metadata: dict[str, Any] | None = None,
         on_incoming: Callable[[int], object] | None = None,
+        abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
         """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
 
-        ``on_incoming`` is called with the object's size once it is found, before it is read.
+        ``on_incoming`` is called with the object's size once it is found, before it is read;
+        a set ``abort`` ends the wait with ``None`` between polls (a read that started runs
+        until ``deadline``).
 
         Raises ``PoolExhaustedError`` when no receive slot frees up before the deadline and
         ``PeerGoneError`` at once when the object's holder does not answer (sender killed after
@@ -462,6 +466,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
         while True:
             if self._closed:
                 raise ConnectorClosedError("MooncakeStoreConnector is closed")
+            if abort is not None and abort.is_set():
+                return None
             buf = self._take(key, deadline, on_incoming)
             if buf is not None:
                 return buf

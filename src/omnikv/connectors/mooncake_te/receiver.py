@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors.base import ManagedBuffer, notify_incoming
+from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer, notify_incoming
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
 from omnikv.connectors.mooncake_te.protocol import (
@@ -116,9 +116,12 @@ class ReceiverSide:
         endpoint: Endpoint,
         deadline: float,
         on_incoming: Callable[[int], object] | None = None,
+        abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
         """Long-poll until the payload is delivered or ``deadline`` passes (``None``);
-        ``on_incoming`` hears the size before each pull starts."""
+        ``on_incoming`` hears the size before each pull starts. With ``abort``, each
+        long-poll lasts at most :data:`ABORT_POLL_S` and a set ``abort`` ends the wait with
+        ``None``; a pull that started runs until ``deadline``."""
         late = self._late.take(key)
         while late is None:
             if self._stop.is_set():
@@ -128,7 +131,11 @@ class ReceiverSide:
                 return None
             with self._lock:
                 pending = any(q.key == key for q in self._quarantine.values())
+            if abort is not None and abort.is_set():
+                return None
             hold_until = min(deadline, time.monotonic() + 0.25) if pending else deadline
+            if abort is not None:
+                hold_until = min(hold_until, time.monotonic() + ABORT_POLL_S)
             size = self._query(endpoint, key, hold_until, hold=True)
             if size > 0:
                 notify_incoming(on_incoming, size)

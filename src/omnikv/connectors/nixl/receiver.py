@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors.base import ManagedBuffer, notify_incoming
+from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer, notify_incoming
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent, Transfer
 from omnikv.connectors.nixl.protocol import (
@@ -118,9 +118,12 @@ class NixlReceiverSide:
         endpoint: Endpoint,
         deadline: float,
         on_incoming: Callable[[int], object] | None = None,
+        abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
         """Claim, READ and hand over ``key``; ``None`` at ``deadline`` (nothing consumed).
-        ``on_incoming`` hears the granted size before each READ starts."""
+        ``on_incoming`` hears the granted size before each READ starts. With ``abort``, each
+        claim is held at most :data:`ABORT_POLL_S` and a set ``abort`` ends the wait with
+        ``None``; a READ that started runs until ``deadline``."""
         late = self._late.take(key)
         if late is not None:
             return late
@@ -133,7 +136,11 @@ class NixlReceiverSide:
             with self._lock:
                 parked = any(q.key == key for q in self._quarantine.values())
             # a parked READ of this key may finish any moment: hold the claim briefly only
+            if abort is not None and abort.is_set():
+                return None
             hold_s = _PARKED_HOLD_S if parked else math.inf
+            if abort is not None:
+                hold_s = min(hold_s, ABORT_POLL_S)
             got = self._attempt(key, endpoint, deadline, hold_s, on_incoming)
             if got is not None:
                 return got

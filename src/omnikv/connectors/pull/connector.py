@@ -313,9 +313,11 @@ class ReceivingSide(Protocol):
         endpoint: Endpoint,
         deadline: float,
         on_incoming: Callable[[int], object] | None = None,
+        abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
         """Long-poll and fetch ``key``; ``None`` at ``deadline`` (nothing consumed).
-        ``on_incoming`` is told the size once the transfer is granted, before it runs."""
+        ``on_incoming`` is told the size once the transfer is granted, before it runs; once
+        ``abort`` is set, ``None`` within :data:`ABORT_POLL_S` unless a transfer runs."""
         ...
 
     def held(self, key: str) -> int | None:
@@ -362,6 +364,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
     supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
+    takes_abort: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap]
     _verdicts: SentVerdicts | None = None
     #: How long ``acknowledge`` may take to reach the sender (the peer timeout).
@@ -455,8 +458,10 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         deadline: float,
         metadata: dict[str, Any] | None = None,
         on_incoming: Callable[[int], object] | None = None,
+        abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
-        """Block until the payload is in hand or ``deadline`` passes (then ``None``).
+        """Block until the payload is in hand or ``deadline`` passes (then ``None``), or
+        until ``abort`` is set while nothing has been granted (``takes_abort``).
 
         Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
         Long-polls the sender (no sleep loop); ``on_incoming`` is called with the payload's
@@ -469,7 +474,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         key = self._make_key(get_key, from_stage, to_stage)
         with self.error_map.translate(f"wait for {key}"):
             endpoint = sender_endpoint(metadata, self._default_sender)
-            return side.wait(key, endpoint, deadline, on_incoming)
+            return side.wait(key, endpoint, deadline, on_incoming, abort)
 
     def probe(
         self,
