@@ -39,6 +39,7 @@ BENCHES = (
     "mooncake",
     "nixl",
     "link",
+    "stream",
     "vllm",
     "serve",
 )

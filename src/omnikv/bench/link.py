@@ -86,8 +86,10 @@ __all__ = [
     "BenchError",
     "CaseResult",
     "LinkRun",
+    "Peer",
     "main",
     "pattern",
+    "spawn_agent",
 ]
 
 logger = logging.getLogger(__name__)
@@ -371,7 +373,7 @@ class BenchError(RuntimeError):
 
 
 @dataclass
-class _Peer:
+class Peer:
     """One agent process in a node, its control channel and its captured stderr (the engines'
     log lines: shown, the last lines of it, only when the run fails)."""
 
@@ -398,6 +400,34 @@ class _Peer:
             return self.chan.expect(tag, timeout_s)
         except ChannelError as exc:
             raise BenchError(f"node {self.node.name}: {exc}") from exc
+
+
+def spawn_agent(node: Node, module: str) -> Peer:
+    """Start ``python -m <module> --role agent --fd N`` in ``node``, its engines bound to the
+    node's link (``MC_TCP_BIND_ADDRESS``, UCX on TCP over its veth); its stderr goes to a
+    temporary file (:meth:`Peer.tail`). Called by the link benchmarks' orchestrators; the
+    caller stops it (``stop`` over its channel, then :meth:`Node.stop`)."""
+    parent, child = socket.socketpair()
+    env = dict(os.environ)
+    env.update(
+        MC_TCP_BIND_ADDRESS=node.address,
+        UCX_NET_DEVICES=node.ifname,
+        UCX_TLS="tcp",
+    )
+    env.setdefault("GLOG_minloglevel", "2")
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    cmd = [sys.executable, "-m", module, "--role", "agent", "--fd", str(child.fileno())]
+    # owned by the Peer from here on, closed by whoever stops the agent
+    log = tempfile.TemporaryFile(prefix=f"omnikv-link-{node.name}-")  # noqa: SIM115
+    try:
+        proc = node.popen(cmd, pass_fds=[child.fileno()], env=env, stderr=log)
+    except BaseException:
+        parent.close()
+        log.close()
+        raise
+    finally:
+        child.close()
+    return Peer(node, proc, JsonChannel(parent), log)
 
 
 @dataclass
@@ -454,8 +484,8 @@ class LinkRun:
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     failures: list[str] = field(default_factory=list)
     raw_samples: list[float] = field(default_factory=list)
-    _a: _Peer | None = None
-    _b: _Peer | None = None
+    _a: Peer | None = None
+    _b: Peer | None = None
 
     @property
     def sample_timeout_s(self) -> float:
@@ -463,37 +493,17 @@ class LinkRun:
         rate = self.link.shape.rate_bps
         return max(60.0, 10 * self.nbytes * 8 / rate) if rate else 60.0
 
-    def _spawn(self, node: Node) -> _Peer:
-        parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env.update(
-            MC_TCP_BIND_ADDRESS=node.address,
-            UCX_NET_DEVICES=node.ifname,
-            UCX_TLS="tcp",
-        )
-        env.setdefault("GLOG_minloglevel", "2")
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        cmd = [sys.executable, "-m", _MODULE, "--role", "agent", "--fd", str(child.fileno())]
-        # owned by the _Peer from here on, closed in LinkRun.close
-        log = tempfile.TemporaryFile(prefix=f"omnikv-link-{node.name}-")  # noqa: SIM115
-        try:
-            proc = node.popen(cmd, pass_fds=[child.fileno()], env=env, stderr=log)
-        except BaseException:
-            parent.close()
-            log.close()
-            raise
-        finally:
-            child.close()
-        return _Peer(node, proc, JsonChannel(parent), log)
+    def _spawn(self, node: Node) -> Peer:
+        return spawn_agent(node, _MODULE)
 
     @property
-    def a(self) -> _Peer:
+    def a(self) -> Peer:
         if self._a is None:
             raise BenchError("the agents are not started")
         return self._a
 
     @property
-    def b(self) -> _Peer:
+    def b(self) -> Peer:
         if self._b is None:
             raise BenchError("the agents are not started")
         return self._b
