@@ -141,7 +141,9 @@ class TransferOptions:
     * ``stream_kv``: ship a request's full blocks while it decodes (the model runner calls
       ``stream_kv_blocks`` per step), so that only the last partial block and the metadata move
       when it finishes (:mod:`omnikv.transfer.stream`; default False). Receivers assemble the
-      pieces whatever their own setting; receivers older than this option refuse them.
+      pieces whatever their own setting; receivers older than this option refuse them. On a
+      receiving stage it takes a stream's chunks as they are published, while the receive
+      waits for the tail (:class:`~omnikv.transfer.stream.EagerChunks`).
     """
 
     kv_cache_layout: str = "auto"
