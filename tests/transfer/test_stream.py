@@ -346,6 +346,10 @@ def test_a_streaming_receiver_takes_the_chunks_before_the_tail_is_sent(
     result = got["r"]
     assert result.ok, result.reason
     _assert_same(_seed_dict(result), want)
+    # the chunks were joined as they arrived: each layer is the start of the tensor grown then
+    # (a join at the finish would have allocated exactly the request's tokens)
+    k0 = result.kv.key_cache[0]
+    assert k0.untyped_storage().nbytes() > k0.numel() * k0.element_size()
     assert streamed.wait_delivered("r1", 5).status is SendStatus.DELIVERED
     assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
 

@@ -568,7 +568,13 @@ class KVReceiver:
         chunks = _ChunkWaits(connector, stages, deadline, abort, request_id, t0, 0)
         eager = None
         if self.options.stream_kv:  # take a stream's chunks while waiting for its tail
-            eager = EagerChunks(chunks.wait_ahead, waits, chunks, name="omnikv-chunks")
+            eager = EagerChunks(
+                chunks.wait_ahead,
+                waits,
+                chunks,
+                max_header_bytes=self.options.max_header_bytes,
+                name="omnikv-chunks",
+            )
         try:
             raws = self._wait_all(
                 connector,

@@ -402,16 +402,78 @@ class EagerWait(Protocol):
     ) -> ManagedBuffer | None: ...
 
 
+class _Joined:
+    """Chunks 0, 1, ... of one key copied in order into growing per-layer tensors (the
+    assembly's copy, done while the request still decodes): ``bufs[i]`` is the buffer chunk
+    ``i`` came in, ``ends[i]`` the token count after it."""
+
+    __slots__ = ("bufs", "ends", "keys", "values")
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        self.bufs: list[ManagedBuffer] = []
+        self.ends: list[int] = [0]
+
+    def add(self, chunk: DecodedKV, buf: ManagedBuffer) -> bool:
+        """Append ``chunk``'s tokens (growing the tensors by doubling); ``False``, changing
+        nothing, when its layers do not match the chunks before it."""
+        n = _tokens("chunk", chunk)
+        if not self.bufs:
+            self.keys = [_grown(None, t, 0, n) for t in chunk.key_cache]
+            self.values = [_grown(None, t, 0, n) for t in chunk.value_cache]
+        elif not (_fits(self.keys, chunk.key_cache) and _fits(self.values, chunk.value_cache)):
+            return False
+        at = self.ends[-1]
+        for dests, parts in ((self.keys, chunk.key_cache), (self.values, chunk.value_cache)):
+            for i, t in enumerate(parts):
+                if t is not None:
+                    dests[i] = _grown(dests[i], t, at, n)
+                    dests[i][at : at + n].copy_(t)  # type: ignore[index]
+        self.bufs.append(buf)
+        self.ends.append(at + n)
+        return True
+
+
+def _fits(dests: list[torch.Tensor | None], parts: list[torch.Tensor | None]) -> bool:
+    """Whether ``parts`` (one chunk's layers) have the layers, dtypes and shapes of ``dests``."""
+    if len(dests) != len(parts):
+        return False
+    for d, t in zip(dests, parts, strict=True):
+        if (d is None) != (t is None):
+            return False
+        if d is not None and t is not None and (d.dtype != t.dtype or d.shape[1:] != t.shape[1:]):
+            return False
+    return True
+
+
+def _grown(
+    dest: torch.Tensor | None, like: torch.Tensor | None, used: int, more: int
+) -> torch.Tensor | None:
+    """``dest`` with room for ``more`` tokens after its first ``used`` (twice what is needed
+    when it must grow; the copy of the ``used`` tokens happens here, in the background)."""
+    if like is None:
+        return None
+    if dest is not None and dest.shape[0] >= used + more:
+        return dest
+    bigger = torch.empty((2 * (used + more), *like.shape[1:]), dtype=like.dtype)
+    if dest is not None and used:
+        bigger[:used].copy_(dest[:used])
+    return bigger
+
+
 class _Lane:
     """One request key's chunks as :class:`EagerChunks` takes them: the next index it waits
-    for and whether it stopped."""
+    for, whether it stopped, and what of them is already joined."""
 
-    __slots__ = ("done", "metadata", "next")
+    __slots__ = ("done", "join_lock", "joined", "metadata", "next")
 
     def __init__(self, metadata: dict[str, Any] | None) -> None:
         self.metadata = metadata
         self.next = 0
         self.done = False
+        self.joined: _Joined | None = _Joined()
+        self.join_lock = threading.Lock()
 
 
 class EagerChunks:
@@ -437,10 +499,13 @@ class EagerChunks:
         keys: Sequence[tuple[str, dict[str, Any] | None]],
         fallback: ChunkSource,
         *,
+        max_header_bytes: int,
         name: str = "kv-chunks",
     ) -> None:
         self._wait = wait
         self._fallback = fallback
+        self._max_header_bytes = max_header_bytes
+        self._served: dict[str, ManagedBuffer] = {}
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._held: dict[str, ManagedBuffer] = {}
@@ -461,6 +526,7 @@ class EagerChunks:
                 buf = self._wait(ckey, lane.metadata, self._stop)
                 if buf is None:
                     return
+                self._join(lane, buf)
                 with self._cond:
                     if not self._closed:
                         self._held[ckey] = buf
@@ -480,6 +546,61 @@ class EagerChunks:
                 lane.done = True
                 self._cond.notify_all()
 
+    def _join(self, lane: _Lane, buf: ManagedBuffer) -> None:
+        """Decode the chunk just taken and append it to its lane's joined tensors (on the
+        lane's thread, before the chunk is handed over). A chunk that does not decode or does
+        not fit ends the joining of that key: the assembly then joins it as without this."""
+        with lane.join_lock:
+            joined = lane.joined
+            if joined is None:
+                return
+            try:
+                host = buf.host_array
+                chunk = decode_kv(
+                    host if host is not None else buf.tensor,
+                    max_header_bytes=self._max_header_bytes,
+                )
+                ok = joined.add(chunk, buf)
+            except (OmniKVError, ValueError, RuntimeError) as exc:
+                logger.debug("chunk not joined ahead: %s", exc)
+                ok = False
+            if not ok:
+                lane.joined = None
+
+    def joined(self, key: str, count: int, tail: DecodedKV) -> tuple[list[Any], list[Any]] | None:
+        """The layers of ``key``'s first ``count`` chunks and ``tail``, joined: the tensors the
+        lane grew while the chunks arrived, with ``tail`` copied after them (views of the first
+        tokens of each). ``None`` when the lane did not join exactly the chunks the assembly
+        took (and checked) from here, or the tail does not fit: the caller joins them itself.
+        Called by :meth:`StreamAssembly.assemble` once every chunk passed its checks."""
+        lane = self._lanes.get(key)
+        if lane is None:
+            return None
+        with lane.join_lock:
+            joined, lane.joined = lane.joined, None  # used once; a late chunk joins nothing
+            if joined is None or len(joined.bufs) < count:
+                return None
+            with self._cond:
+                served = [self._served.get(chunk_key(key, i)) for i in range(count)]
+            if any(b is not joined.bufs[i] for i, b in enumerate(served)):
+                return None
+            at, n = joined.ends[count], _tokens(key, tail)
+            out: list[list[Any]] = [[], []]
+            for which, dests, parts in (
+                (0, joined.keys, tail.key_cache),
+                (1, joined.values, tail.value_cache),
+            ):
+                if not _fits(dests, parts):
+                    return None
+                for dest, t in zip(dests, parts, strict=True):
+                    room = _grown(dest, t, at, n)
+                    if room is None or t is None:
+                        out[which].append(None)
+                        continue
+                    room[at : at + n].copy_(t)
+                    out[which].append(room[: at + n])
+            return out[0], out[1]
+
     def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer:
         base, _, index = key.rpartition("#c")
         lane = self._lanes.get(base)
@@ -487,6 +608,7 @@ class EagerChunks:
             while True:
                 buf = self._held.pop(key, None)
                 if buf is not None:
+                    self._served[key] = buf
                     return buf
                 wanted = int(index) if index.isdigit() else -1
                 if lane is None or lane.done or lane.next != wanted:
@@ -553,10 +675,20 @@ class StreamAssembly:
                 self.guard.admit(chunk.stamp, tail.request_id)
             _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
             pieces.append(chunk)
-        caches = [
-            [_join([p.key_cache[i] for p in pieces], t) for i, t in enumerate(tail.key_cache)],
-            [_join([p.value_cache[i] for p in pieces], t) for i, t in enumerate(tail.value_cache)],
-        ]
+        ahead = None
+        if isinstance(self.source, EagerChunks):  # joined while the chunks arrived
+            ahead = self.source.joined(key, len(ranges), tail)
+        caches = (
+            list(ahead)
+            if ahead is not None
+            else [
+                [_join([p.key_cache[i] for p in pieces], t) for i, t in enumerate(tail.key_cache)],
+                [
+                    _join([p.value_cache[i] for p in pieces], t)
+                    for i, t in enumerate(tail.value_cache)
+                ],
+            ]
+        )
         size = nbytes + sum(b.size for b in self._held[held:])
         for buf in self._held[held:]:
             buf.release()
