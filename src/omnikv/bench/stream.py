@@ -145,7 +145,17 @@ class _Agent:
             got = self.mgr.receive_kv_cache_result(rid)
             t_ready = time.monotonic()
             ok, err = (False, math.inf) if not got.ok else self._check(got.kv, seq_len, tolerance)
-            self.outcome = ["received", t_ready, got.status.value, got.reason, got.nbytes, ok, err]
+            phases = {k: round(float(v), 2) for k, v in (got.timings_ms or {}).items()}
+            self.outcome = [
+                "received",
+                t_ready,
+                got.status.value,
+                got.reason,
+                got.nbytes,
+                ok,
+                err,
+                phases,
+            ]
 
         self.outcome = []
         self.thread = threading.Thread(target=run, name="bench-receive", daemon=True)
@@ -172,7 +182,7 @@ class _Agent:
     def op_result(self, timeout_s: float) -> list[Any]:
         if self.thread is not None:
             self.thread.join(timeout_s)
-        return self.outcome or ["received", 0.0, "no_result", "receive overran", 0, False, 0.0]
+        return self.outcome or ["received", 0.0, "no_result", "receive overran", 0, False, 0.0, {}]
 
     def op_close(self) -> list[Any]:
         if self.mgr is not None:
@@ -298,7 +308,8 @@ class _Run:
         if status != "sent":
             self.failures.append(f"{case.name} {rid}: send {status} ({reason})")
         got = b.ask("result", timeout, tag="received", timeout_s=timeout + 10)
-        _, t_ready, rstatus, rreason, _nbytes, ok, err = got
+        _, t_ready, rstatus, rreason, _nbytes, ok, err, phases = got
+        logger.info("%s %s: receive phases %s", case.name, rid, phases)
         if rstatus != "ok" or not ok:
             self.failures.append(f"{case.name} {rid}: receive {rstatus} ({rreason}), check {ok}")
             return
