@@ -186,6 +186,50 @@ def _late_arrival(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
     return res
 
 
+def _abortable(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
+    """A wait given an ``abort`` event (an admission or prefetch receive): a READ that started
+    runs to the wait's deadline however long it is held at "running", and a set event ends a
+    wait for a key that never comes within a poll."""
+    from omnikv.connectors.nixl import agent as nixl_agent
+
+    gate, abort = threading.Event(), threading.Event()
+    real_state = nixl_agent.Transfer.state
+
+    def held_state(self: Any) -> str:
+        return real_state(self) if gate.is_set() else "PROC"
+
+    res: dict[str, Any] = {}
+    before = recv.health()["quarantine_events"]
+    _, _, _, sent_crc = _ask(out_q, in_q, "put", "slowread", 8 * MiB, 11, 1.0)
+    got: dict[str, Any] = {}
+    nixl_agent.Transfer.state = held_state  # type: ignore[method-assign]
+    try:
+        th = threading.Thread(
+            target=lambda: got.update(
+                buf=recv.wait("0", "1", "slowread", deadline=time.monotonic() + 10, abort=abort)
+            )
+        )
+        th.start()
+        time.sleep(0.5)  # the condition under test: a READ held over ten abort polls
+    finally:
+        gate.set()
+        nixl_agent.Transfer.state = real_state  # type: ignore[method-assign]
+    th.join(timeout=20)
+    buf = got.get("buf")
+    res["ok"] = buf is not None and crc(buf.tensor.numpy()) == sent_crc
+    if buf is not None:
+        buf.release()
+    res["quarantined"] = recv.health()["quarantine_events"] - before
+    stop = threading.Event()
+    timer = threading.Timer(0.2, stop.set)
+    timer.start()
+    t0 = time.monotonic()
+    res["aborted_none"] = recv.wait("0", "1", "never3", deadline=t0 + 10, abort=stop) is None
+    res["aborted_s"] = time.monotonic() - t0
+    timer.join()
+    return res
+
+
 def _orphaned_lease(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
     """The receiver's READ step vanishes after a grant (as if it died): the lease expires."""
     from omnikv.errors import ConnectorError
@@ -264,6 +308,8 @@ def scenario_failures() -> dict[str, Any]:
         res["late"] = _late_arrival(recv, out_q, in_q)
         # a receiver that dies between grant and READ: the lease ends, the key is served again
         res["orphan"] = _orphaned_lease(recv, out_q, in_q)
+        # an abortable wait: the READ it started is never cut short by its abort polls
+        res["abortable"] = _abortable(recv, out_q, in_q)
         # sender killed mid-transfer: PeerGoneError within peer_timeout (+ a ping), nothing leaks
         assert _ask(out_q, in_q, "put", "doomed", 100 * MiB, 2, 1.0)[1] is True
         _ask(out_q, in_q, "kill_after_grant", 0.003)
@@ -430,6 +476,13 @@ def test_a_lease_whose_reader_vanished_expires(failures: dict[str, Any]) -> None
     assert o["dead_none"] and o["leased"] >= 1 and o.get("grant_hook_refused"), o
     # lease = the claim's budget (0.6 s) + the sender's peer timeout (1 s), then served again
     assert o["crc_ok"] and 0.3 < o["served_after_s"] < 5.0 and o["lease_expired"] >= 1, o
+
+
+@pytest.mark.timeout(90)
+def test_an_abortable_wait_never_cuts_a_read_that_started(failures: dict[str, Any]) -> None:
+    a = failures["abortable"]
+    assert a["ok"] is True and a["quarantined"] == 0, a
+    assert a["aborted_none"] is True and a["aborted_s"] < 2.0, a
 
 
 @pytest.mark.timeout(90)
