@@ -51,9 +51,17 @@ _REALISTIC = re.compile(
 def test_demo_tokens_match_reference(connector: str) -> None:
     before = _shm_files()
     out = _demo(
-        "--requests", "2", "--prompt-len", "60", "--new-tokens", "6", "--connector", connector,
-        "--realistic-tokens", "512",
-    )  # fmt: skip
+        "--requests",
+        "2",
+        "--prompt-len",
+        "60",
+        "--new-tokens",
+        "6",
+        "--connector",
+        connector,
+        "--realistic-tokens",
+        "512",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens match the single-process reference: yes" in out.stdout
     assert "result: PASS" in out.stdout
@@ -70,9 +78,16 @@ def test_demo_tokens_match_reference(connector: str) -> None:
 @pytest.mark.timeout(150)
 def test_demo_fails_on_a_perturbed_kv() -> None:
     out = _demo(
-        "--requests", "1", "--prompt-len", "40", "--new-tokens", "4", "--inject-fault",
-        "--realistic-tokens", "0",
-    )  # fmt: skip
+        "--requests",
+        "1",
+        "--prompt-len",
+        "40",
+        "--new-tokens",
+        "4",
+        "--inject-fault",
+        "--realistic-tokens",
+        "0",
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "DIFFERS" in out.stdout
     assert "received KV bit-identical to stage 0's: NO" in out.stdout
@@ -84,9 +99,17 @@ def test_demo_fails_on_a_perturbed_kv() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
 def test_hf_llama_demo_in_one_process() -> None:
     out = _demo(
-        "--model", "hf-llama", "--connector", "LocalConnector", "--prompt-lens", "1,17",
-        "--new-tokens", "3", "--realistic-tokens", "0",
-    )  # fmt: skip
+        "--model",
+        "hf-llama",
+        "--connector",
+        "LocalConnector",
+        "--prompt-lens",
+        "1,17",
+        "--new-tokens",
+        "3",
+        "--realistic-tokens",
+        "0",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "hf-llama (4 layers, 4 heads over 2 kv heads), fp32 KV" in out.stdout
     assert out.stdout.count("kv bit-identical") == 2

@@ -75,17 +75,29 @@ def test_an_injected_connector_is_used_as_is(namespace: str) -> None:
 def test_spec_from_config_derives_engine_roles_and_leaves_others_alone() -> None:
     plain = spec_from_config(
         {"type": "LocalConnector", "namespace": "x"},
-        from_stage="0", to_stage="1", sends=True, receives=False, local_rank=3,
-    )  # fmt: skip
+        from_stage="0",
+        to_stage="1",
+        sends=True,
+        receives=False,
+        local_rank=3,
+    )
     assert plain == ConnectorSpec("LocalConnector", {"namespace": "x"})
     engine = spec_from_config(
         {"type": "MooncakeTransferEngineConnector", "zmq_port": 50000},
-        from_stage=1, to_stage=2, sends=True, receives=False, local_rank=1,
-    )  # fmt: skip
+        from_stage=1,
+        to_stage=2,
+        sends=True,
+        receives=False,
+        local_rank=1,
+    )
     assert engine is not None and engine.extra["role"] == "sender"
     assert engine.extra["zmq_port"] == 50000 + 100 + 16 + 1
-    assert spec_from_config({"namespace": "x"}, from_stage=0, to_stage=1, sends=True,
-                            receives=False, local_rank=0) is None  # fmt: skip
+    assert (
+        spec_from_config(
+            {"namespace": "x"}, from_stage=0, to_stage=1, sends=True, receives=False, local_rank=0
+        )
+        is None
+    )
 
 
 def test_unknown_names_list_the_known_ones() -> None:

@@ -157,10 +157,23 @@ def test_shared_memory_across_two_processes(dtype: str) -> None:
     """``omnikv demo --model hf-llama``: stage 1 is another process; KV and tokens checked."""
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "omnikv.cli", "demo", "--model", "hf-llama", "--dtype", dtype,
-        "--prompt-lens", "1,15,16,17,100", "--new-tokens", str(NEW_TOKENS + 1),
-        "--realistic-tokens", "0", "--timeout", "100",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "omnikv.cli",
+        "demo",
+        "--model",
+        "hf-llama",
+        "--dtype",
+        dtype,
+        "--prompt-lens",
+        "1,15,16,17,100",
+        "--new-tokens",
+        str(NEW_TOKENS + 1),
+        "--realistic-tokens",
+        "0",
+        "--timeout",
+        "100",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "stage 1 running as pid" in out.stdout

@@ -64,8 +64,9 @@ def _payload() -> Any:
 
 def _put(conn: _Scripted, deadline: float = math.inf) -> tuple[tuple[bool, int, Any], list[float]]:
     slept: list[float] = []
-    out = put_with_retry(conn, ("0", "1"), "k", _payload(), POLICY, deadline=deadline,
-                         sleep=slept.append)  # fmt: skip
+    out = put_with_retry(
+        conn, ("0", "1"), "k", _payload(), POLICY, deadline=deadline, sleep=slept.append
+    )
     return out, slept
 
 

@@ -380,9 +380,14 @@ def scenario_replay() -> dict[str, Any]:
     proc, out_q, in_q, _ = _sender(_base_cfg(role="sender", zmq_port=zport, auth_secret=SECRET))
     with peers(proc):
         recv = MooncakeTransferEngineConnector(
-            _base_cfg(role="receiver", auth_secret=SECRET, sender_host="127.0.0.1",
-                      sender_zmq_port=zport, peer_timeout_seconds=1.0)
-        )  # fmt: skip
+            _base_cfg(
+                role="receiver",
+                auth_secret=SECRET,
+                sender_host="127.0.0.1",
+                sender_zmq_port=zport,
+                peer_timeout_seconds=1.0,
+            )
+        )
         wire = _tap_client(recv)
         _, _, _, sent_crc = ask(in_q, out_q, "put", "k", 4 * MiB, 1, 5.0)
         held = recv.wait("0", "1", "k", deadline=time.monotonic() + 20)

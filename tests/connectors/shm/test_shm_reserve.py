@@ -237,9 +237,14 @@ def test_without_a_known_role_the_reserve_waits_for_the_first_put(namespace: str
 def test_prefault_false_or_true_makes_no_start_up_reserve(namespace: str, prefault: bool) -> None:
     threads = _prefault_threads()
     c = SharedMemoryConnector(
-        {"namespace": namespace, "pool_size_bytes": "64MiB", "role": "sender",
-         "prefault": prefault, "linger_s": 0}
-    )  # fmt: skip
+        {
+            "namespace": namespace,
+            "pool_size_bytes": "64MiB",
+            "role": "sender",
+            "prefault": prefault,
+            "linger_s": 0,
+        }
+    )
     try:
         health = c.health()
         assert health["pool_reserve_bytes"] == 0 and health["pool_reserve_ready"]
@@ -307,10 +312,12 @@ def test_a_sending_manager_prepares_its_pool_before_the_first_request(namespace:
     conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": "16MiB"}
     tx = OmniKVTransferManager(
         OmniKVCacheConfig(
-            connector_config={**conn, "linger_s": 0}, from_stage="0", to_stage="1",
+            connector_config={**conn, "linger_s": 0},
+            from_stage="0",
+            to_stage="1",
             need_send_cache=True,
         )
-    )  # fmt: skip
+    )
     rx = OmniKVTransferManager(
         OmniKVCacheConfig(
             connector_config=dict(conn), from_stage="0", stage_id="1", need_recv_cache=True
