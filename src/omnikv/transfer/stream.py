@@ -96,14 +96,15 @@ def chunk_key(key: str, index: int) -> str:
 @dataclass(frozen=True)
 class StreamProgress:
     """What one ``stream_kv_blocks`` call did for a request: ``shipped`` tokens in
-    ``chunks`` chunks so far, ``new`` of them by this call; ``reason`` says why it shipped
-    nothing or stopped the stream (``None``: nothing to say)."""
+    ``chunks`` chunks so far, ``new`` of them by this call (``nbytes`` published for them);
+    ``reason`` says why it shipped nothing or stopped the stream (``None``: nothing to say)."""
 
     request_id: str
     shipped: int = 0
     chunks: int = 0
     new: int = 0
     reason: str | None = None
+    nbytes: int = 0
 
 
 @dataclass
@@ -216,7 +217,7 @@ class KVStreams:
         logger.debug(
             "KV chunk %d of %s shipped: tokens [%d, %d), %d bytes", index, rid, start, stop, nbytes
         )
-        return StreamProgress(rid, stop, index + 1, stop - start)
+        return StreamProgress(rid, stop, index + 1, stop - start, nbytes=int(nbytes))
 
     def _step(
         self,
@@ -506,6 +507,7 @@ class EagerChunks:
         self._fallback = fallback
         self._max_header_bytes = max_header_bytes
         self._served: dict[str, ManagedBuffer] = {}
+        self._decoded: dict[str, DecodedKV] = {}
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._held: dict[str, ManagedBuffer] = {}
@@ -526,10 +528,12 @@ class EagerChunks:
                 buf = self._wait(ckey, lane.metadata, self._stop)
                 if buf is None:
                     return
-                self._join(lane, buf)
+                chunk = self._join(lane, buf)
                 with self._cond:
                     if not self._closed:
                         self._held[ckey] = buf
+                        if chunk is not None:
+                            self._decoded[ckey] = chunk
                         lane.next = index + 1
                         self._cond.notify_all()
                         continue
@@ -546,14 +550,16 @@ class EagerChunks:
                 lane.done = True
                 self._cond.notify_all()
 
-    def _join(self, lane: _Lane, buf: ManagedBuffer) -> None:
+    def _join(self, lane: _Lane, buf: ManagedBuffer) -> DecodedKV | None:
         """Decode the chunk just taken and append it to its lane's joined tensors (on the
-        lane's thread, before the chunk is handed over). A chunk that does not decode or does
-        not fit ends the joining of that key: the assembly then joins it as without this."""
+        lane's thread, before the chunk is handed over); the decoded chunk, for the assembly
+        to check without decoding it again. A chunk that does not decode or does not fit ends
+        the joining of that key: the assembly then joins it as without this."""
         with lane.join_lock:
             joined = lane.joined
             if joined is None:
-                return
+                return None
+            chunk = None
             try:
                 host = buf.host_array
                 chunk = decode_kv(
@@ -566,6 +572,12 @@ class EagerChunks:
                 ok = False
             if not ok:
                 lane.joined = None
+            return chunk
+
+    def decoded(self, key: str) -> DecodedKV | None:
+        """The chunk handed over under ``key`` as its lane decoded it (``None``: decode it)."""
+        with self._cond:
+            return self._decoded.get(key)
 
     def joined(self, key: str, count: int, tail: DecodedKV) -> tuple[list[Any], list[Any]] | None:
         """The layers of ``key``'s first ``count`` chunks and ``tail``, joined: the tensors the
@@ -670,7 +682,8 @@ class StreamAssembly:
             buf = self.source.take(ckey, metadata)
             self.taken.append((ckey, metadata))
             self._held.append(buf)
-            chunk = self._decode(buf)
+            known = self.source.decoded(ckey) if isinstance(self.source, EagerChunks) else None
+            chunk = known if known is not None else self._decode(buf)
             if self.guard is not None:
                 self.guard.admit(chunk.stamp, tail.request_id)
             _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
