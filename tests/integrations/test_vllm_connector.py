@@ -830,3 +830,85 @@ def test_transfer_threads_are_not_pinned_to_the_engines_core(namespace: str) -> 
     cpus = transfer_cpus()
     assert cpus is not None and len(cpus) >= 2
     assert report["others"] and "0" not in report["others"]  # no thread left on the pinned core
+
+
+# -- stream_kv: the producer ships blocks while it prefills ---------------------------------------
+def _step_with(side: Any, scheduler_output: Any, finished: set[str]) -> Any:
+    """One engine step with vLLM's scheduler output (what ``build_connector_meta`` gets)."""
+    sched, worker = side.sched, side.worker
+    worker.bind_connector_metadata(sched.build_connector_meta(scheduler_output))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(finished)
+    worker.clear_connector_metadata()
+    sched.update_connector_output(results)
+    return results
+
+
+def _output(new: list[Any], cached: list[tuple[str, int, list[int] | None]], sched: dict) -> Any:
+    """A scheduler output: new requests, cached ones as (id, computed, new blocks), tokens."""
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            num_computed_tokens=[c[1] for c in cached],
+            new_block_ids=[None if c[2] is None else (c[2],) for c in cached],
+            resumed_req_ids=set(),
+        ),
+        num_scheduled_tokens=sched,
+    )
+
+
+def test_a_streaming_producer_ships_blocks_during_chunked_prefill(edge: Any) -> None:
+    """vLLM's call sequence for a prompt prefilled in two chunks (4 then 6 tokens, blocks of
+    4): each chunk's full blocks ship after its forward pass, the finish sends the partial
+    block and the manifest under the same transfer id; the consumer writes the same tokens."""
+    conn = edge.conn
+    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn, "stream_kv": True}
+    producer = _pair("kv_producer", omni)
+    edge.made.append(producer)
+    for t in producer.caches.values():
+        t.copy_(torch.randn_like(t))
+    request = _request("s1", {"do_remote_decode": True})
+    producer.sched.update_state_after_alloc(request, _blocks([3, 5, 1]), 0)
+    new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
+    _step_with(producer, _output([new], [], {"s1": 4}), set())
+    assert producer.worker.stats()["chunks_streamed"] == 1  # block 3, after the first chunk
+    _step_with(producer, _output([], [("s1", 4, None)], {"s1": 6}), set())
+    assert producer.worker.stats()["chunks_streamed"] == 2  # block 5; block 1 is partial
+    request.num_computed_tokens = len(PROMPT)
+    delay, params = producer.sched.request_finished(request, [3, 5, 1])
+    assert delay and params is not None
+    results = _step_with(producer, _output([], [], {}), {"s1"})
+    assert results.finished_sending == {"s1"}
+    record = producer.worker.transfer_record(params["omnikv_transfer_id"])
+    assert record is not None and record["ok"], record
+    load = _load(edge.consumer, dict(params), "c1", [6, 2, 7])
+    assert load.finished_recving == {"c1"} and not load.failed_recving
+    got = _tokens(edge.consumer.worker, [6, 2, 7])
+    want = _tokens(producer.worker, [3, 5, 1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_streamed_request_that_is_aborted_leaves_no_chunk(edge: Any) -> None:
+    conn = edge.conn
+    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn, "stream_kv": True}
+    producer = _pair("kv_producer", omni)
+    edge.made.append(producer)
+    request = _request("s2", {"do_remote_decode": True})
+    producer.sched.update_state_after_alloc(request, _blocks([0, 1, 2]), 0)
+    new = SimpleNamespace(req_id="s2", block_ids=([0, 1, 2],), num_computed_tokens=0)
+    _step_with(producer, _output([new], [], {"s2": 8}), set())
+    assert producer.worker.stats()["chunks_streamed"] == 1
+    from omnikv.connectors.local import LocalConnector
+
+    probe = LocalConnector(conn)
+    try:
+        assert any("#c0" in k for k in probe.pending_keys())
+        request.status = SimpleNamespace(name="FINISHED_ABORTED")
+        assert producer.sched.request_finished(request, [0, 1, 2]) == (False, None)
+        _step_with(producer, _output([], [], {}), set())  # the abort reaches the worker
+        assert probe.pending_keys() == []
+    finally:
+        probe.close()

@@ -234,7 +234,7 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
         enforce_eager=True,
         block_size=32,
         max_model_len=max_len,
-        max_num_batched_tokens=max_len,
+        max_num_batched_tokens=int(cfg.get("max_num_batched_tokens", max_len)),
         enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
         kv_transfer_config=ktc,
         seed=0,

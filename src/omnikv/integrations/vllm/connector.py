@@ -146,6 +146,7 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 recv_timeout=config_from_dict(options.omni_kv_config).recv_timeout,
                 prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
             )
+            self._scheduler.set_block_size(int(getattr(cache, "block_size", 0) or 0))
         else:
             declare_payload_size(options.omni_kv_config, vllm_config)
             self._worker = WorkerSide(options, int(vllm_config.cache_config.block_size))
@@ -180,8 +181,10 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing per layer: a request's prompt KV is sent whole once it has finished."""
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: sends are of requests that finished in earlier steps and start
-        at bind (see :mod:`.worker`)."""
+        """With ``stream_kv``: ship the blocks this step's forward pass completed for requests
+        in prefill (see :meth:`.worker.WorkerSide.ship_streams`). Sends of finished requests
+        start at bind (see :mod:`.worker`)."""
+        self._worker_side().ship_streams()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker_side().results(finished_req_ids)
@@ -226,7 +229,7 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
-        return self._scheduler_side().build()
+        return self._scheduler_side().build(scheduler_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

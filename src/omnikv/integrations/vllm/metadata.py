@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from omnikv.integrations.vllm._vllm import KVConnectorMetadata
 
-__all__ = ["LoadSpec", "OmniKVConnectorMetadata", "SendSpec"]
+__all__ = ["LoadSpec", "OmniKVConnectorMetadata", "SendSpec", "StreamSpec"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,18 @@ class SendSpec:
     transfer_id: str
     key: str
     binding: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A producer request still in prefill whose first ``num_tokens`` prompt tokens will have
+    their KV written once this step's forward pass ends: its full blocks ship under ``key``
+    (``stream_kv``), ahead of the request's finish."""
+
+    req_id: str
+    key: str
     block_ids: tuple[int, ...]
     num_tokens: int
 
@@ -49,9 +61,13 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Scheduler -> worker, once per engine step.
 
     ``sends`` and ``loads`` to start; ``cancels``: request ids whose load is no longer wanted
-    (the request was aborted while waiting for its KV).
+    (the request was aborted while waiting for its KV); ``streams``: blocks to ship after this
+    step's forward pass (``stream_kv``); ``stream_aborts``: keys of streams to drop (their
+    request ended without a send).
     """
 
     sends: list[SendSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    streams: list[StreamSpec] = field(default_factory=list)
+    stream_aborts: list[str] = field(default_factory=list)

@@ -29,13 +29,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omnikv.config import options_from_dict
 from omnikv.integrations.vllm.binding import (
     check_transfer_id,
     new_transfer_id,
     payload_key,
     request_binding,
 )
-from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
+from omnikv.integrations.vllm.metadata import (
+    LoadSpec,
+    OmniKVConnectorMetadata,
+    SendSpec,
+    StreamSpec,
+)
 from omnikv.integrations.vllm.options import ConnectorOptions
 from omnikv.integrations.vllm.stats import TransferCounters
 
@@ -65,6 +71,20 @@ class _Admitted:
     binding: str
     num_tokens: int
     deadline: float
+
+
+@dataclass
+class _Streaming:
+    """A producer request marked ``do_remote_decode`` whose prompt KV ships while it is
+    prefilled (``stream_kv``): its transfer id and key, fixed at its first schedule, and the
+    blocks and prompt tokens known so far."""
+
+    transfer_id: str
+    key: str
+    binding: str
+    prompt_len: int
+    block_ids: list[int]
+    shipped_to: int = 0  # prompt tokens covered by the streams emitted so far
 
 
 class SchedulerSide:
@@ -98,6 +118,11 @@ class SchedulerSide:
         self._load_of: dict[str, str] = {}  # req id -> transfer key it loads
         self._settled: OrderedDict[str, bool] = OrderedDict()  # key -> loaded ok
         self._told_no_sharing = False
+        # producer streaming (stream_kv): req id -> its stream; keys to drop
+        self.stream = bool(options_from_dict(options.omni_kv_config).stream_kv) and producer
+        self._streaming: dict[str, _Streaming] = {}
+        self._stream_aborts: list[str] = []
+        self._block_size = 0
 
     # -- consumer ---------------------------------------------------------------------------
     def _refuse(self, request: Any, why: str) -> None:
@@ -172,7 +197,10 @@ class SchedulerSide:
             )
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        """``update_state_after_alloc``: an admitted request with external tokens loads them."""
+        """``update_state_after_alloc``: an admitted request with external tokens loads them;
+        a producer request to stream (``stream_kv``) gets its transfer id now."""
+        if self.stream:
+            self._open_stream(request, blocks)
         if num_external <= 0:
             return
         rid = request.request_id
@@ -205,6 +233,66 @@ class SchedulerSide:
             self._settled.popitem(last=False)
 
     # -- producer ---------------------------------------------------------------------------
+    def _open_stream(self, request: Any, blocks: Any) -> None:
+        """Fix the transfer id and key of a ``do_remote_decode`` request when it is first
+        scheduled, so that its blocks can ship while it is prefilled."""
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None)
+        if rid in self._streaming or not isinstance(params, Mapping):
+            return
+        if not params.get("do_remote_decode"):
+            return
+        prompt = getattr(request, "prompt_token_ids", None) or ()
+        binding = request_binding(self.fingerprint, request, len(prompt)) if prompt else None
+        if binding is None:
+            return
+        tid = new_transfer_id(self.options.tag, binding, self.options.secret)
+        ids = [int(b) for b in blocks.get_block_ids()[0]]
+        self._streaming[rid] = _Streaming(tid, payload_key(tid, binding), binding, len(prompt), ids)
+
+    def _stream_specs(self, scheduler_output: Any) -> list[StreamSpec]:
+        """This step's blocks to ship: for each streaming request scheduled now, its block ids
+        and the prompt tokens whose KV this step's forward pass completes (emitted only when a
+        block more is full)."""
+        if not self._streaming or scheduler_output is None:
+            return []
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            st = self._streaming.get(new.req_id)
+            if st is not None:
+                st.block_ids = [int(b) for b in new.block_ids[0]]
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        computed: dict[str, int] = {
+            n.req_id: int(n.num_computed_tokens)
+            for n in getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+        }
+        if cached is not None:
+            resumed = getattr(cached, "resumed_req_ids", None) or set()
+            for i, rid in enumerate(cached.req_ids):
+                st = self._streaming.get(rid)
+                if st is None:
+                    continue
+                computed[rid] = int(cached.num_computed_tokens[i])
+                more = cached.new_block_ids[i]
+                if more is not None:
+                    fresh = [int(b) for b in more[0]]
+                    st.block_ids = fresh if rid in resumed else [*st.block_ids, *fresh]
+        specs = []
+        size = max(1, self._block_size)
+        for rid, before in computed.items():
+            st = self._streaming.get(rid)
+            if st is None or rid not in scheduled:
+                continue
+            upto = min(st.prompt_len, before + int(scheduled[rid]))
+            if upto // size > st.shipped_to // size:  # a block more is full after this step
+                st.shipped_to = upto
+                specs.append(StreamSpec(rid, st.key, tuple(st.block_ids), upto))
+        return specs
+
+    def set_block_size(self, block_size: int) -> None:
+        """The engine's block size (a stream step is emitted per full block)."""
+        self._block_size = int(block_size)
+
     def finished(
         self, request: Any, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -213,6 +301,21 @@ class SchedulerSide:
         self._admitted.pop(rid, None)
         if rid in self._load_of:  # aborted while its KV was loading: stop waiting for it
             self._cancels.append(rid)
+        stream = self._streaming.pop(rid, None)
+        sent = self._finish_send(request, block_ids, stream)
+        params = sent[1]
+        if stream is not None and (
+            params is None or params[PARAM_TRANSFER_ID] != stream.transfer_id
+        ):
+            self._stream_aborts.append(stream.key)  # its chunks will have no tail
+        return sent
+
+    def _finish_send(
+        self, request: Any, block_ids: Sequence[int], stream: _Streaming | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The send of a finished producer request (under its stream's key when the stream
+        still covers exactly its prompt), or ``(False, None)``."""
+        rid = request.request_id
         params = getattr(request, "kv_transfer_params", None)
         if not self.producer or not isinstance(params, Mapping):
             return False, None
@@ -225,8 +328,11 @@ class SchedulerSide:
         binding = request_binding(self.fingerprint, request, num) if num > 0 else None
         if binding is None:
             return False, None
-        tid = new_transfer_id(self.options.tag, binding, self.options.secret)
-        key = payload_key(tid, binding)
+        if stream is not None and stream.binding == binding:
+            tid, key = stream.transfer_id, stream.key
+        else:
+            tid = new_transfer_id(self.options.tag, binding, self.options.secret)
+            key = payload_key(tid, binding)
         self._sends.append(SendSpec(rid, tid, key, binding, tuple(block_ids), num))
         self._sending.add(rid)
         return True, {
@@ -238,15 +344,19 @@ class SchedulerSide:
         }
 
     # -- both -------------------------------------------------------------------------------
-    def build(self) -> OmniKVConnectorMetadata:
-        """``build_connector_meta``: this step's sends, loads and cancels."""
+    def build(self, scheduler_output: Any = None) -> OmniKVConnectorMetadata:
+        """``build_connector_meta``: this step's sends, loads, cancels and (``stream_kv``) the
+        blocks of requests in prefill to ship after its forward pass."""
         now = time.monotonic()
         loads = [
             dataclasses.replace(spec, remaining_s=max(0.0, deadline - now))
             for spec, deadline in self._loads
         ]
-        meta = OmniKVConnectorMetadata(self._sends, loads, self._cancels)
-        self._sends, self._loads, self._cancels = [], [], []
+        streams = self._stream_specs(scheduler_output)
+        meta = OmniKVConnectorMetadata(
+            self._sends, loads, self._cancels, streams, self._stream_aborts
+        )
+        self._sends, self._loads, self._cancels, self._stream_aborts = [], [], [], []
         return meta
 
     def update(

@@ -59,7 +59,12 @@ from omnikv.config import config_from_dict, options_from_dict
 from omnikv.errors import OmniKVError
 from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
 from omnikv.integrations.vllm.binding import kv_mac, mac_matches
-from omnikv.integrations.vllm.metadata import LoadSpec, OmniKVConnectorMetadata, SendSpec
+from omnikv.integrations.vllm.metadata import (
+    LoadSpec,
+    OmniKVConnectorMetadata,
+    SendSpec,
+    StreamSpec,
+)
 from omnikv.integrations.vllm.options import ConnectorOptions
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
 from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
@@ -209,6 +214,8 @@ class WorkerSide:
         # send key -> request id (the request's blocks stay held meanwhile when
         # free_blocks_on is "verdict")
         self._verdicts_due: dict[str, str] = {}
+        #: this step's stream specs (runner thread only: bind, then wait_for_save)
+        self._streams_due: list[StreamSpec] = []
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
         """``register_kv_caches``: per layer the blocks of the engine's caches
@@ -244,7 +251,37 @@ class WorkerSide:
                 event = self._aborts.get(rid)
                 if event is not None:
                     event.set()
+        self._streams_due.extend(meta.streams)
+        for key in meta.stream_aborts:
+            self.manager.abort_kv_stream(key)
         self._submit_sends(meta.sends)
+
+    def ship_streams(self) -> None:
+        """``wait_for_save`` with ``stream_kv``: ship the blocks this step's forward pass
+        completed for producer requests still in prefill (one chunk per request and step, from
+        the engine's cache, before the runner goes on), so that at the request's finish only
+        its last blocks and the metadata move. Runs on the runner's thread: the chunks must be
+        published before the finish's tail, and the blocks must be read before the next step
+        may touch them. A packed layout (AMX tiles) is not streamed: such a request is sent
+        whole at its finish. Never raises."""
+        due, self._streams_due = self._streams_due, []
+        if not due or self.layout_error is not None or self.layout == VLLM_CPU_AMX_LAYOUT:
+            return
+        layers = list(self.layers.values())
+        for spec in due:
+            try:
+                sources = [layer.send_source(spec.block_ids) for layer in layers]
+                views: list[Any] = [kv for kv, _ in sources]
+                entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
+                progress = self.manager.stream_kv_blocks(
+                    spec.key, entry, views, self.block_size, str(views[0][0].dtype)
+                )
+            except Exception as exc:  # the finish still sends what was not shipped
+                logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
+                continue
+            if progress.new:
+                self.counters.add("chunks_streamed")
+                self.counters.add("bytes_streamed", int(progress.nbytes))
 
     def start_loads(self) -> None:
         """``start_load_kv``: start the loads noted at bind (asynchronous)."""
