@@ -106,6 +106,8 @@ class OmniKVTransferManager:
         self._receiver.guard = SessionGuard(self.metrics)
         self._streams = KVStreams(self._sender) if self.options.stream_kv else None
         self._sender.streams = self._streams
+        if self._streams is not None:  # chunks of a refused stream go at the next step
+            self._deliveries.on_unsettled = self._streams.note_unsettled
         #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
         self.last_send_results: list[SendResult] = []
         self._prefetch_on = bool(async_prefetch) and receives
@@ -256,6 +258,8 @@ class OmniKVTransferManager:
         """Send finished requests' KV, all puts under one ``send_timeout``; return every id."""
         if not finished_reqs:
             return []
+        if self._streams is not None:
+            self._streams.drop_orphans()
         deadline = deadline_after(self.options.send_timeout, "send_timeout")
         args = (finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver)
         self.last_send_results = self._log.sent(self._sender.send_batch(*args, deadline=deadline))

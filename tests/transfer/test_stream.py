@@ -302,6 +302,26 @@ def test_a_missing_chunk_is_a_timeout_and_the_taken_chunks_are_refused(
     assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
 
 
+def test_chunks_of_a_refused_stream_go_at_the_senders_next_step(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver that refuses a stream's tail before it took the chunks (here: the header
+    is over its bound) leaves them unclaimed; once the refusal is in, the sender drops them at
+    its next stream step instead of holding them until their TTL."""
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer.receive")
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", max_header_bytes=64, recv_timeout=2.0)
+    caches, ids = _caches(), [0, 1, 2]
+    _decode_steps(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32")
+    assert _finish(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32").ok
+    assert receiver.receive_kv_cache_result("r1").status is ReceiveStatus.CORRUPT
+    assert sender.wait_delivered("r1", 5).status is SendStatus.REFUSED
+    conn = _connector(sender)
+    assert any("#c" in k for k in conn.pending_keys())  # not taken, not yet dropped
+    sender.stream_kv_blocks("r2", _entry([5, 6], 1), caches, BS, "torch.float32")
+    assert not any("r1#c" in k for k in conn.pending_keys()), conn.pending_keys()
+
+
 # -- a receiver that takes the chunks as they come (stream_kv on the receiving stage) ----------
 def _chunk_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("omnikv-chunks")]

@@ -54,6 +54,10 @@ class DeliveryBook:
     ) -> None:
         #: Called once with each result when its verdict is decided (the manager's metrics).
         self.record = record
+        #: Called with the keys of a request that had no verdict yet when the request was
+        #: refused or expired (its stream's chunks that nobody will take). Runs on the
+        #: connector's listener thread: it must only note them.
+        self.on_unsettled: Callable[[list[str]], object] | None = None
         self.capacity = capacity
         self._cond = threading.Condition()
         self._watches: OrderedDict[str, _Watch] = OrderedDict()
@@ -97,6 +101,7 @@ class DeliveryBook:
     def on_report(self, report: DeliveryReport) -> None:
         """The sending connector's listener: one payload's verdict."""
         changed: SendResult | None = None
+        unsettled: list[str] = []
         with self._cond:
             rid = self._owner.get(report.key)
             watch = None if rid is None else self._watches.get(rid)
@@ -106,9 +111,14 @@ class DeliveryBook:
             watch.verdicts[report.key] = report
             if watch.result is not None:
                 changed = self._apply(watch)
+            if changed is not None and changed.status is not SendStatus.DELIVERED:
+                unsettled = sorted(k for k in watch.keys if k not in watch.verdicts)
             self._cond.notify_all()
         if changed is not None and self.record is not None:
             self.record(changed)
+        hook = self.on_unsettled
+        if unsettled and hook is not None:
+            hook(unsettled)
 
     def wait(self, request_id: str, timeout: float | None) -> SendResult | None:
         """Block until ``request_id``'s verdict is in or ``timeout`` s passed (``None``: no

@@ -160,6 +160,7 @@ class KVStreams:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._orphans: list[str] = []  # chunk keys of refused or expired streams, to drop
 
     # -- per step -----------------------------------------------------------------------------
     def ship(
@@ -174,6 +175,7 @@ class KVStreams:
         """Ship ``request_id``'s full blocks not shipped yet as one chunk; never raises for the
         request's failure (the progress says why nothing went)."""
         rid = str(request_id)
+        self.drop_orphans()
         sender = self.sender
         from_stage, to_stage = sender.stages
         connector = sender.connector.get() if sender.enabled else None
@@ -332,6 +334,26 @@ class KVStreams:
             self.abort(result.request_id)
 
     # -- dropping -------------------------------------------------------------------------------
+    def note_unsettled(self, keys: list[str]) -> None:
+        """The delivery book's hook: a refused or expired request's keys that had no verdict.
+        Its chunks among them will never be taken; they are dropped at this sender's next
+        stream step or finish (never here: this runs on the connector's listener thread)."""
+        chunks = [k for k in keys if k.rpartition("#c")[2].isdigit()]
+        if chunks:
+            with self._lock:
+                self._orphans.extend(chunks)
+
+    def drop_orphans(self) -> int:
+        """Drop the chunks :meth:`note_unsettled` noted (called on the sender's thread, by
+        each stream step and finish); how many keys were dropped."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        connector = self.sender.connector.current
+        if orphans and connector is not None:
+            logger.debug("dropping %d chunk(s) of refused or expired streams", len(orphans))
+            self._drop(connector, orphans)
+        return len(orphans)
+
     def abort(self, request_id: str) -> int:
         """Forget ``request_id``'s stream and drop every chunk it published (a request aborted
         mid-stream); the number of chunk keys dropped (0: no stream)."""
