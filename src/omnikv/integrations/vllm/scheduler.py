@@ -60,6 +60,8 @@ PARAM_NUM_TOKENS = "omnikv_num_tokens"
 PARAM_BINDING = "omnikv_binding"
 #: Transfer keys remembered as loaded or failed (a later request with one is refused at once).
 SETTLED_KEPT = 65536
+#: Producer requests streamed at once (``stream_kv``); more are sent whole at their finish.
+STREAMS_KEPT = 65536
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,8 @@ class SchedulerSide:
         binding = request_binding(self.fingerprint, request, len(prompt)) if prompt else None
         if binding is None:
             return
+        if len(self._streaming) >= STREAMS_KEPT:  # every request finishes; this bounds a leak
+            return
         tid = new_transfer_id(self.options.tag, binding, self.options.secret)
         ids = [int(b) for b in blocks.get_block_ids()[0]]
         self._streaming[rid] = _Streaming(tid, payload_key(tid, binding), binding, len(prompt), ids)
@@ -274,6 +278,8 @@ class SchedulerSide:
                     continue
                 computed[rid] = int(cached.num_computed_tokens[i])
                 more = cached.new_block_ids[i]
+                if rid in resumed:  # preempted: its blocks and computed tokens start over
+                    st.shipped_to = 0
                 if more is not None:
                     fresh = [int(b) for b in more[0]]
                     st.block_ids = fresh if rid in resumed else [*st.block_ids, *fresh]
