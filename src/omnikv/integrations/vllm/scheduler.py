@@ -4,7 +4,10 @@ vLLM calls it from the engine core's scheduler loop, one thread, once per reques
 
 * producer: ``request_finished`` picks requests marked ``do_remote_decode``, keeps their blocks
   and returns the ``kv_transfer_params`` for the client; ``update_connector_output`` learns when
-  a send is done; ``has_pending_push_work`` keeps the engine stepping until then.
+  a send is done; ``has_pending_push_work`` keeps the engine stepping until then. With
+  ``stream_kv``, ``update_state_after_alloc`` fixes such a request's transfer id when it is
+  first scheduled and ``build_connector_meta`` (reading vLLM's scheduler output) names each
+  step's requests whose prefill completes a block, for the worker to ship after the forward.
 * consumer: ``get_num_new_matched_tokens`` admits or refuses a request's ``kv_transfer_params``
   (client input: checked before anything waits), ``update_state_after_alloc`` turns an admitted
   request into a load; ``update_connector_output`` learns when a load has ended.

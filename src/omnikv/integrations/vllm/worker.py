@@ -2,7 +2,8 @@
 
 vLLM's model runner calls it once per step, on its own thread: ``bind_connector_metadata``
 (:meth:`WorkerSide.bind`: the step's sends start here), ``start_load_kv``
-(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (nothing to do) and
+(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (nothing to do, or with ``stream_kv``
+ship the blocks the step's prefill completed: :meth:`WorkerSide.ship_streams`) and
 ``get_transfer_results`` (:meth:`WorkerSide.results`). With speculative decoding vLLM 0.32
 calls ``get_transfer_results`` before ``wait_for_save``; since sends start at bind, a finished
 request is reported whichever comes first.
