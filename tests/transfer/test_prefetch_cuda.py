@@ -52,6 +52,7 @@ def _receive_ok(seen: list[Any]) -> Any:
         sender_info: dict[str, Any] | None,
         deadline: float,
         abort: threading.Event,
+        on_arrival: Any = None,
     ) -> ReceiveResult:
         rid, device = request_id, target_device
         seen.append((rid, device, threading.current_thread().name))
