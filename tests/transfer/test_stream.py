@@ -384,6 +384,36 @@ def _seed_dict(result: Any) -> dict[str, Any]:
     }
 
 
+def test_a_streaming_receiver_retakes_chunks_of_a_stream_restarted_after_it_took_them(
+    make_manager: ManagerFactory,
+) -> None:
+    """The receiver took chunk 0 ahead; then the sender's request moved to other blocks (a
+    preemption) and its stream restarted with a new chunk 0. The assembly notices the stale
+    chunk, takes the new one and returns what the finish names: the new blocks' tokens."""
+    caches = _caches()
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=10.0)
+    conn = _connector(sender)
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(r=receiver.receive_kv_cache_result("r1")))
+    t.start()
+    try:
+        sender.stream_kv_blocks("r1", _entry([1, 2, 3], 2 * BS), caches, BS, "torch.float32")
+        assert _until(lambda: conn.pending_keys() == []), conn.pending_keys()  # taken ahead
+        p = sender.stream_kv_blocks("r1", _entry([8, 9, 10], 2 * BS), caches, BS, "torch.float32")
+        assert (p.shipped, p.chunks) == (2 * BS, 1)  # restarted: a new chunk 0
+        res = _finish(sender, "r1", [8, 9, 10], 2 * BS + 1, caches, "torch.float32")
+        assert res.ok and any("#c0" in k for k in res.keys)
+    finally:
+        t.join(15)
+    result = got["r"]
+    assert result.ok, result.reason
+    want = torch.cat([caches[0][0, b] for b in (8, 9, 10)])[: 2 * BS + 1]
+    assert torch.equal(result.kv.key_cache[0], want)
+    gc.collect()
+    assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
+
+
 def test_a_streaming_receiver_takes_a_whole_send_as_before_and_stops_looking(
     make_manager: ManagerFactory,
 ) -> None:

@@ -512,8 +512,7 @@ class EagerChunks:
     ``fallback`` as without this class. :meth:`stop` ends the threads (within one wait slice,
     without waiting for them) and returns the chunks taken and never used: a stream restarted
     after its first chunks leaves some (the caller refuses and releases them; the assembly of
-    the new stream then finds the old first chunks and refuses the receive as corrupt, the
-    request's fallback). Thread-safe.
+    the new stream takes those keys afresh, see :meth:`retake`). Thread-safe.
     """
 
     def __init__(
@@ -530,6 +529,7 @@ class EagerChunks:
         self._max_header_bytes = max_header_bytes
         self._served: dict[str, ManagedBuffer] = {}
         self._decoded: dict[str, DecodedKV] = {}
+        self._stale: list[tuple[str, ManagedBuffer]] = []  # chunks of an earlier stream
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._held: dict[str, ManagedBuffer] = {}
@@ -596,6 +596,23 @@ class EagerChunks:
                 lane.joined = None
             return chunk
 
+    def retake(
+        self, key: str, metadata: dict[str, Any] | None, stale: ManagedBuffer
+    ) -> ManagedBuffer:
+        """The chunk under ``key`` taken afresh from ``fallback``: the one handed over
+        (``stale``) belongs to an earlier stream of the request (its sender restarted the
+        stream after this lane took it). ``stale`` goes back with :meth:`stop`'s unused chunks
+        (refused, released) and the key's joined tensors are not used."""
+        lane = self._lanes.get(key.rpartition("#c")[0])
+        if lane is not None:
+            with lane.join_lock:
+                lane.joined = None
+        with self._cond:
+            self._served.pop(key, None)
+            self._decoded.pop(key, None)
+            self._stale.append((key, stale))
+        return self._fallback.take(key, metadata)
+
     def decoded(self, key: str) -> DecodedKV | None:
         """The chunk handed over under ``key`` as its lane decoded it (``None``: decode it)."""
         with self._cond:
@@ -658,7 +675,9 @@ class EagerChunks:
         with self._cond:
             self._closed = True
             held, self._held = self._held, {}
-        return [(k, self._lanes[k.rpartition("#c")[0]].metadata, b) for k, b in held.items()]
+            unused = [*held.items(), *self._stale]
+            self._stale = []
+        return [(k, self._lanes[k.rpartition("#c")[0]].metadata, b) for k, b in unused]
 
 
 class StreamAssembly:
@@ -706,6 +725,10 @@ class StreamAssembly:
             self._held.append(buf)
             known = self.source.decoded(ckey) if isinstance(self.source, EagerChunks) else None
             chunk = known if known is not None else self._decode(buf)
+            if isinstance(self.source, EagerChunks) and _of_another_stream(chunk, mark.id):
+                buf = self.source.retake(ckey, metadata, self._held.pop())
+                self._held.append(buf)
+                chunk = self._decode(buf)
             if self.guard is not None:
                 self.guard.admit(chunk.stamp, tail.request_id)
             _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
@@ -768,6 +791,13 @@ def _tokens(key: str, tail: DecodedKV) -> int:
     if len(counts) != 1 or -1 in counts:
         raise _corrupt(key, f"tail tensors disagree on their token count ({sorted(counts)[:4]})")
     return counts.pop()
+
+
+def _of_another_stream(chunk: DecodedKV, stream_id: str) -> bool:
+    """Whether ``chunk`` is a chunk of a stream other than ``stream_id`` (one its sender
+    restarted after a receiver took it ahead)."""
+    mark = chunk.stream
+    return mark is not None and mark.k == "chunk" and mark.id != stream_id
 
 
 def _check_chunk(
