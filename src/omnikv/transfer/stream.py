@@ -75,6 +75,7 @@ __all__ = [
     "StreamProgress",
     "TailPlan",
     "chunk_key",
+    "chunk_parts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,19 @@ _ONE_ATTEMPT = RetryPolicy(attempts=1)
 def chunk_key(key: str, index: int) -> str:
     """The key of chunk ``index`` of a stream whose request is published under ``key``."""
     return f"{key}#c{index}"
+
+
+def chunk_parts(key: str) -> tuple[str, int] | None:
+    """The request key and chunk index of a :func:`chunk_key`; ``None`` for any other key."""
+    base, sep, index = key.rpartition("#c")
+    return (base, int(index)) if sep and index.isdigit() else None
+
+
+def _decode_buffer(buf: ManagedBuffer, max_header_bytes: int) -> DecodedKV:
+    """``buf``'s payload decoded (views of its host array, else of its tensor)."""
+    host = buf.host_array
+    payload: Any = host if host is not None else buf.tensor
+    return decode_kv(payload, max_header_bytes=max_header_bytes)
 
 
 @dataclass(frozen=True)
@@ -338,7 +352,7 @@ class KVStreams:
         """The delivery book's hook: a refused or expired request's keys that had no verdict.
         Its chunks among them will never be taken; they are dropped at this sender's next
         stream step or finish (never here: this runs on the connector's listener thread)."""
-        chunks = [k for k in keys if k.rpartition("#c")[2].isdigit()]
+        chunks = [k for k in keys if chunk_parts(k) is not None]
         if chunks:
             with self._lock:
                 self._orphans.extend(chunks)
@@ -583,11 +597,7 @@ class EagerChunks:
                 return None
             chunk = None
             try:
-                host = buf.host_array
-                chunk = decode_kv(
-                    host if host is not None else buf.tensor,
-                    max_header_bytes=self._max_header_bytes,
-                )
+                chunk = _decode_buffer(buf, self._max_header_bytes)
                 ok = joined.add(chunk, buf)
             except (OmniKVError, ValueError, RuntimeError) as exc:
                 logger.debug("chunk not joined ahead: %s", exc)
@@ -603,7 +613,7 @@ class EagerChunks:
         (``stale``) belongs to an earlier stream of the request (its sender restarted the
         stream after this lane took it). ``stale`` goes back with :meth:`stop`'s unused chunks
         (refused, released) and the key's joined tensors are not used."""
-        lane = self._lanes.get(key.rpartition("#c")[0])
+        lane = self._lane_of(key)
         if lane is not None:
             with lane.join_lock:
                 lane.joined = None
@@ -653,16 +663,15 @@ class EagerChunks:
             return out[0], out[1]
 
     def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer:
-        base, _, index = key.rpartition("#c")
-        lane = self._lanes.get(base)
+        parts = chunk_parts(key)
+        lane = self._lane_of(key)
         with self._cond:
             while True:
                 buf = self._held.pop(key, None)
                 if buf is not None:
                     self._served[key] = buf
                     return buf
-                wanted = int(index) if index.isdigit() else -1
-                if lane is None or lane.done or lane.next != wanted:
+                if parts is None or lane is None or lane.done or lane.next != parts[1]:
                     break  # this class will not take it: take it directly
                 self._cond.wait()
         return self._fallback.take(key, metadata)
@@ -677,7 +686,17 @@ class EagerChunks:
             held, self._held = self._held, {}
             unused = [*held.items(), *self._stale]
             self._stale = []
-        return [(k, self._lanes[k.rpartition("#c")[0]].metadata, b) for k, b in unused]
+        return [(k, self._metadata_of(k), b) for k, b in unused]
+
+    def _lane_of(self, key: str) -> _Lane | None:
+        """The lane of chunk key ``key``'s request key (``None``: not a chunk of ours)."""
+        parts = chunk_parts(key)
+        return None if parts is None else self._lanes.get(parts[0])
+
+    def _metadata_of(self, key: str) -> dict[str, Any] | None:
+        """The wait metadata of chunk key ``key``'s request key."""
+        lane = self._lane_of(key)
+        return None if lane is None else lane.metadata
 
 
 class StreamAssembly:
@@ -756,9 +775,7 @@ class StreamAssembly:
         )
 
     def _decode(self, buf: ManagedBuffer) -> DecodedKV:
-        host = buf.host_array
-        payload: Any = host if host is not None else buf.tensor
-        return decode_kv(payload, max_header_bytes=self.max_header_bytes)
+        return _decode_buffer(buf, self.max_header_bytes)
 
     def release(self) -> None:
         """Release every chunk still held (after a failure); idempotent."""
