@@ -225,8 +225,7 @@ class SenderSide:
             self._query(req)
         elif req.op == PEEK_OP:
             with self._lock:
-                entry = self._entries.get(req.msg["key"])
-                size = entry.size if entry is not None and not entry.inflight else None
+                size = self._pullable_locked(req.msg["key"])
             self._server.answer(req, peek_answer(size))
         elif req.op == VERDICT_OP:
             m, peer = req.msg, peer_identity(req.peer)
@@ -234,19 +233,23 @@ class SenderSide:
         else:
             self._start_pull(req)
 
+    def _pullable_locked(self, key: str) -> int | None:
+        """(lock held) The size of ``key``'s entry when a pull of it could start now (published,
+        no pull in flight), else ``None``. What ``query``, its waiters and ``peek`` answer."""
+        entry = self._entries.get(key)
+        return entry.size if entry is not None and not entry.inflight else None
+
     def _query(self, req: Request) -> None:
         key = req.msg["key"]
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and not entry.inflight:
-                found, size = True, entry.size
-            else:
+            size = self._pullable_locked(key)
+            if size is None:
                 wait_s = min(req.msg["wait_ms"] / 1000.0, LONG_POLL_CAP_S)
                 if wait_s > 0:
                     self._waiters.append(_Waiter(req, key, time.monotonic() + wait_s))
                     return
-                found, size = False, 0
-        self._server.answer(req, {"op": "info", "found": found, "size": size})
+        found = size is not None
+        self._server.answer(req, {"op": "info", "found": found, "size": size or 0})
 
     def _tick(self) -> float:
         """Answer long-polls that can be answered, sweep by TTL, expire overdue verdicts;
@@ -267,9 +270,9 @@ class SenderSide:
         with self._lock:
             keep: list[_Waiter] = []
             for w in self._waiters:
-                entry = self._entries.get(w.key)
-                if entry is not None and not entry.inflight:
-                    answers.append((w.req, True, entry.size))
+                size = self._pullable_locked(w.key)
+                if size is not None:
+                    answers.append((w.req, True, size))
                 elif now >= w.expires:
                     answers.append((w.req, False, 0))
                 else:
