@@ -264,15 +264,13 @@ class SchedulerSide:
         if not self._streaming or scheduler_output is None:
             return []
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        computed: dict[str, int] = {}  # streaming req id -> tokens computed before this step
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             st = self._streaming.get(new.req_id)
             if st is not None:
                 st.block_ids = [int(b) for b in new.block_ids[0]]
+                computed[new.req_id] = int(new.num_computed_tokens)
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        computed: dict[str, int] = {
-            n.req_id: int(n.num_computed_tokens)
-            for n in getattr(scheduler_output, "scheduled_new_reqs", None) or ()
-        }
         if cached is not None:
             resumed = getattr(cached, "resumed_req_ids", None) or set()
             for i, rid in enumerate(cached.req_ids):
@@ -289,8 +287,8 @@ class SchedulerSide:
         specs = []
         size = max(1, self._block_size)
         for rid, before in computed.items():
-            st = self._streaming.get(rid)
-            if st is None or rid not in scheduled:
+            st = self._streaming[rid]
+            if rid not in scheduled:
                 continue
             upto = min(st.prompt_len, before + int(scheduled[rid]))
             if upto // size > st.shipped_to // size:  # a block more is full after this step
