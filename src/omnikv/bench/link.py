@@ -391,6 +391,16 @@ class Peer:
             return self.log.read().decode(errors="replace")
         return ""
 
+    def stop(self, grace_s: float) -> None:
+        """``stop`` to the agent, up to ``grace_s`` for it to close what it opened (it reads
+        ``stop`` once its current command is done), then SIGKILL by PID; its channel and log
+        are closed."""
+        with contextlib.suppress(OSError):
+            self.chan.send("stop")
+        self.node.stop(self.proc, grace_s=grace_s)
+        self.chan.close()
+        self.log.close()
+
     def ask(self, *msg: Any, tag: str, timeout_s: float = SETUP_TIMEOUT_S) -> list[Any]:
         self.chan.send(*msg)
         return self.expect(tag, timeout_s)
@@ -650,13 +660,8 @@ class LinkRun:
         agent reads ``stop`` once its current command is done), then SIGKILL by PID.
         Idempotent."""
         for peer in (self._b, self._a):
-            if peer is None:
-                continue
-            with contextlib.suppress(OSError):
-                peer.chan.send("stop")
-            peer.node.stop(peer.proc, grace_s=grace_s)
-            peer.chan.close()
-            peer.log.close()
+            if peer is not None:
+                peer.stop(grace_s)
         self._a = self._b = None
 
     def agent_logs(self) -> str:

@@ -28,7 +28,6 @@ check failed, a step failed or (without ``--no-targets``) a target was missed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import math
 import os
@@ -364,13 +363,13 @@ def _run_rate(args: argparse.Namespace, rate_text: str) -> tuple[list[str], list
     link = EmulatedLink(shape)
     failures: list[str] = []
     missed: list[str] = []
-    runs: list[_Run] = []
+    agents: list[Peer] = []
     try:
         link.start()
-        a, b = spawn_agent(link.a, _MODULE), spawn_agent(link.b, _MODULE)
+        agents.append(spawn_agent(link.a, _MODULE))
+        agents.append(spawn_agent(link.b, _MODULE))
         for tokens in args.tokens:
-            run = _Run(link, args, tokens, a=a, b=b)
-            runs.append(run)
+            run = _Run(link, args, tokens, a=agents[0], b=agents[1])
             cases = [_Case(s, c) for c in args.codecs for s in (False, True)]
             for r in range(1 + args.rounds):
                 order = cases if r % 2 == 0 else cases[::-1]
@@ -381,14 +380,8 @@ def _run_rate(args: argparse.Namespace, rate_text: str) -> tuple[list[str], list
     except (BenchError, LinkError) as exc:
         failures.append(str(exc))
     finally:
-        for run in runs[:1]:
-            for peer in (run.b, run.a):
-                if peer is not None:
-                    with contextlib.suppress(OSError):
-                        peer.chan.send("stop")
-                    peer.node.stop(peer.proc, grace_s=30.0)
-                    peer.chan.close()
-                    peer.log.close()
+        for peer in reversed(agents):
+            peer.stop(30.0)
         link.close()
     failures += [f"left behind: {item}" for item in link.leftovers()]
     return failures, missed
