@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from support.mooncake_peers import Master
+from support.mooncake_peers import Master, run_scenario
 from support.pull_engine import free_base_port, kv_config
 
 MiB = 1 << 20
@@ -115,3 +115,30 @@ def open_edge(
             yield Edge(transport, master, extra, recv_s)
     else:
         yield Edge(transport, None, extra, recv_s)
+
+
+def unavailable_reason(transport: str) -> str | None:
+    """Why ``transport``'s engine cannot run here, or ``None``."""
+    if transport in ("te", "store"):
+        from omnikv.connectors.mooncake_te.engine import unavailable_reason as mooncake
+
+        return mooncake()
+    if transport == "nixl":
+        from omnikv.connectors.nixl.agent import unavailable_reason as nixl
+
+        return nixl()
+    return None
+
+
+def transport_scenario(file: str, scenario: str, transport: str, timeout: float) -> dict[str, Any]:
+    """``scenario(transport=...)`` of test module ``file``, isolated
+    (:func:`support.mooncake_peers.run_scenario`), its result with ``"transport"`` added; the
+    test is skipped when ``transport``'s engine is not installed."""
+    import pytest
+
+    why = unavailable_reason(transport)
+    if why is not None:
+        pytest.skip(why)
+    result: dict[str, Any] = run_scenario(file, scenario, {"transport": transport}, timeout=timeout)
+    result["transport"] = transport
+    return result

@@ -22,11 +22,8 @@ from typing import Any
 
 import pytest
 
-from omnikv.connectors.mooncake_te.engine import unavailable_reason as mooncake_unavailable
-from omnikv.connectors.nixl.agent import unavailable_reason as nixl_unavailable
-from support.edges import TRANSPORTS, Edge, open_edge
+from support.edges import TRANSPORTS, Edge, open_edge, transport_scenario
 from support.kill_stage import Stage
-from support.mooncake_peers import run_scenario
 
 #: What each side waits for: a payload's time to live and the sender's verdict watch (seconds).
 TTL_S, ACK_S, RECV_S = 2.0, 2.0, 3.0
@@ -117,23 +114,9 @@ def _left_in_store(edge: Edge) -> list[str]:
 
 
 # -- the tests -----------------------------------------------------------------------------------
-def _skip(transport: str) -> str | None:
-    if transport in ("te", "store"):
-        return mooncake_unavailable()
-    if transport == "nixl":
-        return nixl_unavailable()
-    return None
-
-
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def kills(request: pytest.FixtureRequest) -> dict[str, Any]:
-    transport = request.param
-    why = _skip(transport)
-    if why is not None:
-        pytest.skip(why)
-    result = run_scenario(__file__, "scenario_kills", {"transport": transport}, timeout=300)
-    result["transport"] = transport
-    return result
+    return transport_scenario(__file__, "scenario_kills", request.param, timeout=300)
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -25,12 +25,9 @@ import torch
 from omnikv import OmniKVTransferManager
 from omnikv.connectors.base import KeyProbe, KeyState, OmniConnectorBase
 from omnikv.connectors.local import LocalConnector
-from omnikv.connectors.mooncake_te.engine import unavailable_reason as mooncake_unavailable
-from omnikv.connectors.nixl.agent import unavailable_reason as nixl_unavailable
 from omnikv.transfer.receive import combine_probes
-from support.edges import TRANSPORTS, open_edge
+from support.edges import TRANSPORTS, open_edge, transport_scenario
 from support.kill_stage import Stage
-from support.mooncake_peers import run_scenario
 
 #: How long a probe may ask its peers in the scenarios, and the scheduling slack on top.
 PROBE_S, SLACK_S = 2.0, 6.0
@@ -165,23 +162,9 @@ def scenario_probe(transport: str) -> dict[str, Any]:
     return res
 
 
-def _skip(transport: str) -> str | None:
-    if transport in ("te", "store"):
-        return mooncake_unavailable()
-    if transport == "nixl":
-        return nixl_unavailable()
-    return None
-
-
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def probed(request: pytest.FixtureRequest) -> dict[str, Any]:
-    transport = request.param
-    why = _skip(transport)
-    if why is not None:
-        pytest.skip(why)
-    result = run_scenario(__file__, "scenario_probe", {"transport": transport}, timeout=240)
-    result["transport"] = transport
-    return result
+    return transport_scenario(__file__, "scenario_probe", request.param, timeout=240)
 
 
 @pytest.mark.slow
