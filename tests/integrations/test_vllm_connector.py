@@ -912,3 +912,133 @@ def test_a_streamed_request_that_is_aborted_leaves_no_chunk(edge: Any) -> None:
         assert probe.pending_keys() == []
     finally:
         probe.close()
+
+
+# -- early hand-off: a router's id, the consumer waiting while the producer streams --------------
+def _early_edge(edge: Any, secret: str | None = "r0uter") -> Any:
+    """A streaming producer and a streaming consumer (``stream_kv``), with ``auth_secret``."""
+    conn = dict(edge.conn, namespace=edge.conn["namespace"] + "e")
+    extra = {} if secret is None else {"auth_secret": secret}
+    base = {"connector_config": conn, "stream_kv": True}
+    producer = _pair("kv_producer", {"omni_from_stage": 0, "omni_to_stage": 1, **base}, **extra)
+    consumer = _pair("kv_consumer", {"stage_id": 1, "recv_timeout": 10.0, **base}, **extra)
+    edge.made += [producer, consumer]
+    return SimpleNamespace(producer=producer, consumer=consumer, conn=conn)
+
+
+def _router_id(conn: dict[str, Any], secret: bytes = b"r0uter") -> str:
+    from omnikv.integrations.vllm.binding import new_router_transfer_id, producer_tag
+
+    return new_router_transfer_id(producer_tag(conn["namespace"]), secret)
+
+
+def _start_early_load(consumer: Any, params: dict[str, Any], rid: str, blocks: list[int]) -> None:
+    """Admit and start a consumer's load without waiting for it (its KV does not exist yet)."""
+    request = _request(rid, params)
+    assert consumer.sched.get_num_new_matched_tokens(request, 0) == (len(PROMPT), True)
+    consumer.sched.update_state_after_alloc(request, _blocks(blocks), len(PROMPT))
+    worker = consumer.worker
+    worker.bind_connector_metadata(consumer.sched.build_connector_meta(None))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.get_transfer_results(set()).finished_recving == set()  # still waiting
+    worker.clear_connector_metadata()
+
+
+def test_an_early_hand_off_loads_what_the_producer_streams_under_the_routers_id(
+    edge: Any,
+) -> None:
+    """A router issues the id and sends both requests at once: the consumer is admitted and
+    waits while the producer prefills in two chunks; it takes the chunks as they are published
+    and, after the producer's finish, writes the producer's tokens."""
+    from omnikv.connectors.local import LocalConnector
+    from omnikv.integrations.vllm import early_handoff_params
+
+    pair = _early_edge(edge)
+    tid = _router_id(pair.conn)
+    to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
+    _start_early_load(pair.consumer, to_consumer, "c1", [6, 2, 7])
+    producer = pair.producer
+    for t in producer.caches.values():
+        t.copy_(torch.randn_like(t))
+    request = _request("s1", to_producer)
+    producer.sched.update_state_after_alloc(request, _blocks([3, 5, 1]), 0)
+    new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
+    _step_with(producer, _output([new], [], {"s1": 4}), set())
+    probe = LocalConnector(pair.conn)
+    try:  # the waiting consumer takes the first chunk before the producer goes on
+        deadline = time.monotonic() + 10
+        while any("#c0" in k for k in probe.pending_keys()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not any("#c0" in k for k in probe.pending_keys())
+    finally:
+        probe.close()
+    _step_with(producer, _output([], [("s1", 4, None)], {"s1": 6}), set())
+    assert producer.worker.stats()["chunks_streamed"] == 2
+    request.num_computed_tokens = len(PROMPT)
+    delay, params = producer.sched.request_finished(request, [3, 5, 1])
+    assert delay and params is not None and params["omnikv_transfer_id"] == tid
+    assert _step_with(producer, _output([], [], {}), {"s1"}).finished_sending == {"s1"}
+    worker = pair.consumer.worker
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"c1"} and not results.failed_recving
+    got = _tokens(worker, [6, 2, 7])
+    want = _tokens(producer.worker, [3, 5, 1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert producer.sched.stats().get("router_ids_refused", 0) == 0
+
+
+def test_a_producer_uses_only_its_own_fresh_router_ids(edge: Any) -> None:
+    """Offered ids a producer must not use get a fresh id (counted): a producer-style id a
+    client made up, a router id with a wrong MAC, one for another producer's tag, one another
+    request used; consumers refuse the forged ones at admission."""
+    from omnikv.integrations.vllm import early_handoff_params
+    from omnikv.integrations.vllm.binding import new_router_transfer_id
+
+    pair = _early_edge(edge)
+    good = _router_id(pair.conn)
+    forged = good[:-1] + ("0" if good[-1] != "0" else "1")
+    offers = {
+        "made-up": "okv1-" + good.split("-")[1] + "-" + "ab" * 16,
+        "forged": forged,
+        "other-secret": _router_id(pair.conn, b"not-the-secret"),
+        "other-producer": new_router_transfer_id("0badc0de", b"r0uter"),
+    }
+    sched = pair.producer.sched
+    for name, offered in offers.items():
+        request = _request(f"p-{name}", {"do_remote_decode": True, "omnikv_transfer_id": offered})
+        request.num_computed_tokens = len(PROMPT)
+        _, params = sched.request_finished(request, [1])
+        assert params is not None and params["omnikv_transfer_id"] != offered, name
+    first = _request("p-first", {"do_remote_decode": True, "omnikv_transfer_id": good})
+    first.num_computed_tokens = len(PROMPT)
+    assert sched.request_finished(first, [2])[1]["omnikv_transfer_id"] == good
+    again = _request("p-again", {"do_remote_decode": True, "omnikv_transfer_id": good})
+    again.num_computed_tokens = len(PROMPT)
+    assert sched.request_finished(again, [3])[1]["omnikv_transfer_id"] != good
+    assert sched.stats()["router_ids_refused"] == len(offers) + 1
+    consumer = pair.consumer.sched
+    for name in ("forged", "other-secret"):
+        _, to_consumer = early_handoff_params(offers[name], len(PROMPT))
+        assert consumer.get_num_new_matched_tokens(_request(f"c-{name}", to_consumer), 0) == (
+            0,
+            False,
+        ), name
+
+
+def test_without_a_secret_there_are_no_router_ids(edge: Any) -> None:
+    from omnikv.integrations.vllm import early_handoff_params
+
+    pair = _early_edge(edge, secret=None)
+    tid = _router_id(pair.conn)
+    to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
+    request = _request("p1", to_producer)
+    request.num_computed_tokens = len(PROMPT)
+    _, params = pair.producer.sched.request_finished(request, [1])
+    assert params is not None and params["omnikv_transfer_id"] != tid
+    assert pair.producer.sched.stats()["router_ids_refused"] == 1
+    assert pair.consumer.sched.get_num_new_matched_tokens(_request("c1", to_consumer), 0) == (
+        0,
+        False,
+    )

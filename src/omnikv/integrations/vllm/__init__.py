@@ -28,6 +28,12 @@ It follows vLLM's convention for disaggregated prefill, for many concurrent clie
   blocks. Any miss, timeout or mismatch is logged, counted and reported as a failed receive:
   with ``kv_load_failure_policy="recompute"`` vLLM recomputes the prefill (never a wrong answer,
   and nothing unchecked enters the prefix cache).
+* **Early hand-off.** With ``auth_secret`` on both engines and ``stream_kv`` in both
+  ``omni_kv_config``, a router that holds the secret issues the transfer id itself
+  (:func:`new_router_transfer_id`) and sends the request to the producer and the consumer at
+  once (:func:`early_handoff_params`): the producer streams the prompt's blocks as its prefill
+  computes them and the consumer, admitted at once, takes them meanwhile, so what is left at the
+  producer's finish is its last step's blocks.
 
 Counts reach vLLM's logs and ``/metrics`` (``vllm:omnikv_*``). Settings:
 :mod:`omnikv.integrations.vllm.options`. Ids, bindings and MACs:
@@ -38,7 +44,13 @@ by the ISA it picks, :data:`omnikv.layouts.specs.VLLM_CPU_LAYOUT` for ``vec`` / 
 ``kv_connector_extra_config["vllm_kv_layout"]``; never from tensor shapes.
 """
 
-from omnikv.integrations.vllm.binding import payload_key, request_binding, token_digest
+from omnikv.integrations.vllm.binding import (
+    early_handoff_params,
+    new_router_transfer_id,
+    payload_key,
+    request_binding,
+    token_digest,
+)
 from omnikv.integrations.vllm.connector import BACKEND_LAYOUTS, OmniKVConnector
 from omnikv.integrations.vllm.metadata import OmniKVConnectorMetadata
 from omnikv.integrations.vllm.scheduler import PARAM_BINDING, PARAM_NUM_TOKENS, PARAM_TRANSFER_ID
@@ -52,6 +64,8 @@ __all__ = [
     "OmniKVConnector",
     "OmniKVConnectorMetadata",
     "OmniKVConnectorStats",
+    "early_handoff_params",
+    "new_router_transfer_id",
     "payload_key",
     "request_binding",
     "token_digest",

@@ -9,6 +9,13 @@ until checked. Three things make a load safe to accept:
   ``producer_tag``). Ids of another form, length or tag are refused at admission, never waited
   for. With a secret the MAC covers the tag, the random part and the binding, so a consumer
   refuses at once an id that its producer did not issue for this very request.
+* **A router's id** (:func:`new_router_transfer_id`, for the early hand-off) is
+  ``okv1r-<producer tag>-<32 random hex>-<32 hex MAC>``: issued *before* the prefill by a router
+  that holds the ``auth_secret``, sent to the producer and to the consumer at once, so that the
+  consumer can take a streamed prefill's blocks while the producer computes them. Its MAC covers
+  the tag and the random part (the router does not know the engines' binding); the binding still
+  names the key, so such an id with another prompt misses. Without a secret there are no router
+  ids: a producer ignores one (it issues its own) and a consumer refuses it.
 * **The binding** (:func:`request_binding`) is a digest over everything that makes KV differ for
   the same tokens: the model fingerprint (:func:`model_fingerprint`: model id, revision, dtype,
   KV cache dtype, layer and KV-head counts, head size), the prompt tokens the KV covers, the LoRA
@@ -40,9 +47,15 @@ import torch
 __all__ = [
     "BINDING_HEX",
     "MAX_TRANSFER_ID_CHARS",
+    "PARAM_BINDING",
+    "PARAM_NUM_TOKENS",
+    "PARAM_TRANSFER_ID",
     "check_transfer_id",
+    "early_handoff_params",
+    "is_router_id",
     "kv_mac",
     "model_fingerprint",
+    "new_router_transfer_id",
     "new_transfer_id",
     "payload_key",
     "producer_tag",
@@ -50,11 +63,15 @@ __all__ = [
     "token_digest",
 ]
 
+#: ``kv_transfer_params`` keys the producer returns and the consumer reads.
+PARAM_TRANSFER_ID = "omnikv_transfer_id"
+PARAM_NUM_TOKENS = "omnikv_num_tokens"
+PARAM_BINDING = "omnikv_binding"
 #: Hex digits of a binding (128 bits).
 BINDING_HEX = 32
 #: Longest transfer id accepted from a client (longer ones are refused unread).
 MAX_TRANSFER_ID_CHARS = 96
-_ID_FORMAT = re.compile(r"okv1-([0-9a-f]{8})-([0-9a-f]{32})(?:-([0-9a-f]{32}))?")
+_ID_FORMAT = re.compile(r"okv1(r?)-([0-9a-f]{8})-([0-9a-f]{32})(?:-([0-9a-f]{32}))?")
 _TAG_FORMAT = re.compile(r"[0-9a-f]{8}")
 
 
@@ -154,6 +171,46 @@ def new_transfer_id(tag: str, binding: str, secret: bytes | None) -> str:
     return f"okv1-{tag}-{nonce}-{_id_mac(secret, tag, nonce, binding)}"
 
 
+def _router_mac(secret: bytes, tag: str, nonce: str) -> str:
+    msg = f"router|{tag}|{nonce}".encode()
+    return hashlib.blake2b(msg, key=_secret_key(secret), digest_size=16).hexdigest()
+
+
+def new_router_transfer_id(tag: str, secret: bytes) -> str:
+    """A fresh router id for one request to producer ``tag`` (called by a router that holds
+    the engines' ``auth_secret``, before it sends the request to the producer and the consumer;
+    :func:`early_handoff_params` makes both requests' parameters). Each id serves one request:
+    a producer refuses one it has used already."""
+    nonce = secrets.token_hex(16)
+    return f"okv1r-{tag}-{nonce}-{_router_mac(secret, tag, nonce)}"
+
+
+def is_router_id(transfer_id: Any) -> bool:
+    """True when ``transfer_id`` has a router id's form (checked by :func:`check_transfer_id`)."""
+    match = isinstance(transfer_id, str) and _ID_FORMAT.fullmatch(transfer_id)
+    return bool(match and match.group(1))
+
+
+def early_handoff_params(
+    transfer_id: str, num_tokens: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``kv_transfer_params`` of an early hand-off: ``(producer's, consumer's)``.
+
+    A router sends both requests at once, with the same prompt: the producer prefills under
+    ``transfer_id`` (a :func:`new_router_transfer_id`), and the consumer, admitted at once,
+    waits for the KV of its first ``num_tokens`` prompt tokens (the whole prompt) and, with
+    ``stream_kv`` on both engines, takes its blocks while the producer computes them.
+    """
+    producer = {"do_remote_decode": True, PARAM_TRANSFER_ID: transfer_id}
+    consumer = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        PARAM_TRANSFER_ID: transfer_id,
+        PARAM_NUM_TOKENS: int(num_tokens),
+    }
+    return producer, consumer
+
+
 def check_transfer_id(
     transfer_id: Any, tags: frozenset[str], binding: str, secret: bytes | None
 ) -> str | None:
@@ -161,7 +218,8 @@ def check_transfer_id(
 
     Called by the consumer's scheduler half at admission, before anything waits: a bad type,
     length or character set, a tag that is not one of ``tags`` (all tags when empty), a missing
-    or wrong MAC when a secret is set. Never raises.
+    or wrong MAC when a secret is set, a router id without a secret. The producer's scheduler
+    half calls it too, for a router id offered with ``do_remote_decode``. Never raises.
     """
     if not isinstance(transfer_id, str):
         return f"transfer id is a {type(transfer_id).__name__}, not a string"
@@ -170,9 +228,15 @@ def check_transfer_id(
     match = _ID_FORMAT.fullmatch(transfer_id)
     if match is None:
         return "transfer id is not of the form okv1-<tag>-<hex>"
-    tag, nonce, mac = match.groups()
+    router, tag, nonce, mac = match.groups()
     if tags and tag not in tags:
         return f"transfer id names producer tag {tag}, not one this consumer accepts"
+    if router:
+        if secret is None:
+            return "router transfer ids need auth_secret, which is not set"
+        if mac is None or not hmac.compare_digest(mac, _router_mac(secret, tag, nonce)):
+            return "router transfer id was not issued with this auth_secret (MAC mismatch)"
+        return None
     if secret is not None:
         if mac is None:
             return "transfer id carries no MAC but auth_secret is set"

@@ -44,6 +44,8 @@ class LoadSpec:
 
     ``remaining_s`` is what was left of the request's ``recv_timeout`` when the scheduler
     built this step's metadata (the deadline counts from admission, not from the load's start).
+    ``early``: the transfer id is a router's (early hand-off), so the KV is expected to arrive
+    while the producer is still computing it.
     """
 
     req_id: str
@@ -54,6 +56,7 @@ class LoadSpec:
     start: int
     end: int
     remaining_s: float
+    early: bool = False
 
 
 @dataclass

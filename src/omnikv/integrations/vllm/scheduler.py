@@ -8,6 +8,9 @@ vLLM calls it from the engine core's scheduler loop, one thread, once per reques
   ``stream_kv``, ``update_state_after_alloc`` fixes such a request's transfer id when it is
   first scheduled and ``build_connector_meta`` (reading vLLM's scheduler output) names each
   step's requests whose prefill completes a block, for the worker to ship after the forward.
+  A request may offer a router's id (``omnikv_transfer_id``, early hand-off): used when it is
+  a router id for this producer under its ``auth_secret`` that no other request used, else
+  replaced by a fresh id (counted in ``router_ids_refused``).
 * consumer: ``get_num_new_matched_tokens`` admits or refuses a request's ``kv_transfer_params``
   (client input: checked before anything waits), ``update_state_after_alloc`` turns an admitted
   request into a load; ``update_connector_output`` learns when a load has ended.
@@ -34,7 +37,11 @@ from typing import Any
 
 from omnikv.config import options_from_dict
 from omnikv.integrations.vllm.binding import (
+    PARAM_BINDING,
+    PARAM_NUM_TOKENS,
+    PARAM_TRANSFER_ID,
     check_transfer_id,
+    is_router_id,
     new_transfer_id,
     payload_key,
     request_binding,
@@ -57,14 +64,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: ``kv_transfer_params`` keys the producer returns and the consumer reads.
-PARAM_TRANSFER_ID = "omnikv_transfer_id"
-PARAM_NUM_TOKENS = "omnikv_num_tokens"
-PARAM_BINDING = "omnikv_binding"
 #: Transfer keys remembered as loaded or failed (a later request with one is refused at once).
 SETTLED_KEPT = 65536
 #: Producer requests streamed at once (``stream_kv``); more are sent whole at their finish.
 STREAMS_KEPT = 65536
+#: Router ids a producer remembers as used (one offered again for another request is refused).
+ROUTER_IDS_KEPT = 65536
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,7 @@ class SchedulerSide:
         self._streaming: dict[str, _Streaming] = {}
         self._stream_aborts: list[str] = []
         self._block_size = 0
+        self._router_ids: OrderedDict[str, str] = OrderedDict()  # router id -> its request
 
     # -- consumer ---------------------------------------------------------------------------
     def _refuse(self, request: Any, why: str) -> None:
@@ -224,6 +230,7 @@ class SchedulerSide:
             start=admitted.num_tokens - num_external,
             end=admitted.num_tokens,
             remaining_s=0.0,  # set in build(), when the metadata leaves
+            early=is_router_id(admitted.transfer_id),
         )
         self._loads.append((spec, admitted.deadline))
 
@@ -253,7 +260,7 @@ class SchedulerSide:
             return
         if len(self._streaming) >= STREAMS_KEPT:  # every request finishes; this bounds a leak
             return
-        tid = new_transfer_id(self.options.tag, binding, self.options.secret)
+        tid = self._transfer_id(request, params, binding)
         ids = [int(b) for b in blocks.get_block_ids()[0]]
         self._streaming[rid] = _Streaming(tid, payload_key(tid, binding), binding, len(prompt), ids)
 
@@ -338,7 +345,7 @@ class SchedulerSide:
         if stream is not None and stream.binding == binding:
             tid, key = stream.transfer_id, stream.key
         else:
-            tid = new_transfer_id(self.options.tag, binding, self.options.secret)
+            tid = self._transfer_id(request, params, binding)
             key = payload_key(tid, binding)
         self._sends.append(SendSpec(rid, tid, key, binding, tuple(block_ids), num))
         self._sending.add(rid)
@@ -349,6 +356,37 @@ class SchedulerSide:
             PARAM_NUM_TOKENS: num,
             PARAM_BINDING: binding,
         }
+
+    def _transfer_id(self, request: Any, params: Mapping[str, Any], binding: str) -> str:
+        """The transfer id of a producer request: the router id its parameters offer (early
+        hand-off) when it is one for this producer, under this ``auth_secret``, and no other
+        request used it; else a fresh id (an offered one is then counted as refused, and a
+        consumer that waits for it times out and recomputes)."""
+        offered = params.get(PARAM_TRANSFER_ID)
+        if offered is not None:
+            why = self._router_id_problem(offered, request.request_id)
+            if why is None:
+                assert isinstance(offered, str)
+                return offered
+            self.counters.add("router_ids_refused")
+            logger.debug("Request %s: offered transfer id refused: %s", request.request_id, why)
+        return new_transfer_id(self.options.tag, binding, self.options.secret)
+
+    def _router_id_problem(self, offered: Any, req_id: str) -> str | None:
+        """Why ``offered`` cannot be request ``req_id``'s transfer id, or ``None`` (it is then
+        remembered as this request's)."""
+        if not is_router_id(offered):
+            return "only a router id (okv1r-...) can be offered to a producer"
+        why = check_transfer_id(offered, frozenset({self.options.tag}), "", self.options.secret)
+        if why is not None:
+            return why
+        owner = self._router_ids.setdefault(offered, req_id)
+        if owner != req_id:
+            return f"the router id was used by request {owner} already"
+        self._router_ids.move_to_end(offered)
+        while len(self._router_ids) > ROUTER_IDS_KEPT:
+            self._router_ids.popitem(last=False)
+        return None
 
     # -- both -------------------------------------------------------------------------------
     def build(self, scheduler_output: Any = None) -> OmniKVConnectorMetadata:

@@ -11,8 +11,9 @@ Counts (cumulative in :meth:`TransferCounters.counts`, per interval in the stats
 ``sends_ok``, ``sends_failed``, the consumers' verdicts on the sends (``sends_delivered``,
 ``sends_refused``, ``sends_expired``; connectors that carry verdicts), ``bytes_sent``,
 ``loads_ok``, ``loads_failed`` (the request recomputes its prefill), ``loads_refused``
-(parameters refused at admission, never waited for), ``tokens_loaded``, ``bytes_loaded``;
-durations ``send_seconds`` and ``load_seconds``.
+(parameters refused at admission, never waited for), ``router_ids_refused`` (a producer given a
+transfer id it cannot use: not a router id of its own, or used already), ``tokens_loaded``,
+``bytes_loaded``; durations ``send_seconds`` and ``load_seconds``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ COUNTS = (
     "loads_ok",
     "loads_failed",
     "loads_refused",
+    "router_ids_refused",
     "tokens_loaded",
     "bytes_loaded",
 )

@@ -24,7 +24,9 @@ Guarantees:
   ``load_first_wait_s`` on the main pool; if its KV has not arrived by then (a never-issued id,
   a slow producer), it moves to a second pool (``max_waiting_loads`` threads) for the rest of its
   deadline, and the main pool's thread takes the next load. Ids that never arrive can fill the
-  waiting pool, never the main one.
+  waiting pool, never the main one. A load under a router's id (early hand-off: its KV is
+  still being computed) waits there from the start, in one receive, so a streamed prefill's
+  blocks taken early are never refused by a first wait that ended.
 * **Check before write.** A load looks up only the key its own binding gives (see
   :mod:`.binding`); what it receives is then checked whole (binding, MAC with ``auth_secret``,
   layer count, tokens, heads, head size, dtype, optionally finiteness) before a byte is written
@@ -297,7 +299,10 @@ class WorkerSide:
             self._running += len(starts)
         for spec, deadline, abort in starts:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
-            self._load_pool.submit(self._load, spec, deadline, abort, True)
+            if spec.early:  # the producer is still computing it: wait off the main pool
+                self._wait_pool.submit(self._load, spec, deadline, abort, False)
+            else:
+                self._load_pool.submit(self._load, spec, deadline, abort, True)
 
     def _submit_sends(self, sends: list[SendSpec]) -> None:
         if not sends:
