@@ -134,3 +134,25 @@ def test_layouts_by_name() -> None:
     assert isinstance(vllm_layer_blocks(layer, VLLM_CPU_AMX_LAYOUT), AmxPackedLayerBlocks)
     with pytest.raises(ExtractionError, match="unknown vLLM cache layout"):
         vllm_layer_blocks(layer, "tiles")
+
+
+@pytest.mark.parametrize(
+    ("start", "n"), [(0, 0), (0, 5), (0, 8), (0, 24), (3, 2), (3, 5), (3, 13), (5, 19), (8, 16)]
+)
+def test_scatter_tokens_writes_exactly_the_tokens_a_per_token_copy_writes(
+    start: int, n: int
+) -> None:
+    """Partial first block, whole blocks (one copy), partial last block: the same cache as a
+    token-by-token reference, through a strided view, nothing outside the range touched."""
+    from omnikv.layouts.scatter import scatter_tokens
+
+    bs, ids = 8, [5, 1, 6, 3]
+    base = torch.randn(8, 3, bs, 4)  # [blocks, heads, block_size, dim]: a strided token view
+    view = base.permute(0, 2, 1, 3)  # [blocks, block_size, heads, dim]
+    src = torch.randn(n, 3, 4)
+    want = base.clone().permute(0, 2, 1, 3)
+    for t in range(n):
+        pos = start + t
+        want[ids[pos // bs], pos % bs] = src[t]
+    scatter_tokens(view, ids, src, start)
+    assert torch.equal(view, want)

@@ -58,9 +58,20 @@ def scatter_tokens(
     bad = [b for b in ids if b < 0 or b >= int(blocks.shape[0])]
     if bad:
         raise ExtractionError(f"scatter: block ids {bad[:8]} outside a cache of {blocks.shape[0]}")
-    pos = 0
-    for i, block in enumerate(ids):
-        lo = (start + pos) % bs if i == 0 else 0
-        take = min(bs - lo, n - pos)
-        blocks[block, lo : lo + take].copy_(src[pos : pos + take])
-        pos += take
+    # A partial first block, the full blocks in one copy, a partial last block: few operations,
+    # so that a load thread is not held up once per block by an engine loop that keeps the GIL.
+    pos, i = 0, 0
+    lo = start % bs
+    if lo and n:
+        pos = min(bs - lo, n)
+        blocks[ids[0], lo : lo + pos].copy_(src[:pos])
+        i = 1
+    full = (n - pos) // bs
+    if full:
+        index = torch.tensor(ids[i : i + full], dtype=torch.long, device=blocks.device)
+        body = src[pos : pos + full * bs].reshape(full, bs, *src.shape[1:])
+        blocks.index_copy_(0, index, body.to(blocks.device))
+        pos += full * bs
+        i += full
+    if pos < n:
+        blocks[ids[i], : n - pos].copy_(src[pos:])
