@@ -406,6 +406,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (``omnikv bench stream``); the agents' entry point too (``--role
     agent``). Returns the exit code (see the module docstring)."""
+    if "--vllm" in (argv or []):  # the vLLM producer -> consumer hand-off
+        from omnikv.bench import stream_vllm
+
+        return stream_vllm.main(argv)
     parser = _parser()
     args = parser.parse_args(list(argv or []))
     if args.role == "agent":

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -50,11 +50,19 @@ RESULT_PREFIX = "OMNIKV-RESULT "
 Op = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
 
-def build_tiny_llama(folder: str | Path, dtype: str = "float32", max_positions: int = 8192) -> Path:
+def build_tiny_llama(
+    folder: str | Path,
+    dtype: str = "float32",
+    max_positions: int = 8192,
+    *,
+    layers: int = 2,
+    kv_heads: int = 4,
+) -> Path:
     """A random-weight Llama and a locally trained tokenizer, written with ``save_pretrained``.
 
-    8 query heads, 4 KV heads (not 2, the K/V axis), head size 64 (one vLLM's CPU backend
-    supports), 2 layers, vocabulary 512. Needs ``transformers`` and ``tokenizers``.
+    8 query heads, ``kv_heads`` KV heads (4 by default: not 2, the K/V axis), head size 64 (one
+    vLLM's CPU backend supports), hidden size 256, ``layers`` layers, vocabulary 512. Needs
+    ``transformers`` and ``tokenizers``.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -66,9 +74,9 @@ def build_tiny_llama(folder: str | Path, dtype: str = "float32", max_positions: 
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=8,
-        num_key_value_heads=4,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=max_positions,
         initializer_range=0.2,
@@ -138,19 +146,28 @@ def engine_env(*, in_process: bool = False) -> dict[str, str]:
 class EngineProcess:
     """Parent side of one engine process: :meth:`call` sends a command and waits for the reply.
 
-    ``argv`` starts the child (``serve`` behind it); its stderr goes to ``log``. Stopped by
+    ``argv`` starts the child (``serve`` behind it) through ``popen`` (e.g. an emulated node's),
+    with :func:`engine_env` and ``env`` on top; its stderr goes to ``log``. Stopped by
     :meth:`stop`: a ``quit`` command, then a kill of its PID if it does not exit in time.
     """
 
-    def __init__(self, argv: Sequence[str], *, log: Path, in_process: bool = False) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        log: Path,
+        in_process: bool = False,
+        env: Mapping[str, str] | None = None,
+        popen: Callable[..., subprocess.Popen[str]] = subprocess.Popen,
+    ) -> None:
         self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             list(argv),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env=engine_env(in_process=in_process),
+            env={**engine_env(in_process=in_process), **(env or {})},
         )
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -173,10 +190,14 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.proc.pid}: {got['error']}")
         return got
 
-    def call(self, op: str, timeout: float = 120.0, **args: Any) -> dict[str, Any]:
+    def submit(self, op: str, **args: Any) -> None:
+        """Send a command without waiting (:meth:`next_reply` collects its reply)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
+
+    def call(self, op: str, timeout: float = 120.0, **args: Any) -> dict[str, Any]:
+        self.submit(op, **args)
         return self.next_reply(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -237,6 +258,8 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
         max_num_batched_tokens=int(cfg.get("max_num_batched_tokens", max_len)),
         enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
         kv_transfer_config=ktc,
+        distributed_executor_backend=cfg.get("executor"),
+        num_gpu_blocks_override=cfg.get("num_blocks"),
         seed=0,
     )
 

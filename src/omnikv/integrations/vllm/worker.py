@@ -272,6 +272,7 @@ class WorkerSide:
             return
         layers = list(self.layers.values())
         for spec in due:
+            t0 = time.monotonic()
             try:
                 sources = [layer.send_source(spec.block_ids) for layer in layers]
                 views: list[Any] = [kv for kv, _ in sources]
@@ -285,6 +286,12 @@ class WorkerSide:
             if progress.new:
                 self.counters.add("chunks_streamed")
                 self.counters.add("bytes_streamed", int(progress.nbytes))
+            logger.debug(
+                "OmniKVConnector: stream step of %s: %d tokens, %.1f ms",
+                spec.req_id,
+                spec.num_tokens,
+                (time.monotonic() - t0) * 1e3,
+            )
 
     def start_loads(self) -> None:
         """``start_load_kv``: start the loads noted at bind (asynchronous)."""
@@ -542,11 +549,18 @@ class WorkerSide:
             return f"receive {result.status.value}: {result.reason}", 0
         keys, values = result.kv.key_cache, result.kv.value_cache
         nbytes = 0
+        t_write = time.monotonic()
         for layer, k, v in zip(self.layers.values(), keys, values, strict=True):
             assert k is not None and v is not None  # the check refused absent layers
             span = slice(spec.start, spec.end)
             layer.scatter(spec.block_ids, k[span], v[span], spec.start)
             nbytes += k.nbytes + v.nbytes
+        logger.debug(
+            "OmniKVConnector: KV of %s written in %.1f ms (receive phases %s)",
+            spec.transfer_id,
+            (time.monotonic() - t_write) * 1e3,
+            result.timings_ms,
+        )
         return None, nbytes
 
     def _check_payload(
