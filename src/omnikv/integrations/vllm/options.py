@@ -12,11 +12,13 @@ Keys:
   order, each still bound by its own deadline (counted from admission).
 * ``load_first_wait_s`` (0.5): how long a load waits for its KV on those threads; one whose KV
   has not arrived by then waits out the rest of its deadline on one of ``max_waiting_loads``
-  (64) other threads, so ids that never arrive cannot hold up loads whose KV is there.
+  (64) other threads, so ids that never arrive cannot hold up loads whose KV is there. A load
+  under a router's id (early hand-off) waits there from the start.
 * ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
 * ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
-  request and payloads a MAC over their bytes. Falls back to
-  ``omni_kv_config.connector_config.auth_secret``.
+  request and payloads a MAC over their bytes. A router that holds it may issue the transfer
+  ids itself (early hand-off: :func:`~omnikv.integrations.vllm.binding.new_router_transfer_id`).
+  Falls back to ``omni_kv_config.connector_config.auth_secret``.
 * ``model_id``: the model identity in the binding (default: the model's name or path); set it
   on both sides when the same weights live under different paths.
 * ``producer_tag``: this producer's tag (8 lowercase hex; default derived from the connector
