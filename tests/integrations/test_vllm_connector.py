@@ -915,13 +915,14 @@ def test_a_streamed_request_that_is_aborted_leaves_no_chunk(edge: Any) -> None:
 
 
 # -- early hand-off: a router's id, the consumer waiting while the producer streams --------------
-def _early_edge(edge: Any, secret: str | None = "r0uter") -> Any:
+def _early_edge(edge: Any, secret: str | None = "r0uter", recv_timeout: float = 10.0) -> Any:
     """A streaming producer and a streaming consumer (``stream_kv``), with ``auth_secret``."""
     conn = dict(edge.conn, namespace=edge.conn["namespace"] + "e")
     extra = {} if secret is None else {"auth_secret": secret}
     base = {"connector_config": conn, "stream_kv": True}
     producer = _pair("kv_producer", {"omni_from_stage": 0, "omni_to_stage": 1, **base}, **extra)
-    consumer = _pair("kv_consumer", {"stage_id": 1, "recv_timeout": 10.0, **base}, **extra)
+    consumer_omni = {"stage_id": 1, "recv_timeout": recv_timeout, **base}
+    consumer = _pair("kv_consumer", consumer_omni, **extra)
     edge.made += [producer, consumer]
     return SimpleNamespace(producer=producer, consumer=consumer, conn=conn)
 
@@ -1042,3 +1043,35 @@ def test_without_a_secret_there_are_no_router_ids(edge: Any) -> None:
         0,
         False,
     )
+
+
+def test_an_early_consumer_whose_producer_aborts_mid_stream_fails_cleanly(edge: Any) -> None:
+    """The producer ships a chunk (the waiting consumer takes it), then its request is aborted:
+    the consumer's load fails at its deadline (vLLM recomputes), and no chunk is left behind in
+    the connector, neither the one taken nor any other."""
+    from omnikv.connectors.local import LocalConnector
+    from omnikv.integrations.vllm import early_handoff_params
+
+    pair = _early_edge(edge, recv_timeout=1.5)
+    tid = _router_id(pair.conn)
+    to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
+    _start_early_load(pair.consumer, to_consumer, "c1", [6, 2, 7])
+    producer = pair.producer
+    request = _request("s1", to_producer)
+    producer.sched.update_state_after_alloc(request, _blocks([3, 5, 1]), 0)
+    new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
+    _step_with(producer, _output([new], [], {"s1": 8}), set())
+    assert producer.worker.stats()["chunks_streamed"] == 1
+    request.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert producer.sched.request_finished(request, [3, 5, 1]) == (False, None)
+    _step_with(producer, _output([], [], {}), set())  # the abort reaches the worker
+    worker = pair.consumer.worker
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"c1"} and results.failed_recving == {"c1"}
+    assert worker.stats()["loads_failed"] == 1
+    probe = LocalConnector(pair.conn)
+    try:
+        assert probe.pending_keys() == []
+    finally:
+        probe.close()
