@@ -273,7 +273,8 @@ def _run_case(
 
 
 def _report(rate: str, tokens: int, cases: list[_Case]) -> list[str]:
-    """Print one rate and prompt length's table; the targets missed."""
+    """Print one rate and prompt length's table (flushed: a run takes minutes); the targets
+    missed."""
     whole = {c.codec: c for c in cases if not c.stream}
     mib = tokens * BYTES_PER_TOKEN / MIB
     print(f"\n{rate}, {tokens}-token prompt ({mib:.0f} MiB of KV), router-led early hand-off")
@@ -294,6 +295,7 @@ def _report(rate: str, tokens: int, cases: list[_Case]) -> list[str]:
         )
         if c.stream and c.codec == "off" and tokens >= 1024 and not ratio <= TARGET:
             missed.append(f"{rate} {tokens} tokens: streamed tail {ratio:.3f} x whole > {TARGET}")
+    sys.stdout.flush()
     return missed
 
 
