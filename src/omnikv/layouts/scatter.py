@@ -60,6 +60,7 @@ def scatter_tokens(
         raise ExtractionError(f"scatter: block ids {bad[:8]} outside a cache of {blocks.shape[0]}")
     # A partial first block, the full blocks in one copy, a partial last block: few operations,
     # so that a load thread is not held up once per block by an engine loop that keeps the GIL.
+    src = src.to(blocks.device)  # before the first write: nothing is written when this raises
     pos, i = 0, 0
     lo = start % bs
     if lo and n:
@@ -70,7 +71,7 @@ def scatter_tokens(
     if full:
         index = torch.tensor(ids[i : i + full], dtype=torch.long, device=blocks.device)
         body = src[pos : pos + full * bs].reshape(full, bs, *src.shape[1:])
-        blocks.index_copy_(0, index, body.to(blocks.device))
+        blocks.index_copy_(0, index, body)
         pos += full * bs
         i += full
     if pos < n:

@@ -160,6 +160,7 @@ _COUNTER_DOCS = {
     "loads_ok": "Prompt KV payloads this consumer loaded through omnikv.",
     "loads_failed": "Admitted loads that failed or timed out (the prefill was recomputed).",
     "loads_refused": "kv_transfer_params refused at admission (never waited for).",
+    "router_ids_refused": "Transfer ids offered to this producer that it could not use.",
     "tokens_loaded": "Prompt tokens whose KV this consumer loaded instead of computing.",
     "bytes_loaded": "Bytes of KV this consumer loaded through omnikv.",
 }
