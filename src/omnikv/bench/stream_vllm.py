@@ -78,37 +78,16 @@ def _op_record(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the engines ---------------------------------------------------------------------------------
-def _omni_kv(
-    node: Node, producer: bool, *, stream: bool, codec: str, pool: int, secret: str
-) -> dict[str, Any]:
-    """A stage's ``omni_kv_config``: Transfer Engine over TCP on ``node``'s link address,
-    signed control messages (``auth_secret``), the consumer taking streamed chunks."""
-    conn: dict[str, Any] = {
+def _connector(node: Node, pool: int, secret: str, **role: Any) -> dict[str, Any]:
+    """A stage's ``connector_config``: Transfer Engine over TCP on ``node``'s link address,
+    signed control messages (``auth_secret``), and the ``role``'s own keys."""
+    return {
         "type": "MooncakeTransferEngineConnector",
         "protocol": "tcp",
         "memory_pool_size": pool,
         "host": node.address,
         "auth_secret": secret,
-    }
-    if producer:
-        # the factory binds a sender rank's control port at zmq_port + 100 + 16 x rank
-        conn.update(role="sender", zmq_port=SENDER_PORT - 100)
-        return {
-            "connector_config": conn,
-            "omni_from_stage": "0",
-            "omni_to_stage": "1",
-            "need_send_cache": True,
-            "stream_kv": stream,
-            "wire_codec": codec,
-            "send_timeout": 120.0,
-        }
-    return {
-        "connector_config": conn,
-        "stage_id": 1,
-        "omni_from_stage": "0",
-        "need_recv_cache": True,
-        "recv_timeout": 300.0,
-        "stream_kv": True,
+        **role,
     }
 
 
@@ -118,7 +97,6 @@ class _Case:
     codec: str
     ready: list[float] = field(default_factory=list)
     first_token: list[float] = field(default_factory=list)
-    streamed_mib: float = 0.0
 
     @property
     def name(self) -> str:
@@ -155,7 +133,7 @@ class _Bench:
             parts.append(f"--- {log.name}\n{text[-limit:]}")
         return "\n".join(parts)
 
-    def _cfg(self, node: Node, role: str, omni: dict[str, Any], chunk: int) -> dict[str, Any]:
+    def _cfg(self, role: str, omni: dict[str, Any], chunk: int) -> dict[str, Any]:
         extra: dict[str, Any] = {}  # auth_secret: from the connector_config
         if role == "kv_producer":
             extra["producer_tag"] = PRODUCER_TAG
@@ -184,20 +162,39 @@ class _Bench:
 
     def consumer(self) -> EngineProcess:
         node = self.link.b
-        omni = _omni_kv(node, False, stream=True, codec="off", pool=self.pool, secret=self.secret)
-        omni["connector_config"].update(
-            sender_host=self.link.a.address, sender_zmq_port=SENDER_PORT
+        conn = _connector(
+            node,
+            self.pool,
+            self.secret,
+            sender_host=self.link.a.address,
+            sender_zmq_port=SENDER_PORT,
         )
-        cfg = self._cfg(node, "kv_consumer", omni, max(self.args.tokens) + 64)
+        omni = {
+            "connector_config": conn,
+            "stage_id": 1,
+            "omni_from_stage": "0",
+            "need_recv_cache": True,
+            "recv_timeout": 300.0,
+            "stream_kv": True,  # take a streamed prefill's chunks as they are published
+        }
+        cfg = self._cfg("kv_consumer", omni, max(self.args.tokens) + 64)
         # in this process, its engine core and worker: the connector's load record is readable
         return self._engine(node, "consumer", cfg, in_process=True)
 
     def producer(self, case: _Case) -> EngineProcess:
         node = self.link.a
-        omni = _omni_kv(
-            node, True, stream=case.stream, codec=case.codec, pool=self.pool, secret=self.secret
-        )
-        cfg = self._cfg(node, "kv_producer", omni, self.args.chunk)
+        # the factory binds a sender rank's control port at zmq_port + 100 + 16 x rank
+        conn = _connector(node, self.pool, self.secret, role="sender", zmq_port=SENDER_PORT - 100)
+        omni = {
+            "connector_config": conn,
+            "omni_from_stage": "0",
+            "omni_to_stage": "1",
+            "need_send_cache": True,
+            "stream_kv": case.stream,
+            "wire_codec": case.codec,
+            "send_timeout": 120.0,
+        }
+        cfg = self._cfg("kv_producer", omni, self.args.chunk)
         name = "producer-" + case.name.replace(", ", "-").replace(" ", "-")
         # its engine core in its own process, stepping by itself (sends start at a step)
         return self._engine(node, name, cfg, in_process=False)
