@@ -43,12 +43,12 @@ from omnikv.transfer.receive import (
     ReceiveResult,
     ReceiveStatus,
 )
-from omnikv.transfer.received import ReceivedKV
+from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.requests import apply_received_kv, request_id_of
 from omnikv.transfer.results import TransferLog
 from omnikv.transfer.send import KVSender, SendResult
 from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream import KVStreams, StreamProgress
+from omnikv.transfer.stream import KVStreams, Seal, StreamProgress
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
@@ -273,6 +273,8 @@ class OmniKVTransferManager:
         block_size: int,
         cache_dtype: str,
         request_id_resolver: Callable[[str], str] | None = None,
+        *,
+        seal: Seal | None = None,
     ) -> StreamProgress:
         """Ship the full blocks of a request still decoding (``stream_kv``); called by the model
         runner once per step per request, or from its per-step hook.
@@ -283,11 +285,14 @@ class OmniKVTransferManager:
         metadata. Synchronous and short (one put attempt, at most
         :data:`omnikv.transfer.stream.STEP_PUT_S`); never raises for the request's failure
         (the progress says why nothing went). A no-op without ``stream_kv``.
+
+        ``seal`` (optional): called with each chunk's token range and block ids; what it
+        returns travels in that chunk's header metadata (:class:`~omnikv.transfer.stream.Seal`).
         """
         if self._streams is None:
             return StreamProgress(str(request_id), reason="stream_kv is off")
         args = (entry, kv_caches, block_size, cache_dtype, request_id_resolver)
-        return self._streams.ship(str(request_id), *args)
+        return self._streams.ship(str(request_id), *args, seal=seal)
 
     def abort_kv_stream(self, request_id: str) -> int:
         """Drop what ``request_id``'s stream shipped (a request aborted or preempted before it
@@ -339,7 +344,7 @@ class OmniKVTransferManager:
         """The sender's base ``(host, port)`` set by :meth:`update_sender_info`, if any."""
         return self._receiver.sender
 
-    def receive_kv_cache_result(
+    def receive_kv_cache_result(  # noqa: PLR0913 - the receive's options, each a keyword
         self,
         request_id: str,
         target_device: torch.device | None = None,
@@ -350,11 +355,16 @@ class OmniKVTransferManager:
         quiet: bool = False,
         on_arrival: Callable[[int], object] | None = None,
         check: Callable[[ReceivedKV], str | None] | None = None,
+        on_chunk: Callable[[ReceivedChunk], str | None] | None = None,
     ) -> ReceiveResult:
         """:meth:`receive_kv_cache_for_request` as a ReceiveResult (:meth:`KVReceiver.receive`).
 
         ``check`` (optional) is run on the received KV before it is accepted: a returned reason
-        makes the result ``refused`` and is sent back to the sender as its verdict."""
+        makes the result ``refused`` and is sent back to the sender as its verdict.
+        ``on_chunk`` (optional, a request received under one key): each chunk of a streamed
+        send is handed to it in order as it arrives (:class:`ReceivedChunk`); the KV returned
+        then holds only the tokens after them (``kv.token_offset``). A reason refuses the
+        receive as ``check``'s does."""
         per_call = sender_info is not None
         sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
         deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
@@ -366,7 +376,11 @@ class OmniKVTransferManager:
             target_device=target_device,
             abort=abort,
             quiet=quiet,
-            callbacks=ReceiveCallbacks(on_arrival, check) if on_arrival or check else None,
+            callbacks=(
+                ReceiveCallbacks(on_arrival, check, on_chunk)
+                if on_arrival or check or on_chunk
+                else None
+            ),
         )
         return self._log.received(result)
 

@@ -974,13 +974,22 @@ def test_an_early_hand_off_loads_what_the_producer_streams_under_the_routers_id(
         assert not any("#c0" in k for k in probe.pending_keys())
     finally:
         probe.close()
+    worker = pair.consumer.worker
+    # ... checks it (its own MAC) and writes it into the request's first block at once
+    deadline = time.monotonic() + 10
+    while worker.stats().get("chunks_loaded", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    first = [k for k, _ in worker.layer_tokens([6], BS)]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first, [k for k, _ in producer.worker.layer_tokens([3], BS)], strict=True)
+    )
     _step_with(producer, _output([], [("s1", 4, None)], {"s1": 6}), set())
     assert producer.worker.stats()["chunks_streamed"] == 2
     request.num_computed_tokens = len(PROMPT)
     delay, params = producer.sched.request_finished(request, [3, 5, 1])
     assert delay and params is not None and params["omnikv_transfer_id"] == tid
     assert _step_with(producer, _output([], [], {}), {"s1"}).finished_sending == {"s1"}
-    worker = pair.consumer.worker
     assert worker.wait_transfers(10.0)
     results = worker.get_transfer_results(set())
     assert results.finished_recving == {"c1"} and not results.failed_recving
@@ -988,6 +997,55 @@ def test_an_early_hand_off_loads_what_the_producer_streams_under_the_routers_id(
     want = _tokens(producer.worker, [3, 5, 1])
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert producer.sched.stats().get("router_ids_refused", 0) == 0
+    assert worker.stats()["chunks_loaded"] == 2  # at the finish only the tail was checked
+
+
+def test_a_forged_chunk_ends_an_early_load_at_once(edge: Any) -> None:
+    """Someone who can publish into the namespace but lacks the secret puts a chunk under the
+    key an early consumer waits on: the consumer checks it as it arrives, refuses it (its MAC),
+    fails the load at once instead of at its deadline, and writes nothing."""
+    from omnikv.config import config_from_dict, options_from_dict
+    from omnikv.integrations.vllm import early_handoff_params
+    from omnikv.integrations.vllm.binding import request_binding
+    from omnikv.manager import OmniKVTransferManager
+
+    pair = _early_edge(edge, recv_timeout=30.0)
+    tid = _router_id(pair.conn)
+    _, to_consumer = early_handoff_params(tid, len(PROMPT))
+    t0 = time.monotonic()
+    _start_early_load(pair.consumer, to_consumer, "c1", [6, 2, 7])
+    fingerprint = pair.consumer.sched._scheduler.fingerprint
+    binding = request_binding(fingerprint, _request("c1", to_consumer), len(PROMPT))
+    attacker_cfg = {
+        "omni_from_stage": 0,
+        "omni_to_stage": 1,
+        "need_send_cache": True,
+        "stream_kv": True,
+        "connector_config": pair.conn,
+    }
+    caches = [
+        (torch.ones(BLOCKS, BS, HEADS, DIM), torch.ones(BLOCKS, BS, HEADS, DIM)) for _ in range(2)
+    ]
+    with OmniKVTransferManager(
+        config_from_dict(attacker_cfg), options=options_from_dict(attacker_cfg)
+    ) as attacker:
+        progress = attacker.stream_kv_blocks(
+            f"{tid}.{binding}",
+            {"block_ids": [0, 1], "seq_len": 2 * BS},
+            caches,
+            BS,
+            "float32",
+            seal=lambda start, stop, ids: {"omnikv_mac": "0" * 32},
+        )
+        assert progress.new == 2 * BS
+        worker = pair.consumer.worker
+        assert worker.wait_transfers(10.0)
+    assert time.monotonic() - t0 < 10.0  # not recv_timeout (30 s)
+    assert worker.get_transfer_results(set()).failed_recving == {"c1"}
+    reason = worker.transfer_record(tid)["reason"]
+    assert "chunk 0: the MAC does not match" in reason, reason
+    assert worker.stats().get("chunks_loaded", 0) == 0
+    assert not any(t.any() for t in pair.consumer.caches.values())
 
 
 def test_a_producer_uses_only_its_own_fresh_router_ids(edge: Any) -> None:
@@ -1081,3 +1139,47 @@ def test_every_count_is_exported_to_prometheus() -> None:
     from omnikv.integrations.vllm.stats import _COUNTER_DOCS, COUNTS
 
     assert set(_COUNTER_DOCS) == set(COUNTS)
+
+
+def _sealed_kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(tokens, 2, 4, generator=g), torch.randn(tokens, 2, 4, generator=g))]
+
+
+def test_sealed_ranges_check_each_piece_and_refuse_hostile_lists() -> None:
+    """A streamed finish's ``[start, stop, mac]`` list: a whole payload is checked range by
+    range; a tail (``offset``) only from its own range on; anything malformed is refused."""
+    from omnikv.integrations.vllm.binding import MAX_SEALED_RANGES, check_sealed_ranges, kv_mac
+
+    secret, key = b"s3cret", "tid.binding"
+    kv = _sealed_kv(10)
+
+    def seal(a: int, b: int) -> list[Any]:
+        return [a, b, kv_mac(secret, key, [(k[a:b], v[a:b]) for k, v in kv], a)]
+
+    good = [seal(0, 4), seal(4, 8), seal(8, 10)]
+    assert check_sealed_ranges(secret, key, kv, good) is None
+    tail = [(k[8:], v[8:]) for k, v in kv]
+    assert check_sealed_ranges(secret, key, tail, good, offset=8) is None
+    # the chunks' MACs are not looked at for a tail: they were checked as the chunks came
+    assert check_sealed_ranges(secret, key, tail, [[0, 8, "x"], seal(8, 10)], offset=8) is None
+    bad_mac = [seal(0, 4), [4, 8, "0" * 32], seal(8, 10)]
+    assert "tokens [4, 8)" in (check_sealed_ranges(secret, key, kv, bad_mac) or "")
+    assert "MAC" in (check_sealed_ranges(b"other", key, kv, good) or "")
+    assert "MAC" in (check_sealed_ranges(secret, "tid.other", kv, good) or "")
+    hostile: list[Any] = [
+        None,
+        [],
+        "0,4,x",
+        [seal(0, 4), seal(8, 10)],  # a gap
+        [seal(0, 4), [4, 8.0, "x"], seal(8, 10)],  # not ints
+        [[1, 4, "x"], seal(4, 8), seal(8, 10)],  # not from 0
+        [seal(0, 4), seal(4, 8)],  # ends before the KV does
+        [seal(0, 10)] * (MAX_SEALED_RANGES + 1),  # too many
+        [[0, 4, "x", 1], seal(4, 8), seal(8, 10)],
+    ]
+    for sealed in hostile:
+        assert check_sealed_ranges(secret, key, kv, sealed) is not None, sealed
+    # a tail that does not start where a sealed range does
+    off = [(k[6:], v[6:]) for k, v in kv]
+    assert "no sealed range starts at" in (check_sealed_ranges(secret, key, off, good, 6) or "")

@@ -444,6 +444,119 @@ def test_a_streaming_receiver_that_times_out_refuses_the_chunks_it_took(
     assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
 
 
+# -- a caller that takes each chunk as it arrives (on_chunk) -------------------------------------
+class _Taker:
+    """An ``on_chunk`` that keeps copies of what it is handed (refusing chunk ``refuse``)."""
+
+    def __init__(self, refuse: int | None = None, raises: bool = False) -> None:
+        self.chunks: list[Any] = []
+        self.threads: list[str] = []
+        self.refuse = refuse
+        self.raises = raises
+
+    def __call__(self, chunk: Any) -> str | None:
+        self.threads.append(threading.current_thread().name)
+        if self.raises:
+            raise RuntimeError("taker broke")
+        if chunk.index == self.refuse:
+            return "not this one"
+        copy = [t.clone() for t in chunk.key_cache], [t.clone() for t in chunk.value_cache]
+        self.chunks.append((chunk.index, chunk.start, chunk.stop, dict(chunk.metadata), copy))
+        return None
+
+
+def _seal(start: int, stop: int, block_ids: Any) -> dict[str, Any]:
+    return {"seal": [start, stop, list(block_ids)]}
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["taken-ahead", "at-the-finish"])
+def test_on_chunk_gets_each_chunk_in_order_and_the_result_holds_only_the_tail(
+    make_manager: ManagerFactory, ahead: bool
+) -> None:
+    """Each chunk reaches ``on_chunk`` once, in order, with the sender's per-chunk metadata
+    (``seal``); chunks plus the returned tail are bit for bit the whole send's KV. Taken ahead
+    (``stream_kv`` on the receiver), every chunk is handed over before the finish is sent."""
+    caches, ids, seq_len = _caches(torch.bfloat16), [7, 2, 9, 0, 5], 4 * BS + 2
+    whole, streamed = make_manager("sender"), make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=ahead, recv_timeout=10.0)
+    assert _finish(whole, "w", ids, seq_len, caches, "torch.bfloat16").ok
+    want, _ = receiver.receive_kv_cache_for_request("w")
+    assert want is not None
+    taker = _Taker()
+    got: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: got.update(r=receiver.receive_kv_cache_result("r1", on_chunk=taker))
+    )
+    t.start()
+    try:
+        for step in range(1, seq_len + 1):
+            streamed.stream_kv_blocks(
+                "r1", _entry(ids, step), caches, BS, "torch.bfloat16", seal=_seal
+            )
+        if ahead:  # handed over while the request still decodes
+            assert _until(lambda: len(taker.chunks) == seq_len // BS), taker.chunks
+        assert _finish(streamed, "r1", ids, seq_len, caches, "torch.bfloat16").ok
+    finally:
+        t.join(15)
+    result = got["r"]
+    assert result.ok, result.reason
+    kv = result.kv
+    assert kv.token_offset == 4 * BS and kv.key_cache[0].shape[0] == 2  # the tail only
+    assert [c[:3] for c in taker.chunks] == [(i, i * BS, (i + 1) * BS) for i in range(4)]
+    assert [c[3]["seal"] for c in taker.chunks] == [
+        [i * BS, (i + 1) * BS, [ids[i]]] for i in range(4)
+    ]
+    for layer in range(3):
+        for which, cache in enumerate(("key_cache", "value_cache")):
+            parts = [c[4][which][layer] for c in taker.chunks]
+            joined = torch.cat([*parts, getattr(kv, cache)[layer]])
+            wanted = want["layer_blocks"][cache][layer]
+            assert torch.equal(joined.view(torch.uint8), wanted.view(torch.uint8))
+    assert all(name.startswith("omnikv-chunks") == ahead for name in taker.threads)
+    assert streamed.wait_delivered("r1", 5).status is SendStatus.DELIVERED
+    assert _connector(streamed).pending_keys() == []
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["refuses", "raises"])
+def test_a_chunk_refused_by_on_chunk_refuses_the_receive_and_nothing_after_it_is_handed(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture, raises: bool
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer")
+    """The request is still decoding (no tail sent): the refusal ends the receive at once, not
+    at its deadline; the finish then learns its stream was refused."""
+    caches, ids, seq_len = _caches(), [0, 1, 2, 3], 3 * BS + 1
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=30.0)
+    _decode_steps(sender, "r1", ids, seq_len, caches, "torch.float32")
+    taker = _Taker(refuse=1, raises=raises)
+    t0 = time.monotonic()
+    result = receiver.receive_kv_cache_result("r1", on_chunk=taker)
+    assert time.monotonic() - t0 < 10.0  # not the 30 s deadline
+    assert result.status is ReceiveStatus.REFUSED, result
+    assert ("on_chunk raised RuntimeError" if raises else "not this one") in (result.reason or "")
+    assert len(taker.threads) == (1 if raises else 2)  # chunk 0 (taken), chunk 1 (refused)
+    assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
+    assert _finish(sender, "r1", ids, seq_len, caches, "torch.float32").ok
+    # nobody takes the tail now; chunk 2 was never taken: both stay for the sender's TTL
+    assert any("r1#c2" in k for k in _connector(sender).pending_keys())
+
+
+def test_a_chunk_that_does_not_hold_its_range_never_reaches_on_chunk(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer.receive")
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=2.0)
+    conn = _connector(receiver)
+    lying = _piece(3, {"k": "chunk", "id": "s1", "n": 0, "r": [[0, 4]]})  # 3 tokens, says 4
+    _put(conn, chunk_key(KEY, 0), lying)
+    _put(conn, KEY, _tail(1, [[0, 4]], 6))
+    taker = _Taker()
+    result = receiver.receive_kv_cache_result("r1", on_chunk=taker)
+    assert result.status is ReceiveStatus.CORRUPT, result
+    assert "(3, 2, 4)" in (result.reason or "") or "do not hold its 4" in (result.reason or "")
+    assert taker.threads == []
+
+
 # -- real processes over shared memory -----------------------------------------------------------
 _CHILD = """
 import sys, torch

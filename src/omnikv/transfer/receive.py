@@ -20,6 +20,7 @@ under one deadline and keeps the results; a later :meth:`KVReceiver.receive` of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -56,9 +57,9 @@ from omnikv.errors import (
 from omnikv.topology.keys import TransferHooks, build_recv_keys
 from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
-from omnikv.transfer.received import ReceivedKV, move_kv
+from omnikv.transfer.received import ReceivedChunk, ReceivedKV, move_kv
 from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream import EagerChunks, StreamAssembly
+from omnikv.transfer.stream import ChunkFeed, EagerChunks, StreamAssembly
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
 
@@ -162,10 +163,20 @@ class ReceiveCallbacks:
     ``check`` runs on the finished KV and returns why it must not be used, or ``None``
     (a vLLM consumer's binding, shape and MAC checks); its reason becomes the ``refused``
     verdict the sender gets.
+
+    ``on_chunk`` takes a streamed send's chunks one by one, in order, as they arrive (on a
+    chunk thread while the tail is still awaited, else on the receive's thread), each checked
+    to continue the ones before it (:class:`~omnikv.transfer.received.ReceivedChunk`); a
+    reason refuses the receive as ``check``'s does. When it took every chunk, the KV returned
+    (and given to ``check``) holds only the tail: ``kv.token_offset`` is where it starts.
+    Used only for a request received under one key (no merge of several sender ranks);
+    otherwise the chunks are joined as without it. No call is in flight once the receive
+    returns or raises (the caller may then reuse what the chunks were written into).
     """
 
     on_arrival: Callable[[int], object] | None = None
     check: Callable[[ReceivedKV], str | None] | None = None
+    on_chunk: Callable[[ReceivedChunk], str | None] | None = None
 
 
 @dataclass
@@ -246,6 +257,19 @@ def _missing(
             f" is gone ({detail}; {report.detail})"
         )
     return ReceiveTimeout(request_id, waited, f"{detail}; {report.detail}")
+
+
+class _EndedBy(threading.Event):
+    """The abort event of one receive's waits when chunks are handed to ``on_chunk``: set by
+    the receive itself (a chunk was refused: the tail is no longer worth waiting for) or by
+    the caller's ``abort``. The waits and connectors only ask :meth:`is_set`."""
+
+    def __init__(self, outer: threading.Event | None) -> None:
+        super().__init__()
+        self._outer = outer
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self._outer is not None and self._outer.is_set())
 
 
 @dataclass
@@ -565,6 +589,11 @@ class KVReceiver:
             trace.keys = [k for k, _ in pairs]
         waits = [(key, source_metadata(sender, rank, per_call)) for key, rank in pairs]
         stages = (from_stage, to_stage)
+        on_chunk = None if callbacks is None else callbacks.on_chunk
+        feed = None
+        if on_chunk is not None and len(waits) == 1:
+            ended = _EndedBy(abort)  # a refused chunk ends the wait for the tail at once
+            feed, abort = ChunkFeed(on_chunk, on_refusal=ended.set), ended
         chunks = _ChunkWaits(connector, stages, deadline, abort, request_id, t0, 0)
         eager = None
         if self.options.stream_kv:  # take a stream's chunks while waiting for its tail
@@ -574,22 +603,31 @@ class KVReceiver:
                 chunks,
                 max_header_bytes=self.options.max_header_bytes,
                 name="omnikv-chunks",
+                feed=feed,
             )
         try:
-            raws = self._wait_all(
-                connector,
-                stages,
-                waits,
-                deadline=deadline,
-                abort=abort,
-                request_id=request_id,
-                t0=t0,
-                on_arrival=None if callbacks is None else callbacks.on_arrival,
-            )
+            try:
+                raws = self._wait_all(
+                    connector,
+                    stages,
+                    waits,
+                    deadline=deadline,
+                    abort=abort,
+                    request_id=request_id,
+                    t0=t0,
+                    on_arrival=None if callbacks is None else callbacks.on_arrival,
+                )
+            except ReceiveCancelled:
+                if feed is not None and feed.refusal is not None:
+                    raise feed.error(waits[0][0]) from None
+                raise
             t_wait = time.monotonic()
             chunks.taken = len(raws)
             streams = StreamAssembly(
-                eager or chunks, max_header_bytes=self.options.max_header_bytes, guard=self.guard
+                eager or chunks,
+                max_header_bytes=self.options.max_header_bytes,
+                guard=self.guard,
+                feed=feed,
             )
             kv, t_decode = self._use(
                 request_id,
@@ -604,6 +642,8 @@ class KVReceiver:
         finally:
             if eager is not None:
                 _refuse_unused(connector, stages, eager.stop())
+            if feed is not None:  # no chunk is handed over after this returns
+                feed.close()
         if trace is not None:
             trace.phases(t0, t_wait, t_decode, time.monotonic())
         logger.debug(
@@ -767,7 +807,10 @@ class KVReceiver:
         dicts = [s.to_dict() for s in shards]
         merged = dicts[0] if len(dicts) == 1 else merge_received_rank_shards(dicts, hooks.merger)
         sliced = slice_received_rank_shard(merged, topo, hooks.slicer)
-        return ReceivedKV.from_dict(sliced, nbytes)
+        out = ReceivedKV.from_dict(sliced, nbytes)
+        if len(shards) == 1:  # slicing heads keeps the tokens the shard starts at
+            out = dataclasses.replace(out, token_offset=shards[0].token_offset)
+        return out
 
     def _finish(
         self,

@@ -22,7 +22,7 @@ import torch
 from omnikv.errors import DecodeError
 from omnikv.wire.decode import DecodedKV
 
-__all__ = ["CACHES", "ReceivedKV", "move_kv"]
+__all__ = ["CACHES", "ReceivedChunk", "ReceivedKV", "move_kv"]
 
 #: The two per-layer lists of a KV payload, in wire order.
 CACHES = ("key_cache", "value_cache")
@@ -32,7 +32,12 @@ TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class ReceivedKV:
-    """A request's received KV: ids, metadata, per-layer K and V (``None`` for skipped layers)."""
+    """A request's received KV: ids, metadata, per-layer K and V (``None`` for skipped layers).
+
+    ``token_offset``: the request token the tensors' first row is. It is 0 except for a receive
+    whose caller took a stream's chunks one by one as they arrived (``on_chunk``, see
+    :class:`ReceivedChunk`): the KV then holds only the tokens after those chunks.
+    """
 
     request_id: str
     block_ids: list[Any]
@@ -40,6 +45,7 @@ class ReceivedKV:
     key_cache: list[torch.Tensor | None]
     value_cache: list[torch.Tensor | None]
     nbytes: int = 0
+    token_offset: int = 0
 
     # -- building ---------------------------------------------------------------------------
     @classmethod
@@ -110,6 +116,29 @@ class ReceivedKV:
             key_cache=[None if t is None else fn(t) for t in self.key_cache],
             value_cache=[None if t is None else fn(t) for t in self.value_cache],
         )
+
+
+@dataclass(frozen=True)
+class ReceivedChunk:
+    """One chunk of a streamed send, handed to a receive's ``on_chunk`` as it arrives.
+
+    ``start`` / ``stop``: the request tokens it holds (``[start, stop)``; chunks come in order,
+    each starting where the one before stopped, the first at 0). ``metadata``: the chunk's own
+    (its sender's per-chunk ``custom_metadata``, e.g. a MAC, plus the payload's fields).
+    ``key_cache`` / ``value_cache``: per layer ``[stop - start, heads, head_size]`` tensors that
+    are views of connector memory, valid only during the call: copy what must outlive it.
+    Nothing here is checked against the request's finish yet (the tail arrives later); what
+    is checked is that the chunk continues the chunks before it (index, range, stream, request
+    id, layers, dtypes, shapes).
+    """
+
+    request_id: str
+    index: int
+    start: int
+    stop: int
+    metadata: dict[str, Any]
+    key_cache: list[torch.Tensor | None]
+    value_cache: list[torch.Tensor | None]
 
 
 def move_kv(kv: ReceivedKV, device: torch.device | str | None, *, own: bool = False) -> ReceivedKV:

@@ -473,11 +473,13 @@ class KVSender:
         block_ids: Sequence[int],
         batch: _Batch,
         stream: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
     ) -> list[PackedPayload]:
         """One payload per key holding every token of the full blocks ``block_ids``, marked as
         the piece ``stream`` of a streamed send (:mod:`omnikv.transfer.stream`, which calls
-        this once per chunk). Sliced per target rank as a whole send is; raises
-        :class:`SendRefused` / ``OmniKVError`` with the reason it cannot be made."""
+        this once per chunk), with the chunk's own ``metadata``. Sliced per target rank as a
+        whole send is; raises :class:`SendRefused` / ``OmniKVError`` with the reason it cannot
+        be made."""
         ids = _check_block_ids(block_ids)
         keys_g, values_g = plan_request_kv(
             batch.kv_caches,
@@ -489,7 +491,8 @@ class KVSender:
             cache=self.layers,
         )
         _check_kv(keys_g, values_g, batch.want_dtype)
-        return self._payloads(transfer_id, keys, keys_g, values_g, ids, {}, stream=stream)
+        meta = dict(metadata or {})
+        return self._payloads(transfer_id, keys, keys_g, values_g, ids, meta, stream=stream)
 
     @staticmethod
     def transfer_id(request_id: str, resolver: Callable[[str], str] | None) -> str:

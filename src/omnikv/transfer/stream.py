@@ -56,9 +56,9 @@ import torch
 
 from omnikv.config import RetryPolicy
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
-from omnikv.errors import DecodeError, OmniKVError
+from omnikv.errors import DecodeError, OmniKVError, PayloadRefused
 from omnikv.topology.keys import build_send_keys
-from omnikv.transfer.received import ReceivedKV
+from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.send import KVSender, SendBatch, SendRefused, SendResult, SendStatus
 from omnikv.transfer.sessions import SessionGuard
 from omnikv.wire.decode import DecodedKV, decode_kv
@@ -67,10 +67,12 @@ from omnikv.wire.format import MAX_STREAM_CHUNKS
 __all__ = [
     "MAX_FAILED_STEPS",
     "STEP_PUT_S",
+    "ChunkFeed",
     "ChunkSource",
     "EagerChunks",
     "EagerWait",
     "KVStreams",
+    "Seal",
     "StreamAssembly",
     "StreamProgress",
     "TailPlan",
@@ -144,6 +146,31 @@ class _Stream:
         return self.ranges[-1][1] if self.ranges else 0
 
 
+class Seal(Protocol):
+    """A stream step's caller's per-chunk metadata: called with the chunk's token range
+    ``[start, stop)`` and its block ids before the chunk is made; what it returns (a dict of
+    plain values) goes into the chunk's header metadata (the vLLM connector puts a MAC over
+    the chunk's tokens there, so that a receiver can check each chunk before it has the rest).
+    Raising stops the stream (the finish then sends the rest with the tail)."""
+
+    def __call__(self, start: int, stop: int, block_ids: Sequence[int]) -> Mapping[str, Any]: ...
+
+
+def _sealed(
+    seal: Seal | None, start: int, stop: int, block_ids: Sequence[int]
+) -> dict[str, Any] | None:
+    """``seal``'s metadata for a chunk (``None`` without one); its failure as ``SendRefused``."""
+    if seal is None:
+        return None
+    try:
+        meta = seal(start, stop, block_ids)
+    except Exception as exc:
+        raise SendRefused(f"the stream's seal raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(meta, Mapping):
+        raise SendRefused(f"the stream's seal returned {type(meta).__name__}, not a dict")
+    return dict(meta)
+
+
 class TailPlan(NamedTuple):
     """What a streamed request's finish sends (:meth:`KVStreams.tail`): the tail's blocks
     (:meth:`blocks`), its manifest (the header's ``sm``) and the chunk keys it refers to."""
@@ -185,9 +212,12 @@ class KVStreams:
         block_size: Any,
         cache_dtype: Any,
         resolver: Callable[[str], str] | None = None,
+        *,
+        seal: Seal | None = None,
     ) -> StreamProgress:
         """Ship ``request_id``'s full blocks not shipped yet as one chunk; never raises for the
-        request's failure (the progress says why nothing went)."""
+        request's failure (the progress says why nothing went). ``seal`` (optional) is asked
+        for the chunk's own metadata (see :class:`Seal`) before the chunk is made."""
         rid = str(request_id)
         self.drop_orphans()
         sender = self.sender
@@ -210,7 +240,8 @@ class KVStreams:
         keys = [chunk_key(k, index) for k in stream.keys]
         mark = {"k": "chunk", "id": stream.stream_id, "n": index, "r": [[start, stop]]}
         try:
-            payloads = sender.plan_blocks(stream.transfer_id, keys, ids, batch, mark)
+            meta = _sealed(seal, start, stop, ids)
+            payloads = sender.plan_blocks(stream.transfer_id, keys, ids, batch, mark, meta)
         except (SendRefused, OmniKVError) as exc:
             return self._stop(rid, stream, f"chunk {index} cannot be made: {exc}")
         sender.listen(connector)
@@ -439,6 +470,132 @@ class EagerWait(Protocol):
     ) -> ManagedBuffer | None: ...
 
 
+class _Shape(NamedTuple):
+    """What every chunk of one stream shares: its id, request id and per-tensor layer form
+    (``None`` for a skipped layer, else dtype and the shape after the token dimension)."""
+
+    stream_id: str
+    request_id: str
+    layers: tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...]
+
+
+def _shape_of(chunk: DecodedKV) -> _Shape:
+    mark = chunk.stream
+    layers = tuple(
+        None if t is None else (t.dtype, tuple(t.shape[1:]))
+        for t in (*chunk.key_cache, *chunk.value_cache)
+    )
+    return _Shape("" if mark is None else mark.id, chunk.request_id, layers)
+
+
+class ChunkFeed:
+    """A receive's ``on_chunk`` and the chunks it has been handed (one request key's).
+
+    :meth:`hand` gives it chunk after chunk, in order, each first checked to continue the ones
+    before it as hostile input (its index, a range starting where the last one stopped, the
+    same stream, request id, layers, dtypes and head shapes, the token count its range says).
+    Called by :class:`EagerChunks`'s lane as chunks arrive, and by :class:`StreamAssembly`
+    for any chunk the lane did not hand over. After the first refusal nothing more is handed
+    over (:attr:`refusal`; :attr:`corrupt` says whether the chunk itself was inconsistent, as
+    opposed to refused by ``on_chunk``), and ``on_refusal`` is called (the receive stops
+    waiting for the tail). :meth:`close` waits for a call in flight and refuses
+    every later one, so that a receive that returned never writes again. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        on_chunk: Callable[[ReceivedChunk], str | None],
+        *,
+        on_refusal: Callable[[], object] | None = None,
+    ) -> None:
+        self._on_chunk = on_chunk
+        self._on_refusal = on_refusal
+        self._lock = threading.Lock()
+        self._closed = False
+        self._fed: list[str] = []
+        self._shape: _Shape | None = None
+        #: tokens handed over so far (the first token the tail must start at)
+        self.end = 0
+        self.refusal: str | None = None
+        self.corrupt = False
+
+    def has(self, ckey: str) -> bool:
+        """Whether the chunk taken under ``ckey`` was handed over."""
+        with self._lock:
+            return ckey in self._fed
+
+    def hand(self, ckey: str, index: int, chunk: DecodedKV) -> str | None:
+        """Hand chunk ``index`` (taken under ``ckey``) to ``on_chunk``: ``None`` once it took
+        it, else why not."""
+        with self._lock:
+            if self.refusal is not None:
+                return self.refusal
+            if self._closed:
+                return "the receive ended"
+            why = self._continues(chunk, index)
+            self.corrupt = why is not None
+            stop = self.end
+            if why is None:
+                assert chunk.stream is not None  # checked by _continues
+                stop = int(chunk.stream.r[0][1])
+                why = self._call(chunk, index, self.end, stop)
+            if why is not None:
+                self.refusal = why
+                if self._on_refusal is not None:
+                    self._on_refusal()
+                return why
+            self._fed.append(ckey)
+            self.end = stop
+            return None
+
+    def _continues(self, chunk: DecodedKV, index: int) -> str | None:
+        mark = chunk.stream
+        if mark is None or mark.k != "chunk" or mark.n != index or len(mark.r) != 1:
+            return f"not chunk {index} of a stream ({mark!r:.80})"
+        if index != len(self._fed):
+            return f"chunk {index} came before chunk {len(self._fed)}"
+        start, stop = (int(v) for v in mark.r[0])
+        if start != self.end or stop <= start:
+            return f"chunk {index} covers [{start}, {stop}), expected to start at {self.end}"
+        shape = _shape_of(chunk)
+        if self._shape is not None and shape != self._shape:
+            return f"chunk {index} is not of the stream, request or layers of the chunks before"
+        tensors = [t for t in (*chunk.key_cache, *chunk.value_cache) if t is not None]
+        if not tensors or any(t.dim() < 1 or t.shape[0] != stop - start for t in tensors):
+            return f"chunk {index}'s tensors do not hold its {stop - start} tokens"
+        self._shape = shape
+        return None
+
+    def _call(self, chunk: DecodedKV, index: int, start: int, stop: int) -> str | None:
+        piece = ReceivedChunk(
+            chunk.request_id,
+            index,
+            start,
+            stop,
+            chunk.metadata,
+            list(chunk.key_cache),
+            list(chunk.value_cache),
+        )
+        try:
+            return self._on_chunk(piece)
+        except Exception as exc:  # the caller's bug refuses this receive, nothing else
+            logger.exception("on_chunk raised for chunk %d of %s", index, chunk.request_id)
+            return f"on_chunk raised {type(exc).__name__}: {exc}"
+
+    def error(self, key: str) -> OmniKVError:
+        """The refusal as the receive's error for request key ``key``: the stream is corrupt,
+        or ``on_chunk`` refused a chunk (the sender is told either way)."""
+        why = self.refusal or "no chunk was refused"
+        if self.corrupt:
+            return _corrupt(key, why)
+        return PayloadRefused(f"KV chunk of {key} refused: {why}")
+
+    def close(self) -> None:
+        """No chunk is handed over after this returns (waits for a call in flight)."""
+        with self._lock:
+            self._closed = True
+
+
 class _Joined:
     """Chunks 0, 1, ... of one key copied in order into growing per-layer tensors (the
     assembly's copy, done while the request still decodes): ``bufs[i]`` is the buffer chunk
@@ -505,11 +662,11 @@ class _Lane:
 
     __slots__ = ("done", "join_lock", "joined", "metadata", "next")
 
-    def __init__(self, metadata: dict[str, Any] | None) -> None:
+    def __init__(self, metadata: dict[str, Any] | None, *, join: bool) -> None:
         self.metadata = metadata
         self.next = 0
         self.done = False
-        self.joined: _Joined | None = _Joined()
+        self.joined: _Joined | None = _Joined() if join else None
         self.join_lock = threading.Lock()
 
 
@@ -526,7 +683,9 @@ class EagerChunks:
     ``fallback`` as without this class. :meth:`stop` ends the threads (within one wait slice,
     without waiting for them) and returns the chunks taken and never used: a stream restarted
     after its first chunks leaves some (the caller refuses and releases them; the assembly of
-    the new stream takes those keys afresh, see :meth:`retake`). Thread-safe.
+    the new stream takes those keys afresh, see :meth:`retake`). With a ``feed`` (a receive
+    with ``on_chunk``), each chunk is handed to it as it arrives instead of being joined.
+    Thread-safe.
     """
 
     def __init__(
@@ -537,10 +696,12 @@ class EagerChunks:
         *,
         max_header_bytes: int,
         name: str = "kv-chunks",
+        feed: ChunkFeed | None = None,
     ) -> None:
         self._wait = wait
         self._fallback = fallback
         self._max_header_bytes = max_header_bytes
+        self._feed = feed
         self._served: dict[str, ManagedBuffer] = {}
         self._decoded: dict[str, DecodedKV] = {}
         self._stale: list[tuple[str, ManagedBuffer]] = []  # chunks of an earlier stream
@@ -548,7 +709,7 @@ class EagerChunks:
         self._cond = threading.Condition()
         self._held: dict[str, ManagedBuffer] = {}
         self._closed = False
-        self._lanes = {key: _Lane(meta) for key, meta in keys}
+        self._lanes = {key: _Lane(meta, join=feed is None) for key, meta in keys}
         self._threads = [
             threading.Thread(target=self._run, args=(key,), name=f"{name}-{i}", daemon=True)
             for i, key in enumerate(self._lanes)
@@ -564,7 +725,12 @@ class EagerChunks:
                 buf = self._wait(ckey, lane.metadata, self._stop)
                 if buf is None:
                     return
-                chunk = self._join(lane, buf)
+                refused = False
+                if self._feed is None:
+                    chunk = self._join(lane, buf)
+                else:  # handed over now; a refusal ends the lane (the assembly raises it)
+                    chunk = _decode_buffer(buf, self._max_header_bytes)
+                    refused = self._feed.hand(ckey, index, chunk) is not None
                 with self._cond:
                     if not self._closed:
                         self._held[ckey] = buf
@@ -572,6 +738,8 @@ class EagerChunks:
                             self._decoded[ckey] = chunk
                         lane.next = index + 1
                         self._cond.notify_all()
+                        if refused:
+                            return
                         continue
                 # taken after stop() collected the rest (a wait that outlived its slice)
                 logger.warning("dropped chunk %s, taken after its receive ended", ckey)
@@ -714,10 +882,12 @@ class StreamAssembly:
         *,
         max_header_bytes: int,
         guard: SessionGuard | None = None,
+        feed: ChunkFeed | None = None,
     ) -> None:
         self.source = source
         self.max_header_bytes = max_header_bytes
         self.guard = guard
+        self.feed = feed
         self.taken: list[tuple[str, dict[str, Any] | None]] = []
         self._held: list[ManagedBuffer] = []
 
@@ -745,13 +915,20 @@ class StreamAssembly:
             known = self.source.decoded(ckey) if isinstance(self.source, EagerChunks) else None
             chunk = known if known is not None else self._decode(buf)
             if isinstance(self.source, EagerChunks) and _of_another_stream(chunk, mark.id):
+                if self.feed is not None and self.feed.has(ckey):
+                    raise _corrupt(key, "its stream restarted after chunks were handed over")
                 buf = self.source.retake(ckey, metadata, self._held.pop())
                 self._held.append(buf)
                 chunk = self._decode(buf)
             if self.guard is not None:
                 self.guard.admit(chunk.stamp, tail.request_id)
             _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
-            pieces.append(chunk)
+            if self.feed is not None:
+                self._hand(key, ckey, index, chunk)
+            else:
+                pieces.append(chunk)
+        if self.feed is not None:
+            return self._tail_only(tail, ranges[-1][1], nbytes, held)
         ahead = None
         if isinstance(self.source, EagerChunks):  # joined while the chunks arrived
             ahead = self.source.joined(key, len(ranges), tail)
@@ -772,6 +949,31 @@ class StreamAssembly:
         del self._held[held:]
         return ReceivedKV(
             tail.request_id, tail.block_ids, tail.metadata, caches[0], caches[1], size
+        )
+
+    def _hand(self, key: str, ckey: str, index: int, chunk: DecodedKV) -> None:
+        """Chunk ``index`` handed to the receive's ``on_chunk`` (now, unless its lane did as it
+        arrived); raises the feed's refusal."""
+        feed = self.feed
+        assert feed is not None
+        if not feed.has(ckey) and feed.hand(ckey, index, chunk) is not None:
+            raise feed.error(key)
+
+    def _tail_only(self, tail: DecodedKV, offset: int, nbytes: int, held: int) -> ReceivedKV:
+        """The KV after the chunks handed to ``on_chunk`` (tokens from ``offset``): the tail's
+        tensors, copied (they are small and their buffer is released after this)."""
+        size = nbytes + sum(b.size for b in self._held[held:])
+        for buf in self._held[held:]:
+            buf.release()
+        del self._held[held:]
+        return ReceivedKV(
+            tail.request_id,
+            tail.block_ids,
+            tail.metadata,
+            [None if t is None else t.clone() for t in tail.key_cache],
+            [None if t is None else t.clone() for t in tail.value_cache],
+            size,
+            token_offset=offset,
         )
 
     def _decode(self, buf: ManagedBuffer) -> DecodedKV:

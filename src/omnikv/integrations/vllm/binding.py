@@ -26,9 +26,12 @@ until checked. Three things make a load safe to accept:
   never consumes it (check first, consume only what fits). A stolen id with another prompt,
   model, adapter or salt misses; it cannot destroy the victim's payload.
 
-With an ``auth_secret``, the producer also puts :func:`kv_mac` (keyed BLAKE2b over the key and
-every layer's K/V bytes in wire order) in the payload's metadata and the consumer checks it
-before writing a byte into its cache.
+With an ``auth_secret``, the producer also puts :func:`kv_mac` (keyed BLAKE2b over the key, the
+first token and every layer's K/V bytes in wire order) in the payload's metadata and the
+consumer checks it before writing a byte into its cache. A streamed prefill is sealed piece by
+piece: each chunk carries the MAC of its own tokens, so a consumer can check and write it as
+it arrives, and the finish carries the list of every piece's range and MAC
+(:func:`check_sealed_ranges`).
 """
 
 from __future__ import annotations
@@ -44,12 +47,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnikv.wire.format import MAX_STREAM_CHUNKS
+
 __all__ = [
     "BINDING_HEX",
+    "MAX_SEALED_RANGES",
     "MAX_TRANSFER_ID_CHARS",
     "PARAM_BINDING",
     "PARAM_NUM_TOKENS",
     "PARAM_TRANSFER_ID",
+    "check_sealed_ranges",
     "check_transfer_id",
     "early_handoff_params",
     "is_router_id",
@@ -67,6 +74,9 @@ __all__ = [
 PARAM_TRANSFER_ID = "omnikv_transfer_id"
 PARAM_NUM_TOKENS = "omnikv_num_tokens"
 PARAM_BINDING = "omnikv_binding"
+#: Most ``[start, stop, mac]`` entries a streamed finish's sealed ranges may hold (its chunks,
+#: at most :data:`omnikv.wire.format.MAX_STREAM_CHUNKS`, and its tail).
+MAX_SEALED_RANGES = MAX_STREAM_CHUNKS + 1
 #: Hex digits of a binding (128 bits).
 BINDING_HEX = 32
 #: Longest transfer id accepted from a client (longer ones are refused unread).
@@ -253,15 +263,24 @@ def _wire_bytes(t: torch.Tensor) -> bytes | memoryview:
     return flat.data
 
 
-def kv_mac(secret: bytes, key: str, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
-    """Keyed BLAKE2b (32 hex) over ``key`` and each layer's K then V bytes, in wire order.
+def kv_mac(
+    secret: bytes,
+    key: str,
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    start: int = 0,
+) -> str:
+    """Keyed BLAKE2b (32 hex) over ``key``, ``start`` and each layer's K then V bytes, in wire
+    order: the seal of the request's tokens ``[start, start + n)`` (``n``: the tensors' first
+    dimension, covered through their shapes).
 
-    The producer's worker computes it over the tokens it sends; the consumer's worker over what
-    it received, before writing into its cache. Both see ``[tokens, heads, head_size]`` tensors
-    of the cache dtype, so both hash the same bytes.
+    The producer's worker computes it over the tokens it sends (a whole request, or one piece
+    of a streamed one); the consumer's worker over what it received, before writing into its
+    cache. Both see ``[tokens, heads, head_size]`` tensors of the cache dtype, so both hash
+    the same bytes.
     """
-    h = hashlib.blake2b(key=_secret_key(secret), digest_size=16, person=b"omnikv-kv-v1")
+    h = hashlib.blake2b(key=_secret_key(secret), digest_size=16, person=b"omnikv-kv-v2")
     _field(h, key.encode())
+    _field(h, str(int(start)).encode())
     for k, v in layers:
         for t in (k, v):
             _field(h, json.dumps([str(t.dtype), list(t.shape)]).encode())
@@ -272,3 +291,49 @@ def kv_mac(secret: bytes, key: str, layers: Iterable[tuple[torch.Tensor, torch.T
 def mac_matches(expected: Any, actual: str) -> bool:
     """Constant-time comparison of a MAC read from a payload with the one computed here."""
     return isinstance(expected, str) and hmac.compare_digest(expected, actual)
+
+
+def check_sealed_ranges(
+    secret: bytes,
+    key: str,
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    sealed: Any,
+    offset: int = 0,
+) -> str | None:
+    """Why ``layers`` (tokens ``[offset, offset + n)`` of the request) are not what the sealed
+    ranges say, or ``None``.
+
+    ``sealed`` is a streamed finish's list of ``[start, stop, mac]`` (hostile input: at most
+    :data:`MAX_SEALED_RANGES` entries, contiguous from token 0 to ``offset + n``, ``offset``
+    one of its boundaries). The ranges from ``offset`` on are checked with :func:`kv_mac`;
+    those before it were checked piece by piece as they arrived (the consumer's ``on_chunk``).
+    """
+    if not isinstance(sealed, list) or not 1 <= len(sealed) <= MAX_SEALED_RANGES:
+        return "the payload's sealed ranges are missing or too many"
+    n = int(layers[0][0].shape[0]) if layers else 0
+    ranges: list[tuple[int, int, str]] = []
+    at = 0
+    for item in sealed:
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or any(type(v) is not int for v in item[:2])
+            or not isinstance(item[2], str)
+            or item[0] != at
+            or item[1] <= item[0]
+        ):
+            return f"the payload's sealed ranges are not contiguous from token 0 ({item!r:.60})"
+        ranges.append((item[0], item[1], item[2]))
+        at = item[1]
+    if at != offset + n:
+        return f"the sealed ranges end at {at}, the KV holds tokens [{offset}, {offset + n})"
+    if offset not in {a for a, _, _ in ranges} | {at}:
+        return f"the KV starts at token {offset}, which no sealed range starts at"
+    for start, stop, mac in ranges:
+        if start < offset:
+            continue
+        lo, hi = start - offset, stop - offset
+        piece = [(k[lo:hi], v[lo:hi]) for k, v in layers]
+        if not mac_matches(mac, kv_mac(secret, key, piece, start)):
+            return f"the MAC of tokens [{start}, {stop}) does not match (forged or damaged KV)"
+    return None

@@ -52,6 +52,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -61,7 +62,7 @@ import torch
 from omnikv.config import config_from_dict, options_from_dict
 from omnikv.errors import OmniKVError
 from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
-from omnikv.integrations.vllm.binding import kv_mac, mac_matches
+from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, mac_matches
 from omnikv.integrations.vllm.metadata import (
     LoadSpec,
     OmniKVConnectorMetadata,
@@ -73,20 +74,32 @@ from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounter
 from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.receive import ReceiveStatus
-from omnikv.transfer.received import ReceivedKV
+from omnikv.transfer.received import ReceivedChunk, ReceivedKV
+from omnikv.transfer.stream import Seal
 from omnikv.wire.codec import round_trip
 
-__all__ = ["META_BINDING", "META_MAC", "WorkerSide", "transfer_cpus"]
+__all__ = ["META_BINDING", "META_MAC", "META_SEALED", "WorkerSide", "transfer_cpus"]
 
 logger = logging.getLogger(__name__)
 
 #: Payload metadata keys written by the producer and checked by the consumer.
 META_BINDING = "omnikv_binding"
 META_MAC = "omnikv_mac"
+#: A streamed request's finish: ``[start, stop, mac]`` of each chunk and of the tail.
+META_SEALED = "omnikv_sealed"
+#: Streams whose chunk seals a producer worker keeps until their finish (oldest dropped).
+MAX_SEALED_STREAMS = 4096
 
 _T = TypeVar("_T")
 #: Failure warnings are logged at most once per this many seconds (each failure: DEBUG).
 WARN_EVERY_S = 10.0
+
+
+def _pairs(
+    keys: Sequence[torch.Tensor | None], values: Sequence[torch.Tensor | None]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V), for a MAC (the checks refused absent layers before)."""
+    return [(k, v) for k, v in zip(keys, values, strict=True) if k is not None and v is not None]
 
 
 def _parse_cpu_list(text: str) -> set[int]:
@@ -219,6 +232,9 @@ class WorkerSide:
         self._verdicts_due: dict[str, str] = {}
         #: this step's stream specs (runner thread only: bind, then wait_for_save)
         self._streams_due: list[StreamSpec] = []
+        # with auth_secret: per stream key, the range and MAC of each chunk it published
+        # (written on the runner's thread, taken by the finish's send)
+        self._seals: OrderedDict[str, list[tuple[int, int, str]]] = OrderedDict()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
         """``register_kv_caches``: per layer the blocks of the engine's caches
@@ -257,6 +273,8 @@ class WorkerSide:
         self._streams_due.extend(meta.streams)
         for key in meta.stream_aborts:
             self.manager.abort_kv_stream(key)
+            with self._lock:
+                self._seals.pop(key, None)
         self._submit_sends(meta.sends)
 
     def ship_streams(self) -> None:
@@ -273,12 +291,18 @@ class WorkerSide:
         layers = list(self.layers.values())
         for spec in due:
             t0 = time.monotonic()
+            sealed: list[tuple[int, int, str]] = []
             try:
                 sources = [layer.send_source(spec.block_ids) for layer in layers]
                 views: list[Any] = [kv for kv, _ in sources]
                 entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
                 progress = self.manager.stream_kv_blocks(
-                    spec.key, entry, views, self.block_size, str(views[0][0].dtype)
+                    spec.key,
+                    entry,
+                    views,
+                    self.block_size,
+                    str(views[0][0].dtype),
+                    seal=None if self.options.secret is None else self._sealer(spec.key, sealed),
                 )
             except Exception as exc:  # the finish still sends what was not shipped
                 logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
@@ -286,12 +310,44 @@ class WorkerSide:
             if progress.new:
                 self.counters.add("chunks_streamed")
                 self.counters.add("bytes_streamed", int(progress.nbytes))
+                if sealed and sealed[-1][1] == progress.shipped:
+                    self._keep_seal(spec.key, sealed[-1])
             logger.debug(
                 "OmniKVConnector: stream step of %s: %d tokens, %.1f ms",
                 spec.req_id,
                 spec.num_tokens,
                 (time.monotonic() - t0) * 1e3,
             )
+
+    def _sealer(self, key: str, sealed: list[tuple[int, int, str]]) -> Seal:
+        """The stream step's seal for ``key``: a chunk's MAC over its own tokens (what the
+        consumer decodes: coded and decoded again with a codec), noted in ``sealed``."""
+        secret = self.options.secret
+        assert secret is not None
+        layers = list(self.layers.values())
+        codec = self.manager.options.wire_codec
+
+        def seal(start: int, stop: int, block_ids: Sequence[int]) -> dict[str, Any]:
+            tokens = [layer.gather(block_ids, stop - start) for layer in layers]
+            if codec != "off":
+                tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
+            mac = kv_mac(secret, key, tokens, start)
+            sealed.append((start, stop, mac))
+            return {META_MAC: mac}
+
+        return seal
+
+    def _keep_seal(self, key: str, seal: tuple[int, int, str]) -> None:
+        """Note a published chunk's seal (a chunk from token 0 starts the stream's list
+        afresh: the stream restarted)."""
+        with self._lock:
+            kept = self._seals.get(key)
+            if kept is None or seal[0] == 0:
+                kept = self._seals[key] = []
+            kept.append(seal)
+            self._seals.move_to_end(key)
+            while len(self._seals) > MAX_SEALED_STREAMS:
+                self._seals.popitem(last=False)
 
     def start_loads(self) -> None:
         """``start_load_kv``: start the loads noted at bind (asynchronous)."""
@@ -439,12 +495,10 @@ class WorkerSide:
     def _put(self, spec: SendSpec) -> tuple[str | None, int]:
         layers = list(self.layers.values())
         metadata: dict[str, Any] = {META_BINDING: spec.binding, "source": "vllm"}
+        with self._lock:
+            seals = self._seals.pop(spec.key, [])
         if self.options.secret is not None:
-            tokens = [layer.gather(spec.block_ids, spec.num_tokens) for layer in layers]
-            codec = self.manager.options.wire_codec
-            if codec != "off":  # the MAC covers what the consumer decodes, not what was coded
-                tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
-            metadata[META_MAC] = kv_mac(self.options.secret, spec.key, tokens)
+            metadata.update(self._seal_finish(spec, seals))
         # What the sender gathers from: the cache's own views, or (packed layouts) a copy of
         # the request's blocks; the block ids are the same for every layer.
         sources = [layer.send_source(spec.block_ids) for layer in layers]
@@ -467,6 +521,31 @@ class WorkerSide:
         if result.ok:
             return None, int(result.nbytes)
         return f"{result.status.value}: {result.reason}", 0
+
+    def _seal_finish(self, spec: SendSpec, seals: list[tuple[int, int, str]]) -> dict[str, Any]:
+        """The finish's MAC metadata: over every token (``omnikv_mac``), or, after a stream
+        shipped the first ``S`` tokens in sealed chunks, the list of those chunks' seals and
+        the seal of tokens ``[S, end)`` (``omnikv_sealed``): only the tail is hashed here,
+        and a consumer that took the chunks as they came checks only the tail now."""
+        secret = self.options.secret
+        assert secret is not None
+        layers = list(self.layers.values())
+        codec = self.manager.options.wire_codec
+        shipped = seals[-1][1] if seals else 0
+        if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
+            shipped = 0
+        ranges: list[list[Any]] = [[a, b, m] for a, b, m in seals] if shipped else []
+        if shipped == spec.num_tokens:  # the stream shipped every token: no tail to seal
+            return {META_SEALED: ranges}
+        first = shipped // self.block_size
+        ids, count = spec.block_ids[first:], spec.num_tokens - shipped
+        tokens = [layer.gather(ids, count) for layer in layers]
+        if codec != "off":  # the MAC covers what the consumer decodes, not what was coded
+            tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
+        mac = kv_mac(secret, spec.key, tokens, shipped)
+        if not shipped:
+            return {META_MAC: mac}
+        return {META_SEALED: [*ranges, [shipped, spec.num_tokens, mac]]}
 
     # -- consumer ---------------------------------------------------------------------------
     def _load(self, spec: LoadSpec, deadline: float, abort: threading.Event, first: bool) -> None:
@@ -535,11 +614,16 @@ class WorkerSide:
         if time.monotonic() >= deadline:
             return "timeout: recv_timeout passed before the load could start", 0
 
+        written = [0]  # bytes the chunks handed over wrote
+
         def check(kv: ReceivedKV) -> str | None:
-            return self._check_payload(spec, kv.metadata, kv.key_cache, kv.value_cache)
+            return self._check_payload(spec, kv)
+
+        def on_chunk(chunk: ReceivedChunk) -> str | None:
+            return self._write_chunk(spec, chunk, written)
 
         result = self.manager.receive_kv_cache_result(
-            spec.key, deadline=until, abort=abort, quiet=True, check=check
+            spec.key, deadline=until, abort=abort, quiet=True, check=check, on_chunk=on_chunk
         )
         if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
             return None
@@ -547,33 +631,89 @@ class WorkerSide:
             return result.reason, 0
         if not result.ok or result.kv is None:
             return f"receive {result.status.value}: {result.reason}", 0
-        keys, values = result.kv.key_cache, result.kv.value_cache
-        nbytes = 0
+        kv = result.kv
         t_write = time.monotonic()
-        for layer, k, v in zip(self.layers.values(), keys, values, strict=True):
-            assert k is not None and v is not None  # the check refused absent layers
-            span = slice(spec.start, spec.end)
-            layer.scatter(spec.block_ids, k[span], v[span], spec.start)
-            nbytes += k.nbytes + v.nbytes
+        nbytes = written[0] + self._write(spec, kv.key_cache, kv.value_cache, kv.token_offset)
         logger.debug(
-            "OmniKVConnector: KV of %s written in %.1f ms (receive phases %s)",
+            "OmniKVConnector: KV of %s written in %.1f ms (%d tokens before it as they came; "
+            "receive phases %s)",
             spec.transfer_id,
             (time.monotonic() - t_write) * 1e3,
+            kv.token_offset,
             result.timings_ms,
         )
         return None, nbytes
 
-    def _check_payload(
+    def _write(
         self,
         spec: LoadSpec,
-        meta: Mapping[str, Any],
         keys: Sequence[torch.Tensor | None],
         values: Sequence[torch.Tensor | None],
-    ) -> str | None:
+        offset: int,
+    ) -> int:
+        """Write the checked tensors (request tokens from ``offset``) into the request's blocks,
+        the part of them in ``[spec.start, spec.end)``; the bytes written."""
+        first = max(spec.start, offset)
+        if first >= spec.end:
+            return 0
+        span = slice(first - offset, spec.end - offset)
+        nbytes = 0
+        for layer, k, v in zip(self.layers.values(), keys, values, strict=True):
+            assert k is not None and v is not None  # the checks refused absent layers
+            layer.scatter(spec.block_ids, k[span], v[span], first)
+            nbytes += k[span].nbytes + v[span].nbytes
+        return nbytes
+
+    def _write_chunk(self, spec: LoadSpec, chunk: ReceivedChunk, written: list[int]) -> str | None:
+        """The receive's ``on_chunk``: check a streamed chunk as it arrives (layers, heads, head
+        size, dtype, finiteness, its own MAC) and write its tokens into the request's blocks,
+        so that the finish leaves only the tail to check and write. A reason refuses the load
+        (vLLM then recomputes the prefill over whatever was written)."""
+        keys, values = chunk.key_cache, chunk.value_cache
+        why = self._check_tensors(spec, keys, values, chunk.stop - chunk.start)
+        if why is None and self.options.secret is not None:
+            pairs = _pairs(keys, values)
+            mac = kv_mac(self.options.secret, spec.key, pairs, chunk.start)
+            if not mac_matches(chunk.metadata.get(META_MAC), mac):
+                why = "the MAC does not match (forged or damaged KV)"
+        if why is not None:
+            return f"chunk {chunk.index}: {why}"
+        written[0] += self._write(spec, keys, values, chunk.start)
+        self.counters.add("chunks_loaded")
+        return None
+
+    def _check_payload(self, spec: LoadSpec, kv: ReceivedKV) -> str | None:
         """Why the received payload must not be written into this request's blocks, or None
-        (run by the receive as its ``check``: a reason is the producer's ``refused`` verdict)."""
+        (run by the receive as its ``check``: a reason is the producer's ``refused`` verdict).
+        ``kv`` holds the request's tokens from ``kv.token_offset`` on (the chunks before were
+        checked and written as they came, by :meth:`_write_chunk`)."""
+        meta, keys, values, offset = kv.metadata, kv.key_cache, kv.value_cache, kv.token_offset
         if meta.get(META_BINDING) != spec.binding:
             return "the payload's binding does not match the request"
+        why = self._check_tensors(spec, keys, values, max(0, spec.end - offset))
+        if why is not None or self.options.secret is None:
+            return why
+        pairs = _pairs(keys, values)
+        if META_SEALED in meta:
+            return check_sealed_ranges(
+                self.options.secret, spec.key, pairs, meta[META_SEALED], offset
+            )
+        if offset:
+            return "a streamed payload without its sealed ranges"
+        mac = kv_mac(self.options.secret, spec.key, pairs)
+        if not mac_matches(meta.get(META_MAC), mac):
+            return "the payload's MAC does not match (forged or damaged KV)"
+        return None
+
+    def _check_tensors(
+        self,
+        spec: LoadSpec,
+        keys: Sequence[torch.Tensor | None],
+        values: Sequence[torch.Tensor | None],
+        need: int,
+    ) -> str | None:
+        """Why received layers cannot be written into the engine's cache (count, shape,
+        dtype, at least ``need`` tokens, finiteness with ``verify_finite``), or None."""
         layers = list(self.layers.values())
         if len(keys) != len(layers) or len(values) != len(layers):
             return f"payload has {len(keys)} layers, the engine {len(layers)}"
@@ -586,17 +726,10 @@ class WorkerSide:
                     return f"layer {idx} {name}: shape {tuple(t.shape[1:])}, the engine {tail}"
                 if t.dtype != layer.dtype:
                     return f"layer {idx} {name}: dtype {t.dtype}, the engine {layer.dtype}"
-                if t.shape[0] < spec.end:
-                    return f"layer {idx} {name}: {t.shape[0]} tokens, fewer than {spec.end}"
+                if t.shape[0] < need:
+                    return f"layer {idx} {name}: {t.shape[0]} tokens, fewer than {need}"
                 if self.options.verify_finite and not bool(torch.isfinite(t).all()):
                     return f"layer {idx} {name}: values that are not finite"
-        if self.options.secret is not None:
-            pairs = [
-                (k, v) for k, v in zip(keys, values, strict=True) if k is not None and v is not None
-            ]
-            mac = kv_mac(self.options.secret, spec.key, pairs)
-            if not mac_matches(meta.get(META_MAC), mac):
-                return "the payload's MAC does not match (forged or damaged KV)"
         return None
 
     def close(self) -> None:
