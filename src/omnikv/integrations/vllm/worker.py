@@ -28,9 +28,13 @@ Guarantees:
   still being computed) waits there from the start, in one receive, so a streamed prefill's
   blocks taken early are never refused by a first wait that ended.
 * **Check before write.** A load looks up only the key its own binding gives (see
-  :mod:`.binding`); what it receives is then checked whole (binding, MAC with ``auth_secret``,
-  layer count, tokens, heads, head size, dtype, optionally finiteness) before a byte is written
-  into vLLM's blocks. A refused payload leaves the blocks untouched and the request recomputes.
+  :mod:`.binding`); what it receives is checked (binding, MAC with ``auth_secret``, layer count,
+  tokens, heads, head size, dtype, optionally finiteness) before a byte of it is written into
+  vLLM's blocks. A whole payload is checked whole; a refused one leaves the blocks untouched.
+  A streamed one is checked and written chunk by chunk as the chunks arrive (each chunk is
+  sealed with its own MAC by the producer's stream step), so the finish leaves only the tail
+  to check and write; a chunk refused ends the load at once. A failed load makes vLLM
+  recompute the prefill, over whatever earlier chunks wrote.
 * **Transfer threads are not pinned to the engine's compute core.** vLLM's CPU backend binds
   the worker's thread to its compute cores, and threads inherit that binding; omnikv's send,
   load and transport threads would then queue behind the engine's spinning loop (on a small
