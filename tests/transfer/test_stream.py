@@ -541,6 +541,28 @@ def test_a_chunk_refused_by_on_chunk_refuses_the_receive_and_nothing_after_it_is
     assert any("r1#c2" in k for k in _connector(sender).pending_keys())
 
 
+@pytest.mark.parametrize("broken", ["index", "header"])
+def test_a_broken_chunk_ends_the_receive_before_any_tail(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """A chunk that is not the next one, or does not even decode (its header is over the
+    receiver's bound), is a clean ``corrupt`` at once: the receive does not wait out its
+    deadline for a tail, and ``on_chunk`` is never called."""
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer")
+    limit = {"max_header_bytes": 64} if broken == "header" else {}
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=30.0, **limit)
+    index = 3 if broken == "index" else 0
+    _put(_connector(receiver), chunk_key(KEY, 0), _chunk(index, 0, 4))
+    taker = _Taker()
+    t0 = time.monotonic()
+    result = receiver.receive_kv_cache_result("r1", on_chunk=taker)
+    assert time.monotonic() - t0 < 10.0  # not the 30 s deadline
+    assert result.status is ReceiveStatus.CORRUPT, result
+    assert ("not chunk 0" if broken == "index" else "does not decode") in (result.reason or "")
+    assert taker.threads == []
+    assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
+
+
 def test_a_chunk_that_does_not_hold_its_range_never_reaches_on_chunk(
     make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

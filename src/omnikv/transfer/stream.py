@@ -540,13 +540,23 @@ class ChunkFeed:
                 stop = int(chunk.stream.r[0][1])
                 why = self._call(chunk, index, self.end, stop)
             if why is not None:
-                self.refusal = why
-                if self._on_refusal is not None:
-                    self._on_refusal()
+                self._refused(why)
                 return why
             self._fed.append(ckey)
             self.end = stop
             return None
+
+    def refuse(self, why: str, *, corrupt: bool) -> None:
+        """Refuse the stream without handing a chunk over (one that does not even decode)."""
+        with self._lock:
+            if self.refusal is None:
+                self.corrupt = corrupt
+                self._refused(why)
+
+    def _refused(self, why: str) -> None:
+        self.refusal = why
+        if self._on_refusal is not None:
+            self._on_refusal()
 
     def _continues(self, chunk: DecodedKV, index: int) -> str | None:
         mark = chunk.stream
@@ -729,8 +739,7 @@ class EagerChunks:
                 if self._feed is None:
                     chunk = self._join(lane, buf)
                 else:  # handed over now; a refusal ends the lane (the assembly raises it)
-                    chunk = _decode_buffer(buf, self._max_header_bytes)
-                    refused = self._feed.hand(ckey, index, chunk) is not None
+                    chunk, refused = self._hand(ckey, index, buf, self._feed)
                 with self._cond:
                     if not self._closed:
                         self._held[ckey] = buf
@@ -753,6 +762,19 @@ class EagerChunks:
             with self._cond:
                 lane.done = True
                 self._cond.notify_all()
+
+    def _hand(
+        self, ckey: str, index: int, buf: ManagedBuffer, feed: ChunkFeed
+    ) -> tuple[DecodedKV | None, bool]:
+        """Decode the chunk just taken and hand it to ``feed`` (on the lane's thread); the
+        decoded chunk and whether it was refused. One that does not decode is refused as
+        corrupt (the assembly decodes it again and raises the decoder's error)."""
+        try:
+            chunk = _decode_buffer(buf, self._max_header_bytes)
+        except (OmniKVError, ValueError, RuntimeError) as exc:
+            feed.refuse(f"chunk {index} does not decode: {exc}", corrupt=True)
+            return None, True
+        return chunk, feed.hand(ckey, index, chunk) is not None
 
     def _join(self, lane: _Lane, buf: ManagedBuffer) -> DecodedKV | None:
         """Decode the chunk just taken and append it to its lane's joined tensors (on the

@@ -673,6 +673,7 @@ class WorkerSide:
         size, dtype, finiteness, its own MAC) and write its tokens into the request's blocks,
         so that the finish leaves only the tail to check and write. A reason refuses the load
         (vLLM then recomputes the prefill over whatever was written)."""
+        t0 = time.monotonic()
         keys, values = chunk.key_cache, chunk.value_cache
         why = self._check_tensors(spec, keys, values, chunk.stop - chunk.start)
         if why is None and self.options.secret is not None:
@@ -684,6 +685,14 @@ class WorkerSide:
             return f"chunk {chunk.index}: {why}"
         written[0] += self._write(spec, keys, values, chunk.start)
         self.counters.add("chunks_loaded")
+        logger.debug(
+            "OmniKVConnector: chunk %d of %s (tokens [%d, %d)) checked and written in %.1f ms",
+            chunk.index,
+            spec.transfer_id,
+            chunk.start,
+            chunk.stop,
+            (time.monotonic() - t0) * 1e3,
+        )
         return None
 
     def _check_payload(self, spec: LoadSpec, kv: ReceivedKV) -> str | None:
