@@ -722,6 +722,8 @@ def test_unknown_and_wrong_settings(edge: Any, caplog: pytest.LogCaptureFixture)
         {"verify_finite": "yes"},
         {"vllm_kv_layout": "nope"},
         {"omni_kv_config": ["x"]},
+        {"idle_step_wait_s": 1.0},
+        {"idle_step_wait_s": -0.001},
     ):
         with pytest.raises(ConfigError):
             parse_options(bad, producer=False, consumer=True)
@@ -1183,3 +1185,37 @@ def test_sealed_ranges_check_each_piece_and_refuse_hostile_lists() -> None:
     # a tail that does not start where a sealed range does
     off = [(k[6:], v[6:]) for k, v in kv]
     assert "no sealed range starts at" in (check_sealed_ranges(secret, key, off, good, 6) or "")
+
+
+def test_an_idle_step_waits_briefly_for_loads_in_flight(edge: Any) -> None:
+    """vLLM steps without pause while requests wait for remote KV; a step that schedules no
+    tokens while a load runs waits up to ``idle_step_wait_s`` (the load threads get the GIL),
+    a step with work or without loads does not."""
+    pair = _early_edge(edge)
+    consumer = _pair(
+        "kv_consumer",
+        {"stage_id": 1, "recv_timeout": 10.0, "connector_config": pair.conn, "stream_kv": True},
+        auth_secret="r0uter",
+        idle_step_wait_s=0.1,
+    )
+    edge.made.append(consumer)
+    worker = consumer.worker
+
+    def step(scheduled: int) -> float:
+        out = _output([], [], {})
+        out.total_num_scheduled_tokens = scheduled
+        worker.bind_connector_metadata(consumer.sched.build_connector_meta(out))
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        t0 = time.monotonic()
+        worker.get_transfer_results(set())
+        worker.clear_connector_metadata()
+        return time.monotonic() - t0
+
+    assert step(0) < 0.09  # idle, but no load in flight
+    from omnikv.integrations.vllm import early_handoff_params
+
+    _, to_consumer = early_handoff_params(_router_id(pair.conn), len(PROMPT))
+    _start_early_load(consumer, to_consumer, "c1", [6, 2, 7])  # its KV never comes
+    assert step(0) >= 0.09  # idle while a load runs: paced
+    assert step(64) < 0.09  # a step with work never waits

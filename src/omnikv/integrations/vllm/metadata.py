@@ -66,7 +66,7 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     ``sends`` and ``loads`` to start; ``cancels``: request ids whose load is no longer wanted
     (the request was aborted while waiting for its KV); ``streams``: blocks to ship after this
     step's forward pass (``stream_kv``); ``stream_aborts``: keys of streams to drop (their
-    request ended without a send).
+    request ended without a send); ``idle``: the step computes nothing.
     """
 
     sends: list[SendSpec] = field(default_factory=list)
@@ -74,3 +74,5 @@ class OmniKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     cancels: list[str] = field(default_factory=list)
     streams: list[StreamSpec] = field(default_factory=list)
     stream_aborts: list[str] = field(default_factory=list)
+    #: the step schedules no tokens (every request waits, e.g. for remote KV)
+    idle: bool = False

@@ -14,6 +14,11 @@ Keys:
   has not arrived by then waits out the rest of its deadline on one of ``max_waiting_loads``
   (64) other threads, so ids that never arrive cannot hold up loads whose KV is there. A load
   under a router's id (early hand-off) waits there from the start.
+* ``idle_step_wait_s`` (0.002): in an engine step that schedules no tokens while loads are in
+  flight, the worker waits up to this long for one to end before the step returns (0: never).
+  vLLM's engine loop steps without pause while requests wait for remote KV; on the worker's
+  thread that spin holds the GIL between steps, and the load threads checking and writing KV
+  in the same process wait for it. The wait gives them the CPU and ends as soon as a load ends.
 * ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
 * ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
   request and payloads a MAC over their bytes. A router that holds it may issue the transfer
@@ -44,9 +49,19 @@ from typing import Any
 from omnikv.errors import ConfigError
 from omnikv.integrations.vllm.binding import is_tag, producer_tag
 from omnikv.layouts.blocks import VLLM_BLOCK_LAYOUTS
-from omnikv.values import parse_bool, parse_choice, parse_int, parse_positive, parse_secret
+from omnikv.values import (
+    parse_bool,
+    parse_choice,
+    parse_int,
+    parse_number,
+    parse_positive,
+    parse_secret,
+)
 
-__all__ = ["ConnectorOptions", "parse_options"]
+__all__ = ["MAX_IDLE_STEP_WAIT_S", "ConnectorOptions", "parse_options"]
+
+#: Longest ``idle_step_wait_s`` (seconds).
+MAX_IDLE_STEP_WAIT_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +73,7 @@ _KNOWN = frozenset(
         "max_concurrent_sends",
         "max_waiting_loads",
         "load_first_wait_s",
+        "idle_step_wait_s",
         "auth_secret",
         "model_id",
         "producer_tag",
@@ -84,6 +100,7 @@ class ConnectorOptions:
     accepted_tags: frozenset[str]
     verify_finite: bool
     free_blocks_on: str = "staged"
+    idle_step_wait_s: float = 0.002
 
 
 def _omni_kv_config(extra: Mapping[str, Any], producer: bool, consumer: bool) -> dict[str, Any]:
@@ -151,4 +168,13 @@ def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -
         free_blocks_on=parse_choice(
             "free_blocks_on", extra.get("free_blocks_on"), "staged", ("staged", "verdict")
         ),
+        idle_step_wait_s=_idle_wait(extra.get("idle_step_wait_s")),
     )
+
+
+def _idle_wait(value: Any) -> float:
+    """``idle_step_wait_s``: 0 to :data:`MAX_IDLE_STEP_WAIT_S` (longer would delay new work)."""
+    out = parse_number("idle_step_wait_s", value, 0.002)
+    if out > MAX_IDLE_STEP_WAIT_S:
+        raise ConfigError(f"idle_step_wait_s must be <= {MAX_IDLE_STEP_WAIT_S}, got {out}")
+    return out

@@ -398,8 +398,14 @@ class SchedulerSide:
             for spec, deadline in self._loads
         ]
         streams = self._stream_specs(scheduler_output)
+        scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta = OmniKVConnectorMetadata(
-            self._sends, loads, self._cancels, streams, self._stream_aborts
+            self._sends,
+            loads,
+            self._cancels,
+            streams,
+            self._stream_aborts,
+            idle=isinstance(scheduled, int) and scheduled == 0,
         )
         self._sends, self._loads, self._cancels, self._stream_aborts = [], [], [], []
         return meta

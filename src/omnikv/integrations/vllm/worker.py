@@ -19,7 +19,9 @@ Guarantees:
 * **Nothing blocks the engine.** Sends and loads run on their own pools (``max_concurrent_sends``
   and ``max_concurrent_loads`` threads), so one slow or stuck transfer never serialises the
   others. Each load's deadline counts from its admission; a load still queued at its deadline
-  fails at once, without waiting.
+  fails at once, without waiting. The one wait on the runner's thread is in a step that
+  computes nothing while loads run (``idle_step_wait_s``, 2 ms by default, ended by the first
+  load to end): it paces vLLM's busy loop so that the load threads get the GIL.
 * **Loads that wait do not hold up loads that are ready.** A load waits at most
   ``load_first_wait_s`` on the main pool; if its KV has not arrived by then (a never-issued id,
   a slow producer), it moves to a second pool (``max_waiting_loads`` threads) for the rest of its
@@ -222,6 +224,9 @@ class WorkerSide:
         self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._load_ended = threading.Condition(self._lock)
+        #: the bound step computes nothing (runner thread only)
+        self._idle_step = False
         self._running = 0
         self._pending_loads: list[LoadSpec] = []
         self._sending: set[str] = set()
@@ -274,6 +279,7 @@ class WorkerSide:
                 event = self._aborts.get(rid)
                 if event is not None:
                     event.set()
+        self._idle_step = meta.idle
         self._streams_due.extend(meta.streams)
         for key in meta.stream_aborts:
             self.manager.abort_kv_stream(key)
@@ -386,9 +392,14 @@ class WorkerSide:
         done when its payload is staged in the connector (a copy: the blocks are no longer
         read), or, with ``free_blocks_on: verdict``, when the consumer's verdict is in
         (delivered, refused or expired: by ``buffer_ttl_seconds + ack_timeout_s`` at the
-        latest)."""
+        latest). In a step that computes nothing while loads run, first waits up to
+        ``idle_step_wait_s`` for one to end (see :mod:`.options`)."""
         self._collect_verdicts()
         with self._lock:
+            if self._idle_step and self._aborts and not (self._loaded or self._failed):
+                # an idle step while loads run: let their threads have the GIL for a moment
+                self._load_ended.wait(self.options.idle_step_wait_s)
+            self._idle_step = False
             self._released.update(r for r in finished_req_ids if r in self._sending)
             sent = self._sent & self._released
             self._sent -= sent
@@ -594,6 +605,7 @@ class WorkerSide:
             self._loaded.add(spec.req_id)
             if not ok:
                 self._failed.add(spec.req_id)
+            self._load_ended.notify_all()
             self._done()
         if not ok:
             logger.debug(
