@@ -517,6 +517,24 @@ def test_on_chunk_gets_each_chunk_in_order_and_the_result_holds_only_the_tail(
     assert _connector(streamed).pending_keys() == []
 
 
+def test_a_receiver_that_slices_joins_the_chunks_instead_of_handing_them_over(
+    make_manager: ManagerFactory,
+) -> None:
+    """With a slicer hook the shard is not returned as it came: chunks handed over unsliced
+    would not be what the receive returns, so ``on_chunk`` is not used and the KV is whole."""
+    caches, ids, seq_len = _caches(), [0, 1, 2], 2 * BS + 1
+    sender = make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=True)
+    receiver.kv_payload_slicer = lambda payload: payload
+    _decode_steps(sender, "r1", ids, seq_len, caches, "torch.float32")
+    assert _finish(sender, "r1", ids, seq_len, caches, "torch.float32").ok
+    taker = _Taker()
+    result = receiver.receive_kv_cache_result("r1", on_chunk=taker)
+    assert result.ok, result.reason
+    assert taker.threads == []
+    assert result.kv.token_offset == 0 and result.kv.key_cache[0].shape[0] == seq_len
+
+
 @pytest.mark.parametrize("raises", [False, True], ids=["refuses", "raises"])
 def test_a_chunk_refused_by_on_chunk_refuses_the_receive_and_nothing_after_it_is_handed(
     make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture, raises: bool

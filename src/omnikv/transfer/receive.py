@@ -169,9 +169,11 @@ class ReceiveCallbacks:
     to continue the ones before it (:class:`~omnikv.transfer.received.ReceivedChunk`); a
     reason refuses the receive as ``check``'s does. When it took every chunk, the KV returned
     (and given to ``check``) holds only the tail: ``kv.token_offset`` is where it starts.
-    Used only for a request received under one key (no merge of several sender ranks);
-    otherwise the chunks are joined as without it. No call is in flight once the receive
-    returns or raises (the caller may then reuse what the chunks were written into).
+    Used only for a request received under one key whose shard is returned as it came (no
+    merge of several sender ranks, no slice for this rank, no merger or slicer hook); otherwise
+    the chunks are joined as without it and the KV returned starts at token 0. No call is in
+    flight once the receive returns or raises (the caller may then reuse what the chunks were
+    written into).
     """
 
     on_arrival: Callable[[int], object] | None = None
@@ -591,7 +593,7 @@ class KVReceiver:
         stages = (from_stage, to_stage)
         on_chunk = None if callbacks is None else callbacks.on_chunk
         feed = None
-        if on_chunk is not None and len(waits) == 1:
+        if on_chunk is not None and self._passes_through(len(waits)):
             ended = _EndedBy(abort)  # a refused chunk ends the wait for the tail at once
             feed, abort = ChunkFeed(on_chunk, on_refusal=ended.set), ended
         chunks = _ChunkWaits(connector, stages, deadline, abort, request_id, t0, 0)
@@ -795,6 +797,18 @@ class KVReceiver:
             limit = self.options.max_header_bytes
             return ReceivedKV.from_decoded(decode_kv(obj, max_header_bytes=limit), size)
         raise DecodeError(f"corrupt KV payload: unexpected payload type {type(obj).__name__}")
+
+    def _passes_through(self, keys: int) -> bool:
+        """Whether a receive of ``keys`` keys returns its one shard as decoded (no merge of
+        sender ranks, no slice for this rank, no merger or slicer hook): only then may its
+        chunks be handed to ``on_chunk`` as they are."""
+        topo, hooks = self.topology, self.hooks
+        return (
+            keys == 1
+            and hooks.merger is None
+            and hooks.slicer is None
+            and topo.target_tp_size <= topo.source_tp_size
+        )
 
     def _combine(self, shards: list[ReceivedKV]) -> ReceivedKV:
         """Merge shards of several sender ranks and slice for this rank (hooks win)."""

@@ -293,8 +293,10 @@ class WorkerSide:
         the engine's cache, before the runner goes on), so that at the request's finish only
         its last blocks and the metadata move. Runs on the runner's thread: the chunks must be
         published before the finish's tail, and the blocks must be read before the next step
-        may touch them. A packed layout (AMX tiles) is not streamed: such a request is sent
-        whole at its finish. Never raises."""
+        may touch them. With ``auth_secret`` the chunk is sealed here too (its tokens gathered,
+        coded and decoded with a codec, and hashed: about a millisecond per MiB), work the
+        finish would otherwise do for the whole KV. A packed layout (AMX tiles) is not
+        streamed: such a request is sent whole at its finish. Never raises."""
         due, self._streams_due = self._streams_due, []
         if not due or self.layout_error is not None or self.layout == VLLM_CPU_AMX_LAYOUT:
             return
