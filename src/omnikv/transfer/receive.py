@@ -20,7 +20,6 @@ under one deadline and keeps the results; a later :meth:`KVReceiver.receive` of 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -800,8 +799,9 @@ class KVReceiver:
 
     def _passes_through(self, keys: int) -> bool:
         """Whether a receive of ``keys`` keys returns its one shard as decoded (no merge of
-        sender ranks, no slice for this rank, no merger or slicer hook): only then may its
-        chunks be handed to ``on_chunk`` as they are."""
+        sender ranks, no slice for this rank, no merger or slicer hook): :meth:`_combine` then
+        returns it as is, and only then may its chunks be handed to ``on_chunk`` as they are
+        (a shard that starts after token 0 never reaches the merger or the slicer)."""
         topo, hooks = self.topology, self.hooks
         return (
             keys == 1
@@ -812,19 +812,15 @@ class KVReceiver:
 
     def _combine(self, shards: list[ReceivedKV]) -> ReceivedKV:
         """Merge shards of several sender ranks and slice for this rank (hooks win)."""
-        nbytes = sum(s.nbytes for s in shards)
-        topo, hooks = self.topology, self.hooks
-        needs_slice = hooks.slicer is not None or topo.target_tp_size > topo.source_tp_size
-        if len(shards) == 1 and not needs_slice and hooks.merger is None:
+        if self._passes_through(len(shards)):
             return shards[0]
         # The merger/slicer (and the reference's hooks) work on the seed's dict form.
+        nbytes = sum(s.nbytes for s in shards)
+        hooks = self.hooks
         dicts = [s.to_dict() for s in shards]
         merged = dicts[0] if len(dicts) == 1 else merge_received_rank_shards(dicts, hooks.merger)
-        sliced = slice_received_rank_shard(merged, topo, hooks.slicer)
-        out = ReceivedKV.from_dict(sliced, nbytes)
-        if len(shards) == 1:  # slicing heads keeps the tokens the shard starts at
-            out = dataclasses.replace(out, token_offset=shards[0].token_offset)
-        return out
+        sliced = slice_received_rank_shard(merged, self.topology, hooks.slicer)
+        return ReceivedKV.from_dict(sliced, nbytes)
 
     def _finish(
         self,

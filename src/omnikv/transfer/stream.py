@@ -965,10 +965,7 @@ class StreamAssembly:
                 ],
             ]
         )
-        size = nbytes + sum(b.size for b in self._held[held:])
-        for buf in self._held[held:]:
-            buf.release()
-        del self._held[held:]
+        size = nbytes + self._release_from(held)
         return ReceivedKV(
             tail.request_id, tail.block_ids, tail.metadata, caches[0], caches[1], size
         )
@@ -984,10 +981,7 @@ class StreamAssembly:
     def _tail_only(self, tail: DecodedKV, offset: int, nbytes: int, held: int) -> ReceivedKV:
         """The KV after the chunks handed to ``on_chunk`` (tokens from ``offset``): the tail's
         tensors, copied (they are small and their buffer is released after this)."""
-        size = nbytes + sum(b.size for b in self._held[held:])
-        for buf in self._held[held:]:
-            buf.release()
-        del self._held[held:]
+        size = nbytes + self._release_from(held)
         return ReceivedKV(
             tail.request_id,
             tail.block_ids,
@@ -997,6 +991,16 @@ class StreamAssembly:
             size,
             token_offset=offset,
         )
+
+    def _release_from(self, held: int) -> int:
+        """Release the chunks held from index ``held`` on (this assembly's, once their
+        tokens are copied out or handed over); their bytes on the wire."""
+        bufs = self._held[held:]
+        del self._held[held:]
+        size = sum(b.size for b in bufs)
+        for buf in bufs:
+            buf.release()
+        return size
 
     def _decode(self, buf: ManagedBuffer) -> DecodedKV:
         return _decode_buffer(buf, self.max_header_bytes)
