@@ -61,6 +61,7 @@ __all__ = [
     "early_handoff_params",
     "is_router_id",
     "kv_mac",
+    "kv_mac_matches",
     "model_fingerprint",
     "new_router_transfer_id",
     "new_transfer_id",
@@ -288,6 +289,18 @@ def kv_mac(
     return h.hexdigest()
 
 
+def kv_mac_matches(
+    expected: Any,
+    secret: bytes,
+    key: str,
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    start: int = 0,
+) -> bool:
+    """Whether ``expected`` (a MAC read from a payload) is :func:`kv_mac` of these tokens
+    (constant-time comparison)."""
+    return mac_matches(expected, kv_mac(secret, key, layers, start))
+
+
 def mac_matches(expected: Any, actual: str) -> bool:
     """Constant-time comparison of a MAC read from a payload with the one computed here."""
     return isinstance(expected, str) and hmac.compare_digest(expected, actual)
@@ -334,6 +347,6 @@ def check_sealed_ranges(
             continue
         lo, hi = start - offset, stop - offset
         piece = [(k[lo:hi], v[lo:hi]) for k, v in layers]
-        if not mac_matches(mac, kv_mac(secret, key, piece, start)):
+        if not kv_mac_matches(mac, secret, key, piece, start):
             return f"the MAC of tokens [{start}, {stop}) does not match (forged or damaged KV)"
     return None

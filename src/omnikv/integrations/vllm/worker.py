@@ -68,7 +68,7 @@ import torch
 from omnikv.config import config_from_dict, options_from_dict
 from omnikv.errors import OmniKVError
 from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
-from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, mac_matches
+from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, kv_mac_matches
 from omnikv.integrations.vllm.metadata import (
     LoadSpec,
     OmniKVConnectorMetadata,
@@ -334,20 +334,25 @@ class WorkerSide:
     def _sealer(self, key: str, sealed: list[tuple[int, int, str]]) -> Seal:
         """The stream step's seal for ``key``: a chunk's MAC over its own tokens (what the
         consumer decodes: coded and decoded again with a codec), noted in ``sealed``."""
-        secret = self.options.secret
-        assert secret is not None
-        layers = list(self.layers.values())
-        codec = self.manager.options.wire_codec
 
         def seal(start: int, stop: int, block_ids: Sequence[int]) -> dict[str, Any]:
-            tokens = [layer.gather(block_ids, stop - start) for layer in layers]
-            if codec != "off":
-                tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
-            mac = kv_mac(secret, key, tokens, start)
+            mac = self._mac_of_tokens(key, block_ids, start, stop - start)
             sealed.append((start, stop, mac))
             return {META_MAC: mac}
 
         return seal
+
+    def _mac_of_tokens(self, key: str, block_ids: Sequence[int], start: int, count: int) -> str:
+        """The producer's MAC of request tokens ``[start, start + count)``, held from the first
+        of ``block_ids`` on: over what the consumer decodes (coded and decoded again with a
+        codec), not over what was coded. Needs ``auth_secret``."""
+        secret = self.options.secret
+        assert secret is not None
+        tokens = [layer.gather(block_ids, count) for layer in self.layers.values()]
+        codec = self.manager.options.wire_codec
+        if codec != "off":
+            tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
+        return kv_mac(secret, key, tokens, start)
 
     def _keep_seal(self, key: str, seal: tuple[int, int, str]) -> None:
         """Note a published chunk's seal (a chunk from token 0 starts the stream's list
@@ -544,22 +549,14 @@ class WorkerSide:
         shipped the first ``S`` tokens in sealed chunks, the list of those chunks' seals and
         the seal of tokens ``[S, end)`` (``omnikv_sealed``): only the tail is hashed here,
         and a consumer that took the chunks as they came checks only the tail now."""
-        secret = self.options.secret
-        assert secret is not None
-        layers = list(self.layers.values())
-        codec = self.manager.options.wire_codec
         shipped = seals[-1][1] if seals else 0
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
             shipped = 0
         ranges: list[list[Any]] = [[a, b, m] for a, b, m in seals] if shipped else []
         if shipped == spec.num_tokens:  # the stream shipped every token: no tail to seal
             return {META_SEALED: ranges}
-        first = shipped // self.block_size
-        ids, count = spec.block_ids[first:], spec.num_tokens - shipped
-        tokens = [layer.gather(ids, count) for layer in layers]
-        if codec != "off":  # the MAC covers what the consumer decodes, not what was coded
-            tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
-        mac = kv_mac(secret, spec.key, tokens, shipped)
+        ids = spec.block_ids[shipped // self.block_size :]
+        mac = self._mac_of_tokens(spec.key, ids, shipped, spec.num_tokens - shipped)
         if not shipped:
             return {META_MAC: mac}
         return {META_SEALED: [*ranges, [shipped, spec.num_tokens, mac]]}
@@ -690,10 +687,10 @@ class WorkerSide:
         t0 = time.monotonic()
         keys, values = chunk.key_cache, chunk.value_cache
         why = self._check_tensors(spec, keys, values, chunk.stop - chunk.start)
-        if why is None and self.options.secret is not None:
-            pairs = _pairs(keys, values)
-            mac = kv_mac(self.options.secret, spec.key, pairs, chunk.start)
-            if not mac_matches(chunk.metadata.get(META_MAC), mac):
+        secret = self.options.secret
+        if why is None and secret is not None:
+            mac = chunk.metadata.get(META_MAC)
+            if not kv_mac_matches(mac, secret, spec.key, _pairs(keys, values), chunk.start):
                 why = "the MAC does not match (forged or damaged KV)"
         if why is not None:
             return f"chunk {chunk.index}: {why}"
@@ -727,8 +724,7 @@ class WorkerSide:
             )
         if offset:
             return "a streamed payload without its sealed ranges"
-        mac = kv_mac(self.options.secret, spec.key, pairs)
-        if not mac_matches(meta.get(META_MAC), mac):
+        if not kv_mac_matches(meta.get(META_MAC), self.options.secret, spec.key, pairs):
             return "the payload's MAC does not match (forged or damaged KV)"
         return None
 
