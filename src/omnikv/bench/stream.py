@@ -225,33 +225,45 @@ class _Case:
         return f"{'streamed' if self.stream else 'whole'}, codec {self.codec}"
 
 
-def _configs(run: _Run, case: _Case, port: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    a, b = run.link.a.address, run.link.b.address
-    pool = 3 * run.nbytes + 64 * MIB
-    common = {
+def te_connector(host: str, pool: int, secret: str, **role: Any) -> dict[str, Any]:
+    """A stream bench stage's ``connector_config``: Transfer Engine over TCP on ``host`` (its
+    node's link address), a ``pool``-byte memory pool, signed control messages
+    (``auth_secret``), and the ``role``'s own keys."""
+    return {
         "type": "MooncakeTransferEngineConnector",
         "protocol": "tcp",
         "memory_pool_size": pool,
-        "auth_secret": run.secret,
+        "host": host,
+        "auth_secret": secret,
+        **role,
     }
-    sender = {
+
+
+def te_sender_stage(
+    host: str, port: int, pool: int, secret: str, *, stream: bool, codec: str
+) -> dict[str, Any]:
+    """A stream bench's sending stage (0 -> 1) as its ``omni_kv_config``: control port
+    ``port`` on ``host``, ``stream_kv`` and ``wire_codec`` as the case says."""
+    return {
         # the factory binds a sender rank's control port at zmq_port + 100 + 16 x rank
-        "connector_config": {**common, "role": "sender", "host": a, "zmq_port": port - 100},
+        "connector_config": te_connector(host, pool, secret, role="sender", zmq_port=port - 100),
         "omni_from_stage": "0",
         "omni_to_stage": "1",
         "need_send_cache": True,
-        "stream_kv": case.stream,
-        "wire_codec": case.codec,
+        "stream_kv": stream,
+        "wire_codec": codec,
         "send_timeout": 120.0,
     }
+
+
+def _configs(run: _Run, case: _Case, port: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    a, b = run.link.a.address, run.link.b.address
+    pool = 3 * run.nbytes + 64 * MIB
+    sender = te_sender_stage(a, port, pool, run.secret, stream=case.stream, codec=case.codec)
     receiver = {
-        "connector_config": {
-            **common,
-            "role": "receiver",
-            "host": b,
-            "sender_host": a,
-            "sender_zmq_port": port,
-        },
+        "connector_config": te_connector(
+            b, pool, run.secret, role="receiver", sender_host=a, sender_zmq_port=port
+        ),
         "stage_id": 1,
         "engine_input_source": [0],
         "need_recv_cache": True,

@@ -50,6 +50,7 @@ from typing import Any
 
 from omnikv.bench.common import Stats
 from omnikv.bench.netns import EmulatedLink, LinkError, Node, Shape, format_rate, parse_rate
+from omnikv.bench.stream import te_connector, te_sender_stage
 from omnikv.bench.vllm import EngineProcess, build_tiny_llama, serve
 
 __all__ = ["TARGET", "main"]
@@ -78,19 +79,6 @@ def _op_record(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the engines ---------------------------------------------------------------------------------
-def _connector(node: Node, pool: int, secret: str, **role: Any) -> dict[str, Any]:
-    """A stage's ``connector_config``: Transfer Engine over TCP on ``node``'s link address,
-    signed control messages (``auth_secret``), and the ``role``'s own keys."""
-    return {
-        "type": "MooncakeTransferEngineConnector",
-        "protocol": "tcp",
-        "memory_pool_size": pool,
-        "host": node.address,
-        "auth_secret": secret,
-        **role,
-    }
-
-
 @dataclass
 class _Case:
     stream: bool
@@ -162,8 +150,8 @@ class _Bench:
 
     def consumer(self) -> EngineProcess:
         node = self.link.b
-        conn = _connector(
-            node,
+        conn = te_connector(
+            node.address,
             self.pool,
             self.secret,
             sender_host=self.link.a.address,
@@ -183,17 +171,14 @@ class _Bench:
 
     def producer(self, case: _Case) -> EngineProcess:
         node = self.link.a
-        # the factory binds a sender rank's control port at zmq_port + 100 + 16 x rank
-        conn = _connector(node, self.pool, self.secret, role="sender", zmq_port=SENDER_PORT - 100)
-        omni = {
-            "connector_config": conn,
-            "omni_from_stage": "0",
-            "omni_to_stage": "1",
-            "need_send_cache": True,
-            "stream_kv": case.stream,
-            "wire_codec": case.codec,
-            "send_timeout": 120.0,
-        }
+        omni = te_sender_stage(
+            node.address,
+            SENDER_PORT,
+            self.pool,
+            self.secret,
+            stream=case.stream,
+            codec=case.codec,
+        )
         cfg = self._cfg("kv_producer", omni, self.args.chunk)
         name = "producer-" + case.name.replace(", ", "-").replace(" ", "-")
         # its engine core in its own process, stepping by itself (sends start at a step)
