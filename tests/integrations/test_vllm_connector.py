@@ -590,6 +590,28 @@ def test_with_a_secret_a_forged_id_is_refused_at_admission(secure: Any) -> None:
     assert sched.stats() == {"loads_refused": 3}
 
 
+def _attacker(conn: dict[str, Any], **options: Any) -> Any:
+    """A sending manager on the engines' connector that does not hold their secret."""
+    from omnikv.config import config_from_dict, options_from_dict
+    from omnikv.manager import OmniKVTransferManager
+
+    cfg = {
+        "omni_from_stage": 0,
+        "omni_to_stage": 1,
+        "need_send_cache": True,
+        "connector_config": conn,
+        **options,
+    }
+    return OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg))
+
+
+def _forged_caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An attacker's KV cache (every value 1), shaped like the engines'."""
+    return [
+        (torch.ones(BLOCKS, BS, HEADS, DIM), torch.ones(BLOCKS, BS, HEADS, DIM)) for _ in range(2)
+    ]
+
+
 def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> None:
     """Someone who can write into the namespace but lacks the secret cannot inject KV."""
     from omnikv.config import config_from_dict, options_from_dict
@@ -607,18 +629,8 @@ def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> 
         config_from_dict(consumer_cfg), options=options_from_dict(consumer_cfg)
     ) as thief:
         assert thief.receive_kv_cache_result(key).ok  # take the genuine payload away
-    attacker_cfg = {
-        "omni_from_stage": 0,
-        "omni_to_stage": 1,
-        "need_send_cache": True,
-        "connector_config": secure.conn,
-    }
-    caches = [
-        (torch.ones(BLOCKS, BS, HEADS, DIM), torch.ones(BLOCKS, BS, HEADS, DIM)) for _ in range(2)
-    ]
-    with OmniKVTransferManager(
-        config_from_dict(attacker_cfg), options=options_from_dict(attacker_cfg)
-    ) as attacker:
+    caches = _forged_caches()
+    with _attacker(secure.conn) as attacker:
         attacker.handle_finished_requests_kv_transfer(
             {
                 key: {
@@ -1006,10 +1018,8 @@ def test_a_forged_chunk_ends_an_early_load_at_once(edge: Any) -> None:
     """Someone who can publish into the namespace but lacks the secret puts a chunk under the
     key an early consumer waits on: the consumer checks it as it arrives, refuses it (its MAC),
     fails the load at once instead of at its deadline, and writes nothing."""
-    from omnikv.config import config_from_dict, options_from_dict
     from omnikv.integrations.vllm import early_handoff_params
     from omnikv.integrations.vllm.binding import request_binding
-    from omnikv.manager import OmniKVTransferManager
 
     pair = _early_edge(edge, recv_timeout=30.0)
     tid = _router_id(pair.conn)
@@ -1018,23 +1028,11 @@ def test_a_forged_chunk_ends_an_early_load_at_once(edge: Any) -> None:
     _start_early_load(pair.consumer, to_consumer, "c1", [6, 2, 7])
     fingerprint = pair.consumer.sched._scheduler.fingerprint
     binding = request_binding(fingerprint, _request("c1", to_consumer), len(PROMPT))
-    attacker_cfg = {
-        "omni_from_stage": 0,
-        "omni_to_stage": 1,
-        "need_send_cache": True,
-        "stream_kv": True,
-        "connector_config": pair.conn,
-    }
-    caches = [
-        (torch.ones(BLOCKS, BS, HEADS, DIM), torch.ones(BLOCKS, BS, HEADS, DIM)) for _ in range(2)
-    ]
-    with OmniKVTransferManager(
-        config_from_dict(attacker_cfg), options=options_from_dict(attacker_cfg)
-    ) as attacker:
+    with _attacker(pair.conn, stream_kv=True) as attacker:
         progress = attacker.stream_kv_blocks(
             f"{tid}.{binding}",
             {"block_ids": [0, 1], "seq_len": 2 * BS},
-            caches,
+            _forged_caches(),
             BS,
             "float32",
             seal=lambda start, stop, ids: {"omnikv_mac": "0" * 32},
