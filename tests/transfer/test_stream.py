@@ -597,6 +597,37 @@ def test_a_chunk_that_does_not_hold_its_range_never_reaches_on_chunk(
     assert taker.threads == []
 
 
+def test_a_replayed_chunk_never_reaches_on_chunk(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy of a chunk this receiver already took (same sender stamp), published again under
+    the key a later receive waits on, is refused by the session guard before ``on_chunk`` sees
+    it: nothing of it is written, and the receive ends as refused (a duplicate)."""
+    caplog.set_level(logging.CRITICAL, logger="omnikv.transfer")
+    receiver = make_manager("receiver", stream_kv=True, recv_timeout=30.0)
+    conn = _connector(receiver)
+    t = torch.ones(4, 2, 4)
+
+    def stamped(mark: dict[str, Any], seq: int, meta: dict[str, Any]) -> PackedPayload:
+        stamp = {"s": "5e55101", "e": 1, "q": seq}
+        return PackedPayload("r1", [t, t], [t, t], [0], meta, stream=mark, stamp=stamp)
+
+    chunk = {"k": "chunk", "id": "s1", "n": 0, "r": [[0, 4]]}
+    _put(conn, chunk_key(KEY, 0), stamped(chunk, 0, {}))
+    _put(conn, KEY, stamped({"k": "tail", "id": "s1", "n": 1, "r": [[0, 4]]}, 1, {"seq_len": 8}))
+    taker = _Taker()
+    first = receiver.receive_kv_cache_result("r1", on_chunk=taker)
+    assert first.ok, first.reason
+    assert [c[0] for c in taker.chunks] == [0]
+    _put(conn, chunk_key(KEY, 0), stamped(chunk, 0, {}))  # the replay
+    t0 = time.monotonic()
+    replayed = receiver.receive_kv_cache_result("r1", on_chunk=taker)
+    assert time.monotonic() - t0 < 10.0  # ended by the refusal, not the 30 s deadline
+    assert replayed.status is ReceiveStatus.REFUSED, replayed
+    assert "duplicate" in (replayed.reason or "")
+    assert len(taker.threads) == 1  # the replayed chunk was never handed over
+
+
 # -- real processes over shared memory -----------------------------------------------------------
 _CHILD = """
 import sys, torch

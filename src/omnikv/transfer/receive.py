@@ -594,7 +594,7 @@ class KVReceiver:
         feed = None
         if on_chunk is not None and self._passes_through(len(waits)):
             ended = _EndedBy(abort)  # a refused chunk ends the wait for the tail at once
-            feed, abort = ChunkFeed(on_chunk, on_refusal=ended.set), ended
+            feed, abort = ChunkFeed(on_chunk, on_refusal=ended.set, guard=self.guard), ended
         chunks = _ChunkWaits(connector, stages, deadline, abort, request_id, t0, 0)
         eager = None
         if self.options.stream_kv:  # take a stream's chunks while waiting for its tail

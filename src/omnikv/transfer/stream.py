@@ -495,10 +495,13 @@ class ChunkFeed:
     before it as hostile input (its index, a range starting where the last one stopped, the
     same stream, request id, layers, dtypes and head shapes, the token count its range says).
     Called by :class:`EagerChunks`'s lane as chunks arrive, and by :class:`StreamAssembly`
-    for any chunk the lane did not hand over. After the first refusal nothing more is handed
+    for any chunk the lane did not hand over. With ``guard`` a chunk's stamp is admitted
+    (:meth:`SessionGuard.admit <omnikv.transfer.sessions.SessionGuard.admit>`) before it is
+    handed over, so that a replayed chunk (a copy of one this receiver already took) never
+    reaches ``on_chunk``. After the first refusal nothing more is handed
     over (:attr:`refusal`; :attr:`corrupt` says whether the chunk itself was inconsistent, as
-    opposed to refused by ``on_chunk``), and ``on_refusal`` is called (the receive stops
-    waiting for the tail). :meth:`close` waits for a call in flight and refuses
+    opposed to refused by ``on_chunk`` or the guard), and ``on_refusal`` is called (the receive
+    stops waiting for the tail). :meth:`close` waits for a call in flight and refuses
     every later one, so that a receive that returned never writes again. Thread-safe.
     """
 
@@ -507,9 +510,11 @@ class ChunkFeed:
         on_chunk: Callable[[ReceivedChunk], str | None],
         *,
         on_refusal: Callable[[], object] | None = None,
+        guard: SessionGuard | None = None,
     ) -> None:
         self._on_chunk = on_chunk
         self._on_refusal = on_refusal
+        self._guard = guard
         self._lock = threading.Lock()
         self._closed = False
         self._fed: list[str] = []
@@ -538,7 +543,7 @@ class ChunkFeed:
             if why is None:
                 assert chunk.stream is not None  # checked by _continues
                 stop = int(chunk.stream.r[0][1])
-                why = self._call(chunk, index, self.end, stop)
+                why = self._admitted(chunk) or self._call(chunk, index, self.end, stop)
             if why is not None:
                 self._refused(why)
                 return why
@@ -574,6 +579,17 @@ class ChunkFeed:
         if not tensors or any(t.dim() < 1 or t.shape[0] != stop - start for t in tensors):
             return f"chunk {index}'s tensors do not hold its {stop - start} tokens"
         self._shape = shape
+        return None
+
+    def _admitted(self, chunk: DecodedKV) -> str | None:
+        """Why the guard refuses the chunk's stamp (a duplicate, a stale epoch); ``None`` when
+        it takes it, or without a guard."""
+        if self._guard is None:
+            return None
+        try:
+            self._guard.admit(chunk.stamp, chunk.request_id)
+        except PayloadRefused as exc:
+            return str(exc)
         return None
 
     def _call(self, chunk: DecodedKV, index: int, start: int, stop: int) -> str | None:
@@ -942,7 +958,7 @@ class StreamAssembly:
                 buf = self.source.retake(ckey, metadata, self._held.pop())
                 self._held.append(buf)
                 chunk = self._decode(buf)
-            if self.guard is not None:
+            if self.guard is not None and self.feed is None:  # the feed admits what it hands
                 self.guard.admit(chunk.stamp, tail.request_id)
             _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
             if self.feed is not None:
