@@ -294,6 +294,14 @@ class OmniKVTransferManager:
         args = (entry, kv_caches, block_size, cache_dtype, request_id_resolver)
         return self._streams.ship(str(request_id), *args, seal=seal)
 
+    def kv_stream_chunks(self, request_id: str) -> list[tuple[int, int, dict[str, Any]]]:
+        """The chunks ``request_id``'s stream has shipped so far, in order: each one's token
+        range ``[start, stop)`` and the metadata its ``seal`` returned (``{}`` without one);
+        empty without ``stream_kv`` or an open stream. A finish that vouches for each chunk
+        (the vLLM connector lists their MACs in the tail's metadata) reads them here, so that
+        what it vouches for is what the tail's manifest lists."""
+        return [] if self._streams is None else self._streams.shipped_chunks(str(request_id))
+
     def abort_kv_stream(self, request_id: str) -> int:
         """Drop what ``request_id``'s stream shipped (a request aborted or preempted before it
         finished; call it wherever the runner frees such a request): the chunks leave the

@@ -160,6 +160,29 @@ def test_changed_blocks_restart_the_stream_and_a_changed_finish_sends_whole(
     assert _connector(sender).pending_keys() == []
 
 
+def test_the_stream_keeps_each_chunks_seal_beside_its_range(make_manager: ManagerFactory) -> None:
+    """``kv_stream_chunks`` lists what the tail's manifest will: each shipped chunk's range and
+    its seal's metadata. A restart starts the list afresh (a finish never vouches for chunks
+    of an earlier stream), an abort or a settled finish empties it."""
+    caches = _caches()
+    sender = make_manager("sender", stream_kv=True)
+    for t in (BS, 2 * BS + 1, 3 * BS):
+        sender.stream_kv_blocks("r1", _entry([1, 2, 3], t), caches, BS, "float32", seal=_seal)
+    assert sender.kv_stream_chunks("r1") == [
+        (0, BS, {"seal": [0, BS, [1]]}),
+        (BS, 2 * BS, {"seal": [BS, 2 * BS, [2]]}),
+        (2 * BS, 3 * BS, {"seal": [2 * BS, 3 * BS, [3]]}),
+    ]
+    sender.stream_kv_blocks("r1", _entry([8, 9, 10], BS), caches, BS, "float32", seal=_seal)
+    assert sender.kv_stream_chunks("r1") == [(0, BS, {"seal": [0, BS, [8]]})]  # restarted
+    sender.stream_kv_blocks("r2", _entry([4], BS), caches, BS, "float32")  # no seal
+    assert sender.kv_stream_chunks("r2") == [(0, BS, {})]
+    assert sender.abort_kv_stream("r1") == 1 and sender.kv_stream_chunks("r1") == []
+    assert _finish(sender, "r2", [4], BS, caches, "float32").ok
+    assert sender.kv_stream_chunks("r2") == []
+    assert make_manager("sender").kv_stream_chunks("r2") == []  # stream_kv off
+
+
 def test_receiving_tp_above_sending_tp_assembles_each_rank_slice(
     make_manager: ManagerFactory,
 ) -> None:

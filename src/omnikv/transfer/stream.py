@@ -135,6 +135,8 @@ class _Stream:
     keys: list[str]
     block_ids: list[int] = field(default_factory=list)
     ranges: list[tuple[int, int]] = field(default_factory=list)
+    #: per range, the metadata its seal put in the chunk's header (``{}`` without a seal)
+    seals: list[dict[str, Any]] = field(default_factory=list)
     chunk_keys: list[str] = field(default_factory=list)
     #: why no more chunks are shipped (the finish still uses those shipped)
     stopped: str | None = None
@@ -259,6 +261,7 @@ class KVStreams:
         stream.failures = 0
         with self._lock:
             stream.ranges.append((start, stop))
+            stream.seals.append(meta or {})
             stream.block_ids.extend(ids)
             stream.chunk_keys.extend(keys)
         logger.debug(
@@ -368,6 +371,17 @@ class KVStreams:
             "r": [list(r) for r in stream.ranges],
         }
         return TailPlan(len(stream.block_ids), manifest, list(stream.chunk_keys))
+
+    def shipped_chunks(self, request_id: str) -> list[tuple[int, int, dict[str, Any]]]:
+        """The chunks ``request_id``'s open stream has shipped, in order: each one's token range
+        and the metadata its seal put in its header (``{}`` without a seal); empty without a
+        stream. What a finish's tail manifest will list, unless the finish finds the stream no
+        longer matches its blocks (it then sends the request whole)."""
+        with self._lock:
+            stream = self._streams.get(str(request_id))
+            if stream is None:
+                return []
+            return [(a, b, dict(m)) for (a, b), m in zip(stream.ranges, stream.seals, strict=True)]
 
     def settle(self, result: SendResult) -> None:
         """The finish of ``result.request_id`` ended: a sent stream's chunks are the

@@ -58,7 +58,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -93,8 +92,6 @@ META_BINDING = "omnikv_binding"
 META_MAC = "omnikv_mac"
 #: A streamed request's finish: ``[start, stop, mac]`` of each chunk and of the tail.
 META_SEALED = "omnikv_sealed"
-#: Streams whose chunk seals a producer worker keeps until their finish (oldest dropped).
-MAX_SEALED_STREAMS = 4096
 
 _T = TypeVar("_T")
 #: Failure warnings are logged at most once per this many seconds (each failure: DEBUG).
@@ -241,9 +238,6 @@ class WorkerSide:
         self._verdicts_due: dict[str, str] = {}
         #: this step's stream specs (runner thread only: bind, then wait_for_save)
         self._streams_due: list[StreamSpec] = []
-        # with auth_secret: per stream key, the range and MAC of each chunk it published
-        # (written on the runner's thread, taken by the finish's send)
-        self._seals: OrderedDict[str, list[tuple[int, int, str]]] = OrderedDict()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
         """``register_kv_caches``: per layer the blocks of the engine's caches
@@ -283,8 +277,6 @@ class WorkerSide:
         self._streams_due.extend(meta.streams)
         for key in meta.stream_aborts:
             self.manager.abort_kv_stream(key)
-            with self._lock:
-                self._seals.pop(key, None)
         self._submit_sends(meta.sends)
 
     def ship_streams(self) -> None:
@@ -303,7 +295,6 @@ class WorkerSide:
         layers = list(self.layers.values())
         for spec in due:
             t0 = time.monotonic()
-            sealed: list[tuple[int, int, str]] = []
             try:
                 sources = [layer.send_source(spec.block_ids) for layer in layers]
                 views: list[Any] = [kv for kv, _ in sources]
@@ -314,7 +305,7 @@ class WorkerSide:
                     views,
                     self.block_size,
                     str(views[0][0].dtype),
-                    seal=None if self.options.secret is None else self._sealer(spec.key, sealed),
+                    seal=None if self.options.secret is None else self._sealer(spec.key),
                 )
             except Exception as exc:  # the finish still sends what was not shipped
                 logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
@@ -322,8 +313,6 @@ class WorkerSide:
             if progress.new:
                 self.counters.add("chunks_streamed")
                 self.counters.add("bytes_streamed", int(progress.nbytes))
-                if sealed and sealed[-1][1] == progress.shipped:
-                    self._keep_seal(spec.key, sealed[-1])
             logger.debug(
                 "OmniKVConnector: stream step of %s: %d tokens, %.1f ms",
                 spec.req_id,
@@ -331,14 +320,13 @@ class WorkerSide:
                 (time.monotonic() - t0) * 1e3,
             )
 
-    def _sealer(self, key: str, sealed: list[tuple[int, int, str]]) -> Seal:
+    def _sealer(self, key: str) -> Seal:
         """The stream step's seal for ``key``: a chunk's MAC over its own tokens (what the
-        consumer decodes: coded and decoded again with a codec), noted in ``sealed``."""
+        consumer decodes: coded and decoded again with a codec). The stream keeps it beside
+        the chunk's range for the finish (:meth:`_seal_finish`)."""
 
         def seal(start: int, stop: int, block_ids: Sequence[int]) -> dict[str, Any]:
-            mac = self._mac_of_tokens(key, block_ids, start, stop - start)
-            sealed.append((start, stop, mac))
-            return {META_MAC: mac}
+            return {META_MAC: self._mac_of_tokens(key, block_ids, start, stop - start)}
 
         return seal
 
@@ -353,18 +341,6 @@ class WorkerSide:
         if codec != "off":
             tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
         return kv_mac(secret, key, tokens, start)
-
-    def _keep_seal(self, key: str, seal: tuple[int, int, str]) -> None:
-        """Note a published chunk's seal (a chunk from token 0 starts the stream's list
-        afresh: the stream restarted)."""
-        with self._lock:
-            kept = self._seals.get(key)
-            if kept is None or seal[0] == 0:
-                kept = self._seals[key] = []
-            kept.append(seal)
-            self._seals.move_to_end(key)
-            while len(self._seals) > MAX_SEALED_STREAMS:
-                self._seals.popitem(last=False)
 
     def start_loads(self) -> None:
         """``start_load_kv``: start the loads noted at bind (asynchronous)."""
@@ -517,10 +493,8 @@ class WorkerSide:
     def _put(self, spec: SendSpec) -> tuple[str | None, int]:
         layers = list(self.layers.values())
         metadata: dict[str, Any] = {META_BINDING: spec.binding, "source": "vllm"}
-        with self._lock:
-            seals = self._seals.pop(spec.key, [])
         if self.options.secret is not None:
-            metadata.update(self._seal_finish(spec, seals))
+            metadata.update(self._seal_finish(spec))
         # What the sender gathers from: the cache's own views, or (packed layouts) a copy of
         # the request's blocks; the block ids are the same for every layer.
         sources = [layer.send_source(spec.block_ids) for layer in layers]
@@ -544,15 +518,24 @@ class WorkerSide:
             return None, int(result.nbytes)
         return f"{result.status.value}: {result.reason}", 0
 
-    def _seal_finish(self, spec: SendSpec, seals: list[tuple[int, int, str]]) -> dict[str, Any]:
+    def _seal_finish(self, spec: SendSpec) -> dict[str, Any]:
         """The finish's MAC metadata: over every token (``omnikv_mac``), or, after a stream
         shipped the first ``S`` tokens in sealed chunks, the list of those chunks' seals and
         the seal of tokens ``[S, end)`` (``omnikv_sealed``): only the tail is hashed here,
-        and a consumer that took the chunks as they came checks only the tail now."""
-        shipped = seals[-1][1] if seals else 0
+        and a consumer that took the chunks as they came checks only the tail now. The chunks
+        and their MACs are the stream's own record (what the tail's manifest lists); a chunk
+        whose MAC it lacks is hashed again from the blocks."""
+        chunks = self.manager.kv_stream_chunks(spec.key)
+        shipped = chunks[-1][1] if chunks else 0
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
-            shipped = 0
-        ranges: list[list[Any]] = [[a, b, m] for a, b, m in seals] if shipped else []
+            shipped, chunks = 0, []
+        ranges: list[list[Any]] = []
+        for start, stop, meta in chunks:
+            mac = meta.get(META_MAC)
+            if not isinstance(mac, str):
+                ids = spec.block_ids[start // self.block_size :]
+                mac = self._mac_of_tokens(spec.key, ids, start, stop - start)
+            ranges.append([start, stop, mac])
         if shipped == spec.num_tokens:  # the stream shipped every token: no tail to seal
             return {META_SEALED: ranges}
         ids = spec.block_ids[shipped // self.block_size :]
