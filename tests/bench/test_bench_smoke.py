@@ -45,6 +45,26 @@ def test_bench_shm_small_run_verifies(tmp_path: Path) -> None:
     assert set(result["ratios"]) >= {"view_vs_memcpy", "copy_vs_memcpy"}, result["ratios"]
 
 
+@pytest.mark.timeout(120)
+def test_bench_codec_small_run_verifies(tmp_path: Path) -> None:
+    """Encode, decode, crc32 and both KV MACs over a small payload, each result verified."""
+    out = tmp_path / "codec.json"
+    args = ["--tokens", "64", "--quick", "--quality-prompts", "0", "--no-targets"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnikv.cli", "bench", "codec", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    result = json.loads(out.read_text())
+    names = [r["name"] for r in result["results"]]
+    assert "HMAC-SHA256 (kv_mac)" in names and "keyed BLAKE2b (before)" in names, names
+    assert result["ratios"]["mac_sha256_vs_blake2b"] > 0
+
+
 def scenario_bench_mooncake(path: str) -> dict[str, Any]:
     from omnikv.bench.mooncake import main
 

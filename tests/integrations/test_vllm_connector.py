@@ -1146,6 +1146,43 @@ def _sealed_kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(tokens, 2, 4, generator=g), torch.randn(tokens, 2, 4, generator=g))]
 
 
+def test_the_kv_mac_is_hmac_sha256_over_key_start_shapes_and_bytes() -> None:
+    """``kv_mac``'s construction is pinned (producer and consumer of two omnikv builds must
+    agree): HMAC-SHA256 under the derived key, its domain first, then length-prefixed key,
+    start and each tensor's dtype and shape before its bytes, truncated to 32 hex. Every input
+    it covers changes it."""
+    import hashlib
+    import hmac
+    import json
+
+    from omnikv.integrations.vllm.binding import KV_MAC_DOMAIN, _secret_key, kv_mac
+
+    secret, key = b"s3cret", "tid.binding"
+    kv = _sealed_kv(6)
+
+    def field(value: bytes) -> bytes:
+        return len(value).to_bytes(8, "little") + value
+
+    msg = KV_MAC_DOMAIN + field(key.encode()) + field(b"3")
+    for k, v in kv:
+        for t in (k, v):
+            msg += field(json.dumps([str(t.dtype), list(t.shape)]).encode())
+            msg += t.contiguous().view(torch.uint8).numpy().tobytes()
+    want = hmac.new(_secret_key(secret), msg, hashlib.sha256).hexdigest()[:32]
+    assert kv_mac(secret, key, kv, 3) == want
+    flipped = [(k.clone(), v.clone()) for k, v in kv]
+    flipped[0][1].view(torch.uint8)[-1] ^= 1  # one bit of the last V byte
+    others = {
+        kv_mac(b"other", key, kv, 3),
+        kv_mac(secret, "tid.other", kv, 3),
+        kv_mac(secret, key, kv, 4),
+        kv_mac(secret, key, flipped, 3),
+        kv_mac(secret, key, [(k.reshape(6, 8), v.reshape(6, 8)) for k, v in kv], 3),
+        kv_mac(secret, key, [(k.to(torch.float64), v.to(torch.float64)) for k, v in kv], 3),
+    }
+    assert want not in others and len(others) == 6
+
+
 def test_sealed_ranges_check_each_piece_and_refuse_hostile_lists() -> None:
     """A streamed finish's ``[start, stop, mac]`` list: a whole payload is checked range by
     range; a tail (``offset``) only from its own range on; anything malformed is refused."""

@@ -6,7 +6,11 @@ Same run, same bytes (Qwen2.5-7B, 4096 tokens, fp16 = 224 MiB by default):
 * ``pack_into`` a pre-faulted buffer (target >= 0.7 x memcpy);
 * ``to_bytes`` vs the reference's shape (per-tensor ``tobytes`` + ``b"".join``; target >= 2 x);
 * decode of the 56 tensors (``decode_kv``, with every check in) vs the reference's ``from_bytes``
-  on the same bytes (target: at least as fast), and the cost of the optional crc32 check.
+  on the same bytes (target: at least as fast), and the cost of the optional crc32 check;
+* the vLLM connector's KV MAC (``auth_secret``): HMAC-SHA256 (what
+  :func:`omnikv.integrations.vllm.binding.kv_mac` computes) vs keyed BLAKE2b (what it computed
+  before) over the same bytes, each against memcpy (reported, no target: the ratio depends on
+  the CPU's SHA extensions).
 
 Every result is verified against the source tensors before timings are reported. Then the
 optional wire codec's error and greedy-token agreement on real KV from a small Llama
@@ -16,6 +20,8 @@ optional wire codec's error and greedy-token agreement on real KV from a small L
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import os
 import warnings
 from collections.abc import Sequence
@@ -108,9 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     dec_ck = measure("decode + crc32 verify", lambda: decode(ck_buf), repeat=repeat, nbytes=n)
     _verify(decode(ck_buf), payload.layer_blocks)
 
+    macs = _macs(raw, repeat)
+
     print_table([memcpy, pack, to_bytes, ref], baseline=memcpy, title="Encode (ratio = x memcpy)")
     print_table([ref_dec, dec, dec_ck], baseline=ref_dec, title="Decode (ratio = x reference)")
     print_table([pack, enc_ck], title="Integrity check cost (encode)")
+    print_table([memcpy, *macs], baseline=memcpy, title="KV MAC (auth_secret; ratio = x memcpy)")
 
     pack_ratio = memcpy.median / pack.median
     bytes_ratio = ref.median / to_bytes.median
@@ -126,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, value, ok in targets:
         print(f"  {'PASS' if ok else 'MISS'}  {label}: {value:.3f}")
     print(f"  info  crc32 adds {ck_cost * 100:.0f}% to encode+decode (off by default: > 10%)")
+    mac_speedup = macs[1].median / macs[0].median
+    print(f"  info  HMAC-SHA256 is {mac_speedup:.2f} x as fast as keyed BLAKE2b here")
     quality = _codec_quality(0 if args.quick else args.quality_prompts)
     write_json(
         args.json,
@@ -133,18 +144,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bench": "codec",
             "nbytes": n,
             "results": [
-                s.as_dict() for s in (memcpy, pack, to_bytes, ref, dec, ref_dec, enc_ck, dec_ck)
+                s.as_dict()
+                for s in (memcpy, pack, to_bytes, ref, dec, ref_dec, enc_ck, dec_ck, *macs)
             ],
             "ratios": {
                 "pack_vs_memcpy": pack_ratio,
                 "to_bytes_vs_reference": bytes_ratio,
                 "decode_vs_reference": dec_ratio,
+                "mac_sha256_vs_blake2b": mac_speedup,
             },
             "checksum_overhead": ck_cost,
             "wire_codec_quality": [q.as_dict() for q in quality],
         },
     )
     return 0 if args.no_targets or all(ok for _, _, ok in targets) else 1
+
+
+def _macs(data: bytes, repeat: int) -> list[Any]:
+    """HMAC-SHA256 and keyed BLAKE2b (16-byte digests, as the KV MAC) over ``data``, timed;
+    each is first checked against a one-shot digest of the same bytes."""
+    key = hashlib.sha256(b"omnikv bench codec").digest()
+    view = memoryview(data)
+    step = 8 << 20  # fed in pieces, as the MAC takes a payload tensor by tensor
+
+    def sha() -> bytes:
+        h = hmac.new(key, digestmod=hashlib.sha256)
+        for at in range(0, len(view), step):
+            h.update(view[at : at + step])
+        return h.digest()[:16]
+
+    def blake() -> bytes:
+        h = hashlib.blake2b(key=key, digest_size=16)
+        for at in range(0, len(view), step):
+            h.update(view[at : at + step])
+        return h.digest()
+
+    if sha() != hmac.new(key, data, hashlib.sha256).digest()[:16]:
+        raise SystemExit("verification failed for HMAC-SHA256")
+    if blake() != hashlib.blake2b(data, key=key, digest_size=16).digest():
+        raise SystemExit("verification failed for keyed BLAKE2b")
+    n = len(data)
+    return [
+        measure("HMAC-SHA256 (kv_mac)", sha, repeat=repeat, nbytes=n),
+        measure("keyed BLAKE2b (before)", blake, repeat=repeat, nbytes=n),
+    ]
 
 
 def _codec_quality(prompts: int) -> list[Any]:
