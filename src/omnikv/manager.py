@@ -48,7 +48,7 @@ from omnikv.transfer.requests import apply_received_kv, request_id_of
 from omnikv.transfer.results import TransferLog
 from omnikv.transfer.send import KVSender, SendResult
 from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream import KVStreams, Seal, StreamProgress
+from omnikv.transfer.stream import KVStreams, Seal, ShippedChunk, StreamProgress
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
@@ -275,6 +275,7 @@ class OmniKVTransferManager:
         request_id_resolver: Callable[[str], str] | None = None,
         *,
         seal: Seal | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> StreamProgress:
         """Ship the full blocks of a request still decoding (``stream_kv``); called by the model
         runner once per step per request, or from its per-step hook.
@@ -288,18 +289,24 @@ class OmniKVTransferManager:
 
         ``seal`` (optional): called with each chunk's token range and block ids; what it
         returns travels in that chunk's header metadata (:class:`~omnikv.transfer.stream.Seal`).
+
+        ``layers`` (optional, ``(first, stop)``): ship only those layers of the newly full
+        blocks, as soon as the forward pass has written them (``kv_caches`` still names every
+        layer); call it for each layer group in order, the range counting as shipped once its
+        last layer group is. A receiver assembles exactly what a whole send gives.
         """
         if self._streams is None:
             return StreamProgress(str(request_id), reason="stream_kv is off")
         args = (entry, kv_caches, block_size, cache_dtype, request_id_resolver)
-        return self._streams.ship(str(request_id), *args, seal=seal)
+        return self._streams.ship(str(request_id), *args, seal=seal, layers=layers)
 
-    def kv_stream_chunks(self, request_id: str) -> list[tuple[int, int, dict[str, Any]]]:
+    def kv_stream_chunks(self, request_id: str) -> list[ShippedChunk]:
         """The chunks ``request_id``'s stream has shipped so far, in order: each one's token
-        range ``[start, stop)`` and the metadata its ``seal`` returned (``{}`` without one);
-        empty without ``stream_kv`` or an open stream. A finish that vouches for each chunk
-        (the vLLM connector lists their MACs in the tail's metadata) reads them here, so that
-        what it vouches for is what the tail's manifest lists."""
+        range ``[start, stop)``, the metadata its ``seal`` returned (``{}`` without one) and
+        its layers (``None``: every layer); empty without ``stream_kv`` or an open stream. A
+        finish that vouches for each chunk (the vLLM connector lists their MACs in the tail's
+        metadata) reads them here, so that what it vouches for is what the tail's manifest
+        lists."""
         return [] if self._streams is None else self._streams.shipped_chunks(str(request_id))
 
     def abort_kv_stream(self, request_id: str) -> int:

@@ -31,6 +31,7 @@ from omnikv.wire.encode import PackedPayload
 
 BS = 4
 DTYPE_NAMES = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16"}
+F32 = "torch.float32"
 
 
 def _caches(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -41,12 +42,26 @@ def _entry(ids: list[int], seq_len: int) -> dict[str, Any]:
     return {"block_ids": ids, "seq_len": seq_len, "custom_metadata": {"note": "x"}}
 
 
+#: Layer groups a runner ships in turn (the caches have 3 layers); ``None``: whole chunks.
+GROUPS: list[list[tuple[int, int]] | None] = [None, [(0, 1), (1, 3)], [(0, 1), (1, 2), (2, 3)]]
+GROUP_IDS = ["whole-chunks", "groups-1-2", "layer-by-layer"]
+
+
 def _decode_steps(
-    mgr: Any, rid: str, ids: list[int], seq_len: int, caches: list[torch.Tensor], dtype: str
+    mgr: Any,
+    rid: str,
+    ids: list[int],
+    seq_len: int,
+    caches: list[torch.Tensor],
+    dtype: str,
+    groups: list[tuple[int, int]] | None = None,
+    **kw: Any,
 ) -> None:
-    """The runner's per-step calls as decode grows: tokens 1..seq_len written in turn."""
+    """The runner's per-step calls as decode grows: tokens 1..seq_len written in turn; with
+    ``groups`` one call per layer group, in order, as the forward pass writes them."""
     for t in range(1, seq_len + 1):
-        mgr.stream_kv_blocks(rid, _entry(ids, t), caches, BS, dtype)
+        for layers in groups or [None]:
+            mgr.stream_kv_blocks(rid, _entry(ids, t), caches, BS, dtype, layers=layers, **kw)
 
 
 def _finish(mgr: Any, rid: str, ids: list[int], seq_len: int, caches: Any, dtype: str) -> Any:
@@ -74,8 +89,12 @@ def _connector(mgr: Any) -> LocalConnector:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("seq_len", [1, BS - 1, BS, BS + 1, 3 * BS, 3 * BS + 1])
+@pytest.mark.parametrize("groups", GROUPS, ids=GROUP_IDS)
 def test_streamed_and_whole_sends_give_bit_identical_kv(
-    make_manager: ManagerFactory, dtype: torch.dtype, seq_len: int
+    make_manager: ManagerFactory,
+    dtype: torch.dtype,
+    seq_len: int,
+    groups: list[tuple[int, int]] | None,
 ) -> None:
     caches, name = _caches(dtype), DTYPE_NAMES[dtype]
     ids = [7, 2, 9, 0, 5]
@@ -85,11 +104,12 @@ def test_streamed_and_whole_sends_give_bit_identical_kv(
     want, _ = receiver.receive_kv_cache_for_request("r1")
     assert want is not None
 
-    _decode_steps(streamed, "r1", ids, seq_len, caches, name)
+    _decode_steps(streamed, "r1", ids, seq_len, caches, name, groups)
     res = _finish(streamed, "r1", ids, seq_len, caches, name)
     assert res.ok, res.reason
     chunks = [k for k in res.keys if "#c" in k]
-    assert len(chunks) == seq_len // BS  # one chunk per step that filled a block
+    # one chunk per step that filled a block, or one per layer group of it
+    assert len(chunks) == seq_len // BS * len(groups or [None])
     got, _ = receiver.receive_kv_cache_for_request("r1")
     assert got is not None, receiver.get_receive_result("r1")
     _assert_same(got, want)
@@ -128,6 +148,42 @@ def test_an_aborted_stream_leaves_nothing_in_the_pool(make_manager: ManagerFacto
     assert sender.abort_kv_stream("r1") == 3
     assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
     assert sender.abort_kv_stream("r1") == 0  # idempotent
+
+
+def test_a_range_missing_its_last_layers_is_dropped_and_the_stream_stops(
+    make_manager: ManagerFactory,
+) -> None:
+    """A layer group out of order drops its range's groups already published and stops the
+    stream; the finish sends the rest with the tail, bit for bit what a whole send gives, and
+    leaves nothing in the pool. An abort drops a range's groups too."""
+    caches, ids, seq_len = _caches(), [3, 4, 5, 6], 3 * BS + 2
+    whole, sender = make_manager("sender"), make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver")
+    conn = _connector(sender)
+    assert _finish(whole, "w", ids, seq_len, caches, F32).ok
+    want, _ = receiver.receive_kv_cache_for_request("w")
+    _decode_steps(sender, "r1", ids, BS, caches, F32, [(0, 1), (1, 3)])
+    assert len(conn.pending_keys()) == 2
+    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(0, 1))
+    assert (p.shipped, p.new, len(conn.pending_keys())) == (BS, 0, 3)  # a group in flight
+    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(2, 3))
+    assert p.reason is not None and "layer 1 was due" in p.reason
+    assert len(conn.pending_keys()) == 2  # the range's group went; what was whole stays
+    p = sender.stream_kv_blocks("r1", _entry(ids, 3 * BS), caches, BS, F32, layers=(0, 1))
+    assert p.new == 0 and p.shipped == BS  # stopped: nothing more ships
+    res = _finish(sender, "r1", ids, seq_len, caches, F32)
+    assert res.ok and len([k for k in res.keys if "#c" in k]) == 2
+    got, _ = receiver.receive_kv_cache_for_request("r1")
+    assert got is not None and want is not None
+    _assert_same({**got, "request_id": "w"}, want)
+    assert sender.wait_delivered("r1", 5).status is SendStatus.DELIVERED
+    del got, want
+    gc.collect()  # the whole send's KV was received as views of the pool
+    assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
+    _decode_steps(sender, "r2", ids, BS, caches, F32, [(0, 1)])
+    assert len(conn.pending_keys()) == 1
+    assert sender.abort_kv_stream("r2") == 1
+    assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
 
 
 def test_a_failed_finish_drops_the_chunks(make_manager: ManagerFactory) -> None:
@@ -169,22 +225,23 @@ def test_the_stream_keeps_each_chunks_seal_beside_its_range(make_manager: Manage
     for t in (BS, 2 * BS + 1, 3 * BS):
         sender.stream_kv_blocks("r1", _entry([1, 2, 3], t), caches, BS, "float32", seal=_seal)
     assert sender.kv_stream_chunks("r1") == [
-        (0, BS, {"seal": [0, BS, [1]]}),
-        (BS, 2 * BS, {"seal": [BS, 2 * BS, [2]]}),
-        (2 * BS, 3 * BS, {"seal": [2 * BS, 3 * BS, [3]]}),
+        (0, BS, {"seal": [0, BS, [1]]}, None),
+        (BS, 2 * BS, {"seal": [BS, 2 * BS, [2]]}, None),
+        (2 * BS, 3 * BS, {"seal": [2 * BS, 3 * BS, [3]]}, None),
     ]
     sender.stream_kv_blocks("r1", _entry([8, 9, 10], BS), caches, BS, "float32", seal=_seal)
-    assert sender.kv_stream_chunks("r1") == [(0, BS, {"seal": [0, BS, [8]]})]  # restarted
+    assert sender.kv_stream_chunks("r1") == [(0, BS, {"seal": [0, BS, [8]]}, None)]  # restarted
     sender.stream_kv_blocks("r2", _entry([4], BS), caches, BS, "float32")  # no seal
-    assert sender.kv_stream_chunks("r2") == [(0, BS, {})]
+    assert sender.kv_stream_chunks("r2") == [(0, BS, {}, None)]
     assert sender.abort_kv_stream("r1") == 1 and sender.kv_stream_chunks("r1") == []
     assert _finish(sender, "r2", [4], BS, caches, "float32").ok
     assert sender.kv_stream_chunks("r2") == []
     assert make_manager("sender").kv_stream_chunks("r2") == []  # stream_kv off
 
 
+@pytest.mark.parametrize("groups", GROUPS[:2], ids=GROUP_IDS[:2])
 def test_receiving_tp_above_sending_tp_assembles_each_rank_slice(
-    make_manager: ManagerFactory,
+    make_manager: ManagerFactory, groups: list[tuple[int, int]] | None
 ) -> None:
     from omnikv.ranks.context import ParallelContext
 
@@ -198,9 +255,10 @@ def test_receiving_tp_above_sending_tp_assembles_each_rank_slice(
     ]
     assert _finish(whole, "r1", ids, 2 * BS + 3, caches, "torch.float32").ok
     wants = [r.receive_kv_cache_for_request("r1")[0] for r in ranks]
-    _decode_steps(streamed, "r1", ids, 2 * BS + 3, caches, "torch.float32")
+    _decode_steps(streamed, "r1", ids, 2 * BS + 3, caches, "torch.float32", groups)
     res = _finish(streamed, "r1", ids, 2 * BS + 3, caches, "torch.float32")
-    assert res.ok and len(res.keys) == 2 * 2 + 2  # two chunks and the tail, per rank
+    per_range = len(groups or [None])
+    assert res.ok and len(res.keys) == 2 * (2 * per_range + 1)  # chunks and the tail, per rank
     for rank, want in zip(ranks, wants, strict=True):
         got, _ = rank.receive_kv_cache_for_request("r1")
         assert got is not None and want is not None
@@ -245,6 +303,16 @@ def _chunk(index: int, start: int, stop: int, layers: int = 2) -> PackedPayload:
     )
 
 
+def _group(index: int, start: int, stop: int, first: int, end: int, lc: int = 2) -> PackedPayload:
+    mark = {"k": "chunk", "id": "s1", "n": index, "r": [[start, stop]], "l": [[first, end]]}
+    return _piece(stop - start, {**mark, "lc": lc}, end - first)
+
+
+def _layered_tail(spans: list[list[int]], ranges: list[list[int]], seq_len: int) -> PackedPayload:
+    mark = {"k": "tail", "id": "s1", "n": len(ranges), "r": ranges, "l": spans, "lc": 2}
+    return _piece(seq_len - ranges[-1][1], mark, 2, seq_len)
+
+
 KEY = legacy_kv_key("stage1", "stage2", "r1")
 
 
@@ -282,6 +350,48 @@ KEY = legacy_kv_key("stage1", "stage2", "r1")
         ),
         pytest.param(
             lambda: [(KEY, _chunk(0, 0, 4))], "stream chunk was published under", id="chunk"
+        ),
+        pytest.param(
+            lambda: [(KEY, _layered_tail([[0, 1]], [[0, 4], [0, 4]], 6))],
+            "1 layer spans of 2 layers do not fit its 2 chunks",
+            id="spans count",
+        ),
+        pytest.param(
+            lambda: [(KEY, _layered_tail([[0, 1], [2, 2]], [[0, 4], [0, 4]], 6))],
+            "holds layers [2, 2), expected from 1",
+            id="span gap",
+        ),
+        pytest.param(
+            lambda: [(KEY, _layered_tail([[0, 1], [1, 2], [0, 1]], [[0, 4], [0, 4], [4, 8]], 9))],
+            "the last chunk's range lacks its layers from 1",
+            id="range lacks layers",
+        ),
+        pytest.param(
+            lambda: [(KEY, _layered_tail([[0, 1], [1, 2]], [[0, 4], [0, 5]], 6))],
+            "chunk 1 covers [0, 5), not its range's layers",
+            id="group range moved",
+        ),
+        pytest.param(
+            lambda: [
+                (chunk_key(KEY, 0), _group(0, 0, 4, 0, 2)),
+                (chunk_key(KEY, 1), _group(1, 0, 4, 1, 2)),
+                (KEY, _layered_tail([[0, 1], [1, 2]], [[0, 4], [0, 4]], 6)),
+            ],
+            "chunk holds layers [0, 2], the manifest says [0, 1]",
+            id="chunk span disagrees",
+        ),
+        pytest.param(
+            lambda: [
+                (chunk_key(KEY, 0), _group(0, 0, 4, 0, 1, lc=3)),
+                (KEY, _layered_tail([[0, 1], [1, 2]], [[0, 4], [0, 4]], 6)),
+            ],
+            "chunk has 3 layers, the tail 2",
+            id="chunk layer count",
+        ),
+        pytest.param(
+            lambda: [(KEY, _piece(2, {"k": "tail", "id": "s1", "n": 1, "r": [[0, 4]], "lc": 2}))],
+            "layer count without layer spans",
+            id="count without spans",
         ),
     ],
 )
@@ -484,12 +594,16 @@ class _Taker:
         if chunk.index == self.refuse:
             return "not this one"
         copy = [t.clone() for t in chunk.key_cache], [t.clone() for t in chunk.value_cache]
-        self.chunks.append((chunk.index, chunk.start, chunk.stop, dict(chunk.metadata), copy))
+        meta = dict(chunk.metadata)
+        self.chunks.append((chunk.index, chunk.start, chunk.stop, meta, copy, chunk.first_layer))
         return None
 
 
-def _seal(start: int, stop: int, block_ids: Any) -> dict[str, Any]:
-    return {"seal": [start, stop, list(block_ids)]}
+def _seal(
+    start: int, stop: int, block_ids: Any, *, layers: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    seal: list[Any] = [start, stop, list(block_ids)]
+    return {"seal": seal if layers is None else [*seal, list(layers)]}
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["taken-ahead", "at-the-finish"])
@@ -540,6 +654,60 @@ def test_on_chunk_gets_each_chunk_in_order_and_the_result_holds_only_the_tail(
     assert _connector(streamed).pending_keys() == []
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["taken-ahead", "at-the-finish"])
+def test_layer_groups_reach_on_chunk_in_order_and_join_to_the_whole_kv(
+    make_manager: ManagerFactory, ahead: bool
+) -> None:
+    """A stream shipped layer group by layer group: each group reaches ``on_chunk`` once, in
+    order, with its first layer and its own seal (taken ahead: before the finish); the groups
+    plus the returned tail are bit for bit the whole send's KV. Without ``on_chunk`` the
+    receive joins them into exactly the whole send's KV."""
+    caches, ids, seq_len = _caches(torch.bfloat16), [7, 2, 9, 0, 5], 4 * BS + 2
+    groups, name = [(0, 1), (1, 3)], "torch.bfloat16"
+    whole, streamed = make_manager("sender"), make_manager("sender", stream_kv=True)
+    receiver = make_manager("receiver", stream_kv=ahead, recv_timeout=10.0)
+    assert _finish(whole, "w", ids, seq_len, caches, name).ok
+    want, _ = receiver.receive_kv_cache_for_request("w")
+    assert want is not None
+    taker = _Taker()
+    got: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: got.update(r=receiver.receive_kv_cache_result("r1", on_chunk=taker))
+    )
+    t.start()
+    try:
+        _decode_steps(streamed, "r1", ids, seq_len, caches, name, groups, seal=_seal)
+        if ahead:  # handed over while the request still decodes
+            assert _until(lambda: len(taker.chunks) == 8), taker.chunks
+        assert _finish(streamed, "r1", ids, seq_len, caches, name).ok
+    finally:
+        t.join(15)
+    result = got["r"]
+    assert result.ok, result.reason
+    kv = result.kv
+    assert kv.token_offset == 4 * BS and kv.key_cache[0].shape[0] == 2  # the tail only
+    order = [
+        (2 * i + g, i * BS, (i + 1) * BS, f) for i in range(4) for g, (f, _) in enumerate(groups)
+    ]
+    assert [(c[0], c[1], c[2], c[5]) for c in taker.chunks] == order
+    assert [c[3]["seal"][3] for c in taker.chunks] == [list(g) for g in groups] * 4
+    for layer in range(3):
+        for which, cache in enumerate(("key_cache", "value_cache")):
+            parts = [
+                c[4][which][layer - c[5]]
+                for c in taker.chunks
+                if c[5] <= layer < c[5] + len(c[4][which])
+            ]
+            joined = torch.cat([*parts, getattr(kv, cache)[layer]])
+            wanted = want["layer_blocks"][cache][layer]
+            assert torch.equal(joined.view(torch.uint8), wanted.view(torch.uint8))
+    _decode_steps(streamed, "r2", ids, seq_len, caches, name, groups)
+    assert _finish(streamed, "r2", ids, seq_len, caches, name).ok
+    joined_kv, _ = receiver.receive_kv_cache_for_request("r2")
+    assert joined_kv is not None
+    _assert_same({**joined_kv, "request_id": "w"}, want)
+
+
 def test_a_receiver_that_slices_joins_the_chunks_instead_of_handing_them_over(
     make_manager: ManagerFactory,
 ) -> None:
@@ -582,25 +750,47 @@ def test_a_chunk_refused_by_on_chunk_refuses_the_receive_and_nothing_after_it_is
     assert any("r1#c2" in k for k in _connector(sender).pending_keys())
 
 
-@pytest.mark.parametrize("broken", ["index", "header"])
+BROKEN = {
+    "index": (lambda: [_chunk(3, 0, 4)], "not chunk 0"),
+    "header": (lambda: [_chunk(0, 0, 4)], "does not decode"),
+    "group order": (lambda: [_group(0, 0, 4, 1, 2)], "holds layers [1, 2), expected from 0"),
+    "group range": (
+        lambda: [_group(0, 0, 4, 0, 1), _group(1, 0, 5, 1, 2)],
+        "covers [0, 5), expected [0, 4]",
+    ),
+    "group skips a range": (
+        lambda: [_group(0, 0, 4, 0, 1), _group(1, 4, 8, 0, 1)],
+        "covers [4, 8), expected [0, 4]",
+    ),
+    "layer count changes": (
+        lambda: [_group(0, 0, 4, 0, 1), _group(1, 0, 4, 1, 2, lc=3)],
+        "of a stream of 3 layers, not 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
 def test_a_broken_chunk_ends_the_receive_before_any_tail(
     make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture, broken: str
 ) -> None:
-    """A chunk that is not the next one, or does not even decode (its header is over the
-    receiver's bound), is a clean ``corrupt`` at once: the receive does not wait out its
-    deadline for a tail, and ``on_chunk`` is never called."""
+    """A chunk that is not the next one (index, or layer group out of order), or does not even
+    decode (its header is over the receiver's bound), is a clean ``corrupt`` at once: the
+    receive does not wait out its deadline for a tail, and ``on_chunk`` is never called for
+    it."""
     caplog.set_level(logging.CRITICAL, logger="omnikv.transfer")
     limit = {"max_header_bytes": 64} if broken == "header" else {}
     receiver = make_manager("receiver", stream_kv=True, recv_timeout=30.0, **limit)
-    index = 3 if broken == "index" else 0
-    _put(_connector(receiver), chunk_key(KEY, 0), _chunk(index, 0, 4))
+    chunks, match = BROKEN[broken]
+    made = chunks()
+    for i, chunk in enumerate(made):
+        _put(_connector(receiver), chunk_key(KEY, i), chunk)
     taker = _Taker()
     t0 = time.monotonic()
     result = receiver.receive_kv_cache_result("r1", on_chunk=taker)
     assert time.monotonic() - t0 < 10.0  # not the 30 s deadline
     assert result.status is ReceiveStatus.CORRUPT, result
-    assert ("not chunk 0" if broken == "index" else "does not decode") in (result.reason or "")
-    assert taker.threads == []
+    assert match in (result.reason or "")
+    assert len(taker.threads) == len(made) - 1  # every chunk before the broken one
     assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
 
 

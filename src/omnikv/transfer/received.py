@@ -126,7 +126,10 @@ class ReceivedChunk:
     each starting where the one before stopped, the first at 0). ``metadata``: the chunk's own
     (its sender's per-chunk ``custom_metadata``, e.g. a MAC, plus the payload's fields).
     ``key_cache`` / ``value_cache``: per layer ``[stop - start, heads, head_size]`` tensors that
-    are views of connector memory, valid only during the call: copy what must outlive it.
+    are views of connector memory, valid only during the call: copy what must outlive it. A
+    stream shipped layer by layer hands each range over as layer groups, in layer order: the
+    tensors are then layers ``first_layer`` on, and a range's tokens are all there once its
+    last layer's group was handed over (the next range starts after it).
     Nothing here is checked against the request's finish yet (the tail arrives later); what
     is checked is that the chunk continues the chunks before it (index, range, stream, request
     id, layers, dtypes, shapes).
@@ -139,6 +142,9 @@ class ReceivedChunk:
     metadata: dict[str, Any]
     key_cache: list[torch.Tensor | None]
     value_cache: list[torch.Tensor | None]
+    #: the request layer ``key_cache[0]`` is: 0, except for a layer group (a stream shipped
+    #: layer by layer hands each range over in groups of layers, in order)
+    first_layer: int = 0
 
 
 def move_kv(kv: ReceivedKV, device: torch.device | str | None, *, own: bool = False) -> ReceivedKV:

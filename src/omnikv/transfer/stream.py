@@ -62,7 +62,7 @@ from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.send import KVSender, SendBatch, SendRefused, SendResult, SendStatus
 from omnikv.transfer.sessions import SessionGuard
 from omnikv.wire.decode import DecodedKV, decode_kv
-from omnikv.wire.format import MAX_STREAM_CHUNKS
+from omnikv.wire.format import MAX_STREAM_CHUNKS, StreamMark
 
 __all__ = [
     "MAX_FAILED_STEPS",
@@ -73,6 +73,7 @@ __all__ = [
     "EagerWait",
     "KVStreams",
     "Seal",
+    "ShippedChunk",
     "StreamAssembly",
     "StreamProgress",
     "TailPlan",
@@ -123,6 +124,30 @@ class StreamProgress:
     nbytes: int = 0
 
 
+class ShippedChunk(NamedTuple):
+    """One chunk a stream published: its tokens ``[start, stop)``, the metadata its seal put in
+    its header (``{}`` without a seal) and, for a layer group, its layers ``[first, stop)``
+    (``None``: every layer)."""
+
+    start: int
+    stop: int
+    seal: dict[str, Any]
+    layers: tuple[int, int] | None = None
+
+
+@dataclass
+class _Pending:
+    """The layer groups of one token range published so far (the range counts as shipped once
+    its last layer is)."""
+
+    start: int
+    stop: int
+    block_ids: list[int]
+    next_layer: int = 0
+    chunks: list[ShippedChunk] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+
 @dataclass
 class _Stream:
     """One request's stream on the sender: what it shipped, under which keys."""
@@ -134,10 +159,11 @@ class _Stream:
     num_layers: int
     keys: list[str]
     block_ids: list[int] = field(default_factory=list)
-    ranges: list[tuple[int, int]] = field(default_factory=list)
-    #: per range, the metadata its seal put in the chunk's header (``{}`` without a seal)
-    seals: list[dict[str, Any]] = field(default_factory=list)
+    #: the chunks of the ranges shipped whole (every layer), in order
+    chunks: list[ShippedChunk] = field(default_factory=list)
     chunk_keys: list[str] = field(default_factory=list)
+    #: a range whose layer groups are still being shipped
+    pending: _Pending | None = None
     #: why no more chunks are shipped (the finish still uses those shipped)
     stopped: str | None = None
     #: chunk puts that failed in a row
@@ -145,27 +171,53 @@ class _Stream:
 
     @property
     def shipped(self) -> int:
-        return self.ranges[-1][1] if self.ranges else 0
+        return self.chunks[-1].stop if self.chunks else 0
+
+    @property
+    def published(self) -> int:
+        """Chunks published, a pending range's groups included (the next chunk's index)."""
+        return len(self.chunks) + (0 if self.pending is None else len(self.pending.chunks))
+
+    @property
+    def layered(self) -> bool:
+        """Whether any chunk shipped holds a layer group (the manifest then lists spans)."""
+        return any(c.layers is not None for c in self.chunks)
 
 
 class Seal(Protocol):
     """A stream step's caller's per-chunk metadata: called with the chunk's token range
-    ``[start, stop)`` and its block ids before the chunk is made; what it returns (a dict of
-    plain values) goes into the chunk's header metadata (the vLLM connector puts a MAC over
-    the chunk's tokens there, so that a receiver can check each chunk before it has the rest).
+    ``[start, stop)`` and its block ids before the chunk is made, and with ``layers`` (its
+    ``[first, stop)`` layers) when the chunk is a layer group; what it returns (a dict of plain
+    values) goes into the chunk's header metadata (the vLLM connector puts a MAC over the
+    chunk's tokens there, so that a receiver can check each chunk before it has the rest).
     Raising stops the stream (the finish then sends the rest with the tail)."""
 
-    def __call__(self, start: int, stop: int, block_ids: Sequence[int]) -> Mapping[str, Any]: ...
+    def __call__(
+        self,
+        start: int,
+        stop: int,
+        block_ids: Sequence[int],
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> Mapping[str, Any]: ...
 
 
 def _sealed(
-    seal: Seal | None, start: int, stop: int, block_ids: Sequence[int]
+    seal: Seal | None,
+    start: int,
+    stop: int,
+    block_ids: Sequence[int],
+    layers: tuple[int, int] | None,
 ) -> dict[str, Any] | None:
     """``seal``'s metadata for a chunk (``None`` without one); its failure as ``SendRefused``."""
     if seal is None:
         return None
     try:
-        meta = seal(start, stop, block_ids)
+        meta = (
+            seal(start, stop, block_ids)
+            if layers is None
+            else seal(start, stop, block_ids, layers=layers)
+        )
     except Exception as exc:
         raise SendRefused(f"the stream's seal raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(meta, Mapping):
@@ -216,10 +268,20 @@ class KVStreams:
         resolver: Callable[[str], str] | None = None,
         *,
         seal: Seal | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> StreamProgress:
         """Ship ``request_id``'s full blocks not shipped yet as one chunk; never raises for the
         request's failure (the progress says why nothing went). ``seal`` (optional) is asked
-        for the chunk's own metadata (see :class:`Seal`) before the chunk is made."""
+        for the chunk's own metadata (see :class:`Seal`) before the chunk is made.
+
+        With ``layers`` (``[first, stop)`` of ``kv_caches``, which still names every layer) the
+        chunk holds only those layers: a *layer group*, shipped as soon as the caller's forward
+        pass has written them. Groups of one range come in layer order, the first from layer
+        0, each starting where the one before stopped; the range is shipped once its last
+        layer is. The first group takes the newly full blocks (when there are none, the
+        step's later groups ship nothing either); later ones keep that range. A group out of
+        that order (or one that cannot be published) drops the range's groups and stops the
+        stream: the finish sends the rest with the tail."""
         rid = str(request_id)
         self.drop_orphans()
         sender = self.sender
@@ -234,18 +296,27 @@ class KVStreams:
             self.abort(rid)
             return StreamProgress(rid, reason=str(exc))
         stream, ids, batch = step
-        if stream.stopped is not None or not ids:
-            return StreamProgress(rid, stream.shipped, len(stream.ranges), 0, stream.stopped)
-        index = len(stream.ranges)
-        start = stream.shipped
-        stop = start + len(ids) * stream.block_size
+        if stream.stopped is not None:
+            return self._progress(rid, stream, 0, stream.stopped)
+        span = None if layers is None or tuple(layers) == (0, stream.num_layers) else layers
+        piece = self._piece(connector, stream, ids, span)
+        if isinstance(piece, str):
+            return self._stop(rid, stream, piece, connector)
+        if piece is None:
+            return self._progress(rid, stream, 0, None)
+        start, stop, ids = piece
+        index = stream.published
         keys = [chunk_key(k, index) for k in stream.keys]
-        mark = {"k": "chunk", "id": stream.stream_id, "n": index, "r": [[start, stop]]}
+        mark: dict[str, Any] = {"k": "chunk", "id": stream.stream_id, "n": index}
+        mark["r"] = [[start, stop]]
+        if span is not None:
+            mark.update(l=[list(span)], lc=stream.num_layers)
+            batch = batch._replace(kv_caches=batch.kv_caches[span[0] : span[1]])
         try:
-            meta = _sealed(seal, start, stop, ids)
+            meta = _sealed(seal, start, stop, ids, span)
             payloads = sender.plan_blocks(stream.transfer_id, keys, ids, batch, mark, meta)
         except (SendRefused, OmniKVError) as exc:
-            return self._stop(rid, stream, f"chunk {index} cannot be made: {exc}")
+            return self._stop(rid, stream, f"chunk {index} cannot be made: {exc}", connector)
         sender.listen(connector)
         nbytes, failed = sender.put_all(
             connector, (from_stage, to_stage), keys, payloads, batch.deadline, _ONE_ATTEMPT
@@ -254,20 +325,81 @@ class KVStreams:
             self._drop(connector, keys)
             why = f"chunk {index} not published: {'; '.join(failed)}"
             stream.failures += 1
-            if stream.failures >= MAX_FAILED_STEPS:
-                return self._stop(rid, stream, why)
+            if stream.failures >= MAX_FAILED_STEPS or stream.pending is not None:
+                return self._stop(rid, stream, why, connector)
             logger.debug("KV chunk %d of %s deferred: %s", index, rid, why)
-            return StreamProgress(rid, start, index, 0, why)
+            return self._progress(rid, stream, 0, why)
         stream.failures = 0
-        with self._lock:
-            stream.ranges.append((start, stop))
-            stream.seals.append(meta or {})
-            stream.block_ids.extend(ids)
-            stream.chunk_keys.extend(keys)
+        new = self._record(stream, ShippedChunk(start, stop, meta or {}, span), ids, keys)
         logger.debug(
-            "KV chunk %d of %s shipped: tokens [%d, %d), %d bytes", index, rid, start, stop, nbytes
+            "KV chunk %d of %s shipped: tokens [%d, %d), layers %s, %d bytes",
+            index,
+            rid,
+            start,
+            stop,
+            "all" if span is None else list(span),
+            nbytes,
         )
-        return StreamProgress(rid, stop, index + 1, stop - start, nbytes=int(nbytes))
+        return self._progress(rid, stream, new, None, int(nbytes))
+
+    def _piece(
+        self,
+        connector: OmniConnectorBase,
+        stream: _Stream,
+        ids: list[int],
+        span: tuple[int, int] | None,
+    ) -> tuple[int, int, list[int]] | str | None:
+        """The token range and blocks of the next chunk: a new range of the newly full blocks
+        ``ids``, or (a later layer group) the pending range's; ``None``: nothing to ship; a
+        string: why the stream must stop (a layer group out of order)."""
+        pending = stream.pending
+        if span is not None:
+            first, end = (int(v) for v in span)
+            if not 0 <= first < end <= stream.num_layers:
+                return f"layer group {list(span)} is not within the {stream.num_layers} layers"
+            if pending is not None and first == pending.next_layer:
+                if ids[: len(pending.block_ids)] != pending.block_ids:
+                    return "the blocks of a range changed between its layer groups"
+                return pending.start, pending.stop, pending.block_ids
+            if first != 0:
+                if pending is None:
+                    return None  # this step's first group had no full block to ship
+                return f"layer group {list(span)} came where layer {pending.next_layer} was due"
+        if pending is not None:
+            return f"a range's layer groups stopped at layer {pending.next_layer}"
+        if not ids:
+            return None
+        start = stream.shipped
+        return start, start + len(ids) * stream.block_size, ids
+
+    def _record(self, stream: _Stream, chunk: ShippedChunk, ids: list[int], keys: list[str]) -> int:
+        """Note a published chunk; the tokens it completed (0: a layer group before the
+        range's last)."""
+        with self._lock:
+            if chunk.layers is None:
+                stream.chunks.append(chunk)
+                stream.block_ids.extend(ids)
+                stream.chunk_keys.extend(keys)
+                return chunk.stop - chunk.start
+            pending = stream.pending
+            if pending is None:
+                pending = stream.pending = _Pending(chunk.start, chunk.stop, list(ids))
+            pending.chunks.append(chunk)
+            pending.keys.extend(keys)
+            pending.next_layer = chunk.layers[1]
+            if pending.next_layer < stream.num_layers:
+                return 0
+            stream.chunks.extend(pending.chunks)
+            stream.block_ids.extend(pending.block_ids)
+            stream.chunk_keys.extend(pending.keys)
+            stream.pending = None
+            return chunk.stop - chunk.start
+
+    @staticmethod
+    def _progress(
+        rid: str, stream: _Stream, new: int, reason: str | None, nbytes: int = 0
+    ) -> StreamProgress:
+        return StreamProgress(rid, stream.shipped, len(stream.chunks), new, reason, nbytes)
 
     def _step(
         self,
@@ -315,7 +447,7 @@ class KVStreams:
             )
             self._open(rid, stream)
         done = len(stream.block_ids)
-        if len(stream.ranges) >= MAX_STREAM_CHUNKS and stream.stopped is None:
+        if stream.published >= MAX_STREAM_CHUNKS and stream.stopped is None:
             stream.stopped = f"{MAX_STREAM_CHUNKS} chunks shipped; the rest goes with the tail"
         return stream, [int(b) for b in block_ids[done:full]], batch
 
@@ -333,10 +465,23 @@ class KVStreams:
             )
             self._drop_stream(old)
 
-    def _stop(self, rid: str, stream: _Stream, why: str) -> StreamProgress:
+    def _stop(
+        self, rid: str, stream: _Stream, why: str, connector: OmniConnectorBase | None = None
+    ) -> StreamProgress:
+        """Ship no more for ``rid`` (the finish sends the rest); a pending range's layer groups
+        are dropped."""
         logger.debug("KV stream of %s stopped: %s", rid, why)
         stream.stopped = why
-        return StreamProgress(rid, stream.shipped, len(stream.ranges), 0, why)
+        self._drop_pending(stream, connector)
+        return self._progress(rid, stream, 0, why)
+
+    def _drop_pending(self, stream: _Stream, connector: OmniConnectorBase | None) -> None:
+        with self._lock:
+            pending, stream.pending = stream.pending, None
+        if pending is not None and pending.keys:
+            target = connector if connector is not None else self.sender.connector.current
+            if target is not None:
+                self._drop(target, pending.keys)
 
     # -- at the finish --------------------------------------------------------------------------
     def tail(
@@ -354,7 +499,9 @@ class KVStreams:
         it whole)."""
         with self._lock:
             stream = self._streams.get(request_id)
-        if stream is None or not stream.ranges:
+        if stream is not None:
+            self._drop_pending(stream, None)  # a range whose last layers never came
+        if stream is None or not stream.chunks:
             return None
         if (
             stream.keys != keys
@@ -364,24 +511,26 @@ class KVStreams:
             logger.debug("KV stream of %s dropped: it no longer matches the finish", request_id)
             self.abort(request_id)
             return None
-        manifest = {
+        manifest: dict[str, Any] = {
             "k": "tail",
             "id": stream.stream_id,
-            "n": len(stream.ranges),
-            "r": [list(r) for r in stream.ranges],
+            "n": len(stream.chunks),
+            "r": [[c.start, c.stop] for c in stream.chunks],
         }
+        if stream.layered:
+            every = (0, stream.num_layers)
+            manifest["l"] = [list(c.layers or every) for c in stream.chunks]
+            manifest["lc"] = stream.num_layers
         return TailPlan(len(stream.block_ids), manifest, list(stream.chunk_keys))
 
-    def shipped_chunks(self, request_id: str) -> list[tuple[int, int, dict[str, Any]]]:
-        """The chunks ``request_id``'s open stream has shipped, in order: each one's token range
-        and the metadata its seal put in its header (``{}`` without a seal); empty without a
-        stream. What a finish's tail manifest will list, unless the finish finds the stream no
-        longer matches its blocks (it then sends the request whole)."""
+    def shipped_chunks(self, request_id: str) -> list[ShippedChunk]:
+        """The chunks ``request_id``'s open stream has shipped, in order (those of whole
+        ranges: a range still missing layer groups is not listed); empty without a stream.
+        What a finish's tail manifest will list, unless the finish finds the stream no longer
+        matches its blocks (it then sends the request whole)."""
         with self._lock:
             stream = self._streams.get(str(request_id))
-            if stream is None:
-                return []
-            return [(a, b, dict(m)) for (a, b), m in zip(stream.ranges, stream.seals, strict=True)]
+            return [] if stream is None else [c._replace(seal=dict(c.seal)) for c in stream.chunks]
 
     def settle(self, result: SendResult) -> None:
         """The finish of ``result.request_id`` ended: a sent stream's chunks are the
@@ -434,10 +583,13 @@ class KVStreams:
             return list(self._streams)
 
     def _drop_stream(self, stream: _Stream) -> int:
+        keys = list(stream.chunk_keys)
+        if stream.pending is not None:
+            keys += stream.pending.keys
         connector = self.sender.connector.current
-        if connector is not None and stream.chunk_keys:
-            self._drop(connector, stream.chunk_keys)
-        return len(stream.chunk_keys)
+        if connector is not None and keys:
+            self._drop(connector, keys)
+        return len(keys)
 
     @staticmethod
     def _drop(connector: OmniConnectorBase, keys: list[str]) -> None:
@@ -484,22 +636,12 @@ class EagerWait(Protocol):
     ) -> ManagedBuffer | None: ...
 
 
-class _Shape(NamedTuple):
-    """What every chunk of one stream shares: its id, request id and per-tensor layer form
-    (``None`` for a skipped layer, else dtype and the shape after the token dimension)."""
-
-    stream_id: str
-    request_id: str
-    layers: tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...]
-
-
-def _shape_of(chunk: DecodedKV) -> _Shape:
-    mark = chunk.stream
-    layers = tuple(
-        None if t is None else (t.dtype, tuple(t.shape[1:]))
-        for t in (*chunk.key_cache, *chunk.value_cache)
-    )
-    return _Shape("" if mark is None else mark.id, chunk.request_id, layers)
+def _forms(
+    tensors: Sequence[torch.Tensor | None],
+) -> list[tuple[torch.dtype, tuple[int, ...]] | None]:
+    """Per layer the form a stream's chunks share: ``None`` for a skipped layer, else the dtype
+    and the shape after the token dimension."""
+    return [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
 
 
 class ChunkFeed:
@@ -532,8 +674,15 @@ class ChunkFeed:
         self._lock = threading.Lock()
         self._closed = False
         self._fed: list[str] = []
-        self._shape: _Shape | None = None
-        #: tokens handed over so far (the first token the tail must start at)
+        #: the stream id and request id of the chunks handed over
+        self._ident: tuple[str, str] | None = None
+        #: the stream's layer count, and per layer index its K and V forms
+        self._layers: int | None = None
+        self._forms: dict[int, tuple[Any, Any]] = {}
+        #: the next layer due in the range being handed over by layer groups (0: a new range)
+        self._next_layer = 0
+        self._range = (0, 0)
+        #: tokens handed over for every layer so far (the first token the tail must start at)
         self.end = 0
         self.refusal: str | None = None
         self.corrupt = False
@@ -551,18 +700,18 @@ class ChunkFeed:
                 return self.refusal
             if self._closed:
                 return "the receive ended"
-            why = self._continues(chunk, index)
-            self.corrupt = why is not None
-            stop = self.end
-            if why is None:
-                assert chunk.stream is not None  # checked by _continues
-                stop = int(chunk.stream.r[0][1])
-                why = self._admitted(chunk) or self._call(chunk, index, self.end, stop)
+            span = self._continues(chunk, index)
+            self.corrupt = isinstance(span, str)
+            if isinstance(span, str):
+                self._refused(span)
+                return span
+            assert chunk.stream is not None  # checked by _continues
+            start, stop = (int(v) for v in chunk.stream.r[0])
+            why = self._admitted(chunk) or self._call(chunk, index, start, stop, span[0])
             if why is not None:
                 self._refused(why)
                 return why
-            self._fed.append(ckey)
-            self.end = stop
+            self._took(ckey, chunk, span)
             return None
 
     def refuse(self, why: str, *, corrupt: bool) -> None:
@@ -577,23 +726,56 @@ class ChunkFeed:
         if self._on_refusal is not None:
             self._on_refusal()
 
-    def _continues(self, chunk: DecodedKV, index: int) -> str | None:
+    def _continues(self, chunk: DecodedKV, index: int) -> tuple[int, int, int] | str:
+        """The chunk's layers ``(first, stop, stream's layer count)`` when it is the next one
+        (the next range from layer 0, or the next layer group of the range being handed
+        over), else why not."""
         mark = chunk.stream
         if mark is None or mark.k != "chunk" or mark.n != index or len(mark.r) != 1:
             return f"not chunk {index} of a stream ({mark!r:.80})"
         if index != len(self._fed):
             return f"chunk {index} came before chunk {len(self._fed)}"
+        span = _span(mark, chunk.num_layers)
+        if isinstance(span, str):
+            return f"chunk {index}: {span}"
+        first, end, layers = span
+        if self._layers is not None and layers != self._layers:
+            return f"chunk {index} is of a stream of {layers} layers, not {self._layers}"
         start, stop = (int(v) for v in mark.r[0])
-        if start != self.end or stop <= start:
+        if self._next_layer == 0 and (start != self.end or stop <= start):
             return f"chunk {index} covers [{start}, {stop}), expected to start at {self.end}"
-        shape = _shape_of(chunk)
-        if self._shape is not None and shape != self._shape:
-            return f"chunk {index} is not of the stream, request or layers of the chunks before"
+        if self._next_layer and (start, stop) != self._range:
+            return f"chunk {index} covers [{start}, {stop}), expected {list(self._range)}"
+        if first != self._next_layer:
+            return f"chunk {index} holds layers [{first}, {end}), expected from {self._next_layer}"
+        if self._ident is not None and (mark.id, chunk.request_id) != self._ident:
+            return f"chunk {index} is not of the stream or request of the chunks before"
+        for at, form in enumerate(
+            zip(_forms(chunk.key_cache), _forms(chunk.value_cache), strict=True)
+        ):
+            if self._forms.get(first + at, form) != form:
+                return f"chunk {index}'s layer {first + at} is not of the chunks before"
         tensors = [t for t in (*chunk.key_cache, *chunk.value_cache) if t is not None]
         if not tensors or any(t.dim() < 1 or t.shape[0] != stop - start for t in tensors):
             return f"chunk {index}'s tensors do not hold its {stop - start} tokens"
-        self._shape = shape
-        return None
+        return span
+
+    def _took(self, ckey: str, chunk: DecodedKV, span: tuple[int, int, int]) -> None:
+        """Note a chunk ``on_chunk`` took (called with the lock held)."""
+        mark = chunk.stream
+        assert mark is not None
+        first, end, layers = span
+        self._fed.append(ckey)
+        self._ident = (mark.id, chunk.request_id)
+        self._layers = layers
+        for at, form in enumerate(
+            zip(_forms(chunk.key_cache), _forms(chunk.value_cache), strict=True)
+        ):
+            self._forms[first + at] = form
+        self._range = (int(mark.r[0][0]), int(mark.r[0][1]))
+        self._next_layer = 0 if end == layers else end
+        if self._next_layer == 0:
+            self.end = self._range[1]
 
     def _admitted(self, chunk: DecodedKV) -> str | None:
         """Why the guard refuses the chunk's stamp (a duplicate, a stale epoch); ``None`` when
@@ -606,7 +788,9 @@ class ChunkFeed:
             return str(exc)
         return None
 
-    def _call(self, chunk: DecodedKV, index: int, start: int, stop: int) -> str | None:
+    def _call(
+        self, chunk: DecodedKV, index: int, start: int, stop: int, first_layer: int
+    ) -> str | None:
         piece = ReceivedChunk(
             chunk.request_id,
             index,
@@ -615,6 +799,7 @@ class ChunkFeed:
             chunk.metadata,
             list(chunk.key_cache),
             list(chunk.value_cache),
+            first_layer,
         )
         try:
             return self._on_chunk(piece)
@@ -818,7 +1003,8 @@ class EagerChunks:
             chunk = None
             try:
                 chunk = _decode_buffer(buf, self._max_header_bytes)
-                ok = joined.add(chunk, buf)
+                grouped = chunk.stream is not None and chunk.stream.l is not None
+                ok = not grouped and joined.add(chunk, buf)  # the assembly joins groups
             except (OmniKVError, ValueError, RuntimeError) as exc:
                 logger.debug("chunk not joined ahead: %s", exc)
                 ok = False
@@ -951,15 +1137,16 @@ class StreamAssembly:
         mark = tail.stream
         if mark is None or mark.k != "tail":
             raise _corrupt(key, "a stream chunk was published under a request's key")
-        ranges = _ranges(key, mark.n, mark.r)
+        pieces = _pieces(key, mark, tail.num_layers)
         tail_tokens = _tokens(key, tail)
         seq_len = tail.metadata.get("seq_len")
-        total = ranges[-1][1] + tail_tokens
+        shipped = pieces[-1].stop
+        total = shipped + tail_tokens
         if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len != total:
             raise _corrupt(key, f"chunks and tail hold {total} tokens, metadata seq_len={seq_len}")
-        pieces: list[DecodedKV] = []
+        chunks: list[DecodedKV] = []
         held = len(self._held)
-        for index, (start, stop) in enumerate(ranges):
+        for index, piece in enumerate(pieces):
             ckey = chunk_key(key, index)
             buf = self.source.take(ckey, metadata)
             self.taken.append((ckey, metadata))
@@ -974,27 +1161,17 @@ class StreamAssembly:
                 chunk = self._decode(buf)
             if self.guard is not None and self.feed is None:  # the feed admits what it hands
                 self.guard.admit(chunk.stamp, tail.request_id)
-            _check_chunk(ckey, chunk, tail, mark.id, index, (start, stop))
+            _check_chunk(ckey, chunk, tail, mark.id, index, piece)
             if self.feed is not None:
                 self._hand(key, ckey, index, chunk)
             else:
-                pieces.append(chunk)
+                chunks.append(chunk)
         if self.feed is not None:
-            return self._tail_only(tail, ranges[-1][1], nbytes, held)
+            return self._tail_only(tail, shipped, nbytes, held)
         ahead = None
         if isinstance(self.source, EagerChunks):  # joined while the chunks arrived
-            ahead = self.source.joined(key, len(ranges), tail)
-        caches = (
-            list(ahead)
-            if ahead is not None
-            else [
-                [_join([p.key_cache[i] for p in pieces], t) for i, t in enumerate(tail.key_cache)],
-                [
-                    _join([p.value_cache[i] for p in pieces], t)
-                    for i, t in enumerate(tail.value_cache)
-                ],
-            ]
-        )
+            ahead = self.source.joined(key, len(pieces), tail)
+        caches = list(ahead) if ahead is not None else _joined(pieces, chunks, tail)
         size = nbytes + self._release_from(held)
         return ReceivedKV(
             tail.request_id, tail.block_ids, tail.metadata, caches[0], caches[1], size
@@ -1046,17 +1223,67 @@ def _corrupt(key: str, msg: str) -> DecodeError:
     return DecodeError(f"corrupt KV stream under {key}: {msg}")
 
 
-def _ranges(key: str, count: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The manifest's chunk ranges, checked: ``count`` of them (1 to the maximum), contiguous
-    from token 0, none empty."""
+class _Piece(NamedTuple):
+    """One chunk as the manifest lists it: tokens ``[start, stop)`` of layers
+    ``[first, end)``."""
+
+    start: int
+    stop: int
+    first: int
+    end: int
+
+
+def _pieces(key: str, mark: StreamMark, layers: int) -> list[_Piece]:
+    """The manifest's chunks, checked: ``n`` of them (1 to the maximum), their ranges
+    contiguous from token 0 and none empty; with layer spans (``l``, ``lc`` = the tail's
+    ``layers``), each range's groups in layer order from 0 to the last layer."""
+    count, ranges = mark.n, mark.r
     if not 1 <= count <= MAX_STREAM_CHUNKS or len(ranges) != count:
         raise _corrupt(key, f"manifest claims {count} chunks with {len(ranges)} ranges")
-    at = 0
-    for i, (start, stop) in enumerate(ranges):
-        if start != at or stop <= start:
+    if mark.l is None:
+        if mark.lc is not None:
+            raise _corrupt(key, "manifest names a layer count without layer spans")
+        spans: list[tuple[int, int]] = [(0, layers)] * count
+    elif mark.lc != layers or len(mark.l) != count:
+        raise _corrupt(
+            key,
+            f"manifest's {len(mark.l)} layer spans of {mark.lc} layers do not fit its {count} "
+            f"chunks of {layers} layers",
+        )
+    else:
+        spans = list(mark.l)
+    at, layer = 0, 0
+    pieces: list[_Piece] = []
+    for i, ((start, stop), (first, end)) in enumerate(zip(ranges, spans, strict=True)):
+        if layer == 0 and (start != at or stop <= start):
             raise _corrupt(key, f"chunk {i} covers [{start}, {stop}), expected to start at {at}")
-        at = stop
-    return ranges
+        if layer and (start, stop) != pieces[-1][:2]:
+            raise _corrupt(key, f"chunk {i} covers [{start}, {stop}), not its range's layers")
+        if first != layer or not first < end <= layers:
+            raise _corrupt(
+                key, f"chunk {i} holds layers [{first}, {end}), expected from {layer} of {layers}"
+            )
+        pieces.append(_Piece(start, stop, first, end))
+        layer = 0 if end == layers else end
+        at = stop if layer == 0 else at
+    if layer:
+        raise _corrupt(key, f"the last chunk's range lacks its layers from {layer}")
+    return pieces
+
+
+def _span(mark: StreamMark, num_layers: int) -> tuple[int, int, int] | str:
+    """A chunk's layers ``(first, stop, stream's layer count)``: its own span when it is a
+    layer group, else all ``num_layers`` of them; a string says why its mark is inconsistent."""
+    if mark.l is None:
+        if mark.lc is not None:
+            return "it names a layer count without a layer span"
+        return 0, num_layers, num_layers
+    if len(mark.l) != 1 or mark.lc is None:
+        return f"its layer spans {mark.l!r:.60} (of {mark.lc} layers) are not one span"
+    first, end = mark.l[0]
+    if not first < end <= mark.lc or end - first != num_layers:
+        return f"it holds {num_layers} layers, its span says [{first}, {end}) of {mark.lc}"
+    return first, end, mark.lc
 
 
 def _tokens(key: str, tail: DecodedKV) -> int:
@@ -1081,24 +1308,33 @@ def _check_chunk(
     tail: DecodedKV,
     stream_id: str,
     index: int,
-    span: tuple[int, int],
+    piece: _Piece,
 ) -> None:
     """Raise unless ``chunk`` is piece ``index`` of the stream and fits the tail's layers."""
     mark = chunk.stream
     if mark is None or mark.k != "chunk" or mark.id != stream_id or mark.n != index:
         raise _corrupt(key, f"not chunk {index} of stream {stream_id} ({mark!r:.80})")
-    if [tuple(r) for r in mark.r] != [span]:
-        raise _corrupt(key, f"chunk covers {mark.r!r:.60}, the manifest says {list(span)}")
+    if [tuple(r) for r in mark.r] != [(piece.start, piece.stop)]:
+        raise _corrupt(
+            key, f"chunk covers {mark.r!r:.60}, the manifest says {[piece.start, piece.stop]}"
+        )
     if chunk.request_id != tail.request_id:
         raise _corrupt(key, f"chunk of request {chunk.request_id!r:.60}")
-    if chunk.num_layers != tail.num_layers:
-        raise _corrupt(key, f"chunk has {chunk.num_layers} layers, the tail {tail.num_layers}")
-    tokens = span[1] - span[0]
+    span = _span(mark, chunk.num_layers)
+    if isinstance(span, str):
+        raise _corrupt(key, f"chunk {index}: {span}")
+    if span[2] != tail.num_layers:
+        raise _corrupt(key, f"chunk has {span[2]} layers, the tail {tail.num_layers}")
+    if span[:2] != (piece.first, piece.end):
+        want = [piece.first, piece.end]
+        raise _corrupt(key, f"chunk holds layers {list(span[:2])}, the manifest says {want}")
+    tokens = piece.stop - piece.start
     for name, mine, theirs in (
-        ("key_cache", chunk.key_cache, tail.key_cache),
-        ("value_cache", chunk.value_cache, tail.value_cache),
+        ("key_cache", chunk.key_cache, tail.key_cache[piece.first : piece.end]),
+        ("value_cache", chunk.value_cache, tail.value_cache[piece.first : piece.end]),
     ):
-        for layer, (c, t) in enumerate(zip(mine, theirs, strict=True)):
+        for at, (c, t) in enumerate(zip(mine, theirs, strict=True)):
+            layer = piece.first + at
             if c is None and t is None:
                 continue
             if c is None or t is None:
@@ -1115,6 +1351,23 @@ def _check_chunk(
                     f"{name}_{layer} is {c.dtype} {tuple(c.shape)}, expected {t.dtype} "
                     f"[{tokens}, *{tuple(t.shape[1:])}]",
                 )
+
+
+def _joined(
+    pieces: list[_Piece], chunks: list[DecodedKV], tail: DecodedKV
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Every layer's tokens in order (new memory): for layer ``i`` the part of each chunk that
+    holds it (one per range), then the tail's."""
+    out: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] = ([], [])
+    for which, tails in ((0, tail.key_cache), (1, tail.value_cache)):
+        for i, t in enumerate(tails):
+            parts = [
+                (c.key_cache, c.value_cache)[which][i - p.first]
+                for p, c in zip(pieces, chunks, strict=True)
+                if p.first <= i < p.end
+            ]
+            out[which].append(_join(parts, t))
+    return out
 
 
 def _join(chunks: list[torch.Tensor | None], tail: torch.Tensor | None) -> torch.Tensor | None:

@@ -218,7 +218,11 @@ class StreamMark(msgspec.Struct, frozen=True, gc=False):
     decode, under ``<key>#c<n>``) or ``"tail"`` (the last tokens and the request's metadata,
     under the request's key: the manifest). ``id`` names the stream; ``n`` is a chunk's index,
     or the tail's chunk count; ``r`` holds token ranges ``[start, stop)``: a chunk's own (one),
-    the tail's one per chunk, in order."""
+    the tail's one per chunk, in order.
+
+    A stream shipped layer by layer (its chunks hold *layer groups*) also has ``lc``, the
+    stream's layer count, and ``l``, layer spans ``[first, stop)`` matching ``r``: a chunk's
+    own (one), the tail's one per chunk. Without them every chunk holds every layer."""
 
     k: Literal["chunk", "tail"]
     id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_CHARS)]
@@ -227,6 +231,19 @@ class StreamMark(msgspec.Struct, frozen=True, gc=False):
         list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]]],
         msgspec.Meta(max_length=MAX_STREAM_CHUNKS),
     ]
+    l: (  # noqa: E741 - the header's one-letter keys
+        Annotated[
+            list[
+                tuple[
+                    Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)],
+                    Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)],
+                ]
+            ],
+            msgspec.Meta(max_length=MAX_STREAM_CHUNKS),
+        ]
+        | None
+    ) = None
+    lc: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)] | None = None
 
 
 class Header(msgspec.Struct, frozen=True, gc=False):

@@ -325,7 +325,15 @@ class WorkerSide:
         consumer decodes: coded and decoded again with a codec). The stream keeps it beside
         the chunk's range for the finish (:meth:`_seal_finish`)."""
 
-        def seal(start: int, stop: int, block_ids: Sequence[int]) -> dict[str, Any]:
+        def seal(
+            start: int,
+            stop: int,
+            block_ids: Sequence[int],
+            *,
+            layers: tuple[int, int] | None = None,
+        ) -> dict[str, Any]:
+            if layers is not None:
+                raise ValueError("this worker ships whole chunks only")
             return {META_MAC: self._mac_of_tokens(key, block_ids, start, stop - start)}
 
         return seal
@@ -530,7 +538,7 @@ class WorkerSide:
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
             shipped, chunks = 0, []
         ranges: list[list[Any]] = []
-        for start, stop, meta in chunks:
+        for start, stop, meta, _ in chunks:
             mac = meta.get(META_MAC)
             if not isinstance(mac, str):
                 ids = spec.block_ids[start // self.block_size :]
