@@ -736,6 +736,9 @@ def test_unknown_and_wrong_settings(edge: Any, caplog: pytest.LogCaptureFixture)
         {"omni_kv_config": ["x"]},
         {"idle_step_wait_s": 1.0},
         {"idle_step_wait_s": -0.001},
+        {"stream_layer_groups": 0},
+        {"stream_layer_groups": 65},
+        {"stream_layer_groups": "two"},
     ):
         with pytest.raises(ConfigError):
             parse_options(bad, producer=False, consumer=True)
@@ -1149,8 +1152,8 @@ def _sealed_kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_the_kv_mac_is_hmac_sha256_over_key_start_shapes_and_bytes() -> None:
     """``kv_mac``'s construction is pinned (producer and consumer of two omnikv builds must
     agree): HMAC-SHA256 under the derived key, its domain first, then length-prefixed key,
-    start and each tensor's dtype and shape before its bytes, truncated to 32 hex. Every input
-    it covers changes it."""
+    start, first layer and each tensor's dtype and shape before its bytes, truncated to 32
+    hex. Every input it covers changes it."""
     import hashlib
     import hmac
     import json
@@ -1163,7 +1166,7 @@ def test_the_kv_mac_is_hmac_sha256_over_key_start_shapes_and_bytes() -> None:
     def field(value: bytes) -> bytes:
         return len(value).to_bytes(8, "little") + value
 
-    msg = KV_MAC_DOMAIN + field(key.encode()) + field(b"3")
+    msg = KV_MAC_DOMAIN + field(key.encode()) + field(b"3") + field(b"0")
     for k, v in kv:
         for t in (k, v):
             msg += field(json.dumps([str(t.dtype), list(t.shape)]).encode())
@@ -1176,11 +1179,12 @@ def test_the_kv_mac_is_hmac_sha256_over_key_start_shapes_and_bytes() -> None:
         kv_mac(b"other", key, kv, 3),
         kv_mac(secret, "tid.other", kv, 3),
         kv_mac(secret, key, kv, 4),
+        kv_mac(secret, key, kv, 3, first_layer=1),
         kv_mac(secret, key, flipped, 3),
         kv_mac(secret, key, [(k.reshape(6, 8), v.reshape(6, 8)) for k, v in kv], 3),
         kv_mac(secret, key, [(k.to(torch.float64), v.to(torch.float64)) for k, v in kv], 3),
     }
-    assert want not in others and len(others) == 6
+    assert want not in others and len(others) == 7
 
 
 def test_sealed_ranges_check_each_piece_and_refuse_hostile_lists() -> None:
@@ -1220,6 +1224,137 @@ def test_sealed_ranges_check_each_piece_and_refuse_hostile_lists() -> None:
     # a tail that does not start where a sealed range does
     off = [(k[6:], v[6:]) for k, v in kv]
     assert "no sealed range starts at" in (check_sealed_ranges(secret, key, off, good, 6) or "")
+
+
+def test_sealed_layer_groups_are_checked_group_by_group() -> None:
+    """A stream shipped layer by layer seals each group: ``[start, stop, mac, first, end]``,
+    the MAC over those layers bound to the first; a whole payload is checked group by group,
+    and a group list out of layer order or missing a range's last layers is refused."""
+    from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac
+
+    secret, key = b"s3cret", "tid.binding"
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(10, 2, 4, generator=g), torch.randn(10, 2, 4, generator=g)) for _ in "abc"]
+
+    def group(a: int, b: int, first: int, end: int) -> list[Any]:
+        tokens = [(k[a:b], v[a:b]) for k, v in kv[first:end]]
+        return [a, b, kv_mac(secret, key, tokens, a, first), first, end]
+
+    def whole(a: int, b: int) -> list[Any]:
+        return [a, b, kv_mac(secret, key, [(k[a:b], v[a:b]) for k, v in kv], a)]
+
+    good = [group(0, 4, 0, 1), group(0, 4, 1, 3), group(4, 8, 0, 2), group(4, 8, 2, 3)]
+    good.append(whole(8, 10))
+    assert check_sealed_ranges(secret, key, kv, good) is None
+    tail = [(k[8:], v[8:]) for k, v in kv]
+    assert check_sealed_ranges(secret, key, tail, good, offset=8) is None
+    swapped = [[*good[0][:2], good[1][2], *good[0][3:]], [*good[1][:2], good[0][2], *good[1][3:]]]
+    assert "MAC" in (check_sealed_ranges(secret, key, kv, swapped + good[2:]) or "")
+    hostile: list[Any] = [
+        [good[1], good[0], *good[2:]],  # layers out of order
+        [good[0], *good[2:]],  # a range missing its last layers
+        [good[0], group(0, 4, 1, 2), *good[2:]],  # one layer short
+        [good[0], [*good[1][:3], 1, 4], *good[2:]],  # past the last layer
+        [*good[:3], whole(8, 10)],  # the last group of [4, 8) missing
+        [good[0], [0, 5, good[1][2], 1, 3], *good[2:]],  # a group of another range
+    ]
+    for sealed in hostile:
+        assert check_sealed_ranges(secret, key, kv, sealed) is not None, sealed
+    assert "not in order" in (check_sealed_ranges(secret, key, kv, hostile[0]) or "")
+
+
+def test_the_layers_are_cut_into_even_runs() -> None:
+    from omnikv.integrations.vllm.worker import layer_groups
+
+    assert layer_groups(8, 1) == [(0, 8)]
+    assert layer_groups(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert layer_groups(7, 3) == [(0, 2), (2, 5), (5, 7)]
+    assert layer_groups(3, 8) == [(0, 1), (1, 2), (2, 3)]  # at most one per layer
+
+
+def _step_by_layer(
+    side: Any, scheduler_output: Any, finished: set[str], between: Any = None
+) -> Any:
+    """One engine step whose forward pass calls ``save_kv_layer`` after each layer (vLLM's
+    attention wrapper), ``between(layer_index)`` after each call."""
+    sched, worker = side.sched, side.worker
+    worker.bind_connector_metadata(sched.build_connector_meta(scheduler_output))
+    worker.start_load_kv(None)
+    for i, (name, cache) in enumerate(side.caches.items()):
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, cache, None)
+        if between is not None:
+            between(i)
+    worker.wait_for_save()
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(finished)
+    worker.clear_connector_metadata()
+    sched.update_connector_output(results)
+    return results
+
+
+@pytest.mark.parametrize("by_layer", [True, False], ids=["save_kv_layer", "no-save_kv_layer"])
+def test_layer_groups_ship_from_save_kv_layer_and_the_consumer_writes_each_at_once(
+    edge: Any, by_layer: bool
+) -> None:
+    """``stream_layer_groups: 2`` over 4 layers, early hand-off with ``auth_secret``: each
+    prefill chunk's first two layers ship as soon as ``save_kv_layer`` saw layer 1, and the
+    waiting consumer checks (own MAC) and writes them into its block before the producer's
+    forward pass reaches layer 2. Without ``save_kv_layer`` calls (a model whose attention does
+    not make them) each step ships one whole chunk at ``wait_for_save``. Either way the
+    consumer ends with the producer's tokens."""
+    from omnikv.integrations.vllm import early_handoff_params
+
+    conn = dict(edge.conn, namespace=edge.conn["namespace"] + "l")
+    base = {"connector_config": conn, "stream_kv": True}
+    extra = {"auth_secret": "r0uter"}
+    producer_omni = {"omni_from_stage": 0, "omni_to_stage": 1, **base}
+    producer = _pair("kv_producer", producer_omni, layers=4, stream_layer_groups=2, **extra)
+    consumer = _pair("kv_consumer", {"stage_id": 1, "recv_timeout": 10.0, **base}, 4, **extra)
+    edge.made += [producer, consumer]
+    tid = _router_id(conn)
+    to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
+    _start_early_load(consumer, to_consumer, "c1", [6, 2, 7])
+    for t in producer.caches.values():
+        t.copy_(torch.randn_like(t))
+    worker = consumer.worker
+    written: list[bool] = []
+
+    def first_layers_written(layer: int) -> None:
+        if layer != 1:
+            return
+        deadline = time.monotonic() + 10
+        while worker.stats().get("chunks_loaded", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        got = [k for k, _ in worker.layer_tokens([6], BS)][:2]
+        want = [k for k, _ in producer.worker.layer_tokens([3], BS)][:2]
+        written.append(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))
+
+    request = _request("s1", to_producer)
+    producer.sched.update_state_after_alloc(request, _blocks([3, 5, 1]), 0)
+    new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
+    first = _output([new], [], {"s1": 4})
+    second = _output([], [("s1", 4, None)], {"s1": 6})
+    if by_layer:
+        _step_by_layer(producer, first, set(), first_layers_written)
+        assert written == [True]  # layers 0-1 were at the consumer before layer 2 computed
+        _step_by_layer(producer, second, set())
+    else:
+        _step_with(producer, first, set())
+        _step_with(producer, second, set())
+    chunks = 4 if by_layer else 2  # 2 steps x 2 groups, or a whole chunk per step
+    assert producer.worker.stats()["chunks_streamed"] == chunks
+    request.num_computed_tokens = len(PROMPT)
+    delay, params = producer.sched.request_finished(request, [3, 5, 1])
+    assert delay and params is not None and params["omnikv_transfer_id"] == tid
+    assert _step_with(producer, _output([], [], {}), {"s1"}).finished_sending == {"s1"}
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"c1"} and not results.failed_recving
+    got = _tokens(worker, [6, 2, 7])
+    want = _tokens(producer.worker, [3, 5, 1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert worker.stats()["chunks_loaded"] == chunks
 
 
 def test_an_idle_step_waits_briefly_for_loads_in_flight(edge: Any) -> None:

@@ -271,10 +271,13 @@ def kv_mac(
     key: str,
     layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
     start: int = 0,
+    first_layer: int = 0,
 ) -> str:
-    """HMAC-SHA256, truncated to 32 hex, over ``key``, ``start`` and each layer's K then V
-    bytes, in wire order: the seal of the request's tokens ``[start, start + n)`` (``n``: the
-    tensors' first dimension, covered through their shapes).
+    """HMAC-SHA256, truncated to 32 hex, over ``key``, ``start``, ``first_layer`` and each
+    layer's K then V bytes, in wire order: the seal of the request's tokens
+    ``[start, start + n)`` (``n``: the tensors' first dimension, covered through their shapes)
+    of layers ``first_layer`` on (a layer group of a stream shipped layer by layer; 0 for
+    every layer).
 
     The producer's worker computes it over the tokens it sends (a whole request, or one piece
     of a streamed one); the consumer's worker over what it received, before writing into its
@@ -286,6 +289,7 @@ def kv_mac(
     h = hmac.new(_secret_key(secret), KV_MAC_DOMAIN, hashlib.sha256)
     _field(h, key.encode())
     _field(h, str(int(start)).encode())
+    _field(h, str(int(first_layer)).encode())
     for k, v in layers:
         for t in (k, v):
             _field(h, json.dumps([str(t.dtype), list(t.shape)]).encode())
@@ -299,10 +303,11 @@ def kv_mac_matches(
     key: str,
     layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
     start: int = 0,
+    first_layer: int = 0,
 ) -> bool:
     """Whether ``expected`` (a MAC read from a payload) is :func:`kv_mac` of these tokens
     (constant-time comparison)."""
-    return mac_matches(expected, kv_mac(secret, key, layers, start))
+    return mac_matches(expected, kv_mac(secret, key, layers, start, first_layer))
 
 
 def mac_matches(expected: Any, actual: str) -> bool:
@@ -317,40 +322,63 @@ def check_sealed_ranges(
     sealed: Any,
     offset: int = 0,
 ) -> str | None:
-    """Why ``layers`` (tokens ``[offset, offset + n)`` of the request) are not what the sealed
-    ranges say, or ``None``.
+    """Why ``layers`` (tokens ``[offset, offset + n)`` of the request, every layer) are not
+    what the sealed ranges say, or ``None``.
 
-    ``sealed`` is a streamed finish's list of ``[start, stop, mac]`` (hostile input: at most
-    :data:`MAX_SEALED_RANGES` entries, contiguous from token 0 to ``offset + n``, ``offset``
-    one of its boundaries). The ranges from ``offset`` on are checked with :func:`kv_mac`;
+    ``sealed`` is a streamed finish's list of ``[start, stop, mac]`` per range, or
+    ``[start, stop, mac, first, end]`` per layer group of a range shipped layer by layer
+    (hostile input: at most :data:`MAX_SEALED_RANGES` entries, ranges contiguous from token 0
+    to ``offset + n``, a range's groups consecutive from layer 0 to the last, ``offset`` one of
+    the range boundaries). The entries from ``offset`` on are checked with :func:`kv_mac`;
     those before it were checked piece by piece as they arrived (the consumer's ``on_chunk``).
     """
     if not isinstance(sealed, list) or not 1 <= len(sealed) <= MAX_SEALED_RANGES:
         return "the payload's sealed ranges are missing or too many"
     n = int(layers[0][0].shape[0]) if layers else 0
-    ranges: list[tuple[int, int, str]] = []
-    at = 0
-    for item in sealed:
-        if (
-            not isinstance(item, list)
-            or len(item) != 3
-            or any(type(v) is not int for v in item[:2])
-            or not isinstance(item[2], str)
-            or item[0] != at
-            or item[1] <= item[0]
-        ):
-            return f"the payload's sealed ranges are not contiguous from token 0 ({item!r:.60})"
-        ranges.append((item[0], item[1], item[2]))
-        at = item[1]
+    entries = _sealed_entries(sealed, len(layers))
+    if isinstance(entries, str):
+        return entries
+    at = entries[-1][1]
     if at != offset + n:
         return f"the sealed ranges end at {at}, the KV holds tokens [{offset}, {offset + n})"
-    if offset not in {a for a, _, _ in ranges} | {at}:
+    if offset not in {e[0] for e in entries if e[3] == 0} | {at}:
         return f"the KV starts at token {offset}, which no sealed range starts at"
-    for start, stop, mac in ranges:
+    for start, stop, mac, first, end in entries:
         if start < offset:
             continue
         lo, hi = start - offset, stop - offset
-        piece = [(k[lo:hi], v[lo:hi]) for k, v in layers]
-        if not kv_mac_matches(mac, secret, key, piece, start):
+        piece = [(k[lo:hi], v[lo:hi]) for k, v in layers[first:end]]
+        if not kv_mac_matches(mac, secret, key, piece, start, first):
             return f"the MAC of tokens [{start}, {stop}) does not match (forged or damaged KV)"
     return None
+
+
+def _sealed_entries(
+    sealed: list[Any], num_layers: int
+) -> list[tuple[int, int, str, int, int]] | str:
+    """``sealed``'s entries as ``(start, stop, mac, first layer, layer stop)``, checked: ranges
+    contiguous from token 0, none empty; a range's layer groups consecutive from layer 0 to
+    ``num_layers``; or why not."""
+    out: list[tuple[int, int, str, int, int]] = []
+    at, layer = 0, 0
+    for item in sealed:
+        if (
+            not isinstance(item, list)
+            or len(item) not in (3, 5)
+            or any(type(v) is not int for v in (*item[:2], *item[3:]))
+            or not isinstance(item[2], str)
+        ):
+            return f"the payload's sealed ranges are not contiguous from token 0 ({item!r:.60})"
+        start, stop, mac = item[0], item[1], item[2]
+        first, end = (item[3], item[4]) if len(item) == 5 else (0, num_layers)
+        same = layer != 0 and (start, stop) == out[-1][:2]
+        if not (same or (layer == 0 and start == at and stop > start)):
+            return f"the payload's sealed ranges are not contiguous from token 0 ({item!r:.60})"
+        if first != layer or not first < end <= num_layers:
+            return f"the sealed layer groups of tokens [{start}, {stop}) are not in order"
+        out.append((start, stop, mac, first, end))
+        layer = 0 if end == num_layers else end
+        at = stop
+    if layer:
+        return f"the sealed layer groups of the last range stop at layer {layer}"
+    return out

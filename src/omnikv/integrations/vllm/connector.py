@@ -173,12 +173,17 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker_side().start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads are asynchronous, the request is not in the batch."""
+        """Nothing to wait for: loads are asynchronous (the request joins a batch only once its
+        KV is written, so a slow producer never holds up a forward pass), and a streamed
+        load writes each chunk or layer group as it arrives (see :mod:`.worker`)."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing per layer: a request's prompt KV is sent whole once it has finished."""
+        """With ``stream_kv`` and ``stream_layer_groups`` > 1: ship each layer group of this
+        step's newly full blocks once its last layer is written (see
+        :meth:`.worker.WorkerSide.save_layer`); otherwise nothing per layer."""
+        self._worker_side().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """With ``stream_kv``: ship the blocks this step's forward pass completed for requests

@@ -20,6 +20,14 @@ Keys:
   thread that spin holds the GIL between steps, and the load threads checking and writing KV
   in the same process wait for it. The wait gives them the CPU and ends as soon as a load ends.
 * ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
+* ``stream_layer_groups`` (1): with ``stream_kv`` (in ``omni_kv_config``), how many layer
+  groups a producer ships each step's newly full blocks in. 1: one chunk per step, after the
+  step's forward pass (``wait_for_save``). ``G`` > 1: the layers are cut into ``G`` runs of
+  consecutive layers (at most the model's layer count), and each run ships from
+  ``save_kv_layer`` as soon as the forward pass has written its last layer, so the step's
+  first layers cross the link while the later ones compute (the last step's included, which
+  shortens the tail after the finish). Each group is a chunk of its own (a put, a MAC, a
+  check and a write at the consumer).
 * ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
   request and payloads a MAC over their bytes. A router that holds it may issue the transfer
   ids itself (early hand-off: :func:`~omnikv.integrations.vllm.binding.new_router_transfer_id`).
@@ -58,10 +66,12 @@ from omnikv.values import (
     parse_secret,
 )
 
-__all__ = ["MAX_IDLE_STEP_WAIT_S", "ConnectorOptions", "parse_options"]
+__all__ = ["MAX_IDLE_STEP_WAIT_S", "MAX_STREAM_LAYER_GROUPS", "ConnectorOptions", "parse_options"]
 
 #: Longest ``idle_step_wait_s`` (seconds).
 MAX_IDLE_STEP_WAIT_S = 0.1
+#: Most ``stream_layer_groups`` (a step's chunks; the stream's chunk count is bounded too).
+MAX_STREAM_LAYER_GROUPS = 64
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,7 @@ _KNOWN = frozenset(
         "max_waiting_loads",
         "load_first_wait_s",
         "idle_step_wait_s",
+        "stream_layer_groups",
         "auth_secret",
         "model_id",
         "producer_tag",
@@ -101,6 +112,7 @@ class ConnectorOptions:
     verify_finite: bool
     free_blocks_on: str = "staged"
     idle_step_wait_s: float = 0.002
+    stream_layer_groups: int = 1
 
 
 def _omni_kv_config(extra: Mapping[str, Any], producer: bool, consumer: bool) -> dict[str, Any]:
@@ -169,6 +181,7 @@ def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -
             "free_blocks_on", extra.get("free_blocks_on"), "staged", ("staged", "verdict")
         ),
         idle_step_wait_s=_idle_wait(extra.get("idle_step_wait_s")),
+        stream_layer_groups=_layer_groups(extra.get("stream_layer_groups")),
     )
 
 
@@ -177,4 +190,12 @@ def _idle_wait(value: Any) -> float:
     out = parse_number("idle_step_wait_s", value, 0.002)
     if out > MAX_IDLE_STEP_WAIT_S:
         raise ConfigError(f"idle_step_wait_s must be <= {MAX_IDLE_STEP_WAIT_S}, got {out}")
+    return out
+
+
+def _layer_groups(value: Any) -> int:
+    """``stream_layer_groups``: 1 to :data:`MAX_STREAM_LAYER_GROUPS`."""
+    out = parse_int("stream_layer_groups", value, 1)
+    if out > MAX_STREAM_LAYER_GROUPS:
+        raise ConfigError(f"stream_layer_groups must be <= {MAX_STREAM_LAYER_GROUPS}, got {out}")
     return out

@@ -33,8 +33,9 @@ Guarantees:
   :mod:`.binding`); what it receives is checked (binding, MAC with ``auth_secret``, layer count,
   tokens, heads, head size, dtype, optionally finiteness) before a byte of it is written into
   vLLM's blocks. A whole payload is checked whole; a refused one leaves the blocks untouched.
-  A streamed one is checked and written chunk by chunk as the chunks arrive (each chunk is
-  sealed with its own MAC by the producer's stream step), so the finish leaves only the tail
+  A streamed one is checked and written chunk by chunk (or layer group by layer group) as the
+  chunks arrive (each is sealed with its own MAC by the producer's stream step), so the
+  finish leaves only the tail
   to check and write; a chunk refused ends the load at once. A failed load makes vLLM
   recompute the prefill, over whatever earlier chunks wrote.
 * **Transfer threads are not pinned to the engine's compute core.** vLLM's CPU backend binds
@@ -238,6 +239,12 @@ class WorkerSide:
         self._verdicts_due: dict[str, str] = {}
         #: this step's stream specs (runner thread only: bind, then wait_for_save)
         self._streams_due: list[StreamSpec] = []
+        #: with stream_layer_groups > 1: each layer's position, the groups of positions, and
+        #: this step's layers written and groups shipped (runner thread only)
+        self._layer_pos: dict[str, int] = {}
+        self._groups: list[tuple[int, int]] = []
+        self._saved: set[int] = set()
+        self._groups_shipped = 0
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
         """``register_kv_caches``: per layer the blocks of the engine's caches
@@ -260,6 +267,8 @@ class WorkerSide:
             return
         self.layout_error = None
         self.layout = layout
+        self._layer_pos = {name: i for i, name in enumerate(self.layers)}
+        self._groups = layer_groups(len(self.layers), self.options.stream_layer_groups)
         logger.info("OmniKVConnector: %d layers, layout %s", len(self.layers), layout)
 
     # -- per step ---------------------------------------------------------------------------
@@ -275,50 +284,88 @@ class WorkerSide:
                     event.set()
         self._idle_step = meta.idle
         self._streams_due.extend(meta.streams)
+        self._saved, self._groups_shipped = set(), 0
         for key in meta.stream_aborts:
             self.manager.abort_kv_stream(key)
         self._submit_sends(meta.sends)
+
+    def save_layer(self, layer_name: str) -> None:
+        """``save_kv_layer`` with ``stream_kv`` and ``stream_layer_groups`` > 1: note that the
+        forward pass wrote ``layer_name``, and ship, in order, every layer group whose layers
+        are all written, for each producer request this step streams (see
+        :meth:`ship_streams` for what a chunk is). Runs on the runner's thread, inside the
+        forward pass; never raises."""
+        if len(self._groups) <= 1 or not self._streams_due or not self._streamable():
+            return
+        pos = self._layer_pos.get(layer_name)
+        if pos is None:
+            return
+        self._saved.add(pos)
+        while self._groups_shipped < len(self._groups):
+            first, end = self._groups[self._groups_shipped]
+            if not all(i in self._saved for i in range(first, end)):
+                return
+            self._groups_shipped += 1
+            for spec in self._streams_due:
+                self._ship(spec, (first, end))
 
     def ship_streams(self) -> None:
         """``wait_for_save`` with ``stream_kv``: ship the blocks this step's forward pass
         completed for producer requests still in prefill (one chunk per request and step, from
         the engine's cache, before the runner goes on), so that at the request's finish only
-        its last blocks and the metadata move. Runs on the runner's thread: the chunks must be
+        its last blocks and the metadata move. With ``stream_layer_groups`` > 1 the step's
+        groups went from ``save_kv_layer`` as their layers were written; any not shipped yet
+        go now. Runs on the runner's thread: the chunks must be
         published before the finish's tail, and the blocks must be read before the next step
         may touch them. With ``auth_secret`` the chunk is sealed here too (its tokens gathered,
-        coded and decoded with a codec, and hashed: about a millisecond per MiB), work the
-        finish would otherwise do for the whole KV. A packed layout (AMX tiles) is not
+        coded and decoded with a codec, and hashed: about half a millisecond per MiB), work
+        the finish would otherwise do for the whole KV. A packed layout (AMX tiles) is not
         streamed: such a request is sent whole at its finish. Never raises."""
         due, self._streams_due = self._streams_due, []
-        if not due or self.layout_error is not None or self.layout == VLLM_CPU_AMX_LAYOUT:
+        shipped, self._groups_shipped = self._groups_shipped, 0
+        self._saved = set()
+        if not due or not self._streamable():
             return
-        layers = list(self.layers.values())
-        for spec in due:
-            t0 = time.monotonic()
-            try:
-                sources = [layer.send_source(spec.block_ids) for layer in layers]
-                views: list[Any] = [kv for kv, _ in sources]
-                entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
-                progress = self.manager.stream_kv_blocks(
-                    spec.key,
-                    entry,
-                    views,
-                    self.block_size,
-                    str(views[0][0].dtype),
-                    seal=None if self.options.secret is None else self._sealer(spec.key),
-                )
-            except Exception as exc:  # the finish still sends what was not shipped
-                logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
-                continue
-            if progress.new:
-                self.counters.add("chunks_streamed")
-                self.counters.add("bytes_streamed", int(progress.nbytes))
-            logger.debug(
-                "OmniKVConnector: stream step of %s: %d tokens, %.1f ms",
-                spec.req_id,
-                spec.num_tokens,
-                (time.monotonic() - t0) * 1e3,
+        rest: list[tuple[int, int] | None] = [None]
+        if shipped:  # save_kv_layer shipped the first groups; every layer is written now
+            rest = list(self._groups[shipped:])
+        for layers in rest:
+            for spec in due:
+                self._ship(spec, layers)
+
+    def _streamable(self) -> bool:
+        return self.layout_error is None and self.layout != VLLM_CPU_AMX_LAYOUT
+
+    def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> None:
+        """One stream step of ``spec``: its newly full blocks, or (``layers``) one layer group
+        of them, as a chunk. Never raises (the finish still sends what was not shipped)."""
+        t0 = time.monotonic()
+        try:
+            sources = [layer.send_source(spec.block_ids) for layer in self.layers.values()]
+            views: list[Any] = [kv for kv, _ in sources]
+            entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
+            progress = self.manager.stream_kv_blocks(
+                spec.key,
+                entry,
+                views,
+                self.block_size,
+                str(views[0][0].dtype),
+                seal=None if self.options.secret is None else self._sealer(spec.key),
+                layers=layers,
             )
+        except Exception as exc:
+            logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
+            return
+        if progress.nbytes:
+            self.counters.add("chunks_streamed")
+            self.counters.add("bytes_streamed", int(progress.nbytes))
+        logger.debug(
+            "OmniKVConnector: stream step of %s: %d tokens, layers %s, %.1f ms",
+            spec.req_id,
+            spec.num_tokens,
+            "all" if layers is None else list(layers),
+            (time.monotonic() - t0) * 1e3,
+        )
 
     def _sealer(self, key: str) -> Seal:
         """The stream step's seal for ``key``: a chunk's MAC over its own tokens (what the
@@ -332,23 +379,31 @@ class WorkerSide:
             *,
             layers: tuple[int, int] | None = None,
         ) -> dict[str, Any]:
-            if layers is not None:
-                raise ValueError("this worker ships whole chunks only")
-            return {META_MAC: self._mac_of_tokens(key, block_ids, start, stop - start)}
+            return {META_MAC: self._mac_of_tokens(key, block_ids, start, stop - start, layers)}
 
         return seal
 
-    def _mac_of_tokens(self, key: str, block_ids: Sequence[int], start: int, count: int) -> str:
+    def _mac_of_tokens(
+        self,
+        key: str,
+        block_ids: Sequence[int],
+        start: int,
+        count: int,
+        layers: tuple[int, int] | None = None,
+    ) -> str:
         """The producer's MAC of request tokens ``[start, start + count)``, held from the first
-        of ``block_ids`` on: over what the consumer decodes (coded and decoded again with a
-        codec), not over what was coded. Needs ``auth_secret``."""
+        of ``block_ids`` on, of every layer or of ``layers`` (a layer group): over what the
+        consumer decodes (coded and decoded again with a codec), not over what was coded.
+        Needs ``auth_secret``."""
         secret = self.options.secret
         assert secret is not None
-        tokens = [layer.gather(block_ids, count) for layer in self.layers.values()]
+        first, end = (0, len(self.layers)) if layers is None else layers
+        chosen = list(self.layers.values())[first:end]
+        tokens = [layer.gather(block_ids, count) for layer in chosen]
         codec = self.manager.options.wire_codec
         if codec != "off":
             tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
-        return kv_mac(secret, key, tokens, start)
+        return kv_mac(secret, key, tokens, start, first)
 
     def start_loads(self) -> None:
         """``start_load_kv``: start the loads noted at bind (asynchronous)."""
@@ -538,12 +593,12 @@ class WorkerSide:
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
             shipped, chunks = 0, []
         ranges: list[list[Any]] = []
-        for start, stop, meta, _ in chunks:
+        for start, stop, meta, layers in chunks:
             mac = meta.get(META_MAC)
             if not isinstance(mac, str):
                 ids = spec.block_ids[start // self.block_size :]
-                mac = self._mac_of_tokens(spec.key, ids, start, stop - start)
-            ranges.append([start, stop, mac])
+                mac = self._mac_of_tokens(spec.key, ids, start, stop - start, layers)
+            ranges.append([start, stop, mac, *(layers or ())])
         if shipped == spec.num_tokens:  # the stream shipped every token: no tail to seal
             return {META_SEALED: ranges}
         ids = spec.block_ids[shipped // self.block_size :]
@@ -656,15 +711,18 @@ class WorkerSide:
         keys: Sequence[torch.Tensor | None],
         values: Sequence[torch.Tensor | None],
         offset: int,
+        first_layer: int = 0,
     ) -> int:
-        """Write the checked tensors (request tokens from ``offset``) into the request's blocks,
-        the part of them in ``[spec.start, spec.end)``; the bytes written."""
+        """Write the checked tensors (request tokens from ``offset``, layers from
+        ``first_layer``) into the request's blocks, the part of them in
+        ``[spec.start, spec.end)``; the bytes written."""
         first = max(spec.start, offset)
         if first >= spec.end:
             return 0
         span = slice(first - offset, spec.end - offset)
         nbytes = 0
-        for layer, k, v in zip(self.layers.values(), keys, values, strict=True):
+        layers = list(self.layers.values())[first_layer : first_layer + len(keys)]
+        for layer, k, v in zip(layers, keys, values, strict=True):
             assert k is not None and v is not None  # the checks refused absent layers
             layer.scatter(spec.block_ids, k[span], v[span], first)
             nbytes += k[span].nbytes + v[span].nbytes
@@ -676,16 +734,17 @@ class WorkerSide:
         so that the finish leaves only the tail to check and write. A reason refuses the load
         (vLLM then recomputes the prefill over whatever was written)."""
         t0 = time.monotonic()
-        keys, values = chunk.key_cache, chunk.value_cache
-        why = self._check_tensors(spec, keys, values, chunk.stop - chunk.start)
+        keys, values, first = chunk.key_cache, chunk.value_cache, chunk.first_layer
+        why = self._check_tensors(spec, keys, values, chunk.stop - chunk.start, group=first)
         secret = self.options.secret
         if why is None and secret is not None:
             mac = chunk.metadata.get(META_MAC)
-            if not kv_mac_matches(mac, secret, spec.key, _pairs(keys, values), chunk.start):
+            pairs = _pairs(keys, values)
+            if not kv_mac_matches(mac, secret, spec.key, pairs, chunk.start, first):
                 why = "the MAC does not match (forged or damaged KV)"
         if why is not None:
             return f"chunk {chunk.index}: {why}"
-        written[0] += self._write(spec, keys, values, chunk.start)
+        written[0] += self._write(spec, keys, values, chunk.start, first)
         self.counters.add("chunks_loaded")
         logger.debug(
             "OmniKVConnector: chunk %d of %s (tokens [%d, %d)) checked and written in %.1f ms",
@@ -725,13 +784,21 @@ class WorkerSide:
         keys: Sequence[torch.Tensor | None],
         values: Sequence[torch.Tensor | None],
         need: int,
+        group: int | None = None,
     ) -> str | None:
         """Why received layers cannot be written into the engine's cache (count, shape,
-        dtype, at least ``need`` tokens, finiteness with ``verify_finite``), or None."""
+        dtype, at least ``need`` tokens, finiteness with ``verify_finite``), or None: every
+        layer of the engine, or with ``group`` a chunk's layers from that one on (a layer
+        group of a stream shipped layer by layer, or every layer)."""
         layers = list(self.layers.values())
-        if len(keys) != len(layers) or len(values) != len(layers):
+        first = group or 0
+        if group is None and (len(keys) != len(layers) or len(values) != len(layers)):
             return f"payload has {len(keys)} layers, the engine {len(layers)}"
-        for idx, (layer, k, v) in enumerate(zip(layers, keys, values, strict=True)):
+        if not keys or len(keys) != len(values) or first + len(keys) > len(layers):
+            return f"chunk has layers [{first}, {first + len(keys)}), the engine {len(layers)}"
+        layers = layers[first : first + len(keys)]
+        for at, (layer, k, v) in enumerate(zip(layers, keys, values, strict=True)):
+            idx = first + at
             tail = layer.token_shape
             for name, t in (("K", k), ("V", v)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 1 + len(tail):
@@ -755,3 +822,11 @@ class WorkerSide:
         self._load_pool.shutdown(wait=True)  # may still hand loads to the waiting pool
         self._wait_pool.shutdown(wait=True)
         self.manager.close()
+
+
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``[first, stop)`` of each of ``groups`` runs of consecutive layers (as even as they can
+    be; at most one per layer), in order."""
+    count = max(1, min(groups, num_layers))
+    bounds = [round(i * num_layers / count) for i in range(count + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(count)]
