@@ -186,6 +186,22 @@ def test_a_range_missing_its_last_layers_is_dropped_and_the_stream_stops(
     assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
 
 
+def test_a_bad_layer_group_ships_nothing_and_raises_nothing(make_manager: ManagerFactory) -> None:
+    caches, ids = _caches(), [3, 4]
+    sender = make_manager("sender", stream_kv=True)
+    for bad, why in [
+        ((2, 1), "is not within the 3 layers"),
+        ((0, 4), "is not within the 3 layers"),
+        ("ab", "layers must be (first, stop)"),
+        ((0, 1, 2), "layers must be (first, stop)"),
+    ]:
+        p = sender.stream_kv_blocks("r1", _entry(ids, BS), caches, BS, F32, layers=bad)
+        assert p.new == 0 and why in (p.reason or ""), (bad, p)
+    assert _connector(sender).pending_keys() == []
+    p = sender.stream_kv_blocks("r1", _entry(ids, BS), caches, BS, F32, layers=(0, 3))
+    assert p.new == BS and sender.kv_stream_chunks("r1")[0].layers is None  # every layer: whole
+
+
 def test_a_failed_finish_drops_the_chunks(make_manager: ManagerFactory) -> None:
     caches, ids = _caches(), [3, 4, 5, 6]
     sender = make_manager("sender", stream_kv=True)

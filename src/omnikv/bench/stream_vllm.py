@@ -21,7 +21,8 @@ consumer is admitted and waits while the producer prefills.
 Timed on the one host's monotonic clock: *finish* = the producer's ``generate`` returned (its
 request finished); *KV-ready* = the consumer's load ended (its connector's record); *first
 token* = the consumer's ``generate`` returned (``max_tokens=1``). Cases: producers without and
-with ``stream_kv``, each with every ``--codecs`` entry (a producer engine per case, its rounds
+with ``stream_kv`` (once per ``--layer-groups`` entry: the producer's ``stream_layer_groups``,
+1 by default), each with every ``--codecs`` entry (a producer engine per case, its rounds
 back to back after a discarded warm-up round; the consumer serves them all), the same prompts
 in every case. Checked: every load succeeded (none recomputed) and, without a codec, each
 case's first token equals the whole uncoded hand-off's for the same prompt (``off`` first in
@@ -83,12 +84,17 @@ def _op_record(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 class _Case:
     stream: bool
     codec: str
+    #: the producer's stream_layer_groups (1: a chunk per prefill chunk)
+    groups: int = 1
     ready: list[float] = field(default_factory=list)
     first_token: list[float] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return f"{'streamed' if self.stream else 'whole'}, codec {self.codec}"
+        if not self.stream:
+            return f"whole, codec {self.codec}"
+        by = f" by {self.groups} layer groups" if self.groups > 1 else ""
+        return f"streamed{by}, codec {self.codec}"
 
 
 @dataclass
@@ -121,10 +127,12 @@ class _Bench:
             parts.append(f"--- {log.name}\n{text[-limit:]}")
         return "\n".join(parts)
 
-    def _cfg(self, role: str, omni: dict[str, Any], chunk: int) -> dict[str, Any]:
+    def _cfg(self, role: str, omni: dict[str, Any], chunk: int, groups: int = 1) -> dict[str, Any]:
         extra: dict[str, Any] = {}  # auth_secret: from the connector_config
         if role == "kv_producer":
             extra["producer_tag"] = PRODUCER_TAG
+            if groups > 1:
+                extra["stream_layer_groups"] = groups
         else:
             extra["accept_producer_tags"] = [PRODUCER_TAG]
         return {
@@ -179,7 +187,7 @@ class _Bench:
             stream=case.stream,
             codec=case.codec,
         )
-        cfg = self._cfg("kv_producer", omni, self.args.chunk)
+        cfg = self._cfg("kv_producer", omni, self.args.chunk, case.groups)
         name = "producer-" + case.name.replace(", ", "-").replace(" ", "-")
         # its engine core in its own process, stepping by itself (sends start at a step)
         return self._engine(node, name, cfg, in_process=False)
@@ -262,11 +270,11 @@ def _report(rate: str, tokens: int, cases: list[_Case]) -> list[str]:
     whole = {c.codec: c for c in cases if not c.stream}
     mib = tokens * BYTES_PER_TOKEN / MIB
     print(f"\n{rate}, {tokens}-token prompt ({mib:.0f} MiB of KV), router-led early hand-off")
-    print(f"{'case':<24}{'KV-ready p50':>14}{'min..max':>22}{'x whole':>9}{'1st token p50':>15}")
+    print(f"{'case':<40}{'KV-ready p50':>14}{'min..max':>22}{'x whole':>9}{'1st token p50':>15}")
     missed = []
     for c in cases:
         if not c.ready:
-            print(f"{c.name:<24}{'(no sample)':>14}")
+            print(f"{c.name:<40}{'(no sample)':>14}")
             continue
         st = Stats(c.name, c.ready)
         lo, hi = st.spread
@@ -274,7 +282,7 @@ def _report(rate: str, tokens: int, cases: list[_Case]) -> list[str]:
         ratio = st.median / Stats("w", base.ready).median if base and base.ready else math.nan
         first = Stats("f", c.first_token).median
         print(
-            f"{c.name:<24}{st.median * 1e3:>11.1f} ms{lo * 1e3:>10.1f}..{hi * 1e3:.1f} ms"
+            f"{c.name:<40}{st.median * 1e3:>11.1f} ms{lo * 1e3:>10.1f}..{hi * 1e3:.1f} ms"
             f"{ratio:>9.3f}{first * 1e3:>12.1f} ms"
         )
         if c.stream and c.codec == "off" and tokens >= 1024 and not ratio <= TARGET:
@@ -298,7 +306,14 @@ def _run(args: argparse.Namespace, workdir: Path) -> tuple[list[str], list[str]]
         for rate in args.rates:
             link.reshape(Shape(parse_rate(rate), 0.0))
             for tokens in args.tokens:
-                cases = [_Case(s, c) for c in args.codecs for s in (False, True)]
+                cases = [
+                    case
+                    for c in args.codecs
+                    for case in (
+                        _Case(False, c),
+                        *(_Case(True, c, g) for g in args.layer_groups),
+                    )
+                ]
                 reference: dict[int, list[int]] = {}
                 for case in cases:
                     _run_case(bench, case, consumer, tokens, reference)
@@ -325,6 +340,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="1024,4096", help="prompt lengths, comma-separated")
     p.add_argument("--chunk", type=int, default=64, help="the producer's prefill chunk (tokens)")
     p.add_argument("--codecs", default="off", help="wire codecs, comma-separated (off,int8)")
+    p.add_argument(
+        "--layer-groups",
+        default="1",
+        help="the streaming producer's stream_layer_groups, comma-separated (1: a chunk per "
+        "prefill chunk; e.g. 1,4,8)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per case")
     p.add_argument("--timeout", type=float, default=600.0, help="longest wait for an engine")
     p.add_argument("--no-targets", action="store_true", help="a missed target is not fatal")
@@ -353,6 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.tokens = [int(t) for t in str(args.tokens).split(",") if t]
         args.codecs = [c.strip() for c in str(args.codecs).split(",") if c.strip()]
+        args.layer_groups = [int(g) for g in str(args.layer_groups).split(",") if g.strip()]
+        if not args.layer_groups or min(args.layer_groups) < 1:
+            raise ValueError(f"--layer-groups wants integers >= 1, got {args.layer_groups}")
         args.rates = [r.strip() for r in str(args.rates).split(",") if r.strip()]
         for r in args.rates:
             parse_rate(r)

@@ -298,8 +298,10 @@ class KVStreams:
         stream, ids, batch = step
         if stream.stopped is not None:
             return self._progress(rid, stream, 0, stream.stopped)
-        span = None if layers is None or tuple(layers) == (0, stream.num_layers) else layers
-        piece = self._piece(connector, stream, ids, span)
+        span = _layer_span(layers, stream.num_layers)
+        if isinstance(span, str):
+            return self._progress(rid, stream, 0, span)
+        piece = self._piece(stream, ids, span)
         if isinstance(piece, str):
             return self._stop(rid, stream, piece, connector)
         if piece is None:
@@ -307,8 +309,12 @@ class KVStreams:
         start, stop, ids = piece
         index = stream.published
         keys = [chunk_key(k, index) for k in stream.keys]
-        mark: dict[str, Any] = {"k": "chunk", "id": stream.stream_id, "n": index}
-        mark["r"] = [[start, stop]]
+        mark: dict[str, Any] = {
+            "k": "chunk",
+            "id": stream.stream_id,
+            "n": index,
+            "r": [[start, stop]],
+        }
         if span is not None:
             mark.update(l=[list(span)], lc=stream.num_layers)
             batch = batch._replace(kv_caches=batch.kv_caches[span[0] : span[1]])
@@ -342,21 +348,16 @@ class KVStreams:
         )
         return self._progress(rid, stream, new, None, int(nbytes))
 
+    @staticmethod
     def _piece(
-        self,
-        connector: OmniConnectorBase,
-        stream: _Stream,
-        ids: list[int],
-        span: tuple[int, int] | None,
+        stream: _Stream, ids: list[int], span: tuple[int, int] | None
     ) -> tuple[int, int, list[int]] | str | None:
         """The token range and blocks of the next chunk: a new range of the newly full blocks
         ``ids``, or (a later layer group) the pending range's; ``None``: nothing to ship; a
         string: why the stream must stop (a layer group out of order)."""
         pending = stream.pending
         if span is not None:
-            first, end = (int(v) for v in span)
-            if not 0 <= first < end <= stream.num_layers:
-                return f"layer group {list(span)} is not within the {stream.num_layers} layers"
+            first = span[0]
             if pending is not None and first == pending.next_layer:
                 if ids[: len(pending.block_ids)] != pending.block_ids:
                     return "the blocks of a range changed between its layer groups"
@@ -599,6 +600,20 @@ class KVStreams:
                 connector.cleanup(key)
             except Exception as exc:  # a transport that cannot drop: the TTL still will
                 logger.warning("Could not drop KV chunk %s: %s", key, exc)
+
+
+def _layer_span(layers: Any, num_layers: int) -> tuple[int, int] | str | None:
+    """A step's ``layers`` argument as ``(first, stop)`` of the stream's ``num_layers``
+    (``None``: every layer), or why it is not one."""
+    if layers is None:
+        return None
+    try:
+        first, end = (int(v) for v in layers)
+    except (TypeError, ValueError):
+        return f"layers must be (first, stop), got {layers!r:.40}"
+    if not 0 <= first < end <= num_layers:
+        return f"layer group [{first}, {end}) is not within the {num_layers} layers"
+    return None if (first, end) == (0, num_layers) else (first, end)
 
 
 def _still_holds(
