@@ -1263,9 +1263,14 @@ def test_sealed_layer_groups_are_checked_group_by_group() -> None:
     assert "not in order" in (check_sealed_ranges(secret, key, kv, hostile[0]) or "")
 
 
-def test_the_layers_are_cut_into_even_runs() -> None:
+def test_the_layers_are_cut_into_even_runs(edge: Any) -> None:
+    from omnikv.integrations.vllm.options import default_layer_groups
     from omnikv.integrations.vllm.worker import layer_groups
 
+    # unset: 2 groups for a cache in host memory, 1 on a device
+    assert default_layer_groups(torch.device("cpu")) == 2
+    assert default_layer_groups(torch.device("meta")) == 1
+    assert edge.producer.worker._worker._groups == [(0, 1), (1, 2)]
     assert layer_groups(8, 1) == [(0, 8)]
     assert layer_groups(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert layer_groups(7, 3) == [(0, 2), (2, 5), (5, 7)]
@@ -1344,6 +1349,7 @@ def test_layer_groups_ship_from_save_kv_layer_and_the_consumer_writes_each_at_on
         _step_with(producer, second, set())
     chunks = 4 if by_layer else 2  # 2 steps x 2 groups, or a whole chunk per step
     assert producer.worker.stats()["chunks_streamed"] == chunks
+    assert producer.worker.stats().get("layer_groups_streamed", 0) == (4 if by_layer else 0)
     request.num_computed_tokens = len(PROMPT)
     delay, params = producer.sched.request_finished(request, [3, 5, 1])
     assert delay and params is not None and params["omnikv_transfer_id"] == tid

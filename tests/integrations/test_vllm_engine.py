@@ -74,11 +74,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     configs.append(coded)
     logs.append(root / "kv_producer-bfloat16-int8.log")
     # A float32 producer that streams its prompts' KV while it prefills them in chunks of 64
-    # tokens (stream_kv), to the same float32 consumer.
+    # tokens (stream_kv), in two layer groups from save_kv_layer, to the same float32 consumer.
     streaming = dict(
         configs[0],
         omni_kv_config=dict(configs[0]["omni_kv_config"], stream_kv=True),
         max_num_batched_tokens=STREAM_CHUNK,
+        connector_extra={"stream_layer_groups": 2},
     )
     configs.append(streaming)
     logs.append(root / "kv_producer-float32-stream.log")
@@ -150,9 +151,10 @@ def test_the_int8_wire_codec_hands_off_and_greedy_tokens_mostly_agree(
 def test_a_producer_that_streams_its_prefill_hands_off_the_same_kv(
     setup: dict[str, Any],
 ) -> None:
-    """``stream_kv`` on the producer: the blocks each prefill chunk completes ship after that
-    step's forward pass, the finish sends the rest; the consumer decodes what it decodes from
-    a whole send, token for token (prompts of 1 to 5 prefill chunks, none block-aligned)."""
+    """``stream_kv`` on the producer: the blocks each prefill chunk completes ship during that
+    step's forward pass, in two layer groups from vLLM's ``save_kv_layer`` calls, the finish
+    sends the rest; the consumer decodes what it decodes from a whole send, token for token
+    (prompts of 1 to 5 prefill chunks, none block-aligned)."""
     _, consumer = setup["pairs"]["float32"]
     producer = setup["stream_producer"]
     prompts = _prompts(7, (45, 77, 130, 200, 290))
@@ -170,7 +172,10 @@ def test_a_producer_that_streams_its_prefill_hands_off_the_same_kv(
     assert after_c.get("loads_fallback", 0) == before_c.get("loads_fallback", 0)
     # every prompt of more than one block shipped chunks ahead of its finish
     streamed = after_p.get("chunks_streamed", 0) - before_p.get("chunks_streamed", 0)
-    assert streamed >= len(prompts), (before_p, after_p)
+    assert streamed >= 2 * len(prompts), (before_p, after_p)
+    # each of them a layer group, shipped from the forward pass's save_kv_layer
+    groups = after_p.get("layer_groups_streamed", 0) - before_p.get("layer_groups_streamed", 0)
+    assert groups == streamed, (before_p, after_p)
     assert after_p.get("bytes_streamed", 0) > before_p.get("bytes_streamed", 0)
 
 

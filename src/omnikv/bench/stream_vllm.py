@@ -22,7 +22,7 @@ Timed on the one host's monotonic clock: *finish* = the producer's ``generate`` 
 request finished); *KV-ready* = the consumer's load ended (its connector's record); *first
 token* = the consumer's ``generate`` returned (``max_tokens=1``). Cases: producers without and
 with ``stream_kv`` (once per ``--layer-groups`` entry: the producer's ``stream_layer_groups``,
-1 by default), each with every ``--codecs`` entry (a producer engine per case, its rounds
+1 and 2 by default), each with every ``--codecs`` entry (a producer engine per case, its rounds
 back to back after a discarded warm-up round; the consumer serves them all), the same prompts
 in every case. Checked: every load succeeded (none recomputed) and, without a codec, each
 case's first token equals the whole uncoded hand-off's for the same prompt (``off`` first in
@@ -131,8 +131,7 @@ class _Bench:
         extra: dict[str, Any] = {}  # auth_secret: from the connector_config
         if role == "kv_producer":
             extra["producer_tag"] = PRODUCER_TAG
-            if groups > 1:
-                extra["stream_layer_groups"] = groups
+            extra["stream_layer_groups"] = groups
         else:
             extra["accept_producer_tags"] = [PRODUCER_TAG]
         return {
@@ -342,9 +341,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--codecs", default="off", help="wire codecs, comma-separated (off,int8)")
     p.add_argument(
         "--layer-groups",
-        default="1",
+        default="1,2",
         help="the streaming producer's stream_layer_groups, comma-separated (1: a chunk per "
-        "prefill chunk; e.g. 1,4,8)",
+        "prefill chunk; e.g. 1,2,8)",
     )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per case")
     p.add_argument("--timeout", type=float, default=600.0, help="longest wait for an engine")

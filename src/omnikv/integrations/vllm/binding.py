@@ -75,8 +75,9 @@ __all__ = [
 PARAM_TRANSFER_ID = "omnikv_transfer_id"
 PARAM_NUM_TOKENS = "omnikv_num_tokens"
 PARAM_BINDING = "omnikv_binding"
-#: Most ``[start, stop, mac]`` entries a streamed finish's sealed ranges may hold (its chunks,
-#: at most :data:`omnikv.wire.format.MAX_STREAM_CHUNKS`, and its tail).
+#: Most entries (``[start, stop, mac]``, five for a layer group) a streamed finish's sealed
+#: ranges may hold (its chunks, at most :data:`omnikv.wire.format.MAX_STREAM_CHUNKS`, and its
+#: tail).
 MAX_SEALED_RANGES = MAX_STREAM_CHUNKS + 1
 #: Hex digits of a binding (128 bits).
 BINDING_HEX = 32

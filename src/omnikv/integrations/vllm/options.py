@@ -20,14 +20,18 @@ Keys:
   thread that spin holds the GIL between steps, and the load threads checking and writing KV
   in the same process wait for it. The wait gives them the CPU and ends as soon as a load ends.
 * ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
-* ``stream_layer_groups`` (1): with ``stream_kv`` (in ``omni_kv_config``), how many layer
-  groups a producer ships each step's newly full blocks in. 1: one chunk per step, after the
-  step's forward pass (``wait_for_save``). ``G`` > 1: the layers are cut into ``G`` runs of
+* ``stream_layer_groups`` (2 for a cache in host memory, 1 for one on a device): with
+  ``stream_kv`` (in ``omni_kv_config``), how many layer groups a producer ships each step's
+  newly full blocks in. 1: one chunk per step, after the step's forward pass
+  (``wait_for_save``). ``G`` > 1: the layers are cut into ``G`` runs of
   consecutive layers (at most the model's layer count), and each run ships from
   ``save_kv_layer`` as soon as the forward pass has written its last layer, so the step's
   first layers cross the link while the later ones compute (the last step's included, which
   shortens the tail after the finish). Each group is a chunk of its own (a put, a MAC, a
-  check and a write at the consumer).
+  check and a write at the consumer), shipped on the runner's thread inside the forward pass:
+  with a CUDA cache its copy to host waits for those layers' kernels there (hence 1 by
+  default on a device, where that cost is not measured). A forward pass that never calls
+  ``save_kv_layer`` ships one whole chunk per step, as with 1.
 * ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
   request and payloads a MAC over their bytes. A router that holds it may issue the transfer
   ids itself (early hand-off: :func:`~omnikv.integrations.vllm.binding.new_router_transfer_id`).
@@ -54,6 +58,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omnikv.errors import ConfigError
 from omnikv.integrations.vllm.binding import is_tag, producer_tag
 from omnikv.layouts.blocks import VLLM_BLOCK_LAYOUTS
@@ -66,7 +72,13 @@ from omnikv.values import (
     parse_secret,
 )
 
-__all__ = ["MAX_IDLE_STEP_WAIT_S", "MAX_STREAM_LAYER_GROUPS", "ConnectorOptions", "parse_options"]
+__all__ = [
+    "MAX_IDLE_STEP_WAIT_S",
+    "MAX_STREAM_LAYER_GROUPS",
+    "ConnectorOptions",
+    "default_layer_groups",
+    "parse_options",
+]
 
 #: Longest ``idle_step_wait_s`` (seconds).
 MAX_IDLE_STEP_WAIT_S = 0.1
@@ -112,7 +124,8 @@ class ConnectorOptions:
     verify_finite: bool
     free_blocks_on: str = "staged"
     idle_step_wait_s: float = 0.002
-    stream_layer_groups: int = 1
+    #: ``None``: the default for the cache's device (:func:`default_layer_groups`)
+    stream_layer_groups: int | None = None
 
 
 def _omni_kv_config(extra: Mapping[str, Any], producer: bool, consumer: bool) -> dict[str, Any]:
@@ -193,8 +206,17 @@ def _idle_wait(value: Any) -> float:
     return out
 
 
-def _layer_groups(value: Any) -> int:
-    """``stream_layer_groups``: 1 to :data:`MAX_STREAM_LAYER_GROUPS`."""
+def default_layer_groups(device: torch.device) -> int:
+    """``stream_layer_groups`` when not set, for a cache on ``device``: 2 in host memory (where
+    ``omnikv bench stream --vllm`` measured it shortest), 1 on a device (a group shipped inside
+    the forward pass waits for its layers' kernels)."""
+    return 2 if device.type == "cpu" else 1
+
+
+def _layer_groups(value: Any) -> int | None:
+    """``stream_layer_groups``: 1 to :data:`MAX_STREAM_LAYER_GROUPS` (``None``: not set)."""
+    if value is None:
+        return None
     out = parse_int("stream_layer_groups", value, 1)
     if out > MAX_STREAM_LAYER_GROUPS:
         raise ConfigError(f"stream_layer_groups must be <= {MAX_STREAM_LAYER_GROUPS}, got {out}")

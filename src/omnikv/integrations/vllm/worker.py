@@ -75,7 +75,7 @@ from omnikv.integrations.vllm.metadata import (
     SendSpec,
     StreamSpec,
 )
-from omnikv.integrations.vllm.options import ConnectorOptions
+from omnikv.integrations.vllm.options import ConnectorOptions, default_layer_groups
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
 from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
@@ -268,7 +268,10 @@ class WorkerSide:
         self.layout_error = None
         self.layout = layout
         self._layer_pos = {name: i for i, name in enumerate(self.layers)}
-        self._groups = layer_groups(len(self.layers), self.options.stream_layer_groups)
+        groups = self.options.stream_layer_groups
+        if groups is None:
+            groups = default_layer_groups(next(iter(kv_caches.values())).device)
+        self._groups = layer_groups(len(self.layers), groups)
         logger.info("OmniKVConnector: %d layers, layout %s", len(self.layers), layout)
 
     # -- per step ---------------------------------------------------------------------------
@@ -307,7 +310,8 @@ class WorkerSide:
                 return
             self._groups_shipped += 1
             for spec in self._streams_due:
-                self._ship(spec, (first, end))
+                if self._ship(spec, (first, end)):
+                    self.counters.add("layer_groups_streamed")
 
     def ship_streams(self) -> None:
         """``wait_for_save`` with ``stream_kv``: ship the blocks this step's forward pass
@@ -336,9 +340,10 @@ class WorkerSide:
     def _streamable(self) -> bool:
         return self.layout_error is None and self.layout != VLLM_CPU_AMX_LAYOUT
 
-    def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> None:
+    def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> bool:
         """One stream step of ``spec``: its newly full blocks, or (``layers``) one layer group
-        of them, as a chunk. Never raises (the finish still sends what was not shipped)."""
+        of them, as a chunk; whether a chunk was published. Never raises (the finish still
+        sends what was not shipped)."""
         t0 = time.monotonic()
         try:
             sources = [layer.send_source(spec.block_ids) for layer in self.layers.values()]
@@ -355,7 +360,7 @@ class WorkerSide:
             )
         except Exception as exc:
             logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
-            return
+            return False
         if progress.nbytes:
             self.counters.add("chunks_streamed")
             self.counters.add("bytes_streamed", int(progress.nbytes))
@@ -366,6 +371,7 @@ class WorkerSide:
             "all" if layers is None else list(layers),
             (time.monotonic() - t0) * 1e3,
         )
+        return bool(progress.nbytes)
 
     def _sealer(self, key: str) -> Seal:
         """The stream step's seal for ``key``: a chunk's MAC over its own tokens (what the
