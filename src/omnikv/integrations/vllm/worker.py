@@ -35,9 +35,8 @@ Guarantees:
   vLLM's blocks. A whole payload is checked whole; a refused one leaves the blocks untouched.
   A streamed one is checked and written chunk by chunk (or layer group by layer group) as the
   chunks arrive (each is sealed with its own MAC by the producer's stream step), so the
-  finish leaves only the tail
-  to check and write; a chunk refused ends the load at once. A failed load makes vLLM
-  recompute the prefill, over whatever earlier chunks wrote.
+  finish leaves only the tail to check and write; a chunk refused ends the load at once. A
+  failed load makes vLLM recompute the prefill, over whatever earlier chunks wrote.
 * **Transfer threads are not pinned to the engine's compute core.** vLLM's CPU backend binds
   the worker's thread to its compute cores, and threads inherit that binding; omnikv's send,
   load and transport threads would then queue behind the engine's spinning loop (on a small
@@ -319,9 +318,8 @@ class WorkerSide:
         the engine's cache, before the runner goes on), so that at the request's finish only
         its last blocks and the metadata move. With ``stream_layer_groups`` > 1 the step's
         groups went from ``save_kv_layer`` as their layers were written; any not shipped yet
-        go now. Runs on the runner's thread: the chunks must be
-        published before the finish's tail, and the blocks must be read before the next step
-        may touch them. With ``auth_secret`` the chunk is sealed here too (its tokens gathered,
+        go now. Runs on the runner's thread: the chunks must be published before the finish's
+        tail, and the blocks must be read before the next step may touch them. With ``auth_secret`` the chunk is sealed here too (its tokens gathered,
         coded and decoded with a codec, and hashed: about half a millisecond per MiB), work
         the finish would otherwise do for the whole KV. A packed layout (AMX tiles) is not
         streamed: such a request is sent whole at its finish. Never raises."""
