@@ -1277,6 +1277,30 @@ def test_the_layers_are_cut_into_even_runs(edge: Any) -> None:
     assert layer_groups(3, 8) == [(0, 1), (1, 2), (2, 3)]  # at most one per layer
 
 
+def test_a_chunk_of_a_stream_of_other_layers_is_refused_before_any_write(edge: Any) -> None:
+    """A consumer refuses, before writing, a chunk whose stream has another layer count than
+    its engine, even one whose own layers would fit (the first layers of a shorter model)."""
+    from omnikv.integrations.vllm.metadata import LoadSpec
+    from omnikv.transfer.received import ReceivedChunk
+
+    worker = edge.consumer.worker._worker
+    spec = LoadSpec("c1", "t", "t.b", "b", (6, 2, 7), 0, len(PROMPT), 10.0)
+    k = torch.ones(BS, HEADS, DIM)
+    before = _tokens(edge.consumer.worker, [6, 2, 7])
+    written = [0]
+    for layers, first, count in ((3, 0, 1), (1, 0, 1), (2, 1, 1)):
+        chunk = ReceivedChunk("c1", 0, 0, BS, {}, [k] * count, [k] * count, first, layers)
+        why = worker._write_chunk(spec, chunk, written)
+        if layers == 2:  # the engine's two layers: the second one's group is written
+            assert why is None and written[0] > 0
+            continue
+        assert why is not None and f"a stream of {layers} layers, the engine 2" in why
+        assert written == [0] and all(
+            torch.equal(a, b)
+            for a, b in zip(_tokens(edge.consumer.worker, [6, 2, 7]), before, strict=True)
+        )
+
+
 def _step_by_layer(
     side: Any, scheduler_output: Any, finished: set[str], between: Any = None
 ) -> Any:

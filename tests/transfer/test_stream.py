@@ -186,6 +186,25 @@ def test_a_range_missing_its_last_layers_is_dropped_and_the_stream_stops(
     assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
 
 
+def test_the_chunk_limit_reached_mid_range_drops_that_ranges_groups(
+    make_manager: ManagerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the stream's chunk limit the stream stops; a range whose first groups were published
+    before it is dropped (its keys leave the pool), the ranges shipped whole stay."""
+    import omnikv.transfer.stream as stream_mod
+
+    monkeypatch.setattr(stream_mod, "MAX_STREAM_CHUNKS", 3)
+    caches, ids = _caches(), [3, 4, 5]
+    sender = make_manager("sender", stream_kv=True)
+    conn = _connector(sender)
+    _decode_steps(sender, "r1", ids, BS, caches, F32, [(0, 1), (1, 3)])
+    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(0, 1))
+    assert p.shipped == BS and len(conn.pending_keys()) == 3  # chunk 2: the limit's last
+    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(1, 3))
+    assert p.reason is not None and "3 chunks shipped" in p.reason
+    assert len(conn.pending_keys()) == 2 and len(sender.kv_stream_chunks("r1")) == 2
+
+
 def test_a_bad_layer_group_ships_nothing_and_raises_nothing(make_manager: ManagerFactory) -> None:
     caches, ids = _caches(), [3, 4]
     sender = make_manager("sender", stream_kv=True)
@@ -599,6 +618,7 @@ class _Taker:
 
     def __init__(self, refuse: int | None = None, raises: bool = False) -> None:
         self.chunks: list[Any] = []
+        self.layer_counts: list[int] = []
         self.threads: list[str] = []
         self.refuse = refuse
         self.raises = raises
@@ -612,6 +632,7 @@ class _Taker:
         copy = [t.clone() for t in chunk.key_cache], [t.clone() for t in chunk.value_cache]
         meta = dict(chunk.metadata)
         self.chunks.append((chunk.index, chunk.start, chunk.stop, meta, copy, chunk.first_layer))
+        self.layer_counts.append(chunk.num_layers)
         return None
 
 
@@ -707,6 +728,7 @@ def test_layer_groups_reach_on_chunk_in_order_and_join_to_the_whole_kv(
     ]
     assert [(c[0], c[1], c[2], c[5]) for c in taker.chunks] == order
     assert [c[3]["seal"][3] for c in taker.chunks] == [list(g) for g in groups] * 4
+    assert taker.layer_counts == [3] * 8  # the stream's layer count, with every group
     for layer in range(3):
         for which, cache in enumerate(("key_cache", "value_cache")):
             parts = [

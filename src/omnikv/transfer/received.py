@@ -145,6 +145,8 @@ class ReceivedChunk:
     #: the request layer ``key_cache[0]`` is: 0, except for a layer group (a stream shipped
     #: layer by layer hands each range over in groups of layers, in order)
     first_layer: int = 0
+    #: the stream's layer count (a layer group's ``lc``; a whole chunk's own layer count)
+    num_layers: int = 0
 
 
 def move_kv(kv: ReceivedKV, device: torch.device | str | None, *, own: bool = False) -> ReceivedKV:

@@ -296,7 +296,8 @@ class KVStreams:
             self.abort(rid)
             return StreamProgress(rid, reason=str(exc))
         stream, ids, batch = step
-        if stream.stopped is not None:
+        if stream.stopped is not None:  # (the chunk limit may stop it mid-range)
+            self._drop_pending(stream, connector)
             return self._progress(rid, stream, 0, stream.stopped)
         span = _layer_span(layers, stream.num_layers)
         if isinstance(span, str):
@@ -336,7 +337,10 @@ class KVStreams:
             logger.debug("KV chunk %d of %s deferred: %s", index, rid, why)
             return self._progress(rid, stream, 0, why)
         stream.failures = 0
-        new = self._record(stream, ShippedChunk(start, stop, meta or {}, span), ids, keys)
+        new = self._record(rid, stream, ShippedChunk(start, stop, meta or {}, span), ids, keys)
+        if new is None:  # the stream ended (a finish, an abort) or its range moved meanwhile
+            self._drop(connector, keys)
+            return self._stop(rid, stream, f"chunk {index} no longer fits its stream", connector)
         logger.debug(
             "KV chunk %d of %s shipped: tokens [%d, %d), layers %s, %d bytes",
             index,
@@ -373,16 +377,23 @@ class KVStreams:
         start = stream.shipped
         return start, start + len(ids) * stream.block_size, ids
 
-    def _record(self, stream: _Stream, chunk: ShippedChunk, ids: list[int], keys: list[str]) -> int:
+    def _record(
+        self, rid: str, stream: _Stream, chunk: ShippedChunk, ids: list[int], keys: list[str]
+    ) -> int | None:
         """Note a published chunk; the tokens it completed (0: a layer group before the
-        range's last)."""
+        range's last); ``None`` when it no longer fits (the stream was ended, or its pending
+        range changed, by another thread since the chunk was planned): not noted."""
         with self._lock:
+            if self._streams.get(rid) is not stream:
+                return None
             if chunk.layers is None:
                 stream.chunks.append(chunk)
                 stream.block_ids.extend(ids)
                 stream.chunk_keys.extend(keys)
                 return chunk.stop - chunk.start
             pending = stream.pending
+            if chunk.layers[0] != (0 if pending is None else pending.next_layer):
+                return None
             if pending is None:
                 pending = stream.pending = _Pending(chunk.start, chunk.stop, list(ids))
             pending.chunks.append(chunk)
@@ -722,7 +733,7 @@ class ChunkFeed:
                 return span
             assert chunk.stream is not None  # checked by _continues
             start, stop = (int(v) for v in chunk.stream.r[0])
-            why = self._admitted(chunk) or self._call(chunk, index, start, stop, span[0])
+            why = self._admitted(chunk) or self._call(chunk, index, start, stop, span)
             if why is not None:
                 self._refused(why)
                 return why
@@ -804,7 +815,7 @@ class ChunkFeed:
         return None
 
     def _call(
-        self, chunk: DecodedKV, index: int, start: int, stop: int, first_layer: int
+        self, chunk: DecodedKV, index: int, start: int, stop: int, span: tuple[int, int, int]
     ) -> str | None:
         piece = ReceivedChunk(
             chunk.request_id,
@@ -814,7 +825,8 @@ class ChunkFeed:
             chunk.metadata,
             list(chunk.key_cache),
             list(chunk.value_cache),
-            first_layer,
+            span[0],
+            span[2],
         )
         try:
             return self._on_chunk(piece)

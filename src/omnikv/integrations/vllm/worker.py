@@ -319,9 +319,10 @@ class WorkerSide:
         its last blocks and the metadata move. With ``stream_layer_groups`` > 1 the step's
         groups went from ``save_kv_layer`` as their layers were written; any not shipped yet
         go now. Runs on the runner's thread: the chunks must be published before the finish's
-        tail, and the blocks must be read before the next step may touch them. With ``auth_secret`` the chunk is sealed here too (its tokens gathered,
-        coded and decoded with a codec, and hashed: about half a millisecond per MiB), work
-        the finish would otherwise do for the whole KV. A packed layout (AMX tiles) is not
+        tail, and the blocks must be read before the next step may touch them. With
+        ``auth_secret`` the chunk is sealed here too (its tokens gathered, coded and decoded
+        with a codec, and hashed: about half a millisecond per MiB), work the finish would
+        otherwise do for the whole KV. A packed layout (AMX tiles) is not
         streamed: such a request is sent whole at its finish. Never raises."""
         due, self._streams_due = self._streams_due, []
         shipped, self._groups_shipped = self._groups_shipped, 0
@@ -739,7 +740,10 @@ class WorkerSide:
         (vLLM then recomputes the prefill over whatever was written)."""
         t0 = time.monotonic()
         keys, values, first = chunk.key_cache, chunk.value_cache, chunk.first_layer
-        why = self._check_tensors(spec, keys, values, chunk.stop - chunk.start, group=first)
+        why = None
+        if chunk.num_layers != len(self.layers):  # a stream of other layers: refused at once
+            why = f"a stream of {chunk.num_layers} layers, the engine {len(self.layers)}"
+        why = why or self._check_tensors(spec, keys, values, chunk.stop - chunk.start, group=first)
         secret = self.options.secret
         if why is None and secret is not None:
             mac = chunk.metadata.get(META_MAC)
