@@ -662,12 +662,16 @@ class EagerWait(Protocol):
     ) -> ManagedBuffer | None: ...
 
 
-def _forms(
-    tensors: Sequence[torch.Tensor | None],
-) -> list[tuple[torch.dtype, tuple[int, ...]] | None]:
-    """Per layer the form a stream's chunks share: ``None`` for a skipped layer, else the dtype
-    and the shape after the token dimension."""
-    return [None if t is None else (t.dtype, tuple(t.shape[1:])) for t in tensors]
+def _forms(chunk: DecodedKV, first: int) -> dict[int, tuple[Any, Any]]:
+    """Per request layer (the chunk's from ``first`` on) the K and V forms a stream's chunks
+    share: ``None`` for a skipped layer, else the dtype and the shape after the token
+    dimension."""
+
+    def form(t: torch.Tensor | None) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        return None if t is None else (t.dtype, tuple(t.shape[1:]))
+
+    pairs = zip(chunk.key_cache, chunk.value_cache, strict=True)
+    return {first + at: (form(k), form(v)) for at, (k, v) in enumerate(pairs)}
 
 
 class ChunkFeed:
@@ -776,11 +780,9 @@ class ChunkFeed:
             return f"chunk {index} holds layers [{first}, {end}), expected from {self._next_layer}"
         if self._ident is not None and (mark.id, chunk.request_id) != self._ident:
             return f"chunk {index} is not of the stream or request of the chunks before"
-        for at, form in enumerate(
-            zip(_forms(chunk.key_cache), _forms(chunk.value_cache), strict=True)
-        ):
-            if self._forms.get(first + at, form) != form:
-                return f"chunk {index}'s layer {first + at} is not of the chunks before"
+        for layer, form in _forms(chunk, first).items():
+            if self._forms.get(layer, form) != form:
+                return f"chunk {index}'s layer {layer} is not of the chunks before"
         tensors = [t for t in (*chunk.key_cache, *chunk.value_cache) if t is not None]
         if not tensors or any(t.dim() < 1 or t.shape[0] != stop - start for t in tensors):
             return f"chunk {index}'s tensors do not hold its {stop - start} tokens"
@@ -794,10 +796,7 @@ class ChunkFeed:
         self._fed.append(ckey)
         self._ident = (mark.id, chunk.request_id)
         self._layers = layers
-        for at, form in enumerate(
-            zip(_forms(chunk.key_cache), _forms(chunk.value_cache), strict=True)
-        ):
-            self._forms[first + at] = form
+        self._forms.update(_forms(chunk, first))
         self._range = (int(mark.r[0][0]), int(mark.r[0][1]))
         self._next_layer = 0 if end == layers else end
         if self._next_layer == 0:
