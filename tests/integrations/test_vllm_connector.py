@@ -850,11 +850,25 @@ def test_transfer_threads_are_not_pinned_to_the_engines_core(namespace: str) -> 
 
 
 # -- stream_kv: the producer ships blocks while it prefills ---------------------------------------
-def _step_with(side: Any, scheduler_output: Any, finished: set[str]) -> Any:
-    """One engine step with vLLM's scheduler output (what ``build_connector_meta`` gets)."""
+def _step_with(
+    side: Any,
+    scheduler_output: Any,
+    finished: set[str],
+    *,
+    by_layer: bool = False,
+    between: Any = None,
+) -> Any:
+    """One engine step with vLLM's scheduler output (what ``build_connector_meta`` gets).
+    ``by_layer``: its forward pass calls ``save_kv_layer`` after each layer (vLLM's attention
+    wrapper), then ``between(layer_index)``."""
     sched, worker = side.sched, side.worker
     worker.bind_connector_metadata(sched.build_connector_meta(scheduler_output))
     worker.start_load_kv(None)
+    for i, (name, cache) in enumerate(side.caches.items() if by_layer else ()):
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, cache, None)
+        if between is not None:
+            between(i)
     worker.wait_for_save()
     assert worker.wait_transfers(10.0)
     results = worker.get_transfer_results(finished)
@@ -932,14 +946,22 @@ def test_a_streamed_request_that_is_aborted_leaves_no_chunk(edge: Any) -> None:
 
 
 # -- early hand-off: a router's id, the consumer waiting while the producer streams --------------
-def _early_edge(edge: Any, secret: str | None = "r0uter", recv_timeout: float = 10.0) -> Any:
-    """A streaming producer and a streaming consumer (``stream_kv``), with ``auth_secret``."""
+def _early_edge(
+    edge: Any,
+    secret: str | None = "r0uter",
+    recv_timeout: float = 10.0,
+    layers: int = 2,
+    **producer_options: Any,
+) -> Any:
+    """A streaming producer and a streaming consumer (``stream_kv``), with ``auth_secret``;
+    ``producer_options``: more of the producer's ``kv_connector_extra_config``."""
     conn = dict(edge.conn, namespace=edge.conn["namespace"] + "e")
     extra = {} if secret is None else {"auth_secret": secret}
     base = {"connector_config": conn, "stream_kv": True}
-    producer = _pair("kv_producer", {"omni_from_stage": 0, "omni_to_stage": 1, **base}, **extra)
+    producer_omni = {"omni_from_stage": 0, "omni_to_stage": 1, **base}
+    producer = _pair("kv_producer", producer_omni, layers, **extra, **producer_options)
     consumer_omni = {"stage_id": 1, "recv_timeout": recv_timeout, **base}
-    consumer = _pair("kv_consumer", consumer_omni, **extra)
+    consumer = _pair("kv_consumer", consumer_omni, layers, **extra)
     edge.made += [producer, consumer]
     return SimpleNamespace(producer=producer, consumer=consumer, conn=conn)
 
@@ -948,6 +970,22 @@ def _router_id(conn: dict[str, Any], secret: bytes = b"r0uter") -> str:
     from omnikv.integrations.vllm.binding import new_router_transfer_id, producer_tag
 
     return new_router_transfer_id(producer_tag(conn["namespace"]), secret)
+
+
+def _finish_early_hand_off(producer: Any, request: Any, tid: str, consumer: Any) -> None:
+    """The producer finishes ``request`` (prompt blocks 3, 5, 1) under the router's id
+    ``tid``; the consumer's load (blocks 6, 2, 7) then ends with the producer's tokens."""
+    request.num_computed_tokens = len(PROMPT)
+    delay, params = producer.sched.request_finished(request, [3, 5, 1])
+    assert delay and params is not None and params["omnikv_transfer_id"] == tid
+    assert _step_with(producer, _output([], [], {}), {"s1"}).finished_sending == {"s1"}
+    worker = consumer.worker
+    assert worker.wait_transfers(10.0)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"c1"} and not results.failed_recving
+    got = _tokens(worker, [6, 2, 7])
+    want = _tokens(producer.worker, [3, 5, 1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def _start_early_load(consumer: Any, params: dict[str, Any], rid: str, blocks: list[int]) -> None:
@@ -1003,16 +1041,7 @@ def test_an_early_hand_off_loads_what_the_producer_streams_under_the_routers_id(
     )
     _step_with(producer, _output([], [("s1", 4, None)], {"s1": 6}), set())
     assert producer.worker.stats()["chunks_streamed"] == 2
-    request.num_computed_tokens = len(PROMPT)
-    delay, params = producer.sched.request_finished(request, [3, 5, 1])
-    assert delay and params is not None and params["omnikv_transfer_id"] == tid
-    assert _step_with(producer, _output([], [], {}), {"s1"}).finished_sending == {"s1"}
-    assert worker.wait_transfers(10.0)
-    results = worker.get_transfer_results(set())
-    assert results.finished_recving == {"c1"} and not results.failed_recving
-    got = _tokens(worker, [6, 2, 7])
-    want = _tokens(producer.worker, [3, 5, 1])
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    _finish_early_hand_off(producer, request, tid, pair.consumer)
     assert producer.sched.stats().get("router_ids_refused", 0) == 0
     assert worker.stats()["chunks_loaded"] == 2  # at the finish only the tail was checked
 
@@ -1301,27 +1330,6 @@ def test_a_chunk_of_a_stream_of_other_layers_is_refused_before_any_write(edge: A
         )
 
 
-def _step_by_layer(
-    side: Any, scheduler_output: Any, finished: set[str], between: Any = None
-) -> Any:
-    """One engine step whose forward pass calls ``save_kv_layer`` after each layer (vLLM's
-    attention wrapper), ``between(layer_index)`` after each call."""
-    sched, worker = side.sched, side.worker
-    worker.bind_connector_metadata(sched.build_connector_meta(scheduler_output))
-    worker.start_load_kv(None)
-    for i, (name, cache) in enumerate(side.caches.items()):
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, cache, None)
-        if between is not None:
-            between(i)
-    worker.wait_for_save()
-    assert worker.wait_transfers(10.0)
-    results = worker.get_transfer_results(finished)
-    worker.clear_connector_metadata()
-    sched.update_connector_output(results)
-    return results
-
-
 @pytest.mark.parametrize("by_layer", [True, False], ids=["save_kv_layer", "no-save_kv_layer"])
 def test_layer_groups_ship_from_save_kv_layer_and_the_consumer_writes_each_at_once(
     edge: Any, by_layer: bool
@@ -1334,14 +1342,9 @@ def test_layer_groups_ship_from_save_kv_layer_and_the_consumer_writes_each_at_on
     consumer ends with the producer's tokens."""
     from omnikv.integrations.vllm import early_handoff_params
 
-    conn = dict(edge.conn, namespace=edge.conn["namespace"] + "l")
-    base = {"connector_config": conn, "stream_kv": True}
-    extra = {"auth_secret": "r0uter"}
-    producer_omni = {"omni_from_stage": 0, "omni_to_stage": 1, **base}
-    producer = _pair("kv_producer", producer_omni, layers=4, stream_layer_groups=2, **extra)
-    consumer = _pair("kv_consumer", {"stage_id": 1, "recv_timeout": 10.0, **base}, 4, **extra)
-    edge.made += [producer, consumer]
-    tid = _router_id(conn)
+    pair = _early_edge(edge, layers=4, stream_layer_groups=2)
+    producer, consumer = pair.producer, pair.consumer
+    tid = _router_id(pair.conn)
     to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
     _start_early_load(consumer, to_consumer, "c1", [6, 2, 7])
     for t in producer.caches.values():
@@ -1364,26 +1367,13 @@ def test_layer_groups_ship_from_save_kv_layer_and_the_consumer_writes_each_at_on
     new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
     first = _output([new], [], {"s1": 4})
     second = _output([], [("s1", 4, None)], {"s1": 6})
-    if by_layer:
-        _step_by_layer(producer, first, set(), first_layers_written)
-        assert written == [True]  # layers 0-1 were at the consumer before layer 2 computed
-        _step_by_layer(producer, second, set())
-    else:
-        _step_with(producer, first, set())
-        _step_with(producer, second, set())
+    _step_with(producer, first, set(), by_layer=by_layer, between=first_layers_written)
+    assert written == ([True] if by_layer else [])  # layers 0-1 there before layer 2 computed
+    _step_with(producer, second, set(), by_layer=by_layer)
     chunks = 4 if by_layer else 2  # 2 steps x 2 groups, or a whole chunk per step
     assert producer.worker.stats()["chunks_streamed"] == chunks
     assert producer.worker.stats().get("layer_groups_streamed", 0) == (4 if by_layer else 0)
-    request.num_computed_tokens = len(PROMPT)
-    delay, params = producer.sched.request_finished(request, [3, 5, 1])
-    assert delay and params is not None and params["omnikv_transfer_id"] == tid
-    assert _step_with(producer, _output([], [], {}), {"s1"}).finished_sending == {"s1"}
-    assert worker.wait_transfers(10.0)
-    results = worker.get_transfer_results(set())
-    assert results.finished_recving == {"c1"} and not results.failed_recving
-    got = _tokens(worker, [6, 2, 7])
-    want = _tokens(producer.worker, [3, 5, 1])
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    _finish_early_hand_off(producer, request, tid, consumer)
     assert worker.stats()["chunks_loaded"] == chunks
 
 
