@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from support.bench import run_bench_json
 from support.mooncake_peers import mooncake_skip_reason, run_scenario
 
 
@@ -28,19 +29,7 @@ def test_bench_shm_small_run_verifies(tmp_path: Path) -> None:
         "20",
         "--no-targets",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "omnikv.cli", "bench", "shm", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    # --no-targets: a missed speed target (likely on a busy machine) is reported, not fatal;
-    # a verification failure still fails the run
-    output = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, output
-    assert out.exists(), output
-    result = json.loads(out.read_text())
+    result = run_bench_json("shm", args, out, timeout=100)
     assert result["bench"] == "shm" and result["nbytes"] > 7 << 20
     assert set(result["ratios"]) >= {"view_vs_memcpy", "copy_vs_memcpy"}, result["ratios"]
 
@@ -50,16 +39,7 @@ def test_bench_codec_small_run_verifies(tmp_path: Path) -> None:
     """Encode, decode, crc32 and both KV MACs over a small payload, each result verified."""
     out = tmp_path / "codec.json"
     args = ["--tokens", "64", "--quick", "--quality-prompts", "0", "--no-targets"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "omnikv.cli", "bench", "codec", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    output = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, output
-    result = json.loads(out.read_text())
+    result = run_bench_json("codec", args, out, timeout=100)
     names = [r["name"] for r in result["results"]]
     assert "HMAC-SHA256 (kv_mac)" in names and "keyed BLAKE2b (before)" in names, names
     assert result["ratios"]["mac_sha256_vs_blake2b"] > 0
