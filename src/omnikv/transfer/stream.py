@@ -79,6 +79,7 @@ __all__ = [
     "TailPlan",
     "chunk_key",
     "chunk_parts",
+    "pieces_out_of_order",
 ]
 
 logger = logging.getLogger(__name__)
@@ -1278,23 +1279,36 @@ def _pieces(key: str, mark: StreamMark, layers: int) -> list[_Piece]:
         )
     else:
         spans = list(mark.l)
+    pieces = [_Piece(a, b, f, e) for (a, b), (f, e) in zip(ranges, spans, strict=True)]
+    why = pieces_out_of_order(pieces, layers)
+    if why is not None:
+        raise _corrupt(key, why)
+    return pieces
+
+
+def pieces_out_of_order(
+    pieces: Sequence[tuple[int, int, int, int]], num_layers: int, noun: str = "chunk"
+) -> str | None:
+    """Why ``pieces`` (``(start, stop, first layer, layer stop)`` each, in order) do not tile a
+    stream, or ``None``: token ranges contiguous from 0 and none empty, each range's layer
+    groups consecutive from layer 0 to ``num_layers`` (a whole piece: ``(0, num_layers)``).
+    The one check of a stream's layout, for a manifest (:class:`StreamAssembly`) and for the
+    vLLM finish's sealed ranges (``noun`` names a piece in the reason)."""
     at, layer = 0, 0
-    pieces: list[_Piece] = []
-    for i, ((start, stop), (first, end)) in enumerate(zip(ranges, spans, strict=True)):
+    for i, (start, stop, first, end) in enumerate(pieces):
         if layer == 0 and (start != at or stop <= start):
-            raise _corrupt(key, f"chunk {i} covers [{start}, {stop}), expected to start at {at}")
-        if layer and (start, stop) != pieces[-1][:2]:
-            raise _corrupt(key, f"chunk {i} covers [{start}, {stop}), not its range's layers")
-        if first != layer or not first < end <= layers:
-            raise _corrupt(
-                key, f"chunk {i} holds layers [{first}, {end}), expected from {layer} of {layers}"
+            return f"{noun} {i} covers [{start}, {stop}), expected to start at {at}"
+        if layer and (start, stop) != tuple(pieces[i - 1][:2]):
+            return f"{noun} {i} covers [{start}, {stop}), not its range's layers"
+        if first != layer or not first < end <= num_layers:
+            return (
+                f"{noun} {i} holds layers [{first}, {end}), expected from {layer} of {num_layers}"
             )
-        pieces.append(_Piece(start, stop, first, end))
-        layer = 0 if end == layers else end
+        layer = 0 if end == num_layers else end
         at = stop if layer == 0 else at
     if layer:
-        raise _corrupt(key, f"the last chunk's range lacks its layers from {layer}")
-    return pieces
+        return f"the last {noun}'s range lacks its layers from {layer}"
+    return None
 
 
 def _span(mark: StreamMark, num_layers: int) -> tuple[int, int, int] | str:

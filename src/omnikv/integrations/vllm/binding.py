@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnikv.transfer.stream import pieces_out_of_order
 from omnikv.wire.format import MAX_STREAM_CHUNKS
 
 __all__ = [
@@ -359,9 +360,9 @@ def _sealed_entries(
 ) -> list[tuple[int, int, str, int, int]] | str:
     """``sealed``'s entries as ``(start, stop, mac, first layer, layer stop)``, checked: ranges
     contiguous from token 0, none empty; a range's layer groups consecutive from layer 0 to
-    ``num_layers``; or why not."""
+    ``num_layers`` (:func:`~omnikv.transfer.stream.pieces_out_of_order`, as for a stream's
+    manifest); or why not."""
     out: list[tuple[int, int, str, int, int]] = []
-    at, layer = 0, 0
     for item in sealed:
         if (
             not isinstance(item, list)
@@ -370,16 +371,9 @@ def _sealed_entries(
             or not isinstance(item[2], str)
         ):
             return f"the payload's sealed ranges are not contiguous from token 0 ({item!r:.60})"
-        start, stop, mac = item[0], item[1], item[2]
         first, end = (item[3], item[4]) if len(item) == 5 else (0, num_layers)
-        same = layer != 0 and (start, stop) == out[-1][:2]
-        if not (same or (layer == 0 and start == at and stop > start)):
-            return f"the payload's sealed ranges are not contiguous from token 0 ({item!r:.60})"
-        if first != layer or not first < end <= num_layers:
-            return f"the sealed layer groups of tokens [{start}, {stop}) are not in order"
-        out.append((start, stop, mac, first, end))
-        layer = 0 if end == num_layers else end
-        at = stop
-    if layer:
-        return f"the sealed layer groups of the last range stop at layer {layer}"
+        out.append((item[0], item[1], item[2], first, end))
+    why = pieces_out_of_order([(a, b, f, e) for a, b, _, f, e in out], num_layers, "entry")
+    if why is not None:
+        return f"the payload's sealed ranges are not in order: {why}"
     return out
