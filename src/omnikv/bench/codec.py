@@ -167,17 +167,16 @@ def _macs(data: bytes, repeat: int) -> list[Any]:
     view = memoryview(data)
     step = 8 << 20  # fed in pieces, as the MAC takes a payload tensor by tensor
 
-    def sha() -> bytes:
-        h = hmac.new(key, digestmod=hashlib.sha256)
+    def fed(h: Any) -> bytes:
         for at in range(0, len(view), step):
             h.update(view[at : at + step])
-        return h.digest()[:16]
+        return bytes(h.digest()[:16])
+
+    def sha() -> bytes:
+        return fed(hmac.new(key, digestmod=hashlib.sha256))
 
     def blake() -> bytes:
-        h = hashlib.blake2b(key=key, digest_size=16)
-        for at in range(0, len(view), step):
-            h.update(view[at : at + step])
-        return h.digest()
+        return fed(hashlib.blake2b(key=key, digest_size=16))
 
     if sha() != hmac.new(key, data, hashlib.sha256).digest()[:16]:
         raise SystemExit("verification failed for HMAC-SHA256")
