@@ -203,3 +203,19 @@ def test_from_mapping_names_unknown_keys_and_checks_the_model() -> None:
         Placement.from_mapping({"tp": 2, "pp_size": 2}, num_layers=4, num_kv_heads=4)
     with pytest.raises(ConfigError, match="disagree on the model"):
         plan_reshard(Placement(4, 4), Placement(5, 4), 3)
+
+
+def test_rank_mapping_grows_and_stays_compatible() -> None:
+    from omnikv.config import check_omni_kv_config
+    from omnikv.topology.reshard import placement_from_rank_mapping
+
+    seed = {"from_tp": 2, "to_tp": 4}
+    check_omni_kv_config({"rank_mapping": seed})  # the seed's form, as before
+    assert placement_from_rank_mapping(seed, "to", num_layers=2, num_kv_heads=4).tp == 4
+    grown = {"from_tp": 2, "from_pp": 2, "to_sp": 4, "to_sp_mode": "ring", "to_cfg": 2}
+    check_omni_kv_config({"rank_mapping": grown})
+    src = placement_from_rank_mapping(grown, "from", num_layers=4, num_kv_heads=4)
+    dst = placement_from_rank_mapping(grown, "to", num_layers=4, num_kv_heads=4)
+    assert (src.tp, src.pp, dst.sp, dst.sp_mode, dst.cfg) == (2, 2, 4, "ring", 2)
+    with pytest.raises(ConfigError, match="did you mean 'to_sp'"):
+        check_omni_kv_config({"rank_mapping": {"from_tp": 2, "to_spp": 4}})

@@ -33,11 +33,13 @@ from omnikv.errors import ConfigError
 from omnikv.topology.tp import head_range
 
 __all__ = [
+    "RANK_MAPPING_KEYS",
     "SP_MODES",
     "Box",
     "Piece",
     "Placement",
     "ReshardPlan",
+    "placement_from_rank_mapping",
     "plan_reshard",
 ]
 
@@ -45,6 +47,10 @@ __all__ = [
 SP_MODES = ("ulysses", "ring")
 #: Largest size of any one axis (bounds what a config can make a planner enumerate).
 MAX_AXIS = 4096
+_AXES = ("tp", "pp", "sp", "sp_mode", "cfg", "layer_split")
+#: The keys of ``omni_kv_config["rank_mapping"]``: the seed's ``from_tp`` / ``to_tp`` and, per
+#: side, the other axes of a placement (``from_pp``, ``to_sp``, ``to_sp_mode``, ``to_cfg``, ...).
+RANK_MAPPING_KEYS = frozenset(f"{side}_{axis}" for side in ("from", "to") for axis in _AXES)
 
 Range = tuple[int, int]
 
@@ -182,7 +188,7 @@ class Placement:
         """A placement from a config mapping with keys ``tp``, ``pp``, ``sp``, ``sp_mode``,
         ``cfg`` and ``layer_split`` (each optional); an unknown key is a ``ConfigError`` naming
         it."""
-        known = {"tp", "pp", "sp", "sp_mode", "cfg", "layer_split"}
+        known = set(_AXES)
         extra = sorted(str(k) for k in mapping if k not in known)
         if extra:
             raise ConfigError(f"placement: unknown key(s) {extra}; known: {sorted(known)}")
@@ -203,6 +209,25 @@ class Placement:
             cfg=mapping.get("cfg", 1),
             layer_split=None if split is None else tuple(split),
         )
+
+
+def placement_from_rank_mapping(
+    rank_mapping: Mapping[str, Any], side: str, *, num_layers: int, num_kv_heads: int
+) -> Placement:
+    """The placement of the sending (``side="from"``) or receiving (``"to"``) stage that a
+    stage's ``rank_mapping`` describes: ``{from_tp, to_tp}`` as before, plus per side ``pp``,
+    ``sp``, ``sp_mode``, ``cfg`` and ``layer_split`` (``to_sp: 4``, ``to_sp_mode: "ring"``,
+    ...). A key of neither form is a ``ConfigError`` naming it."""
+    if side not in ("from", "to"):
+        raise ValueError(f"side must be 'from' or 'to', got {side!r}")
+    extra = sorted(str(k) for k in rank_mapping if k not in RANK_MAPPING_KEYS)
+    if extra:
+        raise ConfigError(
+            f"rank_mapping: unknown key(s) {extra}; known: {sorted(RANK_MAPPING_KEYS)}"
+        )
+    prefix = side + "_"
+    mine = {k[len(prefix) :]: v for k, v in rank_mapping.items() if k.startswith(prefix)}
+    return Placement.from_mapping(mine, num_layers=num_layers, num_kv_heads=num_kv_heads)
 
 
 @dataclass(frozen=True, order=True)
