@@ -3,9 +3,9 @@ shaped link between two emulated nodes.
 
 What a next stage waits for is the *tail*: from the moment the AR stage finishes a request
 (``manager.edge.send``, what ``handle_finished_requests_kv_transfer`` does) to the moment the
-receiving stage holds its KV. Sent whole, the tail is the whole transfer; streamed (``stream_kv: true``), full blocks leave while
-the request decodes and a receiver with ``stream_kv`` takes them as they are published, so the
-finish moves only the last partial block and the manifest.
+receiving stage holds its KV. Sent whole, the tail is the whole transfer; streamed (``stream_kv:
+true``), full blocks leave while the request decodes and a receiver with ``stream_kv`` takes
+them as they are published, so the finish moves only the last partial block and the manifest.
 
 Two emulated nodes (:class:`~omnikv.bench.netns.EmulatedLink`, ``tc tbf`` at each ``--rates``
 entry) run one agent each: node *a* an AR stage (a sender manager over the Mooncake Transfer
@@ -14,8 +14,9 @@ manager, ``stream_kv: true``). Per request: the receiver starts its receive; the
 KV exists (a paged cache of ``--model``'s shape, ``--tokens`` tokens, seeded random fp16), then
 it decodes ``--decode-steps`` steps of ``--step-ms`` each (each step writes one more token; a
 streamed case calls ``manager.edge.ship`` (``stream_kv_blocks``) at every step, and the step's
-remaining time is slept), then finishes. Timed, on the one machine's monotonic clock: *tail* = receiver's KV in hand - the
-sender's finish call; also each streamed case's first step (it ships the prompt's blocks).
+remaining time is slept), then finishes. Timed, on the one machine's monotonic clock: *tail* =
+receiver's KV in hand - the sender's finish call; also each streamed case's first step (it ships
+the prompt's blocks).
 
 Cases per rate, alternating round by round after a discarded warm-up round: whole and streamed,
 each with ``wire_codec`` ``off`` and, with ``--codecs``, the others. Every received KV is

@@ -538,17 +538,12 @@ class KVStreams:
         return self._drop_stream(stream)
 
     def close(self) -> None:
-        """Abort every open stream (the manager's close). Idempotent."""
+        """Abort every open stream (the edge's close). Idempotent."""
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
             self._drop_stream(stream)
-
-    def open_streams(self) -> list[str]:
-        """The requests with an open stream (tests, diagnostics)."""
-        with self._lock:
-            return list(self._streams)
 
     def _drop_stream(self, stream: _Stream) -> int:
         keys = list(stream.chunk_keys)
