@@ -23,6 +23,7 @@ import torch
 
 from omnikv import ReceiveStatus
 from omnikv.transfer.received import ReceivedChunk
+from support.polling import until
 from support.stage_sender import SenderProc, stage_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -113,12 +114,7 @@ def test_a_request_id_in_the_chunk_key_space_is_refused_by_both_sides(
 
 def _until_step_says(sender: SenderProc, rid: str, words: str, timeout: float = 5.0) -> None:
     """Step ``rid``'s stream (no new blocks) until its progress gives a reason with ``words``."""
-    end = time.monotonic() + timeout
-    while True:
-        answer = sender.ask("ship", rid, IDS, STEP, 2.0)
-        if words in (answer[2] or ""):
-            return
-        assert time.monotonic() < end, answer
+    until(lambda: words in (sender.ask("ship", rid, IDS, STEP, 2.0)[2] or ""), timeout, words)
 
 
 class _RefuseSecond:
