@@ -54,6 +54,22 @@ _INERT = "omni_kv_config needs need_send_cache or need_recv_cache and a connecto
 _HOOKS = ("kv_send_key_builder", "kv_recv_key_builder", "kv_payload_merger", "kv_payload_slicer")
 
 
+class _HookSlot:
+    """One of the reference's hook slots on the manager (``kv_send_key_builder``, ...): a plain
+    attribute to the worker that sets it (``None`` until set); setting one hands the edge the
+    four slots as one :class:`TransferHooks` (:meth:`OmniKVTransferManager._hooks_changed`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else obj.__dict__.get(self.slot)
+
+    def __set__(self, obj: OmniKVTransferManager, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+        obj._hooks_changed()
+
+
 class OmniKVTransferManager:
     """Unified management for OmniConnector and KV cache transfer, one per worker and stage.
 
@@ -99,8 +115,6 @@ class OmniKVTransferManager:
         #: Counters and phase histograms: `snapshot()`; exported by `omnikv.metrics.register()`.
         self.metrics: TransferMetrics = self.edge.metrics
         self._ranks = StageRanks(parallel_context, self.tp_topo, config)
-        for name in _HOOKS:
-            setattr(self, name, None)
         if not ok and parallel_context is not None:
             # a rank given a parallel context still distributes KV among its ranks
             logger.info("OmniKVTransferManager only distributes among ranks: %s", _INERT)
@@ -113,11 +127,14 @@ class OmniKVTransferManager:
                 self.send_stages if sends else None, self.recv_stages if receives else None
             )
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # the reference's hook slots are plain attributes; the edge reads them as one value
-        object.__setattr__(self, name, value)
-        if name in _HOOKS and "edge" in self.__dict__:
-            self.edge.set_hooks(TransferHooks.of(*(self.__dict__.get(n) for n in _HOOKS)))
+    kv_send_key_builder = _HookSlot()
+    kv_recv_key_builder = _HookSlot()
+    kv_payload_merger = _HookSlot()
+    kv_payload_slicer = _HookSlot()
+
+    def _hooks_changed(self) -> None:
+        """A hook slot was set: the edge uses the four slots as one value from now on."""
+        self.edge.set_hooks(TransferHooks.of(*(getattr(self, n) for n in _HOOKS)))
 
     @classmethod
     def _create(
