@@ -67,7 +67,8 @@ def main() -> int:
         )
     finally:
         omni.close()
-    print(json.dumps({"outputs": len(outputs), "reports": sorted(p.name for p in report.iterdir())}))
+    reports = sorted(p.name for p in report.iterdir())
+    print(json.dumps({"outputs": len(outputs), "reports": reports}))
     return 0
 
 
