@@ -25,6 +25,7 @@ stages:
     max_model_len: 256
     enforce_eager: true
     enable_prefix_caching: false
+    num_gpu_blocks_override: 16
     output_connectors:
       to_stage_1: shm
     default_sampling_params:
