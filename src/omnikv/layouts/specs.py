@@ -453,7 +453,7 @@ def _stacked_spec(
     if declared is None and layer_kv.dim() == 4 and shape[3] % 2 == 0:
         raise ExtractionError(
             f"{where}: shape {shape} does not tell its layout under kv_cache_layout "
-            f"{layout or 'auto'!r}; {VLLM_4D_HINT}"
+            f"{layout or 'auto'!r}; {VLLM_4D_HINT}; {ACCEPTED}"
         )
     candidates = _STACKED if declared is None else (declared,)
     fitting = [spec for spec in candidates if spec.fits(shape)]
