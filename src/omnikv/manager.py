@@ -361,6 +361,16 @@ class OmniKVTransferManager:
             self._lazy.current.update_sender_info(host, port)
         logger.info("Sender info: host=%s base_port=%d port=%d", host, base, port)
 
+    def get_sender_connection_info(self) -> dict[str, Any] | None:
+        """What a receiving stage passes to :meth:`update_sender_info` to reach this sender (the
+        reference's 0.30 name, kept for its callers): the connector's ``get_connection_info()``
+        (pull transports: ``host``, ``zmq_port``, ...); ``None`` for a stage that does not send,
+        without a connector, or over a transport with no endpoint to share."""
+        if not self.config.need_send_cache:
+            return None
+        connector = self.connector
+        return None if connector is None else connector.get_connection_info()
+
     @property
     def sender_endpoint(self) -> SenderEndpoint | None:
         """The sender's base ``(host, port)`` set by :meth:`update_sender_info`, if any."""

@@ -299,7 +299,8 @@ def test_vllm_bhnc_is_what_vllms_gpu_backends_split(layout_name: str) -> None:
     FlashInfer: ``kv_cache.permute(*layout.layer_view_order).split(head_size, -1)``). Tokens
     written through those splits are what ``vllm_bhnc`` sends; what its write-back writes is
     what those splits read."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
+    KVCacheLayout = kv_cache_layout.KVCacheLayout
 
     from omnikv.layouts.blocks import vllm_layer_blocks
     from omnikv.layouts.gather import plan_request_kv

@@ -453,7 +453,7 @@ def _stacked_spec(
     if declared is None and layer_kv.dim() == 4 and shape[3] % 2 == 0:
         raise ExtractionError(
             f"{where}: shape {shape} does not tell its layout under kv_cache_layout "
-            f"{layout or 'auto'!r}; {VLLM_4D_HINT}"
+            f"{layout or 'auto'!r}; {VLLM_4D_HINT}; {ACCEPTED}"
         )
     candidates = _STACKED if declared is None else (declared,)
     fitting = [spec for spec in candidates if spec.fits(shape)]
@@ -519,11 +519,26 @@ def split_layer_kv(
 
 
 def normalize_layer_kv(
-    layer_kv: Any, *, req_id: str = "", layer_idx: int = -1, layout: str | None = None
+    layer_kv: Any,
+    *,
+    req_id: str = "",
+    layer_idx: int = -1,
+    block_size: int | None = None,
+    layout: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Reference-compatible form of :func:`split_layer_kv`: ``None`` (and a warning) if invalid."""
+    """Reference-compatible form of :func:`split_layer_kv`: ``None`` (and a warning) if invalid.
+
+    ``block_size`` (the reference's 0.32 keyword) is checked against the blocks read: a layer
+    whose blocks hold another number of tokens is invalid. It never selects a layout: a 4-D
+    cache needs ``layout`` (see :data:`VLLM_4D_HINT`)."""
     try:
-        return split_layer_kv(layer_kv, layout=layout, where=f"layer {layer_idx}")
+        k, v = split_layer_kv(layer_kv, layout=layout, where=f"layer {layer_idx}")
+        if block_size is not None and k.dim() >= 2 and int(k.shape[1]) != block_size:
+            raise ExtractionError(
+                f"layer {layer_idx}: blocks of {int(k.shape[1])} tokens, not block_size "
+                f"{block_size} (K blocks {tuple(k.shape)})"
+            )
+        return k, v
     except ExtractionError as exc:
         logger.warning("Invalid KV cache for request %s: %s", req_id, exc)
         return None
