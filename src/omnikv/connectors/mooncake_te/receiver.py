@@ -161,9 +161,11 @@ class ReceiverSide:
         left = remaining(deadline)
         wait_s = min(max(0.0, left - 0.02), LONG_POLL_CAP_S) if hold else 0.0
         msg = {"op": "query", "key": key, "wait_ms": int(wait_s * 1000)}
-        reply = chan.request(msg, min(left, wait_s + self._cfg.peer_timeout_s))
+        patience = wait_s + self._cfg.peer_timeout_s
+        reply = chan.request(msg, min(left, patience))
         if reply is None:
-            self._client.discard(endpoint)  # silent: greet afresh next time
+            if left >= patience:  # silent past its hold and the peer timeout: greet afresh
+                self._client.discard(endpoint, chan)
             return 0
         if reply["op"] != "info" or not reply["found"]:
             return 0
@@ -196,6 +198,14 @@ class ReceiverSide:
         return self._await_done(chan, pull, {nonce}, time.monotonic() + budget)
 
     def _await_done(
+        self, chan: Channel, pull: _Pull, nonces: set[bytes], end: float
+    ) -> ManagedBuffer | None:
+        try:
+            return self._collect_done(chan, pull, nonces, end)
+        finally:
+            chan.forget(nonces)  # pongs nobody will collect now
+
+    def _collect_done(
         self, chan: Channel, pull: _Pull, nonces: set[bytes], end: float
     ) -> ManagedBuffer | None:
         ping_every = max(0.05, self._cfg.peer_timeout_s / 5)
@@ -281,7 +291,7 @@ class ReceiverSide:
             logger.debug("status query for %s failed: %s", q.xid, exc)
             return "silent"
         if reply is None:
-            self._client.discard(q.endpoint)
+            self._client.discard(q.endpoint, chan)
             return "silent"
         return str(reply.get("state", "unknown")) if reply["op"] == "xstate" else "unknown"
 

@@ -205,7 +205,7 @@ class NixlReceiverSide:
                 self._forget_remote(other)
         reply = chan.request({"op": "meta"}, min(remaining(deadline), self._s.peer_timeout_s))
         if reply is None or reply["op"] != "agentmd":
-            self._client.discard(endpoint)
+            self._client.discard(endpoint, chan)
             return None
         name = self._agent.add_remote(reply["md"])
         if name != reply["agent"]:
@@ -256,6 +256,21 @@ class NixlReceiverSide:
         ``None`` when the time is up; ``PeerGoneError`` when the sender (which answered before:
         the channel exists) stays silent for ``peer_timeout_seconds``.
         """
+        sent: set[bytes] = {nonce}
+        try:
+            return self._await_reply(chan, endpoint, nonce, timeout_s, key, sent)
+        finally:
+            chan.forget(sent)  # the pongs and the reply nobody will collect now
+
+    def _await_reply(
+        self,
+        chan: Channel,
+        endpoint: Endpoint,
+        nonce: bytes,
+        timeout_s: float,
+        key: str,
+        sent: set[bytes],
+    ) -> dict[str, Any] | None:
         end = time.monotonic() + timeout_s
         heard = time.monotonic()
         ping_every = max(0.05, self._s.peer_timeout_s / 5)
@@ -275,7 +290,9 @@ class NixlReceiverSide:
                 heard = time.monotonic()
                 pings.clear()
             elif not pings or time.monotonic() - heard >= ping_every:
-                pings.add(chan.send({"op": "ping"}))
+                ping = chan.send({"op": "ping"})
+                pings.add(ping)
+                sent.add(ping)
 
     def _gone(self, endpoint: Endpoint, doing: str) -> NoReturn:
         self._client.discard(endpoint)
@@ -363,7 +380,9 @@ class NixlReceiverSide:
             if now >= end:
                 return
             if now >= next_ping:
-                pings.add(chan.send({"op": "ping"}))
+                ping = chan.send({"op": "ping"})
+                pings.add(ping)
+                sent.add(ping)
                 next_ping = now + ping_every
             time.sleep(min(step, max(0.0, end - now)))
             step = min(step * 2, POLL_CAP_S)
