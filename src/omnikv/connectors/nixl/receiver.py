@@ -380,9 +380,7 @@ class NixlReceiverSide:
             if now >= end:
                 return
             if now >= next_ping:
-                ping = chan.send({"op": "ping"})
-                pings.add(ping)
-                sent.add(ping)
+                pings.add(chan.send({"op": "ping"}))
                 next_ping = now + ping_every
             time.sleep(min(step, max(0.0, end - now)))
             step = min(step * 2, POLL_CAP_S)
