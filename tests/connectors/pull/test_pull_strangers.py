@@ -153,3 +153,43 @@ def test_claims_of_names_nobody_answers_spend_nothing(strangers: dict[str, Any])
     assert strangers["fake_outcomes"] == ["error"], strangers
     assert strangers["names_after_fakes"] == 1, strangers
     assert strangers["after_fakes"] is True, strangers
+
+
+# -- NIXL counts what it rejects (issue 39 item 9; docs/security.md promises ``rejected``) -------
+def scenario_nixl_rejected() -> dict[str, Any]:
+    import socket
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from omnikv.connectors.nixl.connector import NixlConnector
+    from omnikv.connectors.nixl.protocol import MAX_MESSAGE_BYTES, SCHEMA
+    from omnikv.connectors.pull.client import Link
+    from omnikv.connectors.pull.control import ControlCodec
+
+    (zport,) = free_ports(1)
+    sender = NixlConnector(
+        {"host": "127.0.0.1", "memory_pool_size": 4 * MiB, "role": "sender",
+         "zmq_port": zport, "auth_secret": "s3cret"}
+    )
+    res: dict[str, Any] = {"before": sender.health()["rejected_messages"]}
+    try:
+        forged = ControlCodec(SCHEMA, b"wrong", max_message_bytes=MAX_MESSAGE_BYTES)
+        for i in range(5):  # signed with the wrong secret: each dropped, counted
+            link = Link(socket.create_connection(("127.0.0.1", zport), timeout=5), MAX_MESSAGE_BYTES)
+            _, frames = forged.encode({"op": "hello", "peer": {"agent": f"forger-{i}"}})
+            link.send(frames)
+            res.setdefault("answered", []).append(link.recv(1.0) is not None)
+            link.close()
+        res["after"] = sender.health()["rejected_messages"]
+    finally:
+        sender.close()
+    return res
+
+
+def test_the_nixl_connector_counts_rejected_control_messages() -> None:
+    from omnikv.connectors.nixl.agent import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(str(unavailable_reason()))
+    res = run_scenario(__file__, "scenario_nixl_rejected", timeout=120)
+    assert res["before"] == 0 and res["answered"] == [False] * 5, res
+    assert res["after"] == 5, res
