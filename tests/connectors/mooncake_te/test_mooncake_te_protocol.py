@@ -126,7 +126,7 @@ def test_claims_spend_nothing_until_a_write_succeeds() -> None:
     """Issue 39 item 2: saying a name (and failing to write to it) costs nothing."""
     names = SessionNames(live=lambda ident: False)
     for i in range(200):
-        spelling, generation = names.name_for("h:15000", i.to_bytes(2, "big"))
+        _, generation = names.name_for("h:15000", i.to_bytes(2, "big"))
         names.failed("h:15000", i.to_bytes(2, "big"), generation)
     assert len(names) == 0
     assert _write(names, "h:15000", b"genuine") == "h:15000"

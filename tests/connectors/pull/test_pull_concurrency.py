@@ -65,9 +65,7 @@ def scenario_concurrent_receives() -> dict[str, Any]:
             got[key] = crc(buf.tensor.numpy()) == crc(pattern(16 * KiB, n))
             buf.release()
 
-        threads = [
-            threading.Thread(target=receive, args=(n, key)) for n, key in enumerate(keys)
-        ]
+        threads = [threading.Thread(target=receive, args=(n, key)) for n, key in enumerate(keys)]
         try:
             for t in threads:
                 t.start()

@@ -119,8 +119,12 @@ def scenario_strangers() -> dict[str, Any]:
             dead = free_ports(1)[0]
             fake_outcomes = set()
             for i in range(FAKE_NAMES):
-                peer = {"sess": f"127.0.0.{2 + i % 200}:{dead}", "inc": os.urandom(16),
-                        "base": 1 << 20, "len": 1 << 30}
+                peer = {
+                    "sess": f"127.0.0.{2 + i % 200}:{dead}",
+                    "inc": os.urandom(16),
+                    "base": 1 << 20,
+                    "len": 1 << 30,
+                }
                 fake_outcomes.add(_stranger_pull(endpoint, peer, "fake-bait@0_1", 1 << 20)[:5])
             res["fake_outcomes"] = sorted(fake_outcomes)
             res["names_after_fakes"] = ask(in_q, out_q, "health")[1]["session_names"]
@@ -167,14 +171,21 @@ def scenario_nixl_rejected() -> dict[str, Any]:
 
     (zport,) = free_ports(1)
     sender = NixlConnector(
-        {"host": "127.0.0.1", "memory_pool_size": 4 * MiB, "role": "sender",
-         "zmq_port": zport, "auth_secret": "s3cret"}
+        {
+            "host": "127.0.0.1",
+            "memory_pool_size": 4 * MiB,
+            "role": "sender",
+            "zmq_port": zport,
+            "auth_secret": "s3cret",
+        }
     )
     res: dict[str, Any] = {"before": sender.health()["rejected_messages"]}
     try:
         forged = ControlCodec(SCHEMA, b"wrong", max_message_bytes=MAX_MESSAGE_BYTES)
         for i in range(5):  # signed with the wrong secret: each dropped, counted
-            link = Link(socket.create_connection(("127.0.0.1", zport), timeout=5), MAX_MESSAGE_BYTES)
+            link = Link(
+                socket.create_connection(("127.0.0.1", zport), timeout=5), MAX_MESSAGE_BYTES
+            )
             _, frames = forged.encode({"op": "hello", "peer": {"agent": f"forger-{i}"}})
             link.send(frames)
             res.setdefault("answered", []).append(link.recv(1.0) is not None)

@@ -162,10 +162,14 @@ class SessionNames:
             last = self._names.get(session)
             if last is not None and generation < last.generation:
                 return  # a write that started before a newer receiver came
-            if last is not None and generation == last.generation and last.token != token:
-                if self._live(last.ident):
-                    self._names.move_to_end(session)
-                    return  # the name's receiver is still there: it keeps the name
+            if (
+                last is not None
+                and generation == last.generation
+                and last.token != token
+                and self._live(last.ident)
+            ):
+                self._names.move_to_end(session)
+                return  # the name's receiver is still there: it keeps the name
             self._names[session] = _Name(token, ident, generation)
             self._names.move_to_end(session)
             self._bound_names()

@@ -358,10 +358,10 @@ class ControlClient:
         if not self.send(link, frames):
             return None
         while True:
-            frames = link.recv(end - time.monotonic())
-            if frames is None:
+            got = link.recv(end - time.monotonic())
+            if got is None:
                 return None
-            reply = self.decode(frames)
+            reply = self.decode(got)
             if reply is None or reply.get("re") != nonce:
                 continue
             if reply["op"] != "welcome":

@@ -27,10 +27,10 @@ from omnikv.values import (
 __all__ = [
     "AUTO_RESERVE",
     "DEFAULT_BUFFER_TTL_S",
-    "DEFAULT_UNCLAIMED_GRACE_S",
     "DEFAULT_POLL_US",
     "DEFAULT_POOL_SIZE",
     "DEFAULT_THRESHOLD",
+    "DEFAULT_UNCLAIMED_GRACE_S",
     "MIN_POOL_SIZE",
     "RESERVE_SLACK",
     "Prefault",

@@ -184,7 +184,7 @@ from omnikv.connectors.shm.recv import COUNTER_NAMES as RECV_COUNTERS
 from omnikv.connectors.shm.recv import Offer, RecvSide
 from omnikv.connectors.shm.registry import SenderRecord
 from omnikv.connectors.shm.store import COUNTER_NAMES as SEND_COUNTERS
-from omnikv.connectors.shm.store import Entry, SendStore
+from omnikv.connectors.shm.store import Entry, Lifetime, SendStore
 from omnikv.connectors.shm.wire import namespace_prefix, transport_key
 from omnikv.errors import (
     ConnectorClosedError,
@@ -272,9 +272,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._mesh.drop,
             counters=self._counters,
             reserve=self.config.reserve_bytes,
-            ttl_s=self.config.buffer_ttl_s,
+            lifetime=Lifetime(self.config.buffer_ttl_s, self.config.unclaimed_grace_s),
             verdicts=self._verdicts,
-            grace_s=self.config.unclaimed_grace_s,
         )
         self._recv = RecvSide(self._mesh, self._counters)
         self._cleanups = Cleanups(self._mesh, self._store)

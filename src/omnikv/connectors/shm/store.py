@@ -62,6 +62,7 @@ __all__ = [
     "COUNTER_NAMES",
     "MAX_WANTS_PER_LINK",
     "Entry",
+    "Lifetime",
     "SendStore",
     "Unconsumed",
 ]
@@ -90,6 +91,16 @@ COUNTER_NAMES = (
 )
 
 Send = Callable[[Link, list[list[Any]], "tuple[int, int, int] | None"], bool]
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """How long a published payload nobody claimed lives: freed ``ttl_s`` after its put
+    (``buffer_ttl_seconds``; 0: never), and giving its space to newer payloads that find the
+    pool full ``grace_s`` after its put (``unclaimed_grace_seconds``)."""
+
+    ttl_s: float = 0.0
+    grace_s: float = DEFAULT_UNCLAIMED_GRACE_S
 
 
 @dataclass
@@ -318,7 +329,8 @@ class Unconsumed:
         if not gone:
             return
         labels = [e.label for e, _ in gone]
-        shown = ", ".join(labels[:16]) + (f" and {len(labels) - 16} more" if len(labels) > 16 else "")
+        more = f" and {len(labels) - 16} more" if len(labels) > 16 else ""
+        shown = ", ".join(labels[:16]) + more
         logger.warning(
             "pool full: freed %d payload(s) of %d bytes unclaimed for over %gs"
             " (unclaimed_grace_seconds), oldest first, to make room for %s: %s",
@@ -397,9 +409,8 @@ class SendStore:
         *,
         counters: Counters,
         reserve: int = 0,
-        ttl_s: float = 0.0,
+        lifetime: Lifetime = Lifetime(),
         verdicts: SentVerdicts | None = None,
-        grace_s: float = DEFAULT_UNCLAIMED_GRACE_S,
     ) -> None:
         self.pool_size = pool_size
         self.prefault = prefault
@@ -417,7 +428,7 @@ class SendStore:
         self.verdicts = verdicts
         # claimed by no reader
         self._published = Unconsumed(
-            ttl_s, self._lock, self._changed, counters, verdicts, grace_s=grace_s
+            lifetime.ttl_s, self._lock, self._changed, counters, verdicts, grace_s=lifetime.grace_s
         )
         self._held: dict[int, Entry] = {}
         self._wanters: dict[str, list[tuple[Link, int]]] = {}
