@@ -167,7 +167,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
     module docstring).
     """
 
-    supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
     takes_abort: ClassVar[bool] = True

@@ -244,7 +244,6 @@ class SharedMemoryConnector(OmniConnectorBase):
     connector serves the sockets, or one waiting thread while it waits (``leadership``).
     """
 
-    supports_raw_data = True
     acknowledges = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
