@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.boundary import ErrorMap
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+#: Malformed verdict records: any Store client can write them.
+_malformed = RateLimitedLog(logger)
 
 #: What a payload key is followed by to name its verdict record.
 ACK_SUFFIX = ".ack"
@@ -316,7 +319,7 @@ class VerdictWatch:
         if parsed is None:
             if body or size > MAX_RECORD_BYTES:
                 self._counters.add("acks_malformed")
-                logger.warning("dropped a malformed verdict record %s (%d bytes)", rkey, size)
+                _malformed.warning("dropped a malformed verdict record %s (%d bytes)", rkey, size)
             else:  # listed but unreadable: its holder went away; the ack timeout decides
                 logger.debug("verdict record %s could not be read; removed", rkey)
             return

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
@@ -50,6 +51,8 @@ from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_ident
 __all__ = ["SenderSide"]
 
 logger = logging.getLogger(__name__)
+#: Pulls refused or failed: without a secret anyone who reaches the port can cause them.
+_refusals = RateLimitedLog(logger)
 
 
 @dataclass
@@ -379,7 +382,9 @@ class SenderSide:
                 self._note_xfer(req.msg["xid"], "inflight")
         if reason:
             if reason == "outside_pool":
-                logger.warning("refused a pull of %s outside the requester's pool", req.msg["key"])
+                _refusals.warning(
+                    "refused a pull of %s outside the requester's pool", req.msg["key"]
+                )
             self._server.answer(req, {"op": "error", "reason": reason})
             return
         assert entry is not None
@@ -455,7 +460,7 @@ class SenderSide:
             self._server.answer(req, {"op": "done", "size": entry.size})
         else:
             self._counters.add("pull_failures")
-            logger.warning("pull of %s failed: %s", entry.key, reason)
+            _refusals.warning("pull of %s failed: %s", entry.key, reason)
             self._server.answer(req, {"op": "error", "reason": reason})
 
     def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> bool:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.pull.control import (
     ControlCodec,
     Endpoint,
@@ -41,6 +42,8 @@ from omnikv.errors import ConnectorUnavailableError, ProtocolError
 __all__ = ["MAX_OUTSTANDING", "REPLY_KEEP_S", "Channel", "ControlClient", "Link"]
 
 logger = logging.getLogger(__name__)
+#: Invalid replies: whoever answers on the sender's address can send them.
+_rejections = RateLimitedLog(logger)
 
 _RECV_BYTES = 65536
 _SEND_TIMEOUT_S = 5.0
@@ -294,7 +297,7 @@ class ControlClient:
             return self.codec.decode_reply(frames)
         except ProtocolError as exc:
             self.rejected += 1
-            logger.warning("rejected a control reply: %s", exc)
+            _rejections.warning("rejected a control reply: %s", exc)
             return None
 
     @property
