@@ -57,7 +57,7 @@ from omnikv.topology.keys import TransferHooks, build_recv_keys
 from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV, move_kv
-from omnikv.transfer.sessions import SessionGuard
+from omnikv.transfer.sessions import PendingStamps, SessionGuard
 from omnikv.transfer.stream import ChunkFeed, EagerChunks, StreamAssembly
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
@@ -627,7 +627,7 @@ class KVReceiver:
             streams = StreamAssembly(
                 eager or chunks,
                 max_header_bytes=self.options.max_header_bytes,
-                guard=self.guard,
+                guard=None if self.guard is None else self.guard.pending(),
                 feed=feed,
             )
             kv, t_decode = self._use(
@@ -689,6 +689,8 @@ class KVReceiver:
             refusal = None if check is None else check(kv)
             if refusal is not None:
                 raise PayloadRefused(f"KV of {request_id} refused: {refusal}")
+            if isinstance(streams.guard, PendingStamps):  # check, then remember
+                streams.guard.commit()
             verdict, reason = Verdict.DELIVERED, None
         except (OmniKVError, KVPrefetchConsumeError) as exc:
             reason = str(exc)
@@ -776,8 +778,8 @@ class KVReceiver:
             payload = buf.tensor
         limit = self.options.max_header_bytes
         decoded = decode_kv(payload, copy=own, max_header_bytes=limit)
-        if self.guard is not None:
-            self.guard.admit(decoded.stamp, decoded.request_id)
+        if streams is not None and streams.guard is not None:  # remembered once all passed
+            streams.guard.admit(decoded.stamp, decoded.request_id)
         if decoded.stream is not None:
             if streams is None or wait is None:
                 raise DecodeError("corrupt KV payload: a streamed piece outside a receive")

@@ -60,7 +60,7 @@ from omnikv.errors import DecodeError, OmniKVError, PayloadRefused
 from omnikv.topology.keys import build_send_keys
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.send import KVSender, SendBatch, SendRefused, SendResult, SendStatus
-from omnikv.transfer.sessions import SessionGuard
+from omnikv.transfer.sessions import PendingStamps, SessionGuard
 from omnikv.wire.decode import DecodedKV, decode_kv
 from omnikv.wire.format import MAX_STREAM_CHUNKS, StreamMark
 
@@ -682,14 +682,16 @@ class ChunkFeed:
     before it as hostile input (its index, a range starting where the last one stopped, the
     same stream, request id, layers, dtypes and head shapes, the token count its range says).
     Called by :class:`EagerChunks`'s lane as chunks arrive, and by :class:`StreamAssembly`
-    for any chunk the lane did not hand over. With ``guard`` a chunk's stamp is admitted
-    (:meth:`SessionGuard.admit <omnikv.transfer.sessions.SessionGuard.admit>`) before it is
+    for any chunk the lane did not hand over. With ``guard`` a chunk's stamp is checked
+    (:meth:`SessionGuard.check <omnikv.transfer.sessions.SessionGuard.check>`) before it is
     handed over, so that a replayed chunk (a copy of one this receiver already took) never
-    reaches ``on_chunk``. After the first refusal nothing more is handed
-    over (:attr:`refusal`; :attr:`corrupt` says whether the chunk itself was inconsistent, as
-    opposed to refused by ``on_chunk`` or the guard), and ``on_refusal`` is called (the receive
-    stops waiting for the tail). :meth:`close` waits for a call in flight and refuses
-    every later one, so that a receive that returned never writes again. Thread-safe.
+    reaches ``on_chunk``, and remembered only once ``on_chunk`` took it (a chunk it refuses,
+    such as a forgery failing the consumer's MAC, leaves the guard as it was). After the first
+    refusal nothing more is handed over (:attr:`refusal`; :attr:`corrupt` says whether the
+    chunk itself was inconsistent, as opposed to refused by ``on_chunk`` or the guard), and
+    ``on_refusal`` is called (the receive stops waiting for the tail). :meth:`close` waits for
+    a call in flight and refuses every later one, so that a receive that returned never writes
+    again. Thread-safe.
     """
 
     def __init__(
@@ -738,7 +740,12 @@ class ChunkFeed:
                 return span
             assert chunk.stream is not None  # checked by _continues
             start, stop = (int(v) for v in chunk.stream.r[0])
-            why = self._admitted(chunk) or self._call(chunk, index, start, stop, span)
+            pending = None if self._guard is None else self._guard.pending()
+            why = (
+                self._admitted(pending, chunk)
+                or self._call(chunk, index, start, stop, span)
+                or self._admitted(pending, None)
+            )
             if why is not None:
                 self._refused(why)
                 return why
@@ -803,13 +810,17 @@ class ChunkFeed:
         if self._next_layer == 0:
             self.end = self._range[1]
 
-    def _admitted(self, chunk: DecodedKV) -> str | None:
+    def _admitted(self, pending: PendingStamps | None, chunk: DecodedKV | None) -> str | None:
         """Why the guard refuses the chunk's stamp (a duplicate, a stale epoch); ``None`` when
-        it takes it, or without a guard."""
-        if self._guard is None:
+        it passes, or without a guard. With ``chunk`` ``None``: remembers the stamp checked
+        (called once ``on_chunk`` took the chunk, so a chunk it refused leaves no mark)."""
+        if pending is None:
             return None
         try:
-            self._guard.admit(chunk.stamp, chunk.request_id)
+            if chunk is None:
+                pending.commit()
+            else:
+                pending.admit(chunk.stamp, chunk.request_id)
         except PayloadRefused as exc:
             return str(exc)
         return None
@@ -1146,7 +1157,7 @@ class StreamAssembly:
         source: ChunkSource,
         *,
         max_header_bytes: int,
-        guard: SessionGuard | None = None,
+        guard: SessionGuard | PendingStamps | None = None,
         feed: ChunkFeed | None = None,
     ) -> None:
         self.source = source
