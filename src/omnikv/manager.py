@@ -559,7 +559,9 @@ class OmniKVTransferManager:
         with self._admission_lock:
             if self._admission is None:
                 self._admission = KVAdmission(
-                    self.receive_kv_cache_result, recv_timeout=self.config.recv_timeout
+                    self.receive_kv_cache_result,
+                    recv_timeout=self.config.recv_timeout,
+                    probe=self.probe_kv_cache,
                 )
             return self._admission
 
