@@ -57,7 +57,7 @@ class RateLimitedLog:
         #: lines suppressed in the current interval
         self.suppressed = 0
 
-    def log(self, level: int, msg: str, *args: object) -> None:
+    def log(self, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
         """``logger.log(level, msg, *args)`` unless this interval's burst is spent."""
         if not self.logger.isEnabledFor(level):
             return
@@ -79,7 +79,7 @@ class RateLimitedLog:
                 self.burst,
                 self.interval_s,
             )
-        self.logger.log(level, msg, *args)
+        self.logger.log(level, msg, *args, exc_info=exc_info)
 
     def debug(self, msg: str, *args: object) -> None:
         """:meth:`log` at DEBUG."""
@@ -96,3 +96,7 @@ class RateLimitedLog:
     def error(self, msg: str, *args: object) -> None:
         """:meth:`log` at ERROR."""
         self.log(logging.ERROR, msg, *args)
+
+    def exception(self, msg: str, *args: object) -> None:
+        """:meth:`log` at ERROR with the exception being handled (``logger.exception``)."""
+        self.log(logging.ERROR, msg, *args, exc_info=True)

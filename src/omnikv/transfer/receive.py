@@ -20,6 +20,7 @@ under one deadline and keeps the results; a later :meth:`KVReceiver.receive` of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from omnikv._logging import RateLimitedLog
 from omnikv.config import TransferOptions
 from omnikv.connectors.base import (
     KeyProbe,
@@ -75,6 +77,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_misses = RateLimitedLog(logger)  # misses a forger or a client can cause
 
 #: The reference's warm-up request id: never received.
 DUMMY_REQUEST_ID = "dummy_req_id"
@@ -491,11 +494,15 @@ class KVReceiver:
         status = next((s for kind, s in _STATUS if isinstance(exc, kind)), None)
         if status is None:
             raise exc
-        if quiet:
-            log = logger.debug
-        else:
-            log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
-        log("KV receive for %s failed (%s): %s", request_id, status.value, exc)
+        level = logging.WARNING if status is ReceiveStatus.TIMEOUT else logging.ERROR
+        # a refused or corrupt payload can be a forger's: rate-limited like any such line
+        log = logger.debug if quiet else functools.partial(_misses.log, level)
+        log(
+            "KV receive for %s failed (%s): %s",
+            request_id,
+            status.value,
+            exc,
+        )
         return ReceiveResult(request_id, status, None, 0, keys, str(exc), time.monotonic() - t0)
 
     # -- where a request's KV stands, without receiving it -------------------------------------

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from omnikv._logging import RateLimitedLog
 from omnikv.config import RetryPolicy
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
 from omnikv.errors import DecodeError, OmniKVError, PayloadRefused
@@ -83,6 +84,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Longest a streaming step waits for room to put a chunk (seconds; ``send_timeout`` if less).
 STEP_PUT_S = 0.25
@@ -471,7 +473,7 @@ class KVStreams:
             while len(self._streams) > self.capacity:
                 evicted.append(self._streams.popitem(last=False))
         for old_rid, old in evicted:
-            logger.warning(
+            _outsider.warning(
                 "KV stream of %s dropped: more than %d streams open (abort_kv_stream missing?)",
                 old_rid,
                 self.capacity,
@@ -842,7 +844,7 @@ class ChunkFeed:
         try:
             return self._on_chunk(piece)
         except Exception as exc:  # the caller's bug refuses this receive, nothing else
-            logger.exception("on_chunk raised for chunk %d of %s", index, chunk.request_id)
+            _outsider.exception("on_chunk raised for chunk %d of %s", index, chunk.request_id)
             return f"on_chunk raised {type(exc).__name__}: {exc}"
 
     def error(self, key: str) -> OmniKVError:
@@ -1004,7 +1006,7 @@ class EagerChunks:
                             return
                         continue
                 # taken after stop() collected the rest (a wait that outlived its slice)
-                logger.warning("dropped chunk %s, taken after its receive ended", ckey)
+                _outsider.warning("dropped chunk %s, taken after its receive ended", ckey)
                 buf.release()
                 return
         except OmniKVError as exc:  # the assembly's own take reports a missing chunk

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
     GetResult,
     KeyProbe,
@@ -74,6 +75,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 
 #: The events every pull connector counts (each adds its own; see its protocol module).
@@ -445,7 +447,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
             with self.error_map.translate(f"get of {key}"):
                 buf = side.take(key, sender_endpoint(metadata, self._default_sender))
         except ConnectorError as exc:
-            logger.error("get of %s failed: %s", key, exc)
+            _outsider.error("get of %s failed: %s", key, exc)
             return None
         return None if buf is None else get_result(buf)
 
@@ -545,7 +547,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
             side = self._receiving_side()
             msg = verdict_message(key, verdict, reason)
             if msg is None:
-                logger.warning("no verdict sent for %.200s: key too long", key)
+                _outsider.warning("no verdict sent for %.200s: key too long", key)
                 return
             endpoint = sender_endpoint(metadata, self._default_sender)
             with self.error_map.translate(f"verdict on {key}"):
