@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from omnikv._logging import RateLimitedLog
@@ -53,8 +53,8 @@ from omnikv.values import (
     parse_number,
     parse_port,
     parse_positive,
-    parse_secret,
     parse_size,
+    resolve_secret,
 )
 
 __all__ = [
@@ -148,7 +148,7 @@ class PullSettings:
     close_timeout_s: float
     window_s: float
     put_timeout_s: float
-    secret: bytes | None
+    secret: bytes | None = field(repr=False)
     default_sender: tuple[str, int] | None
     limits: ServerLimits
 
@@ -162,7 +162,9 @@ class PullSettings:
         taken without a verdict for this long is reported ``expired``),
         ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
         ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30), ``put_timeout_s`` (0),
-        ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender),
+        ``auth_secret`` (or ``auth_secret_file``, or ``$OMNIKV_AUTH_SECRET``:
+        :func:`~omnikv.values.resolve_secret`), ``sender_host`` / ``sender_zmq_port`` (a
+        receiver's default sender),
         and the control port's admission limits (``limits``, a
         :class:`~omnikv.connectors.pull.control.ServerLimits`): ``max_connections`` (1024),
         ``max_connections_per_peer`` (64),
@@ -197,7 +199,7 @@ class PullSettings:
             "close_timeout_s": seconds("close_timeout_seconds", 30.0),
             "window_s": seconds("auth_window_seconds", DEFAULT_WINDOW_S),
             "put_timeout_s": parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0),
-            "secret": parse_secret("auth_secret", cfg.get("auth_secret")),
+            "secret": resolve_secret(cfg),
             "default_sender": default_sender,
             "limits": _limits(cfg),
         }
