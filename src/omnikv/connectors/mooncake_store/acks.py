@@ -48,8 +48,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-#: Malformed verdict records: any Store client can write them.
-_malformed = RateLimitedLog(logger)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: What a payload key is followed by to name its verdict record.
 ACK_SUFFIX = ".ack"
@@ -319,7 +318,7 @@ class VerdictWatch:
         if parsed is None:
             if body or size > MAX_RECORD_BYTES:
                 self._counters.add("acks_malformed")
-                _malformed.warning("dropped a malformed verdict record %s (%d bytes)", rkey, size)
+                _outsider.warning("dropped a malformed verdict record %s (%d bytes)", rkey, size)
             else:  # listed but unreadable: its holder went away; the ack timeout decides
                 logger.debug("verdict record %s could not be read; removed", rkey)
             return
@@ -356,7 +355,7 @@ class WrittenRecords:
         rkey = ack_key(key)
         if len(key) > MAX_KEY_CHARS:
             self._counters.add("ack_failures")
-            logger.warning("no verdict record for a key of %d characters", len(key))
+            _outsider.warning("no verdict record for a key of %d characters", len(key))
             return
         try:
             body = encode_record(key, verdict, reason)

@@ -51,8 +51,7 @@ from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_ident
 __all__ = ["SenderSide"]
 
 logger = logging.getLogger(__name__)
-#: Pulls refused or failed: without a secret anyone who reaches the port can cause them.
-_refusals = RateLimitedLog(logger)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 
 @dataclass
@@ -177,7 +176,9 @@ class SessionNames:
             self._names.move_to_end(session)
             self._bound_names()
         if last is not None and generation > last.generation:
-            logger.info("session %s came back with a new receiver; writing to it afresh", session)
+            _outsider.info(
+                "session %s came back with a new receiver; writing to it afresh", session
+            )
 
     def failed(self, session: str, token: bytes, generation: int) -> None:
         """A write under ``generation``'s spelling failed: that claimant tries the next
@@ -382,7 +383,7 @@ class SenderSide:
                 self._note_xfer(req.msg["xid"], "inflight")
         if reason:
             if reason == "outside_pool":
-                _refusals.warning(
+                _outsider.warning(
                     "refused a pull of %s outside the requester's pool", req.msg["key"]
                 )
             self._server.answer(req, {"op": "error", "reason": reason})
@@ -460,7 +461,7 @@ class SenderSide:
             self._server.answer(req, {"op": "done", "size": entry.size})
         else:
             self._counters.add("pull_failures")
-            _refusals.warning("pull of %s failed: %s", entry.key, reason)
+            _outsider.warning("pull of %s failed: %s", entry.key, reason)
             self._server.answer(req, {"op": "error", "reason": reason})
 
     def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> bool:
@@ -492,7 +493,7 @@ class SenderSide:
         why = f"unconsumed for {self._cfg.ttl_s:g} s (TTL, buffer_ttl_seconds)"
         for e in old:
             self._pool.allocator.free(e.offset)
-            logger.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
+            _outsider.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
             self._verdicts.expired(e.key, e.pub, why)
         if old:
             self._counters.add("ttl_reaped", len(old))

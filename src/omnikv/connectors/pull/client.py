@@ -42,8 +42,7 @@ from omnikv.errors import ConnectorUnavailableError, ProtocolError
 __all__ = ["MAX_OUTSTANDING", "REPLY_KEEP_S", "Channel", "ControlClient", "Link"]
 
 logger = logging.getLogger(__name__)
-#: Invalid replies: whoever answers on the sender's address can send them.
-_rejections = RateLimitedLog(logger)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 _RECV_BYTES = 65536
 _SEND_TIMEOUT_S = 5.0
@@ -97,7 +96,7 @@ class Link:
             try:
                 frames = self.reader.next()
             except ProtocolError as exc:
-                logger.warning("closing a control connection: %s", exc)
+                _outsider.warning("closing a control connection: %s", exc)
                 self.close()
                 return None
             if frames is not None or self.closed:
@@ -297,7 +296,7 @@ class ControlClient:
             return self.codec.decode_reply(frames)
         except ProtocolError as exc:
             self.rejected += 1
-            _rejections.warning("rejected a control reply: %s", exc)
+            _outsider.warning("rejected a control reply: %s", exc)
             return None
 
     @property

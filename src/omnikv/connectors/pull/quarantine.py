@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.connector import LateArrivals
@@ -28,6 +29,7 @@ from omnikv.connectors.pull.connector import LateArrivals
 __all__ = ["Outcome", "Quarantine", "Transfer"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # a slow or vanishing sender causes these lines
 
 
 class Outcome(enum.Enum):
@@ -91,7 +93,7 @@ class Quarantine:
             if start:
                 self._reaper = threading.Thread(target=self._reap, name=self._name, daemon=True)
         self._counters.add("quarantine_events")
-        logger.warning(
+        _outsider.warning(
             "quarantined a %d-byte receive slot for %s (its transfer may still write)", size, key
         )
         if start and self._reaper is not None:

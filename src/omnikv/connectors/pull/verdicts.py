@@ -64,8 +64,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-#: Verdicts that name nothing their peer took can come from anyone who reaches the port.
-_ignored = RateLimitedLog(logger)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 VERDICT_OP = "verdict"
 _VALUES = frozenset(v.value for v in Verdict)
@@ -221,7 +220,7 @@ class SentVerdicts:
             self._report(watch.put_key, Verdict(verdict), text)
         elif not kept:
             self._counters.add("acks_ignored")
-            _ignored.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
+            _outsider.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
         return accepted or kept
 
     def sweep(self, now: float | None = None) -> float:
