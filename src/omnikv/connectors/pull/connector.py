@@ -366,7 +366,6 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
     and implements ``health`` and ``close``.
     """
 
-    supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
     takes_abort: ClassVar[bool] = True

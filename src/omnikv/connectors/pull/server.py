@@ -305,6 +305,11 @@ class ControlServer:
     def answer(self, req: Request, msg: Mapping[str, Any]) -> None:
         self.reply(req.ident, req.nonce, msg)
 
+    def has_channel(self, ident: bytes) -> bool:
+        """Whether the connection ``ident`` (a :class:`Request`'s) still holds its channel
+        (any thread: one dictionary look-up)."""
+        return ident in self._admission.channels
+
     def stats(self) -> dict[str, int]:
         """Connection counts for ``health()`` (read without a lock: a snapshot, maybe torn)."""
         adm = self._admission

@@ -66,11 +66,16 @@ Design (one page; the parts live in modules of this package, each named in paren
   payload dropped by ``cleanup`` gets no verdict. ``health()`` counts ``acks_delivered``,
   ``acks_refused``, ``acks_expired``, ``acks_ignored`` (verdicts naming nothing that peer
   took), ``acks_sent`` / ``ack_failures`` (as a receiver).
-* **A full pool.** A put that finds no space waits until its deadline while space can come
-  back: readers holding payloads are asked to migrate them, a payload being written may go to
-  a waiting reader, an unconsumed one may expire, a reader may come for one put recently. It
-  fails at once with :class:`PoolExhaustedError` (``put_pool_full``) when every slot in use
-  holds a published payload no reader claimed, none expires before the deadline, and even the
+* **A full pool.** A full pool serves the newest hand-off: a put that finds no space first
+  frees payloads published and claimed by no reader for ``unclaimed_grace_seconds`` (10 s),
+  oldest first, until it fits (counted as ``grace_evicted`` / ``grace_evicted_bytes``, one
+  WARNING naming their keys, each reported ``expired``), so requests whose KV nobody comes for
+  cannot starve a producer until their TTL. Otherwise it waits until its deadline while space
+  can come back: readers holding payloads are asked to migrate them, a payload being written
+  may go to a waiting reader, an unconsumed one may expire or pass its grace, a reader may come
+  for one put recently. It fails at once with :class:`PoolExhaustedError` (``put_pool_full``)
+  when every slot in use holds a published payload no reader claimed, none expires or passes
+  its grace before the deadline, and even the
   youngest has waited at least as long as the put may still wait: only a reader coming for one
   could help, none came for any of them in that long, and a waiting put holds its caller (an
   engine's KV blocks) for nothing. The message says how many payloads of how many bytes hold
@@ -122,6 +127,11 @@ key                         default      meaning
 ``buffer_ttl_seconds``      300          an unconsumed payload is freed this many seconds after
                                          its put, with a WARNING naming it (a number >= 0;
                                          0: never); a reader that comes later misses
+``unclaimed_grace_seconds`` 10           when a put finds the pool full, payloads published and
+                                         claimed by no reader for this many seconds are freed,
+                                         oldest first, until it fits (a number >= 0; counted as
+                                         ``grace_evicted``, logged with their keys, reported
+                                         ``expired``)
 ``ack_timeout_s``           60           a payload taken by a reader and not acknowledged this
                                          many seconds after its offer is reported ``expired``
                                          (a number >= 0; a reader that goes away first makes it
@@ -183,7 +193,7 @@ from omnikv.connectors.shm.recv import COUNTER_NAMES as RECV_COUNTERS
 from omnikv.connectors.shm.recv import Offer, RecvSide
 from omnikv.connectors.shm.registry import SenderRecord
 from omnikv.connectors.shm.store import COUNTER_NAMES as SEND_COUNTERS
-from omnikv.connectors.shm.store import Entry, SendStore
+from omnikv.connectors.shm.store import Entry, Lifetime, SendStore
 from omnikv.connectors.shm.wakeup import Wakeups
 from omnikv.connectors.shm.wire import namespace_prefix, transport_key
 from omnikv.errors import (
@@ -254,7 +264,6 @@ class SharedMemoryConnector(OmniConnectorBase):
     connector serves the sockets, or one waiting thread while it waits (``leadership``).
     """
 
-    supports_raw_data = True
     acknowledges = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -282,7 +291,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._mesh.drop,
             counters=self._counters,
             reserve=self.config.reserve_bytes,
-            ttl_s=self.config.buffer_ttl_s,
+            lifetime=Lifetime(self.config.buffer_ttl_s, self.config.unclaimed_grace_s),
             verdicts=self._verdicts,
         )
         self._recv = RecvSide(self._mesh, self._counters)
@@ -711,6 +720,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             "instance": self.instance,
             "threshold": self.threshold,
             "buffer_ttl_seconds": self.config.buffer_ttl_s,
+            "unclaimed_grace_seconds": self.config.unclaimed_grace_s,
             "ack_timeout_s": self.config.ack_timeout_s,
             "awaiting_verdicts": self._verdicts.awaiting(),
             "pool_reserve_source": self.config.reserve_source,
