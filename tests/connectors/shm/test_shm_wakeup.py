@@ -14,6 +14,7 @@ stopped by PID.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -144,3 +145,22 @@ def test_closing_ends_wakeups_and_a_bad_timeout_is_refused(make: Any) -> None:
     c.close()
     assert c.get_wakeup_generation() is None
     assert c.wait_for_change(generation, timeout=5.0) is False
+
+
+def test_a_wakeup_socket_numbered_past_select_s_limit_still_waits(make: Any) -> None:
+    """A process with many files open (an engine) gets a socket numbered >= 1024, which
+    ``select`` refuses: the wait must still last its timeout (a caller's poll loop would spin
+    otherwise) and still wake on a put."""
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        receiver, sender = make(stage_id=1), make()
+        generation = receiver.get_wakeup_generation()
+        assert generation is not None
+        t0 = time.monotonic()
+        assert receiver.wait_for_change(generation, timeout=0.3) is False
+        assert time.monotonic() - t0 >= 0.25
+        assert sender.put("0", "1", "r1", b"x")[0]
+        assert receiver.wait_for_change(generation, timeout=5.0) is True
+    finally:
+        for fd in spare:
+            os.close(fd)

@@ -41,6 +41,8 @@ WAKEUP_ENV = "VLLM_OMNI_SHM_WAKEUP"
 RESCAN_S = 0.1
 #: Datagrams drained per wake (a flood only makes one wake).
 _MAX_DRAIN = 1024
+#: The longest single poll (ms): ``poll`` takes a C int.
+_MAX_POLL_MS = float(2**31 - 1)
 
 
 def wakeups_enabled() -> bool:
@@ -124,8 +126,11 @@ class Wakeups:
                 return False
             if self._generation != generation:
                 return True
+        # poll, not select: select refuses descriptors >= 1024 (an engine has that many open)
+        poller = select.poll()
         try:
-            readable, _, _ = select.select([sock], [], [], timeout)
+            poller.register(sock, select.POLLIN)
+            readable = poller.poll(min(timeout * 1000.0, _MAX_POLL_MS))
         except (OSError, ValueError):  # closed meanwhile
             return False
         with self._lock:
