@@ -15,6 +15,7 @@ stopped by PID.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from test_shm_peer import Peer, peer_pool, start_peer
 
 from omnikv.connectors import ConnectorSpec, OmniConnectorFactory
 from omnikv.connectors.shm.connector import SharedMemoryConnector
+from omnikv.connectors.shm.wakeup import MAX_WAITERS, Wakeups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,3 +166,35 @@ def test_a_wakeup_socket_numbered_past_select_s_limit_still_waits(make: Any) -> 
     finally:
         for fd in spare:
             os.close(fd)
+
+
+def test_names_bound_by_others_cannot_make_a_put_unbounded(namespace: str) -> None:
+    """Anyone on the host may bind datagram sockets under a stage's wakeup prefix; a put sends
+    to at most ``MAX_WAITERS`` of them."""
+    receiver = Wakeups(namespace, 4)
+    assert receiver.generation() is not None  # binds the receiver's socket: the prefix's form
+    sock = receiver._sock
+    assert sock is not None
+    prefix = sock.getsockname()[1:].decode().rsplit("/", 1)[0]
+    flood = []
+    try:
+        for i in range(MAX_WAITERS + 40):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            flood.append(s)
+            s.bind(f"\0{prefix}/flood{i:04d}".encode())
+            s.setblocking(False)
+        sender = Wakeups(namespace, None)
+        sender.notify(4)
+        sender.close()
+        woken = 0
+        for s in [*flood, sock]:
+            try:
+                s.recv(16)
+                woken += 1
+            except BlockingIOError:
+                pass
+        assert 0 < woken <= MAX_WAITERS
+    finally:
+        for s in flood:
+            s.close()
+        receiver.close()

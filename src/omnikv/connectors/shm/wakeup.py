@@ -9,7 +9,8 @@ spurious one a look, never data.
 How: each waiting connector binds a datagram socket in the Linux *abstract* namespace (no file,
 nothing left behind by a killed process) named ``omnikv-shm-wake/<uid>/<scope>/<stage>/<random>``;
 a ``put`` to stage ``S`` sends one byte to every such socket of ``S`` in its scope, listed from
-``/proc/net/unix`` (at most every :data:`RESCAN_S`; the names found last are reused in between).
+``/proc/net/unix`` (at most every :data:`RESCAN_S`; the names found last are reused in between;
+at most :data:`MAX_WAITERS` per stage, so names bound by others cannot make a put unbounded).
 The scope is the connector's ``extra.wakeup_scope`` when set, else its namespace. Stages are
 numbers, as in the reference (``stage_id``; a connector without a number >= 0 has no wakeups,
 and puts to a stage that is not a number wake nobody). ``VLLM_OMNI_SHM_WAKEUP`` other than
@@ -31,7 +32,7 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["RESCAN_S", "WAKEUP_ENV", "Wakeups", "wakeups_enabled"]
+__all__ = ["MAX_WAITERS", "RESCAN_S", "WAKEUP_ENV", "Wakeups", "wakeups_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 WAKEUP_ENV = "VLLM_OMNI_SHM_WAKEUP"
 #: A put lists the waiting sockets of its stage again when its list is older than this (s).
 RESCAN_S = 0.1
+#: The most waiting sockets a put wakes per stage (a put's cost is one send per socket).
+MAX_WAITERS = 256
 #: Datagrams drained per wake (a flood only makes one wake).
 _MAX_DRAIN = 1024
 #: The longest single poll (ms): ``poll`` takes a C int.
@@ -58,8 +61,10 @@ def _stage_number(stage: Any) -> int | None:
     return number if number >= 0 else None
 
 
-def _bound_datagrams(prefix: str) -> list[str]:
-    """Abstract datagram socket names starting with ``prefix`` (from ``/proc/net/unix``)."""
+def _bound_datagrams(prefix: str, limit: int = MAX_WAITERS) -> list[str]:
+    """Abstract datagram socket names starting with ``prefix`` (from ``/proc/net/unix``), at
+    most ``limit`` of them: anyone on the host may bind names under the prefix, and a put sends
+    to every name listed."""
     found: list[str] = []
     want = "@" + prefix
     try:
@@ -69,6 +74,9 @@ def _bound_datagrams(prefix: str) -> list[str]:
                 parts = line.split()
                 # Num RefCount Protocol Flags Type St Inode Path; datagram sockets: Type 0002
                 if len(parts) >= 8 and parts[4] == "0002" and parts[7].startswith(want):
+                    if len(found) >= limit:
+                        logger.debug("more than %d wakeup sockets under %s", limit, prefix)
+                        break
                     found.append(parts[7][1:])
     except OSError:
         return found
