@@ -39,6 +39,7 @@ __all__ = [
     "Piece",
     "Placement",
     "ReshardPlan",
+    "check_rank_mapping",
     "placement_from_rank_mapping",
     "plan_reshard",
 ]
@@ -209,6 +210,34 @@ class Placement:
             cfg=mapping.get("cfg", 1),
             layer_split=None if split is None else tuple(split),
         )
+
+
+def check_rank_mapping(rank_mapping: Mapping[str, Any]) -> None:
+    """``ConfigError`` naming the key for a placement value of ``rank_mapping`` that no model
+    could accept (what can be told without the model's layers and KV heads, which
+    :func:`placement_from_rank_mapping` checks): sizes ints in ``1..4096``, ``sp_mode`` one of
+    :data:`SP_MODES`, ``layer_split`` a list of positive ints. Called by the config check
+    (``check_omni_kv_config``); ``from_tp`` / ``to_tp`` are the config's own to parse."""
+    for key, value in rank_mapping.items():
+        axis = str(key).split("_", 1)[-1]
+        if key in ("from_tp", "to_tp") or key not in RANK_MAPPING_KEYS:
+            continue
+        if axis == "sp_mode":
+            ok = value in SP_MODES
+        elif axis == "layer_split":
+            ok = (
+                isinstance(value, list | tuple)
+                and 1 <= len(value) <= MAX_AXIS
+                and all(type(n) is int and n >= 1 for n in value)
+            )
+        else:
+            ok = type(value) is int and 1 <= value <= MAX_AXIS
+        if not ok:
+            want = {"sp_mode": f"one of {SP_MODES}", "layer_split": "a list of positive ints"}
+            raise ConfigError(
+                f"rank_mapping.{key} must be {want.get(axis, f'an int in 1..{MAX_AXIS}')},"
+                f" got {value!r:.60}"
+            )
 
 
 def placement_from_rank_mapping(
