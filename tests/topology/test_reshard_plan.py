@@ -241,3 +241,21 @@ def test_the_config_check_refuses_placement_values_no_model_accepts(
     could take is refused there, naming its key (not first when a reshard is set up)."""
     with pytest.raises(ConfigError, match=f"rank_mapping.{key} must be"):
         check_omni_kv_config({"rank_mapping": {"from_tp": 2, "to_tp": 2, **mapping}})
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "runs"),
+    [
+        (10, 4, [(0, 2), (2, 5), (5, 8), (8, 10)]),
+        (28, 3, [(0, 9), (9, 19), (19, 28)]),
+        (30, 4, [(0, 7), (7, 15), (15, 23), (23, 30)]),
+        (7, 2, [(0, 4), (4, 7)]),
+        (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+    ],
+)
+def test_the_default_pp_split_is_vllms(layers: int, pp: int, runs: list[tuple[int, int]]) -> None:
+    """Without ``layer_split`` a PP stage's ranks hold the layers vLLM gives them (``runs`` are
+    what vLLM 0.32's ``vllm.distributed.utils.get_pp_indices`` returns: the remainder one each
+    to the ranks just before the last)."""
+    p = Placement(layers, 4, pp=pp)
+    assert [p.box(r, 3).layers for r in range(pp)] == runs
