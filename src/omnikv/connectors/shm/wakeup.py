@@ -11,6 +11,8 @@ nothing left behind by a killed process) named ``omnikv-shm-wake/<uid>/<scope>/<
 a ``put`` to stage ``S`` sends one byte to every such socket of ``S`` in its scope, listed from
 ``/proc/net/unix`` (at most every :data:`RESCAN_S`; the names found last are reused in between;
 at most :data:`MAX_WAITERS` per stage, so names bound by others cannot make a put unbounded).
+A waiter that binds its socket just after a sender listed is not woken by that sender's puts
+until the sender lists again, up to :data:`RESCAN_S` later (it waits its timeout instead).
 The scope is the connector's ``extra.wakeup_scope`` when set, else its namespace. Stages are
 numbers, as in the reference (``stage_id``; a connector without a number >= 0 has no wakeups,
 and puts to a stage that is not a number wake nobody). ``VLLM_OMNI_SHM_WAKEUP`` other than
