@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from omnikv.values import (
     parse_number,
     parse_positive,
     parse_ratio,
+    redacted,
 )
 from omnikv.wire.codec import CODECS
 from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES, MAX_INSTANCE_CHARS
@@ -85,6 +86,13 @@ class OmniKVCacheConfig:
     to_tp: int = 1
     enable_kv_async_prefetch: bool = False
     kv_prefetch_min_free_mem_ratio: float = 0.0
+
+    def __repr__(self) -> str:
+        """The fields, with any ``auth_secret`` in ``connector_config`` shown as
+        ``<redacted>`` (a config is logged and shown in errors; its secret never is)."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["connector_config"] = redacted(self.connector_config)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @dataclass(frozen=True)
