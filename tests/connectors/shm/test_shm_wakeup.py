@@ -198,3 +198,29 @@ def test_names_bound_by_others_cannot_make_a_put_unbounded(namespace: str) -> No
         for s in flood:
             s.close()
         receiver.close()
+
+
+def test_closing_wakes_a_waiter(make: Any) -> None:
+    """``close()`` ends a wait in progress (``False``) instead of leaving the waiting thread
+    blocked for the rest of its timeout."""
+    c = make(stage_id=1)
+    generation = c.get_wakeup_generation()
+    assert generation is not None
+    got: list[tuple[bool, float]] = []
+    entered = threading.Event()
+
+    def wait() -> None:
+        entered.set()
+        t0 = time.monotonic()
+        got.append((c.wait_for_change(generation, timeout=20.0), time.monotonic() - t0))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert entered.wait(5)
+    # not synchronisation: the assertions hold whenever the close comes; the pause only makes
+    # the close usually find the waiter inside its poll, the case that kept it blocked
+    time.sleep(0.2)
+    c.close()
+    waiter.join(25)
+    assert not waiter.is_alive()
+    assert got and got[0][0] is False and got[0][1] < 5.0

@@ -23,6 +23,7 @@ Anyone on the host may send a byte to a wakeup socket: that is a spurious wakeup
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -194,9 +195,14 @@ class Wakeups:
                 self._known[stage] = (self._known[stage][0], [n for n in names if n not in gone])
 
     def close(self) -> None:
-        """Close both sockets; later calls find no wakeups (idempotent)."""
+        """Close both sockets, ending a wait in progress (it returns ``False``); later calls
+        find no wakeups (idempotent)."""
         with self._lock:
             self._closed = True
+            if self._sock is not None:
+                # a byte to itself wakes a waiter's poll, which a close alone does not
+                with contextlib.suppress(OSError):
+                    self._sock.sendto(b"\0", self._sock.getsockname())
             for sock in (self._sock, self._out):
                 if sock is not None:
                     sock.close()
