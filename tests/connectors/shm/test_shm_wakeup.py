@@ -224,3 +224,15 @@ def test_closing_wakes_a_waiter(make: Any) -> None:
     waiter.join(25)
     assert not waiter.is_alive()
     assert got and got[0][0] is False and got[0][1] < 5.0
+
+
+@pytest.mark.parametrize("stage", [float("inf"), float("-inf"), float("nan"), "1e3", None])
+def test_a_stage_that_is_no_number_has_no_wakeups_and_never_raises(stage: Any) -> None:
+    """``notify`` never raises (a put calls it after publishing) and only stage numbers have
+    wakeups, whatever a config or a caller passes as the stage."""
+    w = Wakeups("scope-of-odd-stages", stage)
+    try:
+        assert w.generation() is None
+        w.notify(stage)
+    finally:
+        w.close()

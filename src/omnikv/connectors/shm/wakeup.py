@@ -59,7 +59,7 @@ def wakeups_enabled() -> bool:
 def _stage_number(stage: Any) -> int | None:
     try:
         number = int(stage)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
         return None
     return number if number >= 0 else None
 
