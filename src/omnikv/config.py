@@ -37,7 +37,7 @@ from typing import Any
 
 from omnikv.errors import ConfigError
 from omnikv.layouts.specs import LAYOUTS
-from omnikv.topology.reshard import RANK_MAPPING_KEYS
+from omnikv.topology.reshard import RANK_MAPPING_KEYS, check_rank_mapping
 from omnikv.values import (
     parse_bool,
     parse_choice,
@@ -452,9 +452,10 @@ def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") 
     the value is a mapping; every top-level key is in :data:`KNOWN_KEYS` (a near miss is
     suggested); stage ids are strings or integers; ``engine_input_source`` is a list of them;
     ``rank_mapping`` holds only ``from_tp`` / ``to_tp`` and the placement keys of
-    :data:`~omnikv.topology.reshard.RANK_MAPPING_KEYS`; ``connector_config`` is a mapping whose
-    ``type`` names a registered connector (nothing is imported); every value parses as
-    :func:`config_from_dict` and :func:`options_from_dict` parse it.
+    :data:`~omnikv.topology.reshard.RANK_MAPPING_KEYS`, whose values
+    :func:`~omnikv.topology.reshard.check_rank_mapping` checks; ``connector_config`` is a
+    mapping whose ``type`` names a registered connector (nothing is imported); every value
+    parses as :func:`config_from_dict` and :func:`options_from_dict` parse it.
     """
     if not isinstance(omni_kv_config, Mapping):
         raise ConfigError(
@@ -485,6 +486,10 @@ def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") 
         extra = sorted(str(k) for k in rank_mapping if k not in RANK_MAPPING_KEYS)
         if extra:
             raise _unknown_key_error(f"{where}: rank_mapping", extra, RANK_MAPPING_KEYS)
+        try:
+            check_rank_mapping(rank_mapping)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
     _check_connector_config(where, kv.get("connector_config"))
     try:
         config_from_dict(kv)

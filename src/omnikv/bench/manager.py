@@ -449,7 +449,8 @@ def _waiting_sample(
     sent = mgr.get_send_result(rid)
     tx = sent.timings_ms if sent is not None else {}
     t_got, ok, after_wait_ms, t_call, rx = chan.recv()
-    # the sender's phases start a little after t0: the put ends at most this late
+    # the sender's phases start a little after t0, so the put ends no earlier than this: the
+    # wake-up phase below is an upper bound (by that little), the put phase a lower one
     t_put = t0 + (float(tx.get("extract_ms", 0.0)) + float(tx.get("encode_put_ms", 0.0))) / 1e3
     t_wait_end = float(t_call) + float(rx.get("wait_ms", 0.0)) / 1e3
     decode, finish = float(rx.get("decode_ms", 0.0)), float(rx.get("finish_ms", 0.0))
