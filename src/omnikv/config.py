@@ -208,6 +208,14 @@ def config_from_dict(
     rank_mapping = kv.get("rank_mapping")
     if not isinstance(rank_mapping, Mapping):
         rank_mapping = {}
+    placement_keys = sorted(str(k) for k in rank_mapping if k not in ("from_tp", "to_tp"))
+    if placement_keys:
+        logger.warning(
+            "rank_mapping keys %s describe a placement that the seed API's send and receive do"
+            " not act on (they use from_tp / to_tp); move KV along it with"
+            " omnikv.transfer.reshard (PieceSender / PieceReceiver)",
+            placement_keys,
+        )
     connector_config = kv.get("connector_config")
     if connector_config is not None and not isinstance(connector_config, dict):
         raise ConfigError(f"connector_config must be a dict, got {type(connector_config).__name__}")
