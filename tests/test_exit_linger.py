@@ -26,6 +26,7 @@ SENDER = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_an_exit_that_lingers_says_so_once_on_stderr(namespace: str) -> None:
     done = subprocess.run(
         [sys.executable, "-c", SENDER, namespace],
