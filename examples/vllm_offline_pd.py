@@ -25,7 +25,7 @@ import tempfile
 import uuid
 from typing import Any
 
-# Before vLLM is imported: it reads the variable at import (see the module docstring).
+# Set before vLLM is imported, so that every engine it starts sees it (module docstring).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from vllm import LLM, SamplingParams
