@@ -180,3 +180,11 @@ def test_table_header_names_the_whole_baseline(capsys: pytest.CaptureFixture[str
     print_table([base], baseline=base, title="t")
     head = capsys.readouterr().out.splitlines()[2]
     assert head.rstrip().endswith("x memcpy") and "(aligne" not in head
+
+
+def test_doctor_explains_vllms_cpu_kv_cache_space() -> None:
+    from omnikv.cli import vllm_cpu_note
+
+    unset = vllm_cpu_note(None)
+    assert "VLLM_CPU_KVCACHE_SPACE is unset" in unset and "omnikv demo --save-model" in unset
+    assert vllm_cpu_note("1").startswith("VLLM_CPU_KVCACHE_SPACE=1 (GiB")
