@@ -29,7 +29,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from omnikv.values import (
     parse_number,
     parse_positive,
     parse_ratio,
+    redacted,
 )
 from omnikv.wire.codec import CODECS
 from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES, MAX_INSTANCE_CHARS
@@ -84,6 +85,13 @@ class OmniKVCacheConfig:
     to_tp: int = 1
     enable_kv_async_prefetch: bool = False
     kv_prefetch_min_free_mem_ratio: float = 0.0
+
+    def __repr__(self) -> str:
+        """The fields, with any ``auth_secret`` in ``connector_config`` shown as
+        ``<redacted>`` (a config is logged and shown in errors; its secret never is)."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["connector_config"] = redacted(self.connector_config)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @dataclass(frozen=True)
@@ -412,6 +420,7 @@ _PULL_KEYS = _CONNECTOR_COMMON | {
     "auth_window_seconds",
     "put_timeout_s",
     "auth_secret",
+    "auth_secret_file",
     "max_connections",
     "max_connections_per_peer",
     "handshake_timeout_seconds",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from omnikv import config as _config
+from omnikv._logging import RateLimitedLog
 from omnikv.config import OmniKVCacheConfig, TransferOptions
 from omnikv.connectors.base import KeyProbe, KeyState, OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
@@ -53,6 +54,7 @@ from omnikv.transfer.stream import KVStreams, Seal, ShippedChunk, StreamProgress
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 DEFAULT_SEND_TIMEOUT = 30.0
@@ -386,7 +388,7 @@ class OmniKVTransferManager:
         endpoint = resolve_endpoint(sender_info, sender_stage_id, self.recv_stages[0])
         if endpoint is None or endpoint == self._receiver.sender:  # unchanged: nothing to do
             if endpoint is None:
-                logger.warning("Invalid sender_info format: %r", sender_info)
+                _outsider.warning("Invalid sender_info format: %r", sender_info)
             return
         (host, base), port = endpoint, rank_port(endpoint[1], self.local_rank)
         self._receiver.sender = endpoint
@@ -601,7 +603,9 @@ class OmniKVTransferManager:
         with self._admission_lock:
             if self._admission is None:
                 self._admission = KVAdmission(
-                    self.receive_kv_cache_result, recv_timeout=self.config.recv_timeout
+                    self.receive_kv_cache_result,
+                    recv_timeout=self.config.recv_timeout,
+                    probe=self.probe_kv_cache,
                 )
             return self._admission
 

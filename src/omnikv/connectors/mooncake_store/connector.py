@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
     GetResult,
     KeyProbe,
@@ -77,6 +78,7 @@ from omnikv.values import parse_bool, parse_int, parse_number, parse_positive, p
 __all__ = ["STORE_ERRORS", "MooncakeConnector", "MooncakeStoreConnector", "import_mooncake_store"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Mooncake's ``TRANSFER_FAIL``: the master lists the object, but the client whose segment holds
 #: it did not answer (a killed sender). Later reads of it block about a second each in the engine.
@@ -433,7 +435,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         try:
             buf = self._take(key, 0.0)
         except ConnectorError as exc:
-            logger.error("get of %s failed: %s", key, exc)
+            _outsider.error("get of %s failed: %s", key, exc)
             return None
         if buf is None:
             self._counters.add("misses")
@@ -572,7 +574,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 self._verdicts.expired_by_ttl(k, ttl)
         if reaped:
             self._counters.add("ttl_reaped", len(reaped))
-            logger.warning(
+            _outsider.warning(
                 "MooncakeStoreConnector removed %d object(s) unconsumed after %.0f s (TTL): %s",
                 len(reaped),
                 ttl,

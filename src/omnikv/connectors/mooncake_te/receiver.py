@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer, notify_incoming
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
@@ -44,6 +45,7 @@ from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PeerG
 __all__ = ["ReceiverSide"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 Endpoint = tuple[str, int]
 _RETRYABLE = frozenset({"not_found", "busy", "expired"})
@@ -249,7 +251,7 @@ class ReceiverSide:
                     target=self._reap_quarantine, name="omnikv-te-quarantine", daemon=True
                 )
         self._counters.add("quarantine_events")
-        logger.warning(
+        _outsider.warning(
             "quarantined a %d-byte slot for %s (transfer %s may be running)",
             pull.size,
             pull.key,

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
@@ -50,6 +51,7 @@ from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_ident
 __all__ = ["SenderSide"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 
 @dataclass
@@ -104,7 +106,9 @@ class SessionNames:
                 return ""
             self._seen[session] = (token, generation)
         if last is not None and generation != last[1]:
-            logger.info("session %s came back with a new receiver; writing to it afresh", session)
+            _outsider.info(
+                "session %s came back with a new receiver; writing to it afresh", session
+            )
         return respell_session(session, generation)
 
 
@@ -292,7 +296,9 @@ class SenderSide:
                 self._note_xfer(req.msg["xid"], "inflight")
         if reason:
             if reason == "outside_pool":
-                logger.warning("refused a pull of %s outside the requester's pool", req.msg["key"])
+                _outsider.warning(
+                    "refused a pull of %s outside the requester's pool", req.msg["key"]
+                )
             self._server.answer(req, {"op": "error", "reason": reason})
             return
         assert entry is not None
@@ -348,7 +354,7 @@ class SenderSide:
             self._server.answer(req, {"op": "done", "size": entry.size})
         else:
             self._counters.add("pull_failures")
-            logger.warning("pull of %s failed: %s", entry.key, reason)
+            _outsider.warning("pull of %s failed: %s", entry.key, reason)
             self._server.answer(req, {"op": "error", "reason": reason})
 
     def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> bool:
@@ -380,7 +386,7 @@ class SenderSide:
         why = f"unconsumed for {self._cfg.ttl_s:g} s (TTL, buffer_ttl_seconds)"
         for e in old:
             self._pool.allocator.free(e.offset)
-            logger.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
+            _outsider.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
             self._verdicts.expired(e.key, e.pub, why)
         if old:
             self._counters.add("ttl_reaped", len(old))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer, notify_incoming
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent, Transfer
@@ -48,6 +49,7 @@ from omnikv.errors import (
 __all__ = ["POLL_CAP_S", "POLL_FIRST_S", "NixlReceiverSide"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Polling of a running READ: 20 us doubling to 500 us per sleep (``omnikv bench nixl``'s raw
 #: READ polls the same way, so the comparison isolates what the connector adds).
@@ -381,7 +383,9 @@ class NixlReceiverSide:
                     target=self._reap, name="omnikv-nixl-quarantine", daemon=True
                 )
         self._counters.add("quarantine_events")
-        logger.warning("quarantined a %d-byte receive slot for %s (READ running)", xfer.nbytes, key)
+        _outsider.warning(
+            "quarantined a %d-byte receive slot for %s (READ running)", xfer.nbytes, key
+        )
         if start and self._reaper is not None:
             self._reaper.start()
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.pull.control import (
     ControlCodec,
     Endpoint,
@@ -35,6 +36,7 @@ from omnikv.errors import ConnectorUnavailableError, ProtocolError
 __all__ = ["Channel", "ControlClient", "Link"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 _RECV_BYTES = 65536
 _SEND_TIMEOUT_S = 5.0
@@ -80,7 +82,7 @@ class Link:
             try:
                 frames = self.reader.next()
             except ProtocolError as exc:
-                logger.warning("closing a control connection: %s", exc)
+                _outsider.warning("closing a control connection: %s", exc)
                 self.close()
                 return None
             if frames is not None or self.closed:
@@ -309,7 +311,7 @@ class ControlClient:
                 msg = self.codec.decode_reply(frames)
             except ProtocolError as exc:
                 self.rejected += 1
-                logger.warning("rejected a control reply: %s", exc)
+                _outsider.warning("rejected a control reply: %s", exc)
                 continue
             if msg.get("re") in nonces:
                 return msg

@@ -148,6 +148,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
     GetResult,
     KeyProbe,
@@ -186,6 +187,7 @@ from omnikv.errors import (
 __all__ = ["COUNTER_NAMES", "DEFAULT_POOL_SIZE", "SharedMemoryConnector"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Everything a connector counts (``health()``): its mesh's, sending side's and receiving side's.
 COUNTER_NAMES = (*MESH_COUNTERS, *SEND_COUNTERS, *RECV_COUNTERS, *ACK_COUNTERS)
@@ -490,7 +492,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         except ConnectorClosedError:
             raise
         except (OmniKVError, ValueError) as exc:
-            logger.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
+            _outsider.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
             return None
 
     def wait(

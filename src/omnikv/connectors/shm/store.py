@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import HostArrayWriter, Writer, takes_host_arrays
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.pool import BufferAllocator
@@ -60,6 +61,7 @@ from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PoolE
 __all__ = ["COUNTER_NAMES", "MAX_WANTS_PER_LINK", "Entry", "SendStore", "Unconsumed"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 MAX_WANTS_PER_LINK = 4096
 #: The events a sending side counts (in its connector's :class:`Counters`), its expiry included.
@@ -225,7 +227,7 @@ class Unconsumed:
     def report(self, gone: list[tuple[Entry, float]]) -> None:
         """One WARNING per expired payload, and its ``expired`` verdict (lock not held)."""
         for e, age in gone:
-            logger.warning(
+            _outsider.warning(
                 "shared-memory payload %s (%d bytes) expired unconsumed after %.1fs"
                 " (buffer_ttl_seconds %g); its pool space is free again",
                 e.key,
@@ -523,7 +525,7 @@ class SendStore:
             old = self._published.add(entry)
             if old is not None:
                 self._counters.add("replaced")
-                logger.warning("key %s put again before it was consumed", entry.key)
+                _outsider.warning("key %s put again before it was consumed", entry.key)
                 self.free(old)
         return target
 
