@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "omnikv" / "connectors"
 #: where each built-in connector reads its connector_config
 SOURCES = {
     "LocalConnector": ["local.py"],
-    "SharedMemoryConnector": ["shm/config.py"],
+    "SharedMemoryConnector": ["shm/config.py", "shm/connector.py"],
     "MooncakeStoreConnector": ["mooncake_store/connector.py"],
     "MooncakeConnector": ["mooncake_store/connector.py"],
     "MooncakeTransferEngineConnector": ["pull/connector.py", "mooncake_te/protocol.py"],
@@ -139,3 +139,14 @@ def test_the_lenient_factories_warn_once_naming_the_key(
     lines = [r.getMessage() for r in caplog.records if "pool_siz" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "did you mean 'pool_size'" in lines[0]
+
+
+def test_a_nested_key_is_checked_too() -> None:
+    conn = {"type": "SharedMemoryConnector", "extra": {"wakeup_scop": "x"}}
+    assert unknown_connector_keys(conn) == ("SharedMemoryConnector", ["extra.wakeup_scop"])
+    with pytest.raises(
+        ConfigError, match=r"'extra.wakeup_scop' \(did you mean 'extra.wakeup_scope'\?\)"
+    ):
+        check_omni_kv_config({"connector_config": conn})
+    good = {"type": "SharedMemoryConnector", "extra": {"wakeup_scope": "x"}, "stage_id": 1}
+    assert unknown_connector_keys(good) == ("SharedMemoryConnector", [])

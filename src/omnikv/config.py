@@ -6,6 +6,8 @@ Fallback chain (reference-behaviour.md §7.2):
 * ``from_vllm_config(vllm_config, model_config)`` prefers ``model_config.omni_kv_config``, then
   ``vllm_config.kv_transfer_config.omni_connector_config``, then
   ``kv_transfer_config.kv_connector_extra_config["omni_connector_config"]``, else an inert default.
+  A stage that declares no ``kv_cache_layout`` gets the one of the engine's attention backend
+  (:func:`vllm_cache_layout`).
 
 omnikv's own options (not part of the seed's 12 fields) are read from the same dict into
 :class:`TransferOptions`.
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONNECTOR_KEYS",
+    "CONNECTOR_NESTED_KEYS",
     "KNOWN_KEYS",
     "OmniKVCacheConfig",
     "RetryPolicy",
@@ -64,6 +67,7 @@ __all__ = [
     "receiver_pool_on_device",
     "resolve_async_prefetch",
     "unknown_connector_keys",
+    "vllm_cache_layout",
     "vllm_config_parts",
     "vllm_omni_kv_dict",
 ]
@@ -133,7 +137,10 @@ class RetryPolicy:
 class TransferOptions:
     """omnikv-specific options read from ``omni_kv_config`` (all optional).
 
-    * ``kv_cache_layout``: ``"auto"`` (default), ``"kv_first"`` or ``"blocks_first"``.
+    * ``kv_cache_layout``: ``"auto"`` (default: from the shape, or, built by
+      ``from_vllm_config``, from the engine's attention backend), ``"kv_first"``,
+      ``"blocks_first"``, ``"vllm_bhnc"``, ``"vllm_cpu"`` or ``"vllm_cpu_amx"``
+      (:data:`omnikv.layouts.specs.LAYOUTS`; :mod:`omnikv.layouts.specs` says which is which).
     * ``payload_checksum``: add a crc32 of the data section to every payload (default False).
     * ``receive_copy``: ``"auto"`` (default: zero-copy views whose lifetime holds the connector
       buffer when the transport allows, else a copy), ``"copy"`` (always copy out and release).
@@ -330,6 +337,33 @@ def vllm_config_parts(vllm_config: Any, model_config: Any) -> Mapping[str, Any] 
     return omni_kv if omni_kv is not None else vllm_omni_kv_dict(vllm_config)
 
 
+def vllm_cache_layout(vllm_config: Any, omni_kv_config: Mapping[str, Any] | None) -> str | None:
+    """The ``kv_cache_layout`` ``from_vllm_config`` declares for a stage that declares none
+    (absent or ``"auto"``): the layout of the caches of the engine ``vllm_config`` configures,
+    from its attention backend (:func:`omnikv.layouts.vllm_backends.attention_backend_layout`:
+    ``CPU_ATTN`` by ISA ``vllm_cpu`` / ``vllm_cpu_amx``; ``FLASH_ATTN``, ``FLASHINFER``,
+    ``TRITON_ATTN``, ``FLEX_ATTENTION`` ``vllm_bhnc``). ``None`` (the stage's own declaration
+    stands) when the stage declares a layout, when ``vllm_config`` is not a ``vllm.config.
+    VllmConfig`` of a loaded vLLM, or when the backend's layout is unknown (logged; the sender
+    then refuses vLLM's 4-D caches naming the layouts to declare)."""
+    if options_from_dict(omni_kv_config).kv_cache_layout != "auto":
+        return None
+    vllm_module = sys.modules.get("vllm.config")
+    config_type = getattr(vllm_module, "VllmConfig", None)
+    if not isinstance(config_type, type) or not isinstance(vllm_config, config_type):
+        return None
+    from omnikv.layouts.vllm_backends import attention_backend_layout
+
+    try:
+        layout = attention_backend_layout(vllm_config)
+    except Exception as exc:  # vLLM's internals: the stage stays on "auto", reason logged
+        logger.warning("from_vllm_config: cannot tell the attention backend's layout: %r", exc)
+        return None
+    if layout is not None:
+        logger.info("from_vllm_config: kv_cache_layout %r from the attention backend", layout)
+    return layout
+
+
 def _field(obj: Any, name: str) -> Any:
     """``obj[name]`` for a mapping, ``obj.name`` otherwise (``None`` when absent)."""
     return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
@@ -472,6 +506,8 @@ CONNECTOR_KEYS: dict[str, frozenset[str]] = {
             "poll_us",
             "buffer_ttl_seconds",
             "ack_timeout_s",
+            "stage_id",  # the reference's wakeups: the stage a put wakes
+            "extra",  # the reference's nested settings: CONNECTOR_NESTED_KEYS
         }
     ),
     "MooncakeStoreConnector": frozenset(_STORE_KEYS),
@@ -483,14 +519,34 @@ CONNECTOR_KEYS: dict[str, frozenset[str]] = {
 }
 
 
+#: connector type -> {key holding a mapping: the keys that mapping may hold}.
+CONNECTOR_NESTED_KEYS: dict[str, dict[str, frozenset[str]]] = {
+    "SharedMemoryConnector": {"extra": frozenset({"wakeup_scope"})},
+}
+
+
 def unknown_connector_keys(connector_config: Mapping[str, Any]) -> tuple[str, list[str]]:
-    """``(type, the keys of connector_config its connector does not read)``, sorted; no keys
-    for a connector outside :data:`CONNECTOR_KEYS` (a third-party one checks its own)."""
+    """``(type, the keys of connector_config its connector does not read)``, sorted, nested
+    ones as ``"extra.<key>"``; no keys for a connector outside :data:`CONNECTOR_KEYS` (a
+    third-party one checks its own)."""
     kind = str(connector_config.get("type"))
     known = CONNECTOR_KEYS.get(kind)
     if known is None:
         return kind, []
-    return kind, sorted(str(k) for k in connector_config if k not in known)
+    unknown = [str(k) for k in connector_config if k not in known]
+    for key, inner in CONNECTOR_NESTED_KEYS.get(kind, {}).items():
+        nested = connector_config.get(key)
+        if isinstance(nested, Mapping):
+            unknown += [f"{key}.{k}" for k in nested if k not in inner]
+    return kind, sorted(unknown)
+
+
+def _all_keys(kind: str) -> frozenset[str]:
+    """Every key (nested ones dotted) a built-in connector's config may hold: the suggestions
+    of an unknown-key error."""
+    nested = CONNECTOR_NESTED_KEYS.get(kind, {})
+    dotted = {f"{key}.{k}" for key, inner in nested.items() for k in inner}
+    return CONNECTOR_KEYS[kind] | dotted
 
 
 _warned_connector_keys: set[tuple[str, ...]] = set()
@@ -506,7 +562,7 @@ def _warn_unknown_connector_keys(connector_config: Mapping[str, Any]) -> None:
     _warned_connector_keys.add((kind, *unknown))
     logger.warning(
         "%s; %s ignores them (from_config refuses them)",
-        _unknown_key_error(f"connector_config ({kind})", unknown, CONNECTOR_KEYS[kind]),
+        _unknown_key_error(f"connector_config ({kind})", unknown, _all_keys(kind)),
         kind,
     )
 
@@ -606,9 +662,7 @@ def _check_connector_config(where: str, conn: Any) -> None:
         )
     kind, unknown = unknown_connector_keys(conn)
     if unknown:
-        raise _unknown_key_error(
-            f"{where}: connector_config ({kind})", unknown, CONNECTOR_KEYS[kind]
-        )
+        raise _unknown_key_error(f"{where}: connector_config ({kind})", unknown, _all_keys(kind))
 
 
 def _read_yaml(text: str, path: Path) -> Any:
