@@ -20,14 +20,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
-__all__ = ["DEFAULT_BURST", "DEFAULT_INTERVAL_S", "RateLimitedLog"]
+__all__ = ["DEFAULT_BURST", "DEFAULT_INTERVAL_S", "RateLimitedLog", "reset_all"]
 
 #: Seconds per interval: at most ``burst`` lines plus one summary line per interval and site.
 DEFAULT_INTERVAL_S = 10.0
 #: Lines written as they come at the start of each interval.
 DEFAULT_BURST = 5
+
+_every: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+
+
+def reset_all() -> None:
+    """:meth:`RateLimitedLog.reset` every call site (the test suite runs it before each test,
+    so that a test's expected log lines do not depend on the tests before it)."""
+    for limited in list(_every):
+        limited.reset()
 
 
 class RateLimitedLog:
@@ -56,6 +66,12 @@ class RateLimitedLog:
         self._written = 0
         #: lines suppressed in the current interval
         self.suppressed = 0
+        _every.add(self)
+
+    def reset(self) -> None:
+        """Start a fresh interval with nothing written or suppressed."""
+        with self._lock:
+            self._start, self._written, self.suppressed = -float("inf"), 0, 0
 
     def log(self, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
         """``logger.log(level, msg, *args)`` unless this interval's burst is spent."""
