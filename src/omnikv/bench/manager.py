@@ -587,12 +587,16 @@ def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, st
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0 when every target is met, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="omnikv bench manager", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench manager",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--iters", type=int, default=10, help="224 MiB steady-state samples")
     parser.add_argument(
         "--small-iters", type=int, default=2000, help="64 KiB samples (as bench shm)"
     )
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="leading samples discarded")
     parser.add_argument("--pool-mib", type=int, default=1024, help="64 KiB case's sender pool")
     parser.add_argument(
         "--prefault-mib",

@@ -446,6 +446,7 @@ print(json.dumps({"soft": soft, "hard": hard, "raised_cap": low, "capped": cappe
 """
 
 
+@pytest.mark.slow
 def test_the_soft_descriptor_limit_is_raised_and_bounds_the_connections() -> None:
     import json
     import subprocess

@@ -241,6 +241,11 @@ def _metadata_key(metadata: Any) -> str | None:
     return name if isinstance(name, str) and "@" in name else None
 
 
+#: Set once a connector has said at WARNING that it holds the process's exit (said once per
+#: process: the next ones log at INFO).
+_EXIT_NOTICE = threading.Event()
+
+
 def _wakeup_config(config: Mapping[str, Any] | None, namespace: str) -> tuple[str, Any]:
     """``(scope, stage_id)`` of the wakeups: ``extra.wakeup_scope`` (else the namespace) and
     ``stage_id`` as the reference reads them (a stage that is not a number has none)."""
@@ -254,7 +259,7 @@ def _close_ref(ref: weakref.ref[SharedMemoryConnector]) -> None:
     """Process exit (``atexit`` / multiprocessing exit): close, lingering for consumers."""
     conn = ref()
     if conn is not None:
-        conn.close()
+        conn.close_at_exit()
 
 
 class SharedMemoryConnector(OmniConnectorBase):
@@ -269,6 +274,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._closed = True  # until fully built, so __del__ of a half-built object is a no-op
+        self._exiting = False  # closing because the process exits (close_at_exit)
         self.config = ShmConfig.parse(config)
         self.namespace = self.config.namespace
         self.threshold = self.config.threshold
@@ -754,16 +760,30 @@ class SharedMemoryConnector(OmniConnectorBase):
             )
         logger.debug("SharedMemoryConnector %s closed", self.instance)
 
+    def close_at_exit(self) -> None:
+        """:meth:`close` at process exit (called by the exit hook): the same, but a wait for
+        receivers says so at WARNING, once per process."""
+        self._exiting = True
+        self.close()
+
     def _linger(self, linger_s: float) -> None:
-        """Close (or process exit) with payloads unconsumed: one INFO line saying how many and
-        for how long at most, then wait for readers to take them (see :meth:`flush`)."""
+        """Close (or process exit) with payloads unconsumed: one line saying how many, for how
+        long at most and how to skip the wait, then wait for readers to take them (see
+        :meth:`flush`). At process exit the first such line of the process is a WARNING (the
+        default log level shows it on stderr: the exit would otherwise hang in silence)."""
         status = self._store.snapshot()
         if not status["published"]:
             return
-        logger.info(
-            "SharedMemoryConnector %s: waiting up to %gs (linger_s) for receivers to take %d"
-            " unconsumed payload(s) of %d bytes",
+        loud = self._exiting and not _EXIT_NOTICE.is_set()
+        if loud:
+            _EXIT_NOTICE.set()
+        logger.log(
+            logging.WARNING if loud else logging.INFO,
+            "SharedMemoryConnector %s: %s waits up to %gs (linger_s) for receivers to take %d"
+            " unconsumed payload(s) of %d bytes; to skip the wait set linger_s to 0 in its"
+            " connector_config, or close(linger=False) it first",
             self.instance,
+            "the process exit" if self._exiting else "close",
             linger_s,
             status["published"],
             status["published_bytes"],
