@@ -19,8 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "omnikv" / "connectors"
 SOURCES = {
     "LocalConnector": ["local.py"],
     "SharedMemoryConnector": ["shm/config.py", "shm/connector.py"],
-    "MooncakeStoreConnector": ["mooncake_store/connector.py"],
-    "MooncakeConnector": ["mooncake_store/connector.py"],
+    "MooncakeStoreConnector": ["mooncake_store/config.py", "mooncake_store/connector.py"],
+    "MooncakeConnector": ["mooncake_store/config.py", "mooncake_store/connector.py"],
     "MooncakeTransferEngineConnector": ["pull/connector.py", "mooncake_te/protocol.py"],
     "NixlConnector": ["pull/connector.py", "nixl/protocol.py"],
 }

@@ -509,6 +509,7 @@ CONNECTOR_KEYS: dict[str, frozenset[str]] = {
             "get_timeout_s",
             "join_timeout_s",
             "linger_s",
+            "unclaimed_grace_seconds",
             "shm_threshold_bytes",
             "inline_small_payloads",
             "poll_us",
