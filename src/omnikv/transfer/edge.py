@@ -340,7 +340,9 @@ class TransferEdge:
         :meth:`close`."""
         with self._admission_lock:
             if self._admission is None:
-                self._admission = KVAdmission(self.receive, recv_timeout=self.config.recv_timeout)
+                self._admission = KVAdmission(
+                    self.receive, recv_timeout=self.config.recv_timeout, probe=self.probe
+                )
             return self._admission
 
     def offer(

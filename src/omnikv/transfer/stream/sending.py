@@ -48,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from omnikv._logging import RateLimitedLog
 from omnikv.config import RetryPolicy
 from omnikv.connectors.base import OmniConnectorBase
 from omnikv.errors import OmniKVError
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Longest a streaming step waits for room to put a chunk (seconds; ``send_timeout`` if less).
 STEP_PUT_S = 0.25
@@ -429,7 +431,7 @@ class KVStreams:
             while len(self._streams) > self.capacity:
                 evicted.append(self._streams.popitem(last=False))
         for old_rid, old in evicted:
-            logger.warning(
+            _outsider.warning(
                 "KV stream of %s dropped: more than %d streams open (abort_kv_stream missing?)",
                 old_rid,
                 self.capacity,
