@@ -80,7 +80,7 @@ from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_b
 from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.receive import ReceiveStatus
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
-from omnikv.transfer.stream import Seal
+from omnikv.transfer.stream.sending import Seal
 from omnikv.wire.codec import round_trip
 
 __all__ = ["META_BINDING", "META_MAC", "META_SEALED", "WorkerSide", "transfer_cpus"]
