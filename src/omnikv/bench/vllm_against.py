@@ -71,7 +71,7 @@ TRANSPORTS = {
     "LMCacheConnectorV1": "LMCache",
 }
 #: Start at most this many contenders (two engines each) at once: memory, and two cores.
-START_PARALLEL = 2
+START_PARALLEL = 3
 #: An exception as a traceback's last line writes it (possibly behind a log prefix), or a signal.
 _ERROR_LINE = re.compile(
     r"(?:^|[\s\]])((?:[A-Za-z_][\w.]*)?(?:Error|Exception)): (.*)|(\bSIG(?:ILL|SEGV|BUS|ABRT)\b.*)"
@@ -271,6 +271,7 @@ def run_against(ns: argparse.Namespace, workdir: Path, names: Sequence[str]) -> 
         "dtype": ns.dtype,
         "max_model_len": max_len,
         "num_blocks": 2 * (max_len // 32 + 1) + 4,
+        "executor": "uni",  # the worker in the engine-core process: fewer processes per engine
         "namespace": f"omnikv-bench-vllm-against-{id(ns):x}-{int(time.time())}",
     }
     contenders = [Contender(OMNIKV), *(Contender(n) for n in names)]
