@@ -1,7 +1,7 @@
 """``omnikv bench vllm --against``: its options, each contender's ``KVTransferConfig``, the
 reason it reports for a connector that cannot start, and (where vLLM is installed, ``make
-test-vllm``) a reduced run: OmniKV, vLLM's ExampleConnector, NixlConnector where ``nixl`` is
-installed, and MooncakeConnector, which cannot start on a host without an accelerator."""
+test-vllm``) a reduced run: OmniKV, vLLM's ExampleConnector and MooncakeConnector, which
+cannot start on a host without an accelerator."""
 
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ def test_the_reason_is_the_root_error_not_vllms_wrapper() -> None:
 @pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM not installed (make test-vllm)")
 @pytest.mark.timeout(1500)
 def test_a_reduced_run_side_by_side(tmp_path: Path) -> None:
+    # NixlConnector's run is the benchmark's (docs/benchmarks.md): here the two contenders
+    # that bound the test's time, one that loads and one that cannot start on this host
     against = ["ExampleConnector", "MooncakeConnector"]
-    if find_spec("nixl") is not None:
-        against.insert(0, "NixlConnector")
     out = tmp_path / "against.json"
     cmd = [sys.executable, "-m", "omnikv.cli", "bench", "vllm", "--against", ",".join(against)]
     cmd += ["--tokens", "96", "--repeat", "2", "--dtype", "float32", "--json", str(out)]
@@ -113,7 +113,3 @@ def test_a_reduced_run_side_by_side(tmp_path: Path) -> None:
         assert min(row["loaded_tokens"]) >= 64, log
     mooncake = rows["MooncakeConnector"]
     assert not mooncake["ran"] and "accelerator" in mooncake["reason"], log
-    if "NixlConnector" in rows:  # runs, or says why it stopped: never a silent recompute
-        nixl = rows["NixlConnector"]
-        assert nixl["mismatches"] == 0, log
-        assert nixl["reason"] is not None or min(nixl["loaded_tokens"]) >= 64, log
