@@ -61,6 +61,11 @@ def test_every_contender_fails_a_load_instead_of_recomputing(tmp_path: Path) -> 
         "ExampleConnector", "kv_consumer", namespace="ns", storage=tmp_path
     )
     assert example["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    offload = vllm_against.transfer_config(
+        "OffloadingConnector", "kv_consumer", namespace="ns", storage=tmp_path
+    )
+    assert offload["kv_role"] == "kv_both"
+    assert offload["kv_connector_extra_config"]["cpu_bytes_to_use"] > 0  # else it stops there
 
 
 ENGINE_LOG = """\

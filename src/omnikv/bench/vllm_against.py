@@ -106,6 +106,8 @@ def transfer_config(name: str, role: str, *, namespace: str, storage: Path) -> d
         cfg["kv_connector_extra_config"] = {"shared_storage_path": str(storage)}
     elif name in {"OffloadingConnector", "LMCacheConnectorV1"}:
         cfg["kv_role"] = "kv_both"  # a cache tier of one engine: no producer/consumer split
+        if name == "OffloadingConnector":
+            cfg["kv_connector_extra_config"] = {"cpu_bytes_to_use": 256 << 20}
     return cfg
 
 
