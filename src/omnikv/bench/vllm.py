@@ -262,6 +262,7 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
         kv_transfer_config=ktc,
         distributed_executor_backend=cfg.get("executor"),
         num_gpu_blocks_override=cfg.get("num_blocks"),
+        disable_log_stats=not cfg.get("log_stats", False),
         seed=0,
     )
 
@@ -318,6 +319,23 @@ def op_generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def op_external_tokens(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Prompt tokens whose KV this engine took from its connector so far (vLLM's
+    ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``; needs ``log_stats`` in the
+    engine's config); ``tokens`` is ``None`` where vLLM does not report it."""
+    total: int | None = None
+    try:
+        metrics = llm.get_metrics()
+    except Exception as exc:  # stats off, or an engine without the reader: not reported
+        return {"tokens": None, "why": f"{type(exc).__name__}: {exc}"[:200]}
+    for metric in metrics:
+        if metric.name == "vllm:prompt_tokens_by_source" and (
+            metric.labels.get("source") == "external_kv_transfer"
+        ):
+            total = (total or 0) + int(metric.value)
+    return {"tokens": total}
+
+
 def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.write(RESULT_PREFIX + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -325,7 +343,11 @@ def _reply(obj: dict[str, Any]) -> None:
 
 def serve(cfg: dict[str, Any], extra_ops: dict[str, Op] | None = None) -> None:
     """Child loop: build the engine, say ready, answer JSON-line commands until ``quit``/EOF."""
-    ops: dict[str, Op] = {"generate": op_generate, **(extra_ops or {})}
+    ops: dict[str, Op] = {
+        "generate": op_generate,
+        "external_tokens": op_external_tokens,
+        **(extra_ops or {}),
+    }
     llm = _make_llm(cfg)
     _reply({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:

@@ -15,9 +15,10 @@ Per round, one random prompt for all: each running contender's producer prefills
 returned parameters, produces the first token; the contenders take turns going first (the order
 rotates every round). Timed: from the producer's ``generate`` returning to the consumer's
 returning, as ``bench vllm``'s *transfer*. Then OmniKV's consumer prefills the prompt itself
-(*recompute*): its first token is the one every hand-off must give. A hand-off counts as loaded
-when vLLM reports the prompt tokens as cached (``num_cached_tokens``; prefix caching is off, so
-only a connector can have put them there). Control messages are JSON lines (no pickle).
+(*recompute*): its first token is the one every hand-off must give. The prompt tokens a
+hand-off loaded are vLLM's own count of tokens taken from the connector
+(``vllm:prompt_tokens_by_source{source="external_kv_transfer"}`` before and after; -1 where
+vLLM does not report it). Control messages are JSON lines (no pickle).
 """
 
 from __future__ import annotations
@@ -220,13 +221,18 @@ def _hand_off(c: Contender, prompt: list[int], timeout: float) -> tuple[float, l
         kv_transfer_params=[{"do_remote_decode": True}],
     )
     params = sent["outputs"][0]["kv_transfer_params"]
+    before = c.consumer.call("external_tokens", timeout=timeout)["tokens"]
     got = c.consumer.call(
         "generate", timeout=timeout, prompts=[prompt], max_tokens=1, kv_transfer_params=[params]
     )
+    after = c.consumer.call("external_tokens", timeout=timeout)["tokens"]
     out = got["outputs"][0]
     if out.get("finish_reason") not in {"length", "stop"}:
         raise RuntimeError(f"consumer request ended with {out.get('finish_reason')!r}")
-    return got["t_end"] - sent["t_end"], list(out["tokens"]), int(out.get("cached_tokens") or 0)
+    # vLLM's count of prompt tokens taken from the connector; its num_cached_tokens is no
+    # measure here (for a remote prefill it reports the producer's prefix-cache hits)
+    loaded = after - before if after is not None and before is not None else -1
+    return got["t_end"] - sent["t_end"], list(out["tokens"]), loaded
 
 
 def _round(
@@ -274,6 +280,7 @@ def run_against(ns: argparse.Namespace, workdir: Path, names: Sequence[str]) -> 
         "max_model_len": max_len,
         "num_blocks": 2 * (max_len // 32 + 1) + 4,
         "executor": "uni",  # the worker in the engine-core process: fewer processes per engine
+        "log_stats": True,  # vLLM's count of prompt tokens taken from the connector
         "namespace": f"omnikv-bench-vllm-against-{id(ns):x}-{int(time.time())}",
     }
     contenders = [Contender(OMNIKV), *(Contender(n) for n in names)]
