@@ -1,7 +1,13 @@
-"""The reference's newer API (vllm-omni 0.30), called the way code written for it calls it.
+"""The reference's newer API (vllm-omni 0.30 and 0.32.0rc1), called the way code written for it
+calls it.
 
 * connectors: ``get_with_deadline(from, to, key, metadata, *, deadline)``, ``abandon_get(key)``,
-  ``reap_consumed()`` on every built-in connector that runs here;
+  ``reap_consumed()`` and 0.32's ``reap_consumed(*, max_keys=64)``, 0.32's
+  ``update_sender_info(sender_host, sender_zmq_port, sender_rank=None)`` and
+  ``get_connection_info()`` on every built-in connector that runs here (the Transfer Engine's
+  are in tests/connectors/mooncake_te/test_te_reference_api.py, the shared-memory wakeups in
+  tests/connectors/shm/test_shm_wakeup.py);
+* the manager: 0.30's ``get_sender_connection_info()``;
 * the manager: ``wait_prefetch(timeout)`` and an idempotent ``close()`` that creates nothing later;
 * ``slice_received_rank_shard(payload, topo, slicer)`` with the reference's one-argument slicer;
 * ``KVTPTopology`` refuses sizes that do not divide when ranks are computed;
@@ -76,6 +82,39 @@ def test_get_with_deadline_returns_the_payload_in_gets_shape(pair: tuple[Any, An
     assert receiver.get_with_deadline("0", "1", "r1_key", deadline=time.monotonic()) is None
     receiver.abandon_get("r1_key")  # the reference calls it after its retry loop: harmless
     sender.reap_consumed()
+    sender.reap_consumed(max_keys=4)  # 0.32: a bounded sweep (what its put calls)
+
+
+def test_the_032_sender_info_forms_are_accepted_by_every_connector(pair: tuple[Any, Any]) -> None:
+    """Connectors without a sender endpoint take 0.32's ``update_sender_info`` forms and share
+    no endpoint (``get_connection_info()`` is ``None``), so reference code runs unchanged."""
+    for connector in pair:
+        connector.update_sender_info("127.0.0.1", 50051)
+        connector.update_sender_info("127.0.0.1", 50052, sender_rank=1)
+        connector.update_sender_info(
+            sender_host="127.0.0.1", sender_zmq_port=50053, sender_rank=None
+        )
+        assert connector.get_connection_info() is None
+
+
+class _EndpointConnector(LocalConnector):
+    """A LocalConnector that shares an endpoint, as the pull transports do."""
+
+    def get_connection_info(self) -> dict[str, Any] | None:
+        return {"host": "10.0.0.7", "zmq_port": 50151}
+
+
+def test_get_sender_connection_info_as_in_030(
+    make_manager: Callable[..., OmniKVTransferManager], namespace: str
+) -> None:
+    """0.30's ``get_sender_connection_info()``: the sending stage's connector's
+    ``get_connection_info()``; ``None`` for a stage that does not send or whose transport
+    shares no endpoint."""
+    sending = make_manager("sender", connector=_EndpointConnector({"namespace": namespace}))
+    assert sending.get_sender_connection_info() == {"host": "10.0.0.7", "zmq_port": 50151}
+    receiving = make_manager("receiver", connector=_EndpointConnector({"namespace": namespace}))
+    assert receiving.get_sender_connection_info() is None
+    assert make_manager("sender").get_sender_connection_info() is None  # LocalConnector
 
 
 @pytest.mark.timeout(30)

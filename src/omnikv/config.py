@@ -6,6 +6,8 @@ Fallback chain (reference-behaviour.md §7.2):
 * ``from_vllm_config(vllm_config, model_config)`` prefers ``model_config.omni_kv_config``, then
   ``vllm_config.kv_transfer_config.omni_connector_config``, then
   ``kv_transfer_config.kv_connector_extra_config["omni_connector_config"]``, else an inert default.
+  A stage that declares no ``kv_cache_layout`` gets the one of the engine's attention backend
+  (:func:`vllm_cache_layout`).
 
 omnikv's own options (not part of the seed's 12 fields) are read from the same dict into
 :class:`TransferOptions`.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import logging
 import math
 import os
 import sys
@@ -46,6 +49,8 @@ from omnikv.values import (
 from omnikv.wire.codec import CODECS
 from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES, MAX_INSTANCE_CHARS
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "KNOWN_KEYS",
     "OmniKVCacheConfig",
@@ -58,6 +63,7 @@ __all__ = [
     "options_from_dict",
     "receiver_pool_on_device",
     "resolve_async_prefetch",
+    "vllm_cache_layout",
     "vllm_config_parts",
     "vllm_omni_kv_dict",
 ]
@@ -120,7 +126,10 @@ class RetryPolicy:
 class TransferOptions:
     """omnikv-specific options read from ``omni_kv_config`` (all optional).
 
-    * ``kv_cache_layout``: ``"auto"`` (default), ``"kv_first"`` or ``"blocks_first"``.
+    * ``kv_cache_layout``: ``"auto"`` (default: from the shape, or, built by
+      ``from_vllm_config``, from the engine's attention backend), ``"kv_first"``,
+      ``"blocks_first"``, ``"vllm_bhnc"``, ``"vllm_cpu"`` or ``"vllm_cpu_amx"``
+      (:data:`omnikv.layouts.specs.LAYOUTS`; :mod:`omnikv.layouts.specs` says which is which).
     * ``payload_checksum``: add a crc32 of the data section to every payload (default False).
     * ``receive_copy``: ``"auto"`` (default: zero-copy views whose lifetime holds the connector
       buffer when the transport allows, else a copy), ``"copy"`` (always copy out and release).
@@ -313,6 +322,33 @@ def vllm_config_parts(vllm_config: Any, model_config: Any) -> Mapping[str, Any] 
     raw = _field(model_config, "omni_kv_config")
     omni_kv = _expect_mapping(raw, "from_vllm_config", "model_config")
     return omni_kv if omni_kv is not None else vllm_omni_kv_dict(vllm_config)
+
+
+def vllm_cache_layout(vllm_config: Any, omni_kv_config: Mapping[str, Any] | None) -> str | None:
+    """The ``kv_cache_layout`` ``from_vllm_config`` declares for a stage that declares none
+    (absent or ``"auto"``): the layout of the caches of the engine ``vllm_config`` configures,
+    from its attention backend (:func:`omnikv.layouts.vllm_backends.attention_backend_layout`:
+    ``CPU_ATTN`` by ISA ``vllm_cpu`` / ``vllm_cpu_amx``; ``FLASH_ATTN``, ``FLASHINFER``,
+    ``TRITON_ATTN``, ``FLEX_ATTENTION`` ``vllm_bhnc``). ``None`` (the stage's own declaration
+    stands) when the stage declares a layout, when ``vllm_config`` is not a ``vllm.config.
+    VllmConfig`` of a loaded vLLM, or when the backend's layout is unknown (logged; the sender
+    then refuses vLLM's 4-D caches naming the layouts to declare)."""
+    if options_from_dict(omni_kv_config).kv_cache_layout != "auto":
+        return None
+    vllm_module = sys.modules.get("vllm.config")
+    config_type = getattr(vllm_module, "VllmConfig", None)
+    if not isinstance(config_type, type) or not isinstance(vllm_config, config_type):
+        return None
+    from omnikv.layouts.vllm_backends import attention_backend_layout
+
+    try:
+        layout = attention_backend_layout(vllm_config)
+    except Exception as exc:  # vLLM's internals: the stage stays on "auto", reason logged
+        logger.warning("from_vllm_config: cannot tell the attention backend's layout: %r", exc)
+        return None
+    if layout is not None:
+        logger.info("from_vllm_config: kv_cache_layout %r from the attention backend", layout)
+    return layout
 
 
 def _field(obj: Any, name: str) -> Any:

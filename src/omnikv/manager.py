@@ -5,6 +5,7 @@ results; the seed's dict is made here only."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -143,9 +144,12 @@ class OmniKVTransferManager:
         async_prefetch: bool = False,
         connector: OmniConnectorBase | None = None,
         parallel_context: RankInfo | None = None,
+        kv_cache_layout: str | None = None,
     ) -> OmniKVTransferManager:
         config = _config.config_from_dict(kv_config, async_prefetch=async_prefetch)
         options = _config.options_from_dict(kv_config)
+        if kv_cache_layout is not None:  # the engine's, for a stage that declares none
+            options = dataclasses.replace(options, kv_cache_layout=kv_cache_layout)
         return cls(
             config,
             async_prefetch=async_prefetch,
@@ -215,9 +219,12 @@ class OmniKVTransferManager:
         ``vllm_config.kv_transfer_config`` (its attribute, else its
         ``kv_connector_extra_config`` entry). Either argument may be a mapping with the same
         keys; an ``omni_kv_config`` that is neither a mapping nor ``None`` is a
-        :class:`~omnikv.errors.ConfigError` saying what was expected.
+        :class:`~omnikv.errors.ConfigError` saying what was expected. A stage that declares no
+        ``kv_cache_layout`` reads its caches in the layout of the engine's attention backend
+        (:func:`omnikv.config.vllm_cache_layout`).
         """
-        return cls._create(_config.vllm_config_parts(vllm_config, model_config))
+        kv = _config.vllm_config_parts(vllm_config, model_config)
+        return cls._create(kv, kv_cache_layout=_config.vllm_cache_layout(vllm_config, kv))
 
     @property
     def connector(self) -> OmniConnectorBase | None:
@@ -353,6 +360,16 @@ class OmniKVTransferManager:
         if self._lazy.current is not None:
             self._lazy.current.update_sender_info(host, port)
         logger.info("Sender info: host=%s base_port=%d port=%d", host, base, port)
+
+    def get_sender_connection_info(self) -> dict[str, Any] | None:
+        """What a receiving stage passes to :meth:`update_sender_info` to reach this sender (the
+        reference's 0.30 name, kept for its callers): the connector's ``get_connection_info()``
+        (pull transports: ``host``, ``zmq_port``, ...); ``None`` for a stage that does not send,
+        without a connector, or over a transport with no endpoint to share."""
+        if not self.config.need_send_cache:
+            return None
+        connector = self.connector
+        return None if connector is None else connector.get_connection_info()
 
     @property
     def sender_endpoint(self) -> SenderEndpoint | None:

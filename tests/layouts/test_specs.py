@@ -8,6 +8,7 @@ import torch
 from omnikv.errors import ExtractionError
 from omnikv.layouts.specs import (
     LAYOUTS,
+    VLLM_BLOCK_LAYOUTS,
     VLLM_LAYOUTS,
     BlocksFirstLayout,
     KVFirstLayout,
@@ -19,8 +20,16 @@ from omnikv.layouts.specs import (
 
 
 def test_the_declarable_and_vllm_names_come_from_the_registry() -> None:
-    assert LAYOUTS == ("kv_first", "blocks_first", "auto")
+    assert LAYOUTS == (
+        "kv_first",
+        "blocks_first",
+        "vllm_cpu",
+        "vllm_bhnc",
+        "vllm_cpu_amx",
+        "auto",
+    )
     assert VLLM_LAYOUTS == ("vllm_cpu", "vllm_bhnc", "kv_first", "blocks_first")
+    assert (*VLLM_LAYOUTS, "vllm_cpu_amx") == VLLM_BLOCK_LAYOUTS
 
 
 @pytest.mark.parametrize(
@@ -42,9 +51,8 @@ def test_unknown_names_are_refused_with_the_known_ones() -> None:
     with pytest.raises(ExtractionError, match=r"unknown cache layout 'hnd'.*'kv_first'"):
         layout_spec("hnd")
     assert stage_layout_spec(None) is None and stage_layout_spec("auto") is None
-    for name in ("pair", "vllm_cpu", "vllm_bhnc"):  # not a stage's declaration
-        with pytest.raises(ExtractionError, match="unknown kv_cache_layout"):
-            stage_layout_spec(name)
+    with pytest.raises(ExtractionError, match="unknown kv_cache_layout"):
+        stage_layout_spec("pair")  # a form, not a stage's declaration
 
 
 def test_an_alias_names_itself_when_the_shape_does_not_fit() -> None:

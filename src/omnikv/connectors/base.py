@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ABORT_POLL_S",
+    "ExactKey",
     "GetResult",
     "HostArrayWriter",
     "KeyProbe",
@@ -84,6 +85,7 @@ __all__ = [
     "Writer",
     "as_host_bytes",
     "as_managed",
+    "cleanup_target",
     "fill_slot",
     "get_result",
     "matches_request",
@@ -381,12 +383,40 @@ def fill_slot(pool: FillPool, nbytes: int, write: Writer, deadline: float) -> in
     return offset
 
 
+class ExactKey(str):
+    """A transport key :func:`matches_request` matches only exactly: what ``cleanup(key,
+    from_stage, to_stage)`` drops (the reference's 0.32 Transfer Engine form, see
+    :func:`cleanup_target`)."""
+
+    __slots__ = ()
+
+
+def cleanup_target(
+    request_id: str, from_stage: str | None, to_stage: str | None, make_key: Callable[..., str]
+) -> str:
+    """What ``cleanup(request_id, from_stage=None, to_stage=None)`` drops, as the argument the
+    connectors' sides take: without stages ``request_id`` (the request rule of
+    :func:`matches_request`); with both, exactly the key a ``put(from_stage, to_stage,
+    request_id, ...)`` published (an :class:`ExactKey`, made by ``make_key``). Only one of the two
+    stages is a ``ValueError``, as in the reference."""
+    if (from_stage is None) != (to_stage is None):
+        raise ValueError(
+            "cleanup() requires both from_stage and to_stage, or neither; got "
+            f"from_stage={from_stage!r}, to_stage={to_stage!r}"
+        )
+    if from_stage is None or to_stage is None:
+        return request_id
+    return ExactKey(make_key(request_id, from_stage, to_stage))
+
+
 def matches_request(transport_key: str, request_id: str) -> bool:
     """The ``cleanup(request_id)`` rule of every connector (the reference's).
 
     True when the key before its ``@from_to`` suffix is the id, starts with ``id_`` or ends with
-    ``_id``.
+    ``_id``; for an :class:`ExactKey`, only when the transport key is that key.
     """
+    if isinstance(request_id, ExactKey):
+        return transport_key == request_id
     base = transport_key.rsplit("@", 1)[0]
     return (
         base == request_id or base.startswith(f"{request_id}_") or base.endswith(f"_{request_id}")
@@ -678,8 +708,10 @@ class OmniConnectorBase(ABC):
         when it returns ``None``.
         """
 
-    def reap_consumed(self) -> None:  # noqa: B027 - optional hook
-        """Release the sender's bookkeeping of payloads another process has consumed.
+    def reap_consumed(self, *, max_keys: int = 64) -> None:  # noqa: B027 - optional hook
+        """Release the sender's bookkeeping of payloads another process has consumed, looking at
+        no more than ``max_keys`` of them per call (the reference's 0.32 bounded sweep; 0.30
+        code calls it without arguments).
 
         Called by a sender whenever it likes (the reference calls it between steps); cheap and
         never raising. Default: nothing to reap (the transport tracks consumption itself).
@@ -766,8 +798,20 @@ class OmniConnectorBase(ABC):
         """Status and counters; cheap and never raising."""
         return {"status": "closed" if self._closed else "healthy", "type": type(self).__name__}
 
-    def update_sender_info(self, host: str, port: int) -> None:  # noqa: B027 - optional hook
-        """Set the default sender endpoint (pull transports). Default: not needed."""
+    def update_sender_info(  # noqa: B027 - optional hook
+        self, sender_host: str, sender_zmq_port: int, sender_rank: int | None = None
+    ) -> None:
+        """Set the default sender endpoint (pull transports), or, with ``sender_rank``, the
+        endpoint of that sender rank (the reference's 0.32 form; the default stays). Called by
+        the manager (``update_sender_info(sender_info)``) and by code written for the
+        reference. Default: not needed."""
+
+    def get_connection_info(self) -> dict[str, Any] | None:
+        """What a receiver needs to reach this sender (pull transports: ``host``, ``zmq_port``;
+        the reference's ``get_connection_info``), for the manager's
+        ``get_sender_connection_info``; ``None`` for a transport that has no endpoint to share
+        (the default). Cheap and never raising."""
+        return None
 
     @property
     def closed(self) -> bool:

@@ -322,9 +322,10 @@ class LocalConnector(OmniConnectorBase):
                 self._store.cond.wait(timeout=end - time.monotonic())
             return list(self._store.items)
 
-    def reap_consumed(self) -> None:
+    def reap_consumed(self, *, max_keys: int = 64) -> None:
         """Expire what is due: payloads past ``buffer_ttl_seconds`` and verdicts overdue by
-        ``ack_timeout_s`` (this connector runs no timer; a sender calls this between steps)."""
+        ``ack_timeout_s`` (this connector runs no timer; a sender calls this between steps).
+        Expiry is one pass over a dict, so ``max_keys`` does not bound it further."""
         self._notices.sweep()
         with self._store.cond:
             self._store.reap_locked(self.buffer_ttl_s, self._counters)

@@ -8,12 +8,10 @@ diagnostics) and write received tokens (:meth:`LayerBlocks.scatter`). Two kinds 
 * :class:`StridedLayerBlocks`: K and V are strided views ``[num_blocks, block_size, heads,
   head_size]`` of the cache (:func:`omnikv.layouts.specs.vllm_layer_kv_views`); the sender
   gathers from the cache itself.
-* :class:`AmxPackedLayerBlocks`: vLLM's CPU attention with AMX tiles (``bfloat16``, block size a
-  multiple of 32, on CPUs with AMX) stores each block and head in tile order, where a token's
-  elements are not one strided row: K as ``[block_size / 16, head_size / 2, 16 tokens, 2]`` and V
-  as ``[head_size / 16, block_size / 2, 16 channels, 2 tokens]``. No view can read it; blocks are
-  unpacked into a fresh ``[n, block_size, heads, head_size]`` copy to be read and packed back to
-  be written.
+* :class:`PackedLayerBlocks`: a :class:`~omnikv.layouts.specs.PackedLayout` (vLLM's CPU
+  attention with AMX tiles stores each block and head in tile order, where a token's elements
+  are not one strided row). No view can read it; blocks are unpacked into a fresh
+  ``[n, block_size, heads, head_size]`` copy to be read and packed back to be written.
 
 Both raise :class:`~omnikv.errors.KVMismatchError` or :class:`~omnikv.errors.ExtractionError`
 before writing anything when the tokens do not fit.
@@ -30,28 +28,25 @@ import torch
 from omnikv.errors import ExtractionError, KVMismatchError
 from omnikv.layouts.gather import BlockGather
 from omnikv.layouts.scatter import scatter_tokens
-from omnikv.layouts.specs import VLLM_LAYOUTS, vllm_layer_kv_views
+from omnikv.layouts.specs import (
+    VLLM_BLOCK_LAYOUTS,
+    VLLM_CPU_AMX_LAYOUT,
+    PackedLayout,
+    vllm_layer_kv_views,
+    vllm_layout_spec,
+)
 
 __all__ = [
     "VLLM_BLOCK_LAYOUTS",
     "VLLM_CPU_AMX_LAYOUT",
     "AmxPackedLayerBlocks",
     "LayerBlocks",
+    "PackedLayerBlocks",
     "StridedLayerBlocks",
     "vllm_layer_blocks",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: vLLM's CPU attention backend with the AMX ISA (tile-ordered blocks).
-VLLM_CPU_AMX_LAYOUT = "vllm_cpu_amx"
-#: Every layout :func:`vllm_layer_blocks` reads: the strided ones, then the packed one.
-VLLM_BLOCK_LAYOUTS: tuple[str, ...] = (*VLLM_LAYOUTS, VLLM_CPU_AMX_LAYOUT)
-
-#: Tokens per K tile group and channels per V tile group of the AMX layout (64-byte tile rows
-#: of 32-bit pairs).
-_AMX_GROUP = 16
-_AMX_PAIR = 2
 
 
 class LayerBlocks(ABC):
@@ -122,33 +117,19 @@ class StridedLayerBlocks(LayerBlocks):
         scatter_tokens(self.v, block_ids, v, start)
 
 
-class AmxPackedLayerBlocks(LayerBlocks):
-    """One vLLM CPU layer ``[num_blocks, heads, block_size, 2 * head_size]`` in the AMX layout.
-
-    Per block and head the first ``block_size * head_size`` elements are K, token ``t`` channel
-    ``d`` at ``[t // 16][d // 2][t % 16][d % 2]``; the next are V, at
-    ``[d // 16][t // 2][d % 16][t % 2]`` (what vLLM's ``cpu_attn_reshape_and_cache`` writes with
-    ``isa="amx"``). Reads unpack the request's blocks (one copy); writes of part of a block unpack
-    it, change the tokens and pack it back.
+class PackedLayerBlocks(LayerBlocks):
+    """One vLLM layer ``[num_blocks, heads, block_size, 2 * head_size]`` in a
+    :class:`~omnikv.layouts.specs.PackedLayout` (vLLM's CPU attention with AMX tiles: see
+    :class:`~omnikv.layouts.specs.VllmCpuAmxLayout`). Reads unpack the request's blocks (one
+    copy); writes of part of a block unpack it, change the tokens and pack it back.
     """
 
     copies_to_send = True
 
-    def __init__(self, layer: torch.Tensor) -> None:
-        shape = tuple(int(d) for d in layer.shape)
-        if layer.dim() != 4 or not layer.is_contiguous() or layer.element_size() != 2:
-            raise ExtractionError(
-                "vLLM AMX cache: expected a contiguous [num_blocks, kv_heads, block_size, "
-                f"2 * head_size] tensor of a 2-byte dtype, got {shape} {layer.dtype}"
-            )
-        blocks, heads, block_size, two_d = shape
-        head_size = two_d // 2
-        if two_d % 2 or block_size % _AMX_GROUP or head_size % _AMX_GROUP:
-            raise ExtractionError(
-                "vLLM AMX cache: block_size and head_size must be multiples of 16, got "
-                f"block_size {block_size}, head_size {head_size} (shape {shape})"
-            )
+    def __init__(self, layer: torch.Tensor, spec: PackedLayout) -> None:
+        blocks, heads, block_size, head_size = spec.check(layer)
         self.layer = layer
+        self.spec = spec
         self.dtype = layer.dtype
         self.num_blocks, self.heads, self.block_size, self.head_size = (
             blocks,
@@ -157,12 +138,6 @@ class AmxPackedLayerBlocks(LayerBlocks):
             head_size,
         )
         self.token_shape = (heads, head_size)
-        halves = layer.view(blocks, heads, 2, block_size * head_size)
-        g, p = _AMX_GROUP, _AMX_PAIR
-        # Tile-ordered views: K [blocks, heads, bs/16, hd/2, 16, 2], V [blocks, heads, hd/16,
-        # bs/2, 16, 2].
-        self._k6 = halves[:, :, 0].view(blocks, heads, block_size // g, head_size // p, g, p)
-        self._v6 = halves[:, :, 1].view(blocks, heads, head_size // g, block_size // p, g, p)
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = [int(b) for b in block_ids]
@@ -173,22 +148,11 @@ class AmxPackedLayerBlocks(LayerBlocks):
 
     def _unpack(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh ``[n, block_size, heads, head_size]`` K and V of the blocks in ``index``."""
-        n, bs, h, d = int(index.numel()), self.block_size, self.heads, self.head_size
-        # K: (blk, head, group, pair, tok16, elem) -> (blk, group, tok16, head, pair, elem)
-        k = self._k6.index_select(0, index).permute(0, 2, 4, 1, 3, 5).reshape(n, bs, h, d)
-        # V: (blk, head, chan_group, tok_pair, chan16, tok2) -> (blk, tok_pair, tok2, head,
-        # chan_group, chan16)
-        v = self._v6.index_select(0, index).permute(0, 3, 5, 1, 2, 4).reshape(n, bs, h, d)
-        return k, v
+        return self.spec.unpack(self.layer, index)
 
     def _pack(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write whole blocks: ``k`` and ``v`` are ``[n, block_size, heads, head_size]``."""
-        n, g, p = int(index.numel()), _AMX_GROUP, _AMX_PAIR
-        bs, h, d = self.block_size, self.heads, self.head_size
-        k6 = k.reshape(n, bs // g, g, h, d // p, p).permute(0, 3, 1, 4, 2, 5)
-        v6 = v.reshape(n, bs // p, p, h, d // g, g).permute(0, 3, 4, 1, 5, 2)
-        self._k6.index_copy_(0, index, k6.contiguous())
-        self._v6.index_copy_(0, index, v6.contiguous())
+        self.spec.pack(self.layer, index, k, v)
 
     def _needed(self, block_ids: Sequence[int], start: int, n: int) -> list[int]:
         bs = self.block_size
@@ -245,11 +209,22 @@ class AmxPackedLayerBlocks(LayerBlocks):
         self._pack(index, kb, vb)
 
 
+class AmxPackedLayerBlocks(PackedLayerBlocks):
+    """A layer in vLLM's CPU AMX layout (:data:`VLLM_CPU_AMX_LAYOUT`); raises
+    :class:`ExtractionError` for a tensor that layout cannot hold."""
+
+    def __init__(self, layer: torch.Tensor) -> None:
+        spec = vllm_layout_spec(VLLM_CPU_AMX_LAYOUT)
+        assert isinstance(spec, PackedLayout)
+        super().__init__(layer, spec)
+
+
 def vllm_layer_blocks(layer: torch.Tensor, layout: str) -> LayerBlocks:
     """One vLLM layer's blocks in ``layout`` (a name of :data:`VLLM_BLOCK_LAYOUTS`, never guessed
     from the shape: vLLM's CPU layouts with and without AMX have the same shape). Called by the
     vLLM worker once per registered layer; raises :class:`ExtractionError`."""
-    if layout == VLLM_CPU_AMX_LAYOUT:
-        return AmxPackedLayerBlocks(layer)
+    spec = vllm_layout_spec(layout)
+    if isinstance(spec, PackedLayout):
+        return PackedLayerBlocks(layer, spec)
     k, v = vllm_layer_kv_views(layer, layout)
     return StridedLayerBlocks(k, v)

@@ -17,7 +17,7 @@ import torch
 
 from omnikv.errors import ExtractionError
 from omnikv.layouts.cache import LayerCache, PreparedBlocks
-from omnikv.layouts.specs import ACCEPTED, read_layer_kv
+from omnikv.layouts.specs import ACCEPTED, PackedLayout, layer_spec, read_layer_kv
 from omnikv.wire.encode import host_bits
 
 __all__ = ["BlockGather", "BlockIndex", "plan_request_kv"]
@@ -238,6 +238,37 @@ def _check_blocks(
         )
 
 
+def _packed_gathers(
+    spec: PackedLayout,
+    layer: torch.Tensor,
+    span: _Needed,
+    seq_len: int,
+    block_size: int,
+    where: str,
+) -> tuple[BlockGather, BlockGather]:
+    """Gathers of a request's tokens from a packed layer: its blocks are unpacked into one
+    fresh ``[n, block_size, heads, head_size]`` copy per side (only the blocks the tokens
+    occupy), which the gathers read in order. Raises :class:`ExtractionError` naming
+    ``where``."""
+    try:
+        count, _heads, bs, _d = spec.check(layer)
+    except ExtractionError as exc:
+        raise ExtractionError(f"{where}: {exc} (kv_cache_layout {spec.name!r})") from exc
+    if bs != block_size:
+        raise ExtractionError(
+            f"{where}: cache of shape {tuple(layer.shape)} has block size {bs} != block_size "
+            f"{block_size} (kv_cache_layout {spec.name!r})"
+        )
+    if span.low < 0 or span.high >= count:
+        bad = [b for b in span.ids if b < 0 or b >= count]
+        raise ExtractionError(f"{where}: block ids {bad[:8]} outside a cache of {count} blocks")
+    index = torch.tensor(span.ids, dtype=torch.long, device=layer.device)
+    k, v = spec.unpack(layer, index)
+    own = tuple(range(len(span.ids)))
+    shared = BlockIndex(own[: seq_len // bs])
+    return BlockGather(k, own, seq_len, shared), BlockGather(v, own, seq_len, shared)
+
+
 def plan_request_kv(
     kv_caches: Sequence[Any],
     block_ids: Sequence[int],
@@ -286,7 +317,14 @@ def plan_request_kv(
         if kept is not None and span.low >= 0 and span.high < kept.nblocks:
             k, v, k_prepared, v_prepared = kept.k, kept.v, kept.k_prepared, kept.v_prepared
         else:
-            spec, k, v = read_layer_kv(layer_kv, layout, f"request {rid} layer {idx}")
+            where = f"request {rid} layer {idx}"
+            spec = layer_spec(layer_kv, layout, where)
+            if isinstance(spec, PackedLayout):
+                keys_g, values_g = _packed_gathers(spec, layer_kv, span, seq_len, block_size, where)
+                keys.append(keys_g)
+                values.append(values_g)
+                continue
+            spec, k, v = read_layer_kv(layer_kv, layout, where)
             _check_blocks(k, span, block_size=block_size, request_id=rid, layer=idx, name="K")
             _check_blocks(v, span, block_size=block_size, request_id=rid, layer=idx, name="V")
             if cache is not None and kept is None:

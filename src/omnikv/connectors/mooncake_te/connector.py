@@ -155,6 +155,15 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
             verdicts = self._open_verdicts(cfg)
             self._sender = SenderSide(cfg, codec, self._engine, pool, self._counters, verdicts)
 
+    def get_connection_info(self) -> dict[str, Any] | None:
+        """``{"host", "zmq_port", "rpc_port", "can_put"}`` of a sender (the reference's fields:
+        the control endpoint, the Transfer Engine's RPC port, whether it serves puts); ``None``
+        for a receiver, which serves no endpoint."""
+        info = super().get_connection_info()
+        if info is None:
+            return None
+        return {**info, "rpc_port": self.rpc_port, "can_put": True}
+
     def set_write_hook(self, hook: Callable[[], object] | None) -> None:
         """Fault-injection hook for tests: ``hook`` runs on a pull worker just before each
         engine write of this sender (a test holds a transfer mid-write with it, to see what a

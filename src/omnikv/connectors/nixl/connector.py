@@ -107,6 +107,7 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
         cfg = dict(config or {})
         self.settings = s = NixlSettings.from_config(cfg)
         self.role = s.role
+        self.host, self.zmq_port = s.host, s.zmq_port
         self.put_timeout_s = s.put_timeout_s
         self._default_sender = s.default_sender
         self._flush_default_s = s.close_timeout_s

@@ -28,6 +28,7 @@ from omnikv.connectors.base import (
     PutResult,
     SlotRelease,
     Writer,
+    cleanup_target,
     get_result,
     matches_request,
 )
@@ -373,6 +374,11 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
     _receiver: _R | None = None
     _counters: Counters
     _default_sender: Endpoint | None = None
+    #: Per sender rank endpoints (``update_sender_info(..., sender_rank=)``), replaced whole.
+    _rank_senders: dict[int, Endpoint] = {}  # noqa: RUF012 - never mutated in place
+    #: The control endpoint a sender serves (``get_connection_info``).
+    host: str
+    zmq_port: int | None
     #: ``flush(None)`` waits this long (seconds).
     _flush_default_s: float = 0.0
 
@@ -423,9 +429,31 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         it with :meth:`~omnikv.connectors.pull.client.ControlClient.observe_sends`)."""
         return None if self._receiver is None else self._receiver.client
 
-    def update_sender_info(self, host: str, port: int) -> None:
-        """Default sender endpoint for gets without per-call metadata (called by the manager)."""
-        self._default_sender = (str(host), int(port))
+    def update_sender_info(
+        self, sender_host: str, sender_zmq_port: int, sender_rank: int | None = None
+    ) -> None:
+        """The default sender endpoint for gets without per-call metadata (called by the
+        manager); with ``sender_rank``, that rank's endpoint instead (:meth:`sender_endpoint`),
+        the default staying as it was (the reference's 0.32 form)."""
+        endpoint = (str(sender_host), int(sender_zmq_port))
+        if sender_rank is None:
+            self._default_sender = endpoint
+        else:
+            self._rank_senders = {**self._rank_senders, int(sender_rank): endpoint}
+
+    def sender_endpoint(self, sender_rank: int | None = None) -> Endpoint | None:
+        """Where a get without metadata fetches from: ``sender_rank``'s endpoint when one was
+        set, else the default one, else ``None`` (the reference's resolution order)."""
+        if sender_rank is not None and sender_rank in self._rank_senders:
+            return self._rank_senders[sender_rank]
+        return self._default_sender
+
+    def get_connection_info(self) -> dict[str, Any] | None:
+        """``{"host", "zmq_port"}``: the control endpoint receivers reach this sender at (what
+        they pass to :meth:`update_sender_info`); ``None`` for a receiver, which serves none."""
+        if self._sender is None:
+            return None
+        return {"host": self.host, "zmq_port": self.zmq_port}
 
     def get(
         self,
@@ -569,12 +597,18 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
             self._verdicts.set_listener(listener)
 
     # -- common --------------------------------------------------------------------------------
-    def cleanup(self, request_id: str) -> None:
-        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``."""
+    def cleanup(
+        self, request_id: str, from_stage: str | None = None, to_stage: str | None = None
+    ) -> None:
+        """Drop unconsumed entries (sender) and late arrivals (receiver) of ``request_id``
+        (:func:`matches_request`), or, given both stages, of exactly the key ``put(from_stage,
+        to_stage, request_id, ...)`` published (the reference's 0.32 form; one stage alone is a
+        ``ValueError``)."""
+        target = cleanup_target(request_id, from_stage, to_stage, self._make_key)
         if self._sender is not None:
-            self._sender.cleanup(request_id)
+            self._sender.cleanup(target)
         if self._receiver is not None:
-            self._receiver.cleanup(request_id)
+            self._receiver.cleanup(target)
 
     def pending_keys(self) -> list[str]:
         """Keys published by this sender and not yet consumed (tests, diagnostics)."""

@@ -78,6 +78,8 @@ _KNOWN_CONFIG = frozenset(
         "kv_bytes_per_token",
         "max_model_len",
         "ack_timeout_s",
+        "stage_id",
+        "extra",
     }
 )
 

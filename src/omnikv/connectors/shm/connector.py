@@ -131,8 +131,16 @@ key                         default      meaning
                                          between polls: lower latency for payloads that come soon
                                          (a VM's idle CPU is slow to wake), at up to that much CPU
                                          per wait
+``stage_id``                (none)       (reference) this connector's stage, a number >= 0:
+                                         ``get_wakeup_generation`` / ``wait_for_change`` wake
+                                         it on puts to that stage (``wakeup``)
+``extra.wakeup_scope``      namespace    (reference) the scope wakeups reach across (a string)
 ``type``, ``name``          (ignored)    accepted for the factory; unknown keys are logged
 ==========================  ===========  =====================================================
+
+Arrival wakeups (the reference's 0.32 API; ``wakeup``): ``get_wakeup_generation()`` and
+``wait_for_change(generation, *, timeout)`` let a stage that polls block until a put to its
+stage instead of sleeping; ``VLLM_OMNI_SHM_WAKEUP=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -175,6 +183,7 @@ from omnikv.connectors.shm.recv import Offer, RecvSide
 from omnikv.connectors.shm.registry import SenderRecord
 from omnikv.connectors.shm.store import COUNTER_NAMES as SEND_COUNTERS
 from omnikv.connectors.shm.store import Entry, SendStore
+from omnikv.connectors.shm.wakeup import Wakeups
 from omnikv.connectors.shm.wire import namespace_prefix, transport_key
 from omnikv.errors import (
     ConnectorClosedError,
@@ -218,6 +227,15 @@ def _metadata_key(metadata: Any) -> str | None:
         handle = inner.get("shm") if isinstance(inner, dict) else None
     name = handle.get("name") if isinstance(handle, dict) else None
     return name if isinstance(name, str) and "@" in name else None
+
+
+def _wakeup_config(config: Mapping[str, Any] | None, namespace: str) -> tuple[str, Any]:
+    """``(scope, stage_id)`` of the wakeups: ``extra.wakeup_scope`` (else the namespace) and
+    ``stage_id`` as the reference reads them (a stage that is not a number has none)."""
+    cfg = config or {}
+    extra = cfg.get("extra")
+    scope = extra.get("wakeup_scope") if isinstance(extra, Mapping) else None
+    return (namespace if scope is None else f"scope:{scope}"), cfg.get("stage_id")
 
 
 def _close_ref(ref: weakref.ref[SharedMemoryConnector]) -> None:
@@ -274,6 +292,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._sends = threading.Lock()  # held while this connector starts to send
         self._record: SenderRecord | None = None  # the namespace's record of us, once we send
         self._sending = False
+        self._wakeups = Wakeups(*_wakeup_config(config, self.namespace))
         try:
             self._mesh.join(self.config.join_timeout_s)
         except (OSError, TimeoutError) as exc:
@@ -417,7 +436,9 @@ class SharedMemoryConnector(OmniConnectorBase):
                     return True, len(small), {"inline_bytes": small, "size": len(small)}
             kind, nbytes, write = codec.prepare(data, small)
             deadline = time.monotonic() + self.put_timeout_s
-            return self._put(key, put_key, nbytes, write, kind, deadline)
+            result = self._put(key, put_key, nbytes, write, kind, deadline)
+            self._wakeups.notify(to_stage)
+            return result
         except (OmniKVError, ValueError, TypeError, OverflowError) as exc:
             logger.warning("SharedMemoryConnector put of %r failed: %s", put_key, exc)
             return False, 0, None
@@ -441,7 +462,23 @@ class SharedMemoryConnector(OmniConnectorBase):
         raises, the slot is freed, nothing is published and the exception propagates.
         """
         key = transport_key(put_key, from_stage, to_stage)
-        return self._put(key, put_key, int(nbytes), write, codec.KIND_RAW, deadline)
+        result = self._put(key, put_key, int(nbytes), write, codec.KIND_RAW, deadline)
+        self._wakeups.notify(to_stage)
+        return result
+
+    # -- arrival wakeups (the reference's 0.32 API; see ``wakeup``) ----------------------------
+    def get_wakeup_generation(self) -> int | None:
+        """A snapshot to pass to :meth:`wait_for_change`, taken before a look for data; a later
+        put to this connector's ``stage_id`` changes it. ``None`` when this connector has no
+        wakeups (no ``stage_id``, ``VLLM_OMNI_SHM_WAKEUP`` off, closed): keep a timed poll."""
+        return self._wakeups.generation()
+
+    def wait_for_change(self, generation: int, *, timeout: float) -> bool:
+        """Block until a put to this stage since ``generation`` (from
+        :meth:`get_wakeup_generation`), at most ``timeout`` seconds; whether there was one.
+        ``False`` at once when this connector has no wakeups. A hint: look for the data
+        after it, whatever it returns."""
+        return self._wakeups.wait_for_change(generation, timeout)
 
     # -- receiving ----------------------------------------------------------------------------
     def _take(self, key: str, block: bool, deadline: float) -> Offer | None:
@@ -690,6 +727,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         if linger and self.config.linger_s > 0:
             self._linger(self.config.linger_s)
         self._closed = True
+        self._wakeups.close()
         self._recv.close()
         dropped = self._store.close()
         self._mesh.close()

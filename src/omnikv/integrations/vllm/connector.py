@@ -25,8 +25,12 @@ from omnikv.integrations.vllm.options import parse_options
 from omnikv.integrations.vllm.scheduler import SchedulerSide
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, OmniKVPromMetrics
 from omnikv.integrations.vllm.worker import WorkerSide
-from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT
-from omnikv.layouts.specs import VLLM_BHNC_LAYOUT, VLLM_CPU_LAYOUT
+from omnikv.layouts.vllm_backends import (
+    BACKEND_LAYOUTS,
+    CPU_ISA_LAYOUTS,
+    attention_backend_layout,
+    cpu_cache_layout,
+)
 
 __all__ = [
     "BACKEND_LAYOUTS",
@@ -38,58 +42,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: vLLM attention backend name -> the cache layout its layers use (``CPU_ATTN``: see
-#: :func:`cpu_cache_layout`).
-BACKEND_LAYOUTS: dict[str, str] = {
-    "CPU_ATTN": VLLM_CPU_LAYOUT,
-    "FLASH_ATTN": VLLM_BHNC_LAYOUT,
-    "TRITON_ATTN": VLLM_BHNC_LAYOUT,
-}
-#: The ISAs of vLLM's CPU attention whose cache layout omnikv reads (checked against vLLM's own
-#: cache writer in the tests): ``vec`` and ``vec16`` share one layout, ``amx`` packs blocks.
-CPU_ISA_LAYOUTS: dict[str, str] = {
-    "vec": VLLM_CPU_LAYOUT,
-    "vec16": VLLM_CPU_LAYOUT,
-    "amx": VLLM_CPU_AMX_LAYOUT,
-}
-
-
-def cpu_cache_layout(vllm_config: Any) -> str | None:
-    """The layout of ``CPU_ATTN``'s caches (called at ``register_kv_caches``): it depends on the
-    ISA the backend picks for this dtype, block size and head size (the shapes are the same), so
-    the backend is asked. ``None``, logged, for an ISA whose layout omnikv does not read."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    isa = str(
-        _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
-    )
-    layout = CPU_ISA_LAYOUTS.get(isa)
-    if layout is None:
-        logger.error(
-            "OmniKVConnector: vLLM's CPU attention uses ISA %r, whose cache layout omnikv does "
-            "not read (known: %s)",
-            isa,
-            sorted(CPU_ISA_LAYOUTS),
-        )
-    return layout
-
 
 def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
     """The cache layout: ``vllm_kv_layout`` if given, else the attention backend's."""
     if declared is not None:
         return declared
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
-    if names == ["CPU_ATTN"]:
-        return cpu_cache_layout(vllm_config)
-    layouts = {BACKEND_LAYOUTS.get(n) for n in names}
-    if len(layouts) != 1 or None in layouts:
-        logger.error("OmniKVConnector: no known layout for attention backend(s) %s", names)
-        return None
-    return layouts.pop()
+    return attention_backend_layout(vllm_config)
 
 
 def declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> None:
