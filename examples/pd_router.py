@@ -9,16 +9,23 @@ with ``kv_role="kv_consumer"``, both with ``kv_connector="OmniKVConnector"`` (se
 
 For ``POST /v1/completions`` and ``POST /v1/chat/completions`` it
 
-1. sends the request to the producer with ``max_tokens=1``, ``stream=false`` and
-   ``kv_transfer_params={"do_remote_decode": true}``: the producer prefills the prompt, ships its
-   KV through omnikv and answers with ``kv_transfer_params`` (opaque to the router);
+1. sends the request to the producer shaped as vLLM's own disaggregated proxy shapes it:
+   ``max_tokens=1`` (and ``max_completion_tokens=1`` when the client set it), ``stream=false``,
+   no ``stream_options``, ``n`` as the client gave it, and
+   ``kv_transfer_params={"do_remote_decode": true}``; ``min_tokens`` /
+   ``min_completion_tokens`` are left out (the server refuses a minimum above one token). The
+   producer prefills the prompt, ships its KV through omnikv and answers with
+   ``kv_transfer_params`` (opaque to the router);
 2. sends the client's original request to the consumer with those ``kv_transfer_params``: the
    consumer loads the prompt's KV instead of computing it, and generates.
 
-The consumer's answer goes back to the client unchanged: a streamed (SSE) answer chunk by chunk,
-as it arrives. An error answer of either server goes back with its status and body. ``GET
-/v1/models`` is the consumer's; ``GET /health`` is 200 only when both servers are healthy.
-``kv_transfer_params`` a client sends are dropped: only the producer's reach the consumer.
+Both requests carry the same ``X-Request-Id`` (the client's, else a new one), so that one
+request has one id in both servers' logs, as behind vLLM's proxy. The consumer's answer goes back
+to the client unchanged: a streamed (SSE) answer chunk by chunk, as it arrives. An error answer
+of either server goes back with its status and body. ``GET /v1/models`` is the consumer's;
+``GET /health`` (also ``/healthcheck``, the name vLLM's proxy uses) is 200 only when both
+servers are healthy. ``kv_transfer_params`` a client sends are dropped: only the producer's
+reach the consumer.
 
 Needs ``aiohttp`` (vLLM installs it). Run from a checkout; it imports nothing from omnikv.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -40,6 +48,10 @@ logger = logging.getLogger(__name__)
 PD_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Request headers passed on to the servers (the API key, if the servers check one).
 FORWARDED_HEADERS = ("Authorization",)
+#: The header that gives one request the same id in both servers (vLLM reads it).
+REQUEST_ID_HEADER = "X-Request-Id"
+#: The longest client-given request id passed on (a longer one is replaced by a new id).
+MAX_REQUEST_ID_CHARS = 128
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 PRODUCER = web.AppKey("producer", str)
@@ -47,19 +59,18 @@ CONSUMER = web.AppKey("consumer", str)
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The producer's request for a client's ``body``: one token, not streamed, one choice.
+    """The producer's request for a client's ``body``: one token, not streamed, as vLLM's
+    disaggregated proxy shapes it (``max_completion_tokens`` set to 1 when present, ``n``
+    kept); minimum lengths dropped.
 
     Called once per client request by :func:`handle_pd`; ``body`` is left unchanged.
     """
     out = dict(body)
-    for key in ("stream_options", "max_completion_tokens", "min_tokens", "kv_transfer_params"):
+    for key in ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params"):
         out.pop(key, None)
-    out.update(
-        max_tokens=1,
-        stream=False,
-        n=1,
-        kv_transfer_params={"do_remote_decode": True},
-    )
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
     return out
 
 
@@ -86,6 +97,15 @@ def _headers(request: web.Request) -> dict[str, str]:
     return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
+def request_id(request: web.Request) -> str:
+    """The ``X-Request-Id`` both servers get for one client request: the client's when it sent
+    a printable one of at most :data:`MAX_REQUEST_ID_CHARS` characters, else a new UUID."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
+        return given
+    return str(uuid.uuid4())
+
+
 async def _copy(upstream: aiohttp.ClientResponse) -> web.Response:
     """A whole (non-streamed) upstream answer, with its status and content type."""
     data = await upstream.read()
@@ -108,7 +128,7 @@ async def handle_pd(request: web.Request) -> web.StreamResponse:
         return error_response(400, "the request body must be a JSON object")
     session = request.app[SESSION]
     producer, consumer = request.app[PRODUCER], request.app[CONSUMER]
-    headers = _headers(request)
+    headers = {**_headers(request), REQUEST_ID_HEADER: request_id(request)}
     try:
         # 1. Prefill: the producer computes the prompt's KV and ships it through omnikv.
         async with session.post(
@@ -134,8 +154,11 @@ async def handle_pd(request: web.Request) -> web.StreamResponse:
                 await out.write_eof()
             except ConnectionResetError:
                 # The client went away: leaving this block closes the consumer's connection,
-                # and the consumer aborts the request.
-                logger.info("%s: the client disconnected during the stream", request.path)
+                # and the consumer aborts the request (nothing to abort once it was all read).
+                if decoded.content.at_eof():
+                    logger.debug("%s: the client closed after the whole stream", request.path)
+                else:
+                    logger.info("%s: the client disconnected during the stream", request.path)
             return out
     except aiohttp.ClientError as exc:
         logger.warning("%s %s: a server failed: %s", request.method, request.path, exc)
@@ -191,6 +214,7 @@ def build_app(producer: str, consumer: str, *, timeout_s: float = 600.0) -> web.
         app.router.add_post(path, handle_pd)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/healthcheck", handle_health)
     return app
 
 

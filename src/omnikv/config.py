@@ -31,13 +31,13 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from omnikv.errors import ConfigError
 from omnikv.layouts.specs import LAYOUTS
-from omnikv.topology.reshard import RANK_MAPPING_KEYS
+from omnikv.topology.reshard import RANK_MAPPING_KEYS, check_rank_mapping
 from omnikv.values import (
     parse_bool,
     parse_choice,
@@ -45,6 +45,7 @@ from omnikv.values import (
     parse_number,
     parse_positive,
     parse_ratio,
+    redacted,
 )
 from omnikv.wire.codec import CODECS
 from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES, MAX_INSTANCE_CHARS
@@ -52,6 +53,8 @@ from omnikv.wire.format import DEFAULT_MAX_HEADER_BYTES, MAX_INSTANCE_CHARS
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CONNECTOR_KEYS",
+    "CONNECTOR_NESTED_KEYS",
     "KNOWN_KEYS",
     "OmniKVCacheConfig",
     "RetryPolicy",
@@ -63,6 +66,7 @@ __all__ = [
     "options_from_dict",
     "receiver_pool_on_device",
     "resolve_async_prefetch",
+    "unknown_connector_keys",
     "vllm_cache_layout",
     "vllm_config_parts",
     "vllm_omni_kv_dict",
@@ -85,6 +89,13 @@ class OmniKVCacheConfig:
     to_tp: int = 1
     enable_kv_async_prefetch: bool = False
     kv_prefetch_min_free_mem_ratio: float = 0.0
+
+    def __repr__(self) -> str:
+        """The fields, with any ``auth_secret`` in ``connector_config`` shown as
+        ``<redacted>`` (a config is logged and shown in errors; its secret never is)."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["connector_config"] = redacted(self.connector_config)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @dataclass(frozen=True)
@@ -200,9 +211,19 @@ def config_from_dict(
     rank_mapping = kv.get("rank_mapping")
     if not isinstance(rank_mapping, Mapping):
         rank_mapping = {}
+    placement_keys = sorted(str(k) for k in rank_mapping if k not in ("from_tp", "to_tp"))
+    if placement_keys:
+        logger.warning(
+            "rank_mapping keys %s describe a placement that the seed API's send and receive do"
+            " not act on (they use from_tp / to_tp); move KV along it with"
+            " omnikv.transfer.reshard (PieceSender / PieceReceiver)",
+            placement_keys,
+        )
     connector_config = kv.get("connector_config")
     if connector_config is not None and not isinstance(connector_config, dict):
         raise ConfigError(f"connector_config must be a dict, got {type(connector_config).__name__}")
+    if connector_config is not None:
+        _warn_unknown_connector_keys(connector_config)
     sources = kv.get("engine_input_source")
     return OmniKVCacheConfig(
         connector_config=connector_config,
@@ -414,6 +435,147 @@ OPTION_KEYS = frozenset(
 FRAMEWORK_KEYS = frozenset({"kv_transfer_criteria"})
 #: Every key :func:`check_omni_kv_config` accepts at the top level.
 KNOWN_KEYS = SEED_KEYS | OPTION_KEYS | FRAMEWORK_KEYS
+
+# Keys of ``connector_config``, per built-in connector. Every connector_config may hold its
+# ``type``, what the manager injects or writes into it (``role``, the stages, the sender
+# endpoint of ``update_sender_info``), the seed's ``memory_pool_device`` (it decides prefetch)
+# and omnikv's own options (looked up there too). tests/test_config.py checks each table
+# against the keys the connector's source reads.
+_CONNECTOR_COMMON = OPTION_KEYS | {
+    "type",
+    "role",
+    "from_stage",
+    "to_stage",
+    "sender_host",
+    "sender_zmq_port",
+    "memory_pool_device",
+}
+_PULL_KEYS = _CONNECTOR_COMMON | {
+    "host",
+    "zmq_port",
+    "memory_pool_size",
+    "buffer_ttl_seconds",
+    "ack_timeout_s",
+    "peer_timeout_seconds",
+    "quarantine_dead_seconds",
+    "close_timeout_seconds",
+    "auth_window_seconds",
+    "put_timeout_s",
+    "auth_secret",
+    "auth_secret_file",
+    "max_connections",
+    "max_connections_per_peer",
+    "handshake_timeout_seconds",
+    "idle_timeout_seconds",
+    "heartbeat_seconds",
+}
+_STORE_KEYS = _CONNECTOR_COMMON | {
+    "host",
+    "metadata_server",
+    "master_server_address",
+    "protocol",
+    "device_name",
+    "global_segment_size",
+    "local_buffer_size",
+    "memory_pool_size",
+    "remove_after_get",
+    "prefer_local_segment",
+    "tcp_connection_pool",
+    "metadata_cache",
+    "replica_num",
+    "master_probe_timeout_s",
+    "put_timeout_s",
+    "max_tracked_keys",
+    "buffer_ttl_seconds",
+    "ack_timeout_s",
+    "ack_linger_s",
+}
+#: connector type -> every key its ``connector_config`` may hold (built-in connectors).
+CONNECTOR_KEYS: dict[str, frozenset[str]] = {
+    "LocalConnector": frozenset(
+        _CONNECTOR_COMMON
+        | {"namespace", "pool_size", "put_timeout_s", "buffer_ttl_seconds", "ack_timeout_s"}
+    ),
+    "SharedMemoryConnector": frozenset(
+        _CONNECTOR_COMMON
+        | {
+            "namespace",
+            "pool_size_bytes",
+            "expected_payload_bytes",
+            "kv_bytes_per_token",
+            "max_model_len",
+            "prefault",
+            "put_timeout_s",
+            "get_timeout_s",
+            "join_timeout_s",
+            "linger_s",
+            "unclaimed_grace_seconds",
+            "shm_threshold_bytes",
+            "inline_small_payloads",
+            "poll_us",
+            "buffer_ttl_seconds",
+            "ack_timeout_s",
+            "stage_id",  # the reference's wakeups: the stage a put wakes
+            "extra",  # the reference's nested settings: CONNECTOR_NESTED_KEYS
+        }
+    ),
+    "MooncakeStoreConnector": frozenset(_STORE_KEYS),
+    "MooncakeConnector": frozenset(_STORE_KEYS),
+    "MooncakeTransferEngineConnector": frozenset(
+        _PULL_KEYS | {"protocol", "device_name", "workers", "tcp_connection_pool", "metadata_cache"}
+    ),
+    "NixlConnector": frozenset(_PULL_KEYS | {"backends", "max_leases_per_entry"}),
+}
+
+
+#: connector type -> {key holding a mapping: the keys that mapping may hold}.
+CONNECTOR_NESTED_KEYS: dict[str, dict[str, frozenset[str]]] = {
+    "SharedMemoryConnector": {"extra": frozenset({"wakeup_scope"})},
+}
+
+
+def unknown_connector_keys(connector_config: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """``(type, the keys of connector_config its connector does not read)``, sorted, nested
+    ones as ``"extra.<key>"``; no keys for a connector outside :data:`CONNECTOR_KEYS` (a
+    third-party one checks its own)."""
+    kind = str(connector_config.get("type"))
+    known = CONNECTOR_KEYS.get(kind)
+    if known is None:
+        return kind, []
+    unknown = [str(k) for k in connector_config if k not in known]
+    for key, inner in CONNECTOR_NESTED_KEYS.get(kind, {}).items():
+        nested = connector_config.get(key)
+        if isinstance(nested, Mapping):
+            unknown += [f"{key}.{k}" for k in nested if k not in inner]
+    return kind, sorted(unknown)
+
+
+def _all_keys(kind: str) -> frozenset[str]:
+    """Every key (nested ones dotted) a built-in connector's config may hold: the suggestions
+    of an unknown-key error."""
+    nested = CONNECTOR_NESTED_KEYS.get(kind, {})
+    dotted = {f"{key}.{k}" for key, inner in nested.items() for k in inner}
+    return CONNECTOR_KEYS[kind] | dotted
+
+
+_warned_connector_keys: set[tuple[str, ...]] = set()
+
+
+def _warn_unknown_connector_keys(connector_config: Mapping[str, Any]) -> None:
+    """The lenient factories (``from_od_config``, ``from_vllm_config``) keep a reference
+    config working, but say once per set of keys which ones its connector ignores (a typo such
+    as ``namesapce`` would otherwise change behaviour in silence)."""
+    kind, unknown = unknown_connector_keys(connector_config)
+    if not unknown or (kind, *unknown) in _warned_connector_keys:
+        return
+    _warned_connector_keys.add((kind, *unknown))
+    logger.warning(
+        "%s; %s ignores them (from_config refuses them)",
+        _unknown_key_error(f"connector_config ({kind})", unknown, _all_keys(kind)),
+        kind,
+    )
+
+
 _EXAMPLE = "{'need_send_cache': True, 'connector_config': {'type': 'SharedMemoryConnector'}}"
 MAX_CONFIG_FILE_BYTES = 4 << 20
 
@@ -444,9 +606,11 @@ def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") 
     the value is a mapping; every top-level key is in :data:`KNOWN_KEYS` (a near miss is
     suggested); stage ids are strings or integers; ``engine_input_source`` is a list of them;
     ``rank_mapping`` holds only ``from_tp`` / ``to_tp`` and the placement keys of
-    :data:`~omnikv.topology.reshard.RANK_MAPPING_KEYS`; ``connector_config`` is a mapping whose
-    ``type`` names a registered connector (nothing is imported); every value parses as
-    :func:`config_from_dict` and :func:`options_from_dict` parse it.
+    :data:`~omnikv.topology.reshard.RANK_MAPPING_KEYS`, whose values
+    :func:`~omnikv.topology.reshard.check_rank_mapping` checks; ``connector_config`` is a
+    mapping whose ``type`` names a registered connector (nothing is imported) and, for a
+    built-in connector, holds only the keys that connector reads (:data:`CONNECTOR_KEYS`); every
+    value parses as :func:`config_from_dict` and :func:`options_from_dict` parse it.
     """
     if not isinstance(omni_kv_config, Mapping):
         raise ConfigError(
@@ -477,6 +641,10 @@ def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") 
         extra = sorted(str(k) for k in rank_mapping if k not in RANK_MAPPING_KEYS)
         if extra:
             raise _unknown_key_error(f"{where}: rank_mapping", extra, RANK_MAPPING_KEYS)
+        try:
+            check_rank_mapping(rank_mapping)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
     _check_connector_config(where, kv.get("connector_config"))
     try:
         config_from_dict(kv)
@@ -500,10 +668,15 @@ def _check_connector_config(where: str, conn: Any) -> None:
     known = OmniConnectorFactory.list_connectors()
     kind = conn.get("type")
     if not isinstance(kind, str) or kind not in known:
+        close = difflib.get_close_matches(str(kind), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
             f"{where}: connector_config.type must name a registered connector "
-            f"({', '.join(known)}), got {kind!r:.60}"
+            f"({', '.join(known)}), got {kind!r:.60}{hint}"
         )
+    kind, unknown = unknown_connector_keys(conn)
+    if unknown:
+        raise _unknown_key_error(f"{where}: connector_config ({kind})", unknown, _all_keys(kind))
 
 
 def _read_yaml(text: str, path: Path) -> Any:

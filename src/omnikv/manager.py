@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from omnikv import config as _config
+from omnikv._logging import RateLimitedLog
 from omnikv.config import OmniKVCacheConfig, TransferOptions
 from omnikv.connectors.base import KeyProbe, KeyState, OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import deadline_after
-from omnikv.errors import KVPrefetchConsumeError
+from omnikv.errors import ConnectorError, KVPrefetchConsumeError
 from omnikv.metrics import TransferMetrics
 from omnikv.ranks.context import TopoConfig
 from omnikv.ranks.discovery import discover_tp
@@ -54,6 +55,7 @@ from omnikv.transfer.stream import KVStreams, Seal, ShippedChunk, StreamProgress
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 DEFAULT_SEND_TIMEOUT = 30.0
@@ -172,9 +174,51 @@ class OmniKVTransferManager:
         ``connector`` / ``parallel_context`` go to the constructor."""
         kv = _config.check_omni_kv_config(omni_kv_config, where="from_config")
         flag = _config.resolve_async_prefetch(kv, has_companion=False)
-        return cls._create(
+        manager = cls._create(
             kv, async_prefetch=flag, connector=connector, parallel_context=parallel_context
         )
+        manager._require_connector()
+        return manager
+
+    def _require_connector(self) -> None:
+        """The strict factories' set-up check: a configured manager creates its connector now
+        (a receiver too), and a failure closes it and raises the error naming the config key
+        (:func:`omnikv.connectors.failures.setup_error`)."""
+        if not self.configured or self.connector is not None:
+            return
+        failure = self._lazy.failure
+        self.close()
+        if failure is not None:
+            raise failure
+        raise ConnectorError(f"connector_config: no connector was created ({self._lazy.error})")
+
+    def health(self) -> dict[str, Any]:
+        """How this manager stands, for a readiness probe: ``status`` (``"ok"``: its connector
+        exists; ``"pending"``: configured, connector not created yet (a lazy receiver);
+        ``"unavailable"``: its creation failed, ``error`` says why, naming the config key;
+        ``"not_configured"``: it neither sends nor receives), ``sends``, ``receives``, and
+        ``connector`` (the connector's own ``health()``) when one exists. Never creates the
+        connector, never raises."""
+        conn = self._lazy.current
+        error = self._lazy.error
+        if not self.configured:
+            status = "not_configured"
+        elif conn is not None:
+            status = "ok"
+        else:
+            status = "unavailable" if error else "pending"
+        out: dict[str, Any] = {
+            "status": status,
+            "sends": bool(self.config.need_send_cache),
+            "receives": bool(self.config.need_recv_cache),
+            "error": None if conn is not None else error,
+        }
+        if conn is not None:
+            try:
+                out["connector"] = conn.health()
+            except Exception as exc:  # a connector's report is diagnostics: never fatal here
+                out["connector"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        return out
 
     @classmethod
     def from_config_file(
@@ -351,7 +395,7 @@ class OmniKVTransferManager:
         endpoint = resolve_endpoint(sender_info, sender_stage_id, self.recv_stages[0])
         if endpoint is None or endpoint == self._receiver.sender:  # unchanged: nothing to do
             if endpoint is None:
-                logger.warning("Invalid sender_info format: %r", sender_info)
+                _outsider.warning("Invalid sender_info format: %r", sender_info)
             return
         (host, base), port = endpoint, rank_port(endpoint[1], self.local_rank)
         self._receiver.sender = endpoint
@@ -576,7 +620,9 @@ class OmniKVTransferManager:
         with self._admission_lock:
             if self._admission is None:
                 self._admission = KVAdmission(
-                    self.receive_kv_cache_result, recv_timeout=self.config.recv_timeout
+                    self.receive_kv_cache_result,
+                    recv_timeout=self.config.recv_timeout,
+                    probe=self.probe_kv_cache,
                 )
             return self._admission
 

@@ -9,6 +9,9 @@ process:
 * ``omnikv_requests_total{direction, status}`` (counter),
 * ``omnikv_bytes_total{direction}`` (counter),
 * ``omnikv_phase_seconds{direction, phase}`` (histogram; buckets :data:`BUCKETS_MS` / 1000).
+  ``direction="delivery", phase="handoff"`` is the end-to-end hand-off of a sending manager's
+  edge: from its send call to the receiver's verdict on it (``delivered``, ``refused``,
+  ``expired``), for connectors that report verdicts (every built-in one).
 
 Prometheus computes percentiles from the histogram (``histogram_quantile(0.99, ...)``);
 :meth:`TransferMetrics.snapshot` gives them directly (``p50``/``p90``/``p99``, interpolated within
@@ -49,8 +52,14 @@ __all__ = [
     "unregister",
 ]
 
-#: Histogram bucket upper bounds in milliseconds (1-2-5 steps from 50 us to 30 s).
+#: Histogram bucket upper bounds in milliseconds (1-2-5 steps from 1 us to 30 s: a hand-off
+#: on one node takes tens of microseconds, its percentiles need buckets that small).
 BUCKETS_MS: tuple[float, ...] = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
     0.05,
     0.1,
     0.2,

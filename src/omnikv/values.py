@@ -11,7 +11,9 @@ the default.
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from omnikv.errors import ConfigError
@@ -26,7 +28,16 @@ __all__ = [
     "parse_ratio",
     "parse_secret",
     "parse_size",
+    "redacted",
+    "resolve_secret",
 ]
+
+#: The environment variable a shared secret is read from when the config names none.
+SECRET_ENV = "OMNIKV_AUTH_SECRET"
+#: Largest secret file read (bytes).
+MAX_SECRET_FILE_BYTES = 4096
+#: Config keys whose values are secrets: never shown (:func:`redacted`).
+SECRET_KEYS = frozenset({"auth_secret"})
 
 _TRUE_FALSE = {"true": True, "false": False}
 _INT_TEXT = re.compile(r"[+-]?[0-9]{1,18}")
@@ -158,6 +169,56 @@ def parse_secret(key: str, value: Any) -> bytes | None:
         raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
     if not value:
         raise ConfigError(f"{key} is empty: omit it to run without authentication")
+    return value
+
+
+def resolve_secret(cfg: Mapping[str, Any], where: str = "", *, env: bool = True) -> bytes | None:
+    """The shared secret a config names: ``auth_secret`` (the value), or ``auth_secret_file``
+    (a path: the file's bytes, one trailing newline dropped, at most
+    :data:`MAX_SECRET_FILE_BYTES`), else, with ``env``, the environment variable
+    :data:`SECRET_ENV`; ``None`` when none is set. Called by every connector that takes
+    ``auth_secret`` (the pull engines' settings, the vLLM connector's options); ``where``
+    prefixes the key names in errors. Both keys at once, an empty secret, an unreadable or
+    oversized file are :class:`ConfigError` s; no error or log line ever holds the secret."""
+    inline, path = cfg.get("auth_secret"), cfg.get("auth_secret_file")
+    if inline is not None and path is not None:
+        raise ConfigError(f"{where}auth_secret and {where}auth_secret_file are both set: give one")
+    if path is not None:
+        return _secret_file(f"{where}auth_secret_file", path)
+    if inline is not None:
+        return parse_secret(f"{where}auth_secret", inline)
+    value = os.environ.get(SECRET_ENV) if env else None
+    return None if value is None else parse_secret(SECRET_ENV, value)
+
+
+def _secret_file(key: str, path: Any) -> bytes:
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise ConfigError(f"{key} must be a file path, got {type(path).__name__}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {str(path)!r:.200}: {exc.strerror}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{key}: {str(path)!r:.200} is over {MAX_SECRET_FILE_BYTES} bytes")
+    if data.endswith(b"\n"):
+        data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
+    if not data:
+        raise ConfigError(f"{key}: {str(path)!r:.200} is empty")
+    return data
+
+
+def redacted(value: Any) -> Any:
+    """``value`` with every :data:`SECRET_KEYS` entry of every mapping in it (nested in
+    mappings, lists and tuples) replaced by ``"<redacted>"``: for reprs and log lines of
+    configs. Other values are returned as they are."""
+    if isinstance(value, Mapping):
+        return {
+            k: "<redacted>" if k in SECRET_KEYS and v is not None else redacted(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(redacted(v) for v in value)
     return value
 
 

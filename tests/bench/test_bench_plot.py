@@ -100,6 +100,7 @@ def _stats(name: str, nbytes: int, median_s: float) -> Stats:
     return Stats(name, [median_s * (1 + i / 50) for i in range(21)], nbytes)
 
 
+@pytest.mark.slow
 def test_write_plot_draws_synthetic_rows(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     paths = {
@@ -161,6 +162,7 @@ def test_help_names_the_plot_option(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_bench_shm_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "x.png"
@@ -190,6 +192,7 @@ def test_bench_manager_plot_writes_a_png(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "bench", [["shm", *SHM_FAST], ["manager", *MANAGER_FAST], ["all"]], ids=lambda b: b[0]
 )
+@pytest.mark.slow
 def test_without_matplotlib_the_bench_stops_before_it_runs(
     tmp_path: Path, bench: list[str]
 ) -> None:

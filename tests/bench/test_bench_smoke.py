@@ -16,6 +16,7 @@ from support.mooncake_peers import mooncake_skip_reason, run_scenario
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_bench_shm_small_run_verifies(tmp_path: Path) -> None:
     out = tmp_path / "shm.json"
     args = [
@@ -35,6 +36,7 @@ def test_bench_shm_small_run_verifies(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_bench_codec_small_run_verifies(tmp_path: Path) -> None:
     """Encode, decode, crc32 and both KV MACs over a small payload, each result verified."""
     out = tmp_path / "codec.json"

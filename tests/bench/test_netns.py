@@ -46,6 +46,7 @@ def test_the_burst_is_a_millisecond_of_traffic_but_never_below_the_floor() -> No
 
 
 @needs_netns
+@pytest.mark.slow
 def test_a_node_runs_commands_and_functions_in_its_own_namespace() -> None:
     with EmulatedLink(Shape(10**9, delay_us=50)) as link:
         # a function runs inside node b: it sees lo and its end of the link, nothing else

@@ -221,6 +221,7 @@ def test_managed_buffer_release_and_views() -> None:
         ManagedBuffer(torch.zeros(4, dtype=torch.float32))
 
 
+@pytest.mark.slow
 def test_managed_buffer_adopt_ties_release_to_views() -> None:
     released: list[int] = []
     buf = ManagedBuffer(torch.zeros(64, dtype=torch.uint8), release=lambda: released.append(1))
@@ -236,6 +237,7 @@ def test_managed_buffer_adopt_ties_release_to_views() -> None:
     assert released == [1]
 
 
+@pytest.mark.slow
 def test_host_managed_buffer_needs_no_tensor_and_keeps_every_contract(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -281,6 +283,7 @@ def test_host_managed_buffer_needs_no_tensor_and_keeps_every_contract(
             ManagedBuffer.host(bad)
 
 
+@pytest.mark.slow
 def test_adopt_array_releases_when_the_last_array_or_tensor_made_from_it_dies() -> None:
     import numpy as np
 

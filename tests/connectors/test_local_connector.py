@@ -121,6 +121,7 @@ def test_release_returns_the_slot_to_the_pool(namespace: str) -> None:
     assert conn.health()["pool_used"] == 0
 
 
+@pytest.mark.slow
 def test_adopted_views_keep_the_slot_until_they_die(namespace: str) -> None:
     conn = LocalConnector({"namespace": namespace})
     conn.put_packed("0", "1", "k", 4 * KIB, _fill(9), deadline=0.0)

@@ -312,3 +312,56 @@ def test_a_sliding_window_cache_is_refused(namespace: str) -> None:
     sender, _ = _pair(namespace)
     with sender, pytest.raises(HFCacheError, match="sliding-window"):
         send_hf_cache(sender, "window", out.cache)
+
+
+def test_model_gives_the_dtype_the_config_does_not_say(
+    models: dict[str, Any], namespace: str
+) -> None:
+    """A bf16 model built with .to() has no config.dtype: model= checks its real dtype, and the
+    sender is told ``refused`` with the reason."""
+    model = models["bf16"]
+    assert getattr(model.config, "dtype", None) is None
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "fp32-kv", _pairs()).ok
+        with pytest.raises(HFCacheError, match=r"float32, the model expects torch.bfloat16"):
+            receive_hf_cache(receiver, "fp32-kv", model=model)
+        verdict = sender.wait_delivered("fp32-kv", timeout=10)
+        assert verdict is not None and verdict.status.value == "refused"
+        assert "the model expects torch.bfloat16" in (verdict.reason or "")
+        assert send_hf_cache(sender, "bf16-kv", _pairs(dtype=torch.bfloat16)).ok
+        cache, result = receive_hf_cache(receiver, "bf16-kv", model=model)
+        assert result.ok and cache.get_seq_length() == 3
+        delivered = sender.wait_delivered("bf16-kv", timeout=10)
+        assert delivered is not None and delivered.status.value == "delivered"
+
+
+def test_a_config_that_names_torch_dtype_is_checked(models: dict[str, Any], namespace: str) -> None:
+    from types import SimpleNamespace
+
+    base = models["fp32"].config
+    older = SimpleNamespace(  # a config as releases before 4.56 load it: torch_dtype only
+        num_hidden_layers=base.num_hidden_layers,
+        num_attention_heads=base.num_attention_heads,
+        num_key_value_heads=base.num_key_value_heads,
+        hidden_size=base.hidden_size,
+        torch_dtype="bfloat16",
+    )
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "old", _pairs()).ok
+        with pytest.raises(HFCacheError, match=r"expects torch.bfloat16 \(config.torch_dtype\)"):
+            receive_hf_cache(receiver, "old", config=older)
+
+
+def test_a_layer_mismatch_reaches_the_sender_as_refused(
+    models: dict[str, Any], namespace: str
+) -> None:
+    sender, receiver = _pair(namespace)
+    with sender, receiver:
+        assert send_hf_cache(sender, "three", _pairs(layers=3)).ok
+        with pytest.raises(HFCacheError, match="received 3 layers"):
+            receive_hf_cache(receiver, "three", model=models["fp32"])
+        verdict = sender.wait_delivered("three", timeout=10)
+        assert verdict is not None and verdict.status.value == "refused"
+        assert "received 3 layers, the model config has 2" in (verdict.reason or "")

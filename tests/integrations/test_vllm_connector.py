@@ -1080,6 +1080,96 @@ def test_a_forged_chunk_ends_an_early_load_at_once(edge: Any) -> None:
     assert not any(t.any() for t in pair.consumer.caches.values())
 
 
+def _forge(spec: dict[str, Any]) -> Any:
+    """Start :mod:`support.forger` (its own process) on ``spec``; returns it once its forged
+    chunks are published."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "support" / "forger.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(spec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line == "sent", line
+    return proc
+
+
+@pytest.mark.parametrize("stamp", ["huge epoch", "next sequence numbers"])
+def test_a_forgery_refused_for_its_mac_leaves_no_mark(stamp: str, namespace: str) -> None:
+    """Check, then remember: a forger in another process, on the engines' shared memory but
+    without their secret, publishes chunks under an early consumer's key stamped with the
+    producer's instance and a huge epoch, or with the producer's session and its next sequence
+    numbers (both readable from any header). The consumer refuses them for their MAC, and the
+    producer's next genuine early hand-off still loads: the refused stamps changed nothing."""
+    from omnikv.integrations.vllm import early_handoff_params
+    from omnikv.integrations.vllm.binding import request_binding
+
+    conn = {"type": "SharedMemoryConnector", "namespace": namespace, "pool_size_bytes": 4 << 20}
+    base = {"connector_config": conn, "stream_kv": True}
+    producer_omni = {"omni_from_stage": 0, "omni_to_stage": 1, "instance_id": "prefill-0", **base}
+    producer = _pair("kv_producer", producer_omni, auth_secret="r0uter")
+    consumer = _pair(
+        "kv_consumer", {"stage_id": 1, "recv_timeout": 30.0, **base}, auth_secret="r0uter"
+    )
+    proc = None
+    try:
+        tid = _router_id(conn)
+        _, to_consumer = early_handoff_params(tid, len(PROMPT))
+        _start_early_load(consumer, to_consumer, "c0", [0, 4, 1])
+        fingerprint = consumer.sched._scheduler.fingerprint
+        binding = request_binding(fingerprint, _request("c0", to_consumer), len(PROMPT))
+        genuine = producer.worker._worker.manager._sender.stamps
+        forged = {"session": "f" * 16, "epoch": genuine.epoch + 10**15}
+        if stamp == "next sequence numbers":
+            forged = {"session": genuine.session, "epoch": genuine.epoch}
+        proc = _forge(
+            {
+                "conn": conn,
+                "key": f"{tid}.{binding}",
+                "instance": "prefill-0",
+                "seq": 0,  # the producer has sent nothing yet
+                **forged,
+                **{"block": BS, "heads": HEADS, "dim": DIM, "blocks": BLOCKS, "layers": 2},
+                "tokens": 2 * BS,
+            }
+        )
+        worker = consumer.worker
+        assert worker.wait_transfers(10.0)
+        assert worker.get_transfer_results(set()).failed_recving == {"c0"}
+        assert "MAC does not match" in worker.transfer_record(tid)["reason"]
+        assert not any(t.any() for t in consumer.caches.values())
+        # the producer's next genuine early hand-off, prefilled in two chunks
+        tid = _router_id(conn)
+        to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
+        _start_early_load(consumer, to_consumer, "c1", [6, 2, 7])
+        for t in producer.caches.values():
+            t.copy_(torch.randn_like(t))
+        request = _request("s1", to_producer)
+        producer.sched.update_state_after_alloc(request, _blocks([3, 5, 1]), 0)
+        new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
+        _step_with(producer, _output([new], [], {"s1": 4}), set())
+        _step_with(producer, _output([], [("s1", 4, None)], {"s1": 6}), set())
+        _finish_early_hand_off(producer, request, tid, consumer)
+        assert worker.stats()["chunks_loaded"] == 2
+    finally:
+        if proc is not None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=20)
+            finally:
+                proc.kill()
+        for side in (producer, consumer):
+            side.worker.shutdown()
+
+
 def test_a_producer_uses_only_its_own_fresh_router_ids(edge: Any) -> None:
     """Offered ids a producer must not use get a fresh id (counted): a producer-style id a
     client made up, a router id with a wrong MAC, one for another producer's tag, one another

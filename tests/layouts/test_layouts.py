@@ -307,6 +307,7 @@ def test_layer_cache_prepares_each_layer_once_and_reads_the_same() -> None:
     assert len(cache) == 2
 
 
+@pytest.mark.slow
 def test_layer_cache_never_keeps_a_layer_alive() -> None:
     """Entries go with the tensors: dropping a layer frees it (no kept view pins it)."""
     cache = LayerCache()

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omnikv.config import check_omni_kv_config
 from omnikv.errors import ConfigError
 from omnikv.topology.reshard import Placement, plan_reshard
 
@@ -219,3 +220,42 @@ def test_rank_mapping_grows_and_stays_compatible() -> None:
     assert (src.tp, src.pp, dst.sp, dst.sp_mode, dst.cfg) == (2, 2, 4, "ring", 2)
     with pytest.raises(ConfigError, match="did you mean 'to_sp'"):
         check_omni_kv_config({"rank_mapping": {"from_tp": 2, "to_spp": 4}})
+
+
+@pytest.mark.parametrize(
+    ("mapping", "key"),
+    [
+        ({"to_sp": "abc"}, "to_sp"),
+        ({"to_sp": 4, "to_sp_mode": "ringg"}, "to_sp_mode"),
+        ({"from_layer_split": "x"}, "from_layer_split"),
+        ({"from_pp": 2, "from_layer_split": [3, 0]}, "from_layer_split"),
+        ({"to_cfg": -3}, "to_cfg"),
+        ({"from_pp": True}, "from_pp"),
+        ({"to_sp": 1 << 40}, "to_sp"),
+    ],
+)
+def test_the_config_check_refuses_placement_values_no_model_accepts(
+    mapping: dict[str, object], key: str
+) -> None:
+    """``check_omni_kv_config`` parses every value it accepts; a placement value that no model
+    could take is refused there, naming its key (not first when a reshard is set up)."""
+    with pytest.raises(ConfigError, match=f"rank_mapping.{key} must be"):
+        check_omni_kv_config({"rank_mapping": {"from_tp": 2, "to_tp": 2, **mapping}})
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "runs"),
+    [
+        (10, 4, [(0, 2), (2, 5), (5, 8), (8, 10)]),
+        (28, 3, [(0, 9), (9, 19), (19, 28)]),
+        (30, 4, [(0, 7), (7, 15), (15, 23), (23, 30)]),
+        (7, 2, [(0, 4), (4, 7)]),
+        (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+    ],
+)
+def test_the_default_pp_split_is_vllms(layers: int, pp: int, runs: list[tuple[int, int]]) -> None:
+    """Without ``layer_split`` a PP stage's ranks hold the layers vLLM gives them (``runs`` are
+    what vLLM 0.32's ``vllm.distributed.utils.get_pp_indices`` returns: the remainder one each
+    to the ranks just before the last)."""
+    p = Placement(layers, 4, pp=pp)
+    assert [p.box(r, 3).layers for r in range(pp)] == runs

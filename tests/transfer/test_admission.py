@@ -112,6 +112,44 @@ def test_poll_and_take_answer_at_once_with_many_requests_missing(
         assert time.monotonic() - t0 < 5.0
 
 
+def test_a_ready_request_is_not_held_behind_a_thousand_missing_ones(
+    senders: list[SenderProc], namespace: str
+) -> None:
+    """One tenant offers 1,000 ids that are never sent (every receive thread would wait for
+    them until ``recv_timeout``), then a request whose KV is already here: it is ready within
+    50 ms; an id of the burst whose KV comes later is found too (looked at again), and a second
+    ready request offered after it is as fast: missing ids hold no thread it needs."""
+    senders.append(SenderProc(namespace))
+    mgr = stage_receiver(namespace, timeout=30.0)
+    try:
+        senders[0].send_kv("here", 3)
+        senders[0].send_kv("also-here", 4)
+        assert mgr.probe_kv_cache("warm-up", timeout=5.0).state.value == "missing"  # joined
+        adm = mgr.admission
+        for i in range(1000):
+            adm.offer(f"never-{i}")
+        t0 = time.monotonic()
+        adm.offer("here")
+        _until(adm, "here", Readiness.READY, timeout=5.0)
+        took = time.monotonic() - t0
+        here = adm.take("here")
+        assert here is not None and _fill(here) == 3
+        assert took < 0.05, took
+        senders[0].send_kv("never-500", 5)  # late after all: found by a look again
+        _until(adm, "never-500", Readiness.READY, timeout=10.0)
+        late = adm.take("never-500")
+        assert late is not None and _fill(late) == 5
+        t0 = time.monotonic()
+        adm.offer("also-here")
+        _until(adm, "also-here", Readiness.READY, timeout=5.0)
+        assert time.monotonic() - t0 < 0.05
+        assert sum(s.started for s in adm.poll().values()) <= 32  # the others hold no thread
+    finally:
+        t0 = time.monotonic()
+        mgr.close()
+        assert time.monotonic() - t0 < 5.0
+
+
 def test_cancel_frees_the_receive_and_close_reports_what_was_not_taken(
     senders: list[SenderProc], namespace: str
 ) -> None:

@@ -169,6 +169,7 @@ def test_pinned_stager_rejects_a_bad_chunk_size() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only skip path")
+@pytest.mark.slow
 def test_cuda_check_script_skips_cleanly_without_cuda() -> None:
     import subprocess
     import sys

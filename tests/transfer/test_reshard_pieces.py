@@ -15,7 +15,7 @@ import torch
 from omnikv.connectors.shm.connector import SharedMemoryConnector
 from omnikv.errors import DecodeError, ReceiveTimeout
 from omnikv.topology.reshard import Placement
-from omnikv.transfer.reshard import PieceReceiver, PieceSender, piece_key, rank_kv_of
+from omnikv.transfer.reshard import PieceReceiver, PieceSender, RankKV, piece_key, rank_kv_of
 from omnikv.wire.encode import PackedPayload
 
 LAYERS, HEADS, DIM, TOKENS = 2, 6, 4, 9
@@ -105,3 +105,37 @@ def test_a_missing_piece_names_its_key(conn: SharedMemoryConnector) -> None:
         receiver.receive(
             "m", TOKENS, head_dim=DIM, dtype=torch.float32, deadline=time.monotonic() + 0.3
         )
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        "tokens short of the box",
+        "more heads than the box",
+        "a layer missing",
+        "V shaped unlike K",
+    ],
+)
+def test_a_senders_kv_unlike_its_box_is_refused_before_any_put(
+    conn: SharedMemoryConnector, cut: str
+) -> None:
+    """A source rank's KV that does not cover exactly its box is the caller's error
+    (``ValueError``): sliced as it is, it would put a piece holding the wrong heads or too few
+    tokens, which the receiver takes (wrong heads) or blames on the piece (too few tokens)."""
+    source, target = Placement(LAYERS, HEADS, tp=3), Placement(LAYERS, HEADS, tp=2)
+    keys, values = _kv()
+    box = source.box(0, TOKENS)
+    mine = rank_kv_of(keys, values, box)
+    k, v = mine.key_cache, mine.value_cache
+    if cut == "tokens short of the box":
+        k, v = [t[:5] for t in k], [t[:5] for t in v]
+    elif cut == "more heads than the box":  # the whole KV under the rank's box
+        k, v = keys, values
+    elif cut == "a layer missing":
+        k, v = k[:1], v[:1]
+    else:
+        v = [t[:, :, :2] for t in v]
+    sender = PieceSender(conn, source, target, 0, STAGES)
+    with pytest.raises(ValueError, match="rank 0"):
+        sender.send("s", RankKV(box, k, v), TOKENS, deadline=time.monotonic() + 5)
+    assert conn.health()["puts"] == 0  # nothing was put

@@ -13,7 +13,9 @@ import json
 import math
 import multiprocessing as mp
 import os
+import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +59,15 @@ def _global_kv(seed: int) -> tuple[list[Any], list[Any]]:
 
 def _worker(rank: int, init: str, namespace: str, out_dir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    import time
-
     import torch
     import torch.distributed as dist
 
     from omnikv.connectors.shm.connector import SharedMemoryConnector
     from omnikv.transfer.reshard import PieceReceiver, PieceSender, rank_kv_of
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
     conn = SharedMemoryConnector({"namespace": namespace, "pool_size_bytes": 64 << 20})
     report: dict[str, Any] = {}
     try:
@@ -123,8 +125,9 @@ def test_every_placement_pair_reaches_every_target_rank_bit_for_bit(tmp_path: Pa
     for p in procs:
         p.start()
     try:
-        for p in procs:
-            p.join(timeout=150)
+        end = time.monotonic() + 150
+        for p in procs:  # one deadline for all of them
+            p.join(timeout=max(0.1, end - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():

@@ -163,3 +163,31 @@ def test_guard_memory_is_bounded() -> None:
     with pytest.raises(StalePayload):
         guard.admit(Stamp("old-c", 5, 0, "c"), "r")
     assert guard.counts == {"duplicates": 1, "stale_epoch": 1}
+
+
+def test_a_checked_stamp_is_remembered_only_on_commit() -> None:
+    """Check, then remember: checking changes nothing; what a pending set holds is judged
+    against the memories only once committed (a refused payload never commits)."""
+    guard = SessionGuard()
+    huge = Stamp(s="f" * 16, e=10**30, q=0, i="prefill-0")
+    guard.check(huge, "forged")
+    refused = guard.pending()
+    refused.admit(huge, "forged")  # ... and its payload is refused later: never committed
+    genuine = Stamp(s="a" * 16, e=5, q=0, i="prefill-0")
+    taken = guard.pending()
+    taken.admit(genuine, "r1")
+    taken.commit()
+    with pytest.raises(DuplicatePayload):
+        guard.check(genuine, "r1")
+    copy = guard.pending()
+    with pytest.raises(DuplicatePayload):
+        copy.admit(genuine, "r1")
+    # two copies checked at once: the second to commit is refused
+    twin = Stamp(s="a" * 16, e=5, q=1, i="prefill-0")
+    first, second = guard.pending(), guard.pending()
+    first.admit(twin, "r2")
+    second.admit(twin, "r2")
+    first.commit()
+    with pytest.raises(DuplicatePayload):
+        second.commit()
+    assert guard.counts == {"duplicates": 3, "stale_epoch": 0}

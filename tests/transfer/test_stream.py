@@ -150,6 +150,7 @@ def test_an_aborted_stream_leaves_nothing_in_the_pool(make_manager: ManagerFacto
     assert sender.abort_kv_stream("r1") == 0  # idempotent
 
 
+@pytest.mark.slow
 def test_a_range_missing_its_last_layers_is_dropped_and_the_stream_stops(
     make_manager: ManagerFactory,
 ) -> None:
@@ -430,6 +431,7 @@ KEY = legacy_kv_key("stage1", "stage2", "r1")
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_hostile_manifest_is_a_clean_corrupt_and_holds_nothing(
     make_manager: ManagerFactory, pieces: Any, match: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -451,6 +453,7 @@ def test_a_hostile_manifest_is_a_clean_corrupt_and_holds_nothing(
     assert conn.health()["pool_used"] == 0  # nothing taken is held
 
 
+@pytest.mark.slow
 def test_a_missing_chunk_is_a_timeout_and_the_taken_chunks_are_refused(
     make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -552,6 +555,7 @@ def _seed_dict(result: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_a_streaming_receiver_retakes_chunks_of_a_stream_restarted_after_it_took_them(
     make_manager: ManagerFactory,
 ) -> None:
@@ -594,6 +598,7 @@ def test_a_streaming_receiver_takes_a_whole_send_as_before_and_stops_looking(
     assert sender.wait_delivered("r1", 5).status is SendStatus.DELIVERED
 
 
+@pytest.mark.slow
 def test_a_streaming_receiver_that_times_out_refuses_the_chunks_it_took(
     make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -962,6 +967,7 @@ def children() -> Any:
         child.kill()
 
 
+@pytest.mark.slow
 def test_a_stream_across_processes_over_shared_memory(namespace: str, children: Any) -> None:
     from support.stage_sender import stage_receiver
 
@@ -984,6 +990,7 @@ def test_a_stream_across_processes_over_shared_memory(namespace: str, children: 
     assert child.proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_an_aborted_stream_leaves_the_shared_pool_empty(namespace: str, children: Any) -> None:
     child = _Child(namespace, "abort", 2 * BS + 1)
     children.append(child)
@@ -992,6 +999,7 @@ def test_an_aborted_stream_leaves_the_shared_pool_empty(namespace: str, children
     child.close()
 
 
+@pytest.mark.slow
 def test_a_producer_killed_mid_stream_gives_a_clean_miss(namespace: str, children: Any) -> None:
     from support.stage_sender import stage_receiver
 

@@ -66,6 +66,7 @@ byte_mutation = st.one_of(
 
 @FUZZ
 @given(seed=st.sampled_from(SEEDS), mutations=st.lists(byte_mutation, min_size=1, max_size=6))
+@pytest.mark.slow
 def test_byte_level_mutations(seed: bytes, mutations: list[tuple[str, int, int]]) -> None:
     raw = bytearray(seed)
     for op, pos, arg in mutations:
@@ -109,6 +110,7 @@ desc_keys = st.sampled_from(["n", "i", "d", "s", "o", "b", "x"])
     ),
     pad=st.integers(0, 200),
 )
+@pytest.mark.slow
 def test_structural_header_mutations(
     seed: bytes, top: list[tuple[str, Any]], desc: list[tuple[int, str, Any]], pad: int
 ) -> None:
@@ -322,6 +324,7 @@ def _nested_json(depth: int) -> str:
 
 @STRUCTURED
 @given(depth=st.integers(0, 5000))
+@pytest.mark.slow
 def test_deep_metadata_nesting_fails_cleanly(depth: int) -> None:
     body = (
         '{"rid":"r","bids":[],"meta":{"x":' + _nested_json(depth) + '},"td":[],"nl":0}'

@@ -180,6 +180,7 @@ def amplification() -> dict[str, dict[str, object]]:
 
 
 @pytest.mark.parametrize("attack", ["nested", "wide", "tensors"])
+@pytest.mark.slow
 def test_amplifying_input_is_refused_fast_with_bounded_memory(
     amplification: dict[str, dict[str, object]], attack: str
 ) -> None:

@@ -86,7 +86,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Payload size/model, rounds and the hidden child options (``--role``, ``--fd``)."""
     parser.add_argument("--size-mib", type=int, default=TARGET_MIB, help="KV payload size (MiB)")
     parser.add_argument("--tokens", type=int, default=0, help="tokens (overrides --size-mib)")
-    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
+    parser.add_argument(
+        "--model",
+        default="qwen2.5-7b",
+        choices=sorted(MODELS),
+        help="the model whose KV shape is sent",
+    )
     parser.add_argument("--repeat", type=int, default=10, help="timed rounds per case")
     parser.add_argument("--warmup", type=int, default=2, help="discarded rounds per case")
     parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)

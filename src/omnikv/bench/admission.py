@@ -263,20 +263,24 @@ def run_loop(
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="omnikv bench admission", description=__doc__)
-    p.add_argument("--requests", type=int, default=64)
+    p = argparse.ArgumentParser(
+        prog="omnikv bench admission",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=64, help="requests per round and mode")
     p.add_argument("--missing", type=float, default=0.1, help="share of requests never sent")
-    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--slots", type=int, default=4, help="requests decoding at once")
     p.add_argument("--step-ms", type=float, default=20.0, help="simulated compute per step")
     p.add_argument("--steps", type=int, default=3, help="steps a request stays in its slot")
     p.add_argument("--span-s", type=float, default=2.0, help="publications spread over this")
     p.add_argument("--lead-s", type=float, default=0.25, help="queued at most this before KV")
-    p.add_argument("--recv-timeout", type=float, default=1.0)
+    p.add_argument("--recv-timeout", type=float, default=1.0, help="receiver's recv_timeout (s)")
     p.add_argument("--rounds", type=int, default=2, help="fifo/admission pairs, alternating")
     p.add_argument("--max-tokens", type=int, default=4096, help="largest request (tokens)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival order")
     p.add_argument("--no-targets", action="store_true", help="report missed targets, exit 0")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)
     p.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--namespace", default="", help=argparse.SUPPRESS)

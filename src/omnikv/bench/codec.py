@@ -46,10 +46,14 @@ def _verify(data: object, source: dict[str, list[torch.Tensor]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the codec benchmark; returns 0 when all targets are met, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="omnikv bench codec", description=__doc__)
-    parser.add_argument("--model", default="qwen2.5-7b")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench codec",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="qwen2.5-7b", help="the model whose KV is coded")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the payload")
+    parser.add_argument("--repeat", type=int, default=15, help="samples per case")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     parser.add_argument("--json", help="write results to this file")
     parser.add_argument(

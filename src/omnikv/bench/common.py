@@ -192,8 +192,8 @@ def print_table(rows: Sequence[Stats], *, baseline: Stats | None = None, title: 
     if title:
         print(f"\n{title}")
     head = f"{'case':38} {'median':>12} {'p99':>12} {'min..max':>25} {'GB/s':>7}"
-    if baseline is not None:
-        head += f" {'x ' + baseline.name[:14]:>18}"
+    if baseline is not None:  # "x memcpy": the baseline's name without its parenthesis
+        head += f" {'x ' + baseline.name.split(' (', 1)[0]:>18}"
     print(head)
     print("-" * len(head))
     for st in rows:

@@ -87,11 +87,17 @@ def _rank(rank: int, world: int, init: str, tokens: int, repeat: int, out: Any) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the distribution benchmark; 0 when verified and >= 0.5 x gloo, else 1."""
-    parser = argparse.ArgumentParser(prog="omnikv bench dist", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--repeat", type=int, default=8)
-    parser.add_argument("--followers", type=int, default=2)
-    parser.add_argument("--json", default=None)
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench dist",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the payload")
+    parser.add_argument("--repeat", type=int, default=8, help="samples per case")
+    parser.add_argument(
+        "--followers", type=int, default=2, help="receiving ranks besides the leader"
+    )
+    parser.add_argument("--json", default=None, help="write results to this file")
     args = parser.parse_args(list(argv) if argv is not None else None)
     world = args.followers + 1
     ctx = mp.get_context("spawn")

@@ -449,7 +449,8 @@ def _waiting_sample(
     sent = mgr.get_send_result(rid)
     tx = sent.timings_ms if sent is not None else {}
     t_got, ok, after_wait_ms, t_call, rx = chan.recv()
-    # the sender's phases start a little after t0: the put ends at most this late
+    # the sender's phases start a little after t0, so the put ends no earlier than this: the
+    # wake-up phase below is an upper bound (by that little), the put phase a lower one
     t_put = t0 + (float(tx.get("extract_ms", 0.0)) + float(tx.get("encode_put_ms", 0.0))) / 1e3
     t_wait_end = float(t_call) + float(rx.get("wait_ms", 0.0)) / 1e3
     decode, finish = float(rx.get("decode_ms", 0.0)), float(rx.get("finish_ms", 0.0))
@@ -586,12 +587,16 @@ def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, st
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0 when every target is met, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="omnikv bench manager", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench manager",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--iters", type=int, default=10, help="224 MiB steady-state samples")
     parser.add_argument(
         "--small-iters", type=int, default=2000, help="64 KiB samples (as bench shm)"
     )
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="leading samples discarded")
     parser.add_argument("--pool-mib", type=int, default=1024, help="64 KiB case's sender pool")
     parser.add_argument(
         "--prefault-mib",

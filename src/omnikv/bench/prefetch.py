@@ -131,7 +131,11 @@ def _loop(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the prefetch benchmark; returns 0 when the hidden share of R meets the target."""
-    parser = argparse.ArgumentParser(prog="omnikv bench prefetch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench prefetch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--requests", type=int, default=16, help="requests per round and mode")
     parser.add_argument("--warmup", type=int, default=2, help="leading requests discarded")
     parser.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
@@ -139,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=32.0, help="KV payload per request")
     parser.add_argument("--target", type=float, default=0.8, help="hidden share of R required")
     parser.add_argument("--quiet", action="store_true", help="no per-request lines")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write results to this file")
     args = parser.parse_args(argv)
 
     from omnikv import OmniKVTransferManager, TransferOptions

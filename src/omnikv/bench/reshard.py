@@ -28,6 +28,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,10 @@ def _worker(rank: int, world: int, init: str, namespace: str, args: dict[str, An
     from omnikv.transfer.reshard import PieceReceiver, PieceSender, rank_kv_of
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # a rank that fails makes the others' collectives fail within this, not gloo's 30 minutes
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     conn = SharedMemoryConnector(
         {"namespace": namespace, "pool_size_bytes": args["pool_mib"] * MIB, "linger_s": 0}
     )
@@ -212,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="tokens of every pair's request instead of its own (smoke runs; 0: as listed)",
     )
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds the whole run may take (1800)"
+    )
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(list(argv or []))
     unknown = [p for p in args.pairs if p not in {name for name, *_ in PAIRS}]
@@ -240,8 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in procs:
             p.start()
         try:
-            for p in procs:
-                p.join(timeout=1800)
+            end = time.monotonic() + args.timeout
+            for p in procs:  # one deadline for the whole run
+                p.join(timeout=max(0.1, end - time.monotonic()))
         finally:
             for p in procs:
                 if p.is_alive():

@@ -1022,7 +1022,11 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """``omnikv bench serve``'s command line (argparse exits on a bad one)."""
-    p = argparse.ArgumentParser(prog="omnikv bench serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="omnikv bench serve",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--clients", default="1,4,16", help="concurrent clients, comma-separated")
     p.add_argument("--tokens", default="256,1024,4096", help="prompt lengths, comma-separated")
     p.add_argument("--requests", type=int, default=32, help="requests per case")
@@ -1030,7 +1034,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES), help="of " + ",".join(CASES))
     p.add_argument("--hostile-rate", type=float, default=8.0, help="hostile requests per second")
     p.add_argument("--hostile-tokens", type=int, default=64, help="prompt of a hostile request")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the engines' dtype"
+    )
     p.add_argument("--recv-timeout", type=float, default=5.0, help="consumer's recv_timeout (s)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="per request (s)")
     p.add_argument("--case-timeout", type=float, default=120.0, help="per case (s)")

@@ -161,13 +161,17 @@ def _ref_put(chan: JsonChannel, payload: Any, name: str, verify: bool) -> tuple[
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0 when every target is met, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="omnikv bench shm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="omnikv bench shm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--size-mib", type=int, default=224, help="KV payload size (MiB)")
-    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--model", default="qwen2.5-7b", help="the model whose KV shape is sent")
     parser.add_argument("--iters", type=int, default=15, help="large samples per case")
     parser.add_argument("--ref-iters", type=int, default=5, help="reference-style samples")
     parser.add_argument("--small-iters", type=int, default=2000, help="64 KiB samples")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="leading samples discarded")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", help="write results to this file")
     parser.add_argument(

@@ -400,15 +400,21 @@ def _run_rate(args: argparse.Namespace, rate_text: str) -> tuple[list[str], list
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omnikv bench stream", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="omnikv bench stream",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rates", default="1gbit,10gbit", help="link rates, comma-separated")
     p.add_argument("--tokens", default="1024,4096", help="prompt lengths, comma-separated")
-    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODELS))
+    p.add_argument(
+        "--model", default="qwen2.5-7b", choices=sorted(MODELS), help="the model whose KV is sent"
+    )
     p.add_argument("--decode-steps", type=int, default=100, help="steps before the finish")
     p.add_argument("--step-ms", type=float, default=25.0, help="one decode step (ms)")
     p.add_argument("--codecs", default="off", help="wire codecs, comma-separated (off,int8)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per case")
-    p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--seed", type=int, default=3, help="seed of the payloads")
     p.add_argument("--no-targets", action="store_true", help="a missed target is not fatal")
     p.add_argument("--role", default="orchestrator", help=argparse.SUPPRESS)
     p.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)

@@ -400,10 +400,16 @@ def _bench_size(
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="omnikv bench vllm", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="omnikv bench vllm",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tokens", default="1024,4096", help="prompt lengths, comma-separated")
     p.add_argument("--repeat", type=int, default=5, help="measured rounds per prompt length")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the engines' dtype"
+    )
     p.add_argument(
         "--against",
         default=None,

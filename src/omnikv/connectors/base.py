@@ -557,9 +557,6 @@ class OmniConnectorBase(ABC):
     class attributes read directly, never probed with ``hasattr``.
     """
 
-    #: Accepts raw bytes / uint8 tensors / its own pool buffers without object encoding; the
-    #: manager then hands it packed KV (through ``put_packed``).
-    supports_raw_data: ClassVar[bool] = False
     #: The table this connector translates its backend's errors with (``None``: no backend of
     #: its own); see :mod:`omnikv.connectors.boundary`.
     error_map: ClassVar[ErrorMap | None] = None

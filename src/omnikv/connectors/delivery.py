@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from omnikv._logging import RateLimitedLog
+
 __all__ = [
     "DEFAULT_ACK_TIMEOUT_S",
     "MAX_KEY_CHARS",
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Seconds a payload may stay taken by a receiver without a verdict before it counts as expired.
 DEFAULT_ACK_TIMEOUT_S = 60.0
@@ -116,7 +119,7 @@ class DeliveryNotices:
             dropped = len(self._open) - MAX_WATCHED
             for _ in range(max(0, dropped)):
                 old, _deadline = self._open.popitem(last=False)
-                logger.warning(
+                _outsider.warning(
                     "no verdict kept for %s: more than %d payloads open", old, MAX_WATCHED
                 )
 

@@ -20,6 +20,8 @@ from importlib import metadata as importlib_metadata
 from typing import Any, ClassVar
 
 from omnikv.connectors.base import OmniConnectorBase
+from omnikv.connectors.failures import setup_error
+from omnikv.errors import ConfigError
 from omnikv.topology.placement import engine_connector_config
 
 __all__ = [
@@ -263,6 +265,10 @@ class LazyConnector:
         self._retry_at = 0.0
         #: Why the last creation failed (``None`` after a success or before any attempt).
         self.error: str | None = None
+        #: The last creation failure as the error the strict factories raise
+        #: (:func:`omnikv.connectors.failures.setup_error`; ``None`` as :attr:`error`).
+        self.failure: Exception | None = None
+        self._logged: str | None = None  # the failure already logged at ERROR
 
     @classmethod
     def for_stage(
@@ -291,7 +297,7 @@ class LazyConnector:
         """Use ``connector`` from now on (tests and drop-in code assign ``manager._connector``)."""
         with self._lock:
             self._connector = connector
-            self.error = None
+            self.error = self.failure = None
 
     def get(self) -> OmniConnectorBase | None:
         """The connector, created now if needed and allowed; ``None`` while unavailable."""
@@ -307,7 +313,9 @@ class LazyConnector:
         try:
             spec = self._spec()
         except (TypeError, ValueError) as exc:
-            self._failed(f"bad connector config: {exc}")
+            bad: Exception = ConfigError(f"connector_config: {exc}")
+            bad.__cause__ = exc
+            self._failed(f"bad connector config: {exc}", bad)
             return None
         if spec is None:
             return None
@@ -317,16 +325,22 @@ class LazyConnector:
         try:
             conn = OmniConnectorFactory.create_connector(spec)
         except Exception as exc:  # any backend failure: record the cause, retry later
-            self._failed(f"{type(exc).__name__}: {exc}")
+            failure = setup_error(spec.name, spec.extra, exc)
+            failure.__cause__ = exc
+            self._failed(f"{type(failure).__name__}: {failure}", failure)
             return None
-        self.error = None
+        self.error = self.failure = self._logged = None
         return conn
 
-    def _failed(self, reason: str) -> None:
-        self.error = reason
+    def _failed(self, reason: str, failure: Exception) -> None:
+        """Record a failed creation; the first time a reason comes it is logged at ERROR,
+        its retries at DEBUG (a stage that cannot create its connector says so once)."""
+        self.error, self.failure = reason, failure
         self._retry_at = self._clock() + self.retry_interval
-        logger.error(
-            "Connector creation failed (%s); retrying in %.1fs", reason, self.retry_interval
+        level = logging.DEBUG if reason == self._logged else logging.ERROR
+        self._logged = reason
+        logger.log(
+            level, "Connector creation failed (%s); retrying in %.1fs", reason, self.retry_interval
         )
 
     def close(self, *, final: bool = False) -> None:

@@ -140,7 +140,6 @@ class _Store:
 class LocalConnector(OmniConnectorBase):
     """Keyed in-memory hand-off between managers of one process, over a shared pool."""
 
-    supports_raw_data = True
     acknowledges = True
     _stores: ClassVar[dict[str, _Store]] = {}
     # reentrant: a garbage-collected connector may close inside another one's constructor

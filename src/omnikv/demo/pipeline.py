@@ -201,7 +201,7 @@ def _workload(ns: argparse.Namespace) -> Workload:
             )
         from omnikv.demo.hf import HFWorkload
 
-        return HFWorkload(ns.dtype)
+        return HFWorkload(ns.dtype or "fp32")
     return TinyWorkload()
 
 
@@ -382,7 +382,9 @@ def _parser() -> argparse.ArgumentParser:
         help="tiny: a built-in toy model; hf-llama: a small transformers Llama",
     )
     p.add_argument(
-        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="hf-llama's dtype"
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="hf-llama's dtype (default fp32); --save-model's (default bf16)",
     )
     p.add_argument("--requests", type=int, default=4, help="requests to hand over")
     p.add_argument("--prompt-len", type=int, default=200, help="prompt length in tokens")
@@ -402,6 +404,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole demo")
     p.add_argument("--inject-fault", action="store_true", help="perturb one received KV value")
+    p.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="write the tiny random-weight Llama (and its tokenizer) the vLLM recipes serve to "
+        "DIR (save_pretrained: a model path for vLLM, transformers) and exit; --dtype sets its "
+        "dtype (default here bf16); needs transformers and tokenizers",
+    )
     p.add_argument("--role", default="stage0", choices=["stage0", "stage1"], help=argparse.SUPPRESS)
     p.add_argument("--namespace", default="", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="", help=argparse.SUPPRESS)
@@ -422,7 +431,7 @@ def _stage1_cmd(ns: argparse.Namespace, namespace: str) -> list[str]:
         "--model",
         ns.model,
         "--dtype",
-        ns.dtype,
+        ns.dtype or "fp32",
         "--requests",
         str(ns.requests),
         "--prompt-len",
@@ -494,9 +503,26 @@ def _run_two_processes(
     return got, sent
 
 
+_SAVED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _save_model(folder: str, dtype: str | None) -> int:
+    """``omnikv demo --save-model DIR``: the tiny Llama the vLLM docs and tests serve, written
+    offline (:func:`omnikv.bench.vllm.build_tiny_llama`); prints the path. ``dtype`` defaults
+    to bf16 here, vLLM's usual dtype on a CPU."""
+    from omnikv.bench.vllm import build_tiny_llama
+
+    name = _SAVED_DTYPES[dtype or "bf16"]
+    out = build_tiny_llama(folder, dtype=name)
+    print(f"omnikv demo: wrote a tiny random-weight Llama ({name}) to {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo (see the module docstring); returns the exit code."""
     ns = _parser().parse_args(list(argv) if argv is not None else None)
+    if ns.save_model:
+        return _save_model(ns.save_model, ns.dtype)
     if ns.role == "stage1":
         if ns.log_level:
             logging.basicConfig(

@@ -8,7 +8,7 @@ Sender stage (after a prefill with ``use_cache=True``, under ``torch.no_grad()``
 
 Receiver stage::
 
-    cache, result = receive_hf_cache(manager, "req-1", config=model.config)
+    cache, result = receive_hf_cache(manager, "req-1", model=model)
     model.generate(ids, past_key_values=cache, ...)
 
 The sender presents each layer's ``[1, kv_heads, seq, head_dim]`` keys and values as one paged
@@ -147,6 +147,7 @@ def receive_hf_cache(
     request_id: str,
     *,
     config: Any = None,
+    model: Any = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     check_finite: bool = False,
@@ -162,17 +163,44 @@ def receive_hf_cache(
 
     Before anything reaches transformers the received KV is checked (:func:`check_kv`): every
     layer holds K and V ``[seq, kv_heads, head_dim]`` of one shape and dtype; with ``config``,
-    the layer count (more or fewer), KV heads, head size and dtype (``config.dtype``, set by
-    ``from_pretrained``) match the model; ``dtype`` (e.g. ``model.dtype``) is checked when given
-    and wins over the config's. ``check_finite`` (off by default: one pass over the KV) also
-    refuses NaN or infinite values. A mismatch raises :class:`HFCacheError` naming both sides.
+    the layer count (more or fewer), KV heads, head size and dtype (``config.dtype``, or
+    ``config.torch_dtype`` as older releases and many hub configs name it) match the model;
+    ``dtype`` is checked when given and wins over the config's. ``model`` (the receiving model)
+    gives both at once: its ``config`` (unless ``config`` is given) and its real ``dtype``
+    (unless ``dtype`` is given), which is what attention will compute in even when the config
+    does not say. ``check_finite`` (off by default: one pass over the KV) also refuses NaN or
+    infinite values.
+
+    The check runs inside the receive, before its verdict: KV it refuses is reported to the
+    sender as ``refused`` with the reason (``wait_delivered`` there returns it), and this call
+    then raises :class:`HFCacheError` naming both sides.
     """
+    if model is not None:
+        config = getattr(model, "config", None) if config is None else config
+        dtype = getattr(model, "dtype", None) if dtype is None else dtype
     target = torch.device(device) if device is not None else None
-    result = manager.receive_kv_cache_result(str(request_id), target)
+    refusal: list[HFCacheError] = []
+
+    def check(received: Any) -> str | None:
+        try:
+            check_kv(
+                received.key_cache,
+                received.value_cache,
+                config,
+                dtype=dtype,
+                check_finite=check_finite,
+            )
+        except HFCacheError as exc:
+            refusal.append(exc)
+            return str(exc)
+        return None
+
+    result = manager.receive_kv_cache_result(str(request_id), target, check=check)
+    if refusal:
+        raise refusal[0]
     kv = result.kv
     if not result.ok or kv is None:
         return None, result
-    check_kv(kv.key_cache, kv.value_cache, config, dtype=dtype, check_finite=check_finite)
     cache = _dynamic_cache(kv.key_cache, kv.value_cache, config)
     # The cache holds its own copy: drop the received tensors (they may pin the sender's pool).
     bare = dataclasses.replace(kv, key_cache=[], value_cache=[])
@@ -268,13 +296,24 @@ def check_kv(
     source = "dtype="
     if want_dtype is None and config is not None:
         text = _text_config(config)
-        raw = getattr(text, "dtype", None) or getattr(config, "dtype", None)
-        want_dtype, source = _as_dtype(raw, "config.dtype"), "config.dtype"
+        for key in ("dtype", "torch_dtype"):  # torch_dtype: releases before 4.56
+            raw = _config_value(text, key) or _config_value(config, key)
+            want_dtype, source = _as_dtype(raw, f"config.{key}"), f"config.{key}"
+            if want_dtype is not None:
+                break
     if want_dtype is not None and first.dtype != want_dtype:
         raise HFCacheError(
             f"received KV of dtype {first.dtype}, the model expects {want_dtype} ({source}); "
             "send the KV in the model's dtype or load the model in the KV's"
         )
+
+
+def _config_value(config: Any, key: str) -> Any:
+    """``config.<key>``; ``torch_dtype`` read from the instance's own fields (newer releases
+    map it to ``dtype`` and log a deprecation for the attribute)."""
+    if key == "torch_dtype":
+        return getattr(config, "__dict__", {}).get(key)
+    return getattr(config, key, None)
 
 
 def _dynamic_cache(keys: Sequence[Any], values: Sequence[Any], config: Any) -> Any:

@@ -6,8 +6,10 @@ K and V alike). A stage spreads it over its ranks along four axes (:class:`Place
 * **TP** splits the KV heads into ``tp`` equal groups; with more ranks than KV heads each head is
   replicated over ``tp // heads`` consecutive ranks, as tensor-parallel attention replicates it
   (:func:`~omnikv.topology.tp.head_range`; sizes where neither divides the other are refused);
-* **PP** splits the layers into ``pp`` consecutive runs, evenly or as ``layer_split`` says
-  (uneven splits allowed);
+* **PP** splits the layers into ``pp`` consecutive runs, as ``layer_split`` says (uneven splits
+  allowed), else as vLLM does by default (even, the remainder one each to the ranks just before
+  the last: :func:`_pp_split`; a stage run with ``VLLM_PP_LAYER_PARTITION`` declares that as its
+  ``layer_split``);
 * **SP** splits, within a rank's TP heads, either the heads again (``"ulysses"``) or the tokens
   into ``sp`` consecutive runs (``"ring"``, balanced: the first ``tokens % sp`` runs hold one
   more);
@@ -39,6 +41,7 @@ __all__ = [
     "Piece",
     "Placement",
     "ReshardPlan",
+    "check_rank_mapping",
     "placement_from_rank_mapping",
     "plan_reshard",
 ]
@@ -61,6 +64,15 @@ def _split(total: int, parts: int, index: int) -> Range:
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+def _pp_split(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per PP rank when a stage gives no ``layer_split``: vLLM's default partition
+    (``get_pp_indices``), so that an LLM stage's placement names the layers its ranks hold:
+    ``num_layers // pp`` each, and the remainder one each to the ranks just before the last,
+    counting back from it (10 layers over 4: ``[2, 3, 3, 2]``)."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if pp - 1 - extra <= i < pp - 1 else 0) for i in range(pp))
 
 
 def _meet(a: Range, b: Range) -> Range | None:
@@ -126,9 +138,7 @@ class Placement:
             raise ConfigError(f"placement: pp={self.pp} exceeds num_layers={self.num_layers}")
         split = self.layer_split
         if split is None:
-            split = tuple(
-                b - a for a, b in (_split(self.num_layers, self.pp, i) for i in range(self.pp))
-            )
+            split = _pp_split(self.num_layers, self.pp)
         else:
             split = tuple(split)
             if (
@@ -209,6 +219,34 @@ class Placement:
             cfg=mapping.get("cfg", 1),
             layer_split=None if split is None else tuple(split),
         )
+
+
+def check_rank_mapping(rank_mapping: Mapping[str, Any]) -> None:
+    """``ConfigError`` naming the key for a placement value of ``rank_mapping`` that no model
+    could accept (what can be told without the model's layers and KV heads, which
+    :func:`placement_from_rank_mapping` checks): sizes ints in ``1..4096``, ``sp_mode`` one of
+    :data:`SP_MODES`, ``layer_split`` a list of positive ints. Called by the config check
+    (``check_omni_kv_config``); ``from_tp`` / ``to_tp`` are the config's own to parse."""
+    for key, value in rank_mapping.items():
+        axis = str(key).split("_", 1)[-1]
+        if key in ("from_tp", "to_tp") or key not in RANK_MAPPING_KEYS:
+            continue
+        if axis == "sp_mode":
+            ok = value in SP_MODES
+        elif axis == "layer_split":
+            ok = (
+                isinstance(value, list | tuple)
+                and 1 <= len(value) <= MAX_AXIS
+                and all(type(n) is int and n >= 1 for n in value)
+            )
+        else:
+            ok = type(value) is int and 1 <= value <= MAX_AXIS
+        if not ok:
+            want = {"sp_mode": f"one of {SP_MODES}", "layer_split": "a list of positive ints"}
+            raise ConfigError(
+                f"rank_mapping.{key} must be {want.get(axis, f'an int in 1..{MAX_AXIS}')},"
+                f" got {value!r:.60}"
+            )
 
 
 def placement_from_rank_mapping(

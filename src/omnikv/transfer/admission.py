@@ -11,7 +11,8 @@ background; each step asks :meth:`KVAdmission.poll` (never waits) and takes the 
 States of an offered request (:class:`Readiness`):
 
 * ``missing``: nothing has arrived for it yet (its receive waits, or waits for a free receive
-  thread); this is also what a request whose sender never offered it shows until its deadline;
+  thread, or it was looked at and nobody offers its KV yet); this is also what a request whose
+  sender never offered it shows until its deadline;
 * ``pending``: its payload is on its way (a transport that ``reports_incoming``, such as the
   Transfer Engine, NIXL and the Store, granted its transfer) or has been taken from the
   connector and is being decoded or copied; ``nbytes`` says how big it is;
@@ -32,6 +33,20 @@ bounded); each request has one deadline, counted from its offer (or given to it)
 of those say what they dropped; ``take`` hands out a request's outcome exactly once; a request
 withdrawn before its receive started consumed nothing (its payload stays at the source).
 
+**A ready request is never held behind missing ones.** With a probe (the manager's
+``probe_kv_cache``, which takes nothing), a share of the receive threads (a quarter, at least
+one: the *lookers*) never wait for KV nobody offers: they look at each offer first (at most
+:data:`LOOK_S`), receive it at once when its KV is there, and set it aside when nobody offers it
+yet (or the transport could not tell in time). The other threads (the *waiters*) receive offers
+in order, and the requests set aside, blocking in the transports' own event-driven waits, so a
+late payload is taken as it lands while a waiter is free. Requests set aside beyond the waiters
+are looked at again after 5 ms, doubling up to :data:`RELOOK_MAX_S` (1 s), until their
+deadline, and at most :data:`RELOOKS_PER_S` (200) looks again per second in all: a burst of
+offers for ids that never come (a client's or a stranger's) holds the waiters only, and a
+request whose KV is here is received after a look at one offer per looker ahead of it from
+either end of the queue (lookers take fresh offers from both ends in turn). Without a probe (the
+prefetcher) every thread is a waiter.
+
 This is the one state machine of a request's background receive: the prefetcher
 (:class:`omnikv.transfer.prefetch.KVPrefetcher`) is a :class:`KVAdmission` with one receive
 thread named ``kv-prefetch`` (a prefetch is offered when it starts and taken when it is
@@ -41,28 +56,53 @@ bound, consume errors).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
-import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from omnikv.connectors.base import KeyProbe, KeyState
 from omnikv.deadline import deadline_after, remaining
 from omnikv.transfer.receive import ReceiveFn, ReceiveResult, ReceiveStatus
+from omnikv.transfer.requests import checked_companions
 
-__all__ = ["KVAdmission", "Readiness", "RequestReadiness"]
+__all__ = ["KVAdmission", "ProbeFn", "Readiness", "RequestReadiness"]
 
 logger = logging.getLogger(__name__)
 
 #: Receives that run at once, by default (each is one thread waiting on the connector).
 DEFAULT_MAX_RECEIVES = 32
+#: With a probe, this share of the receive threads (at least one) are lookers: they never wait
+#: for KV that nobody offers, so a request whose KV is here always finds a free thread.
+LOOKER_SHARE = 4
+#: Longest look (probe) at one request (seconds).
+LOOK_S = 0.05
+#: A request looked at and found missing is looked at again after this long, doubling up to
+#: :data:`RELOOK_MAX_S` (while no waiting thread is free for it: see :class:`KVAdmission`).
+RELOOK_FIRST_S = 0.005
+RELOOK_MAX_S = 1.0
+#: Looks again per second at most, over every request set aside (with more of them set aside,
+#: each is looked at less often): bounds the probes a burst of offers for ids that never come
+#: can cost.
+RELOOKS_PER_S = 200.0
+
+
+class ProbeFn(Protocol):
+    """The manager's ``probe_kv_cache``: where a request's KV stands, without taking it, within
+    ``timeout`` seconds; never raises."""
+
+    def __call__(
+        self, request_id: str, *, sender_info: dict[str, Any] | None = ..., timeout: float = ...
+    ) -> KeyProbe: ...
 
 
 class Readiness(str, Enum):
@@ -87,16 +127,29 @@ class RequestReadiness:
     status: ReceiveStatus | None = None
     reason: str | None = None
     #: Whether its receive has begun (a receive thread took it: it may have touched the
-    #: connector). ``missing`` and not started: still queued for a free receive thread.
+    #: connector). ``missing`` and not started: still queued for a free receive thread, or set
+    #: aside after a look (a probe, which takes nothing) found nobody offering its KV yet.
     started: bool = False
     #: ``ready`` / ``failed`` (its own outcome): seconds that outcome has waited to be taken.
     held_s: float = 0.0
 
 
 class _Tracked:
-    __slots__ = ("abort", "deadline", "ended", "nbytes", "offered", "result", "started", "state")
+    __slots__ = (
+        "abort",
+        "deadline",
+        "ended",
+        "nbytes",
+        "offered",
+        "relook",
+        "result",
+        "started",
+        "state",
+    )
 
     def __init__(self, deadline: float) -> None:
+        #: seconds until the next look once found missing (0: never looked at)
+        self.relook = 0.0
         self.state = Readiness.MISSING
         self.nbytes = 0
         self.offered = time.monotonic()
@@ -129,25 +182,38 @@ class KVAdmission:
         recv_timeout: float,
         max_receives: int = DEFAULT_MAX_RECEIVES,
         name: str = "kv-admission",
+        probe: ProbeFn | None = None,
     ) -> None:
         if max_receives < 1:
             raise ValueError(f"max_receives must be >= 1, got {max_receives}")
         self._receive = receive
+        self._probe = probe
         self.recv_timeout = float(recv_timeout)
         self.name = name
         self._lock = threading.Lock()
         #: notified whenever a request ends or stops being tracked (:meth:`wait`)
         self._changed = threading.Condition(self._lock)
+        #: notified when there is work for a receive thread (an offer, a request found missing)
+        self._work = threading.Condition(self._lock)
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
         self._ready_order: list[str] = []
         #: primary id -> its CFG companions' ids; companion id -> its primary
         self._groups: dict[str, tuple[str, ...]] = {}
         self._primary_of: dict[str, str] = {}
         self._closed = False
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        #: offered, not looked at or received yet (in offer order)
+        self._fresh: deque[_Job] = deque()
+        #: looked at and found missing: (when to look again, order, job)
+        self._parked: list[tuple[float, int, _Job]] = []
+        self._order = itertools.count()
+        self._from_back = False  # lookers take fresh offers from both ends in turn
+        lookers = max(1, max_receives // LOOKER_SHARE) if probe and max_receives > 1 else 0
         names = [name] if max_receives == 1 else [f"{name}-{i}" for i in range(max_receives)]
         self._threads = tuple(
-            threading.Thread(target=self._serve, name=n, daemon=True) for n in names
+            threading.Thread(
+                target=self._serve, args=(i >= max_receives - lookers,), name=n, daemon=True
+            )
+            for i, n in enumerate(names)
         )
         for t in self._threads:
             t.start()
@@ -180,12 +246,18 @@ class KVAdmission:
         (``sampling_params.cfg_kv_request_ids``'s values): they are received beside it under
         the same deadline, and the request is ``ready`` only when every branch has ended; a
         companion is never listed by :meth:`ready` itself, and is taken by its own id once its
-        request is.
+        request is. Companions are the caller's own: only ids of the form
+        ``<request id>__<suffix>`` are taken, at most eight per request
+        (:func:`~omnikv.transfer.requests.checked_companions`; others are left out, logged), and
+        an id already tracked is never made a companion.
         """
         if timeout is not None and deadline is not None:
             raise ValueError("offer takes a timeout or a deadline, not both")
         ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
-        groups = {str(k): tuple(str(c) for c in v) for k, v in (companions or {}).items()}
+        groups = {
+            str(k): tuple(checked_companions(str(k), dict(enumerate(v))).values())
+            for k, v in (companions or {}).items()
+        }
         limit = self.recv_timeout if timeout is None else float(timeout)
         started: list[str] = []
         with self._lock:
@@ -202,17 +274,83 @@ class KVAdmission:
                 for one in (rid, *members):
                     entry = _Tracked(ends)
                     self._tracked[one] = entry
-                    self._jobs.put((one, entry, target_device, sender_info))
+                    self._fresh.append((one, entry, target_device, sender_info))
                     started.append(one)
+            if started:
+                self._work.notify_all()
         return started
 
-    def _serve(self) -> None:
-        """A receive thread: runs queued jobs until :meth:`close` queues a ``None``."""
+    def _serve(self, looker: bool) -> None:
+        """A receive thread, until :meth:`close`. A waiter (``looker`` false) receives the next
+        fresh offer (in offer order), else a request a looker found missing, blocking until its
+        KV comes or its deadline: the transports' own waits are event-driven, so a late payload
+        is taken as it lands. A looker first looks (:data:`LOOK_S` at most, taking nothing) at
+        a fresh offer (from both ends of the queue in turn), and at a request set aside once it
+        is due again; it receives what is there (``ready`` / ``offered``) and sets aside the
+        rest (``missing``, or ``unknown``), so it never waits for KV. So requests whose KV never
+        comes hold at most the waiters, and a request whose KV is here is received by a looker
+        after a look at one fresh offer per looker ahead of it, from either end."""
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+            with self._lock:
+                picked = self._pick_locked(looker)
+                while picked is None:
+                    if self._closed:
+                        return
+                    self._work.wait(self._idle_locked(looker))
+                    picked = self._pick_locked(looker)
+            job, look = picked
+            if look:
+                self._look(job)
+            else:
+                self._run(*job)
+
+    def _pick_locked(self, looker: bool) -> tuple[_Job, bool] | None:
+        """The next job of a thread and whether to look first; ``None``: nothing to do."""
+        if self._closed:
+            self._parked.clear()  # aborted: nobody looks again
+            return (self._fresh.popleft(), False) if self._fresh else None
+        if self._fresh:
+            if not looker:
+                return self._fresh.popleft(), False
+            self._from_back = not self._from_back
+            return (self._fresh.pop() if self._from_back else self._fresh.popleft()), True
+        if self._parked and (not looker or self._parked[0][0] <= time.monotonic()):
+            return heapq.heappop(self._parked)[2], looker
+        return None
+
+    def _idle_locked(self, looker: bool) -> float | None:
+        """How long an idle thread sleeps before it looks for work again (``None``: until
+        woken): a looker until the next request set aside is due."""
+        if not looker or not self._parked:
+            return None
+        return max(0.0, self._parked[0][0] - time.monotonic())
+
+    def _look(self, job: _Job) -> None:
+        """A looker's turn with ``job``: received now when its KV is there (``ready`` or
+        ``offered``), else (``missing``, or ``unknown``: a peer did not answer in time) set
+        aside to be looked at again, or received by a free waiter."""
+        rid, entry, _, sender_info = job
+        probe = self._probe
+        left = entry.deadline - time.monotonic()
+        if probe is None or entry.abort.is_set() or left <= 0:
+            self._run(*job, expired="nothing was offered for it by its deadline")
+            return
+        try:
+            state = probe(rid, sender_info=sender_info, timeout=min(LOOK_S, left)).state
+        except Exception:  # the manager's probe never raises; a custom one may
+            state = KeyState.UNKNOWN
+        if state in (KeyState.READY, KeyState.OFFERED):
             self._run(*job)
+            return
+        # missing, or unknown (a peer slow to answer): a waiter may take it, or a later look
+        with self._lock:
+            if self._closed:
+                return
+            entry.relook = min(RELOOK_MAX_S, 2 * entry.relook) if entry.relook else RELOOK_FIRST_S
+            spread = len(self._parked) / RELOOKS_PER_S
+            due = min(time.monotonic() + max(entry.relook, spread), entry.deadline)
+            heapq.heappush(self._parked, (due, next(self._order), job))
+            self._work.notify_all()
 
     def _run(
         self,
@@ -220,6 +358,8 @@ class KVAdmission:
         entry: _Tracked,
         target_device: torch.device | None,
         sender_info: dict[str, Any] | None,
+        *,
+        expired: str = "deadline passed before a receive thread was free",
     ) -> None:
         def arrived(nbytes: int) -> None:
             with self._lock:
@@ -235,11 +375,7 @@ class KVAdmission:
                 return
             begins = entry.started = time.monotonic() < entry.deadline
         if not begins:
-            result = ReceiveResult(
-                rid,
-                ReceiveStatus.TIMEOUT,
-                reason="deadline passed before a receive thread was free",
-            )
+            result = ReceiveResult(rid, ReceiveStatus.TIMEOUT, reason=expired)
         else:
             try:
                 result = self._receive(
@@ -445,10 +581,9 @@ class KVAdmission:
             self._groups.clear()
             self._primary_of.clear()
             self._changed.notify_all()
-        for _, e in entries:
-            e.abort.set()
-        for _ in self._threads:
-            self._jobs.put(None)  # after every queued job: those end at once, aborted
+            for _, e in entries:
+                e.abort.set()  # queued jobs end at once, aborted, and the threads exit
+            self._work.notify_all()
         end = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
             if t is not threading.current_thread():  # closed from a receive (its callback)

@@ -42,6 +42,8 @@ class _Watch:
     keys: frozenset[str]
     verdicts: dict[str, DeliveryReport] = field(default_factory=dict)
     result: SendResult | None = None
+    #: when the send's first put was about to start (the hand-off clock, with its extract_ms)
+    started: float = field(default_factory=time.perf_counter)
 
 
 class DeliveryBook:
@@ -148,7 +150,14 @@ class DeliveryBook:
             return None
         reasons = [f"{r.key}: {r.reason}" for r in reports if r.verdict is worst and r.reason]
         reason = "; ".join(reasons) or None
-        watch.result = dataclasses.replace(watch.result, status=_STATUS[worst], reason=reason)
+        # the hand-off: the send call (its planning, extract_ms, came before expect) to this verdict
+        timings = dict(watch.result.timings_ms)
+        timings["handoff_ms"] = (time.perf_counter() - watch.started) * 1e3 + float(
+            timings.get("extract_ms", 0.0)
+        )
+        watch.result = dataclasses.replace(
+            watch.result, status=_STATUS[worst], reason=reason, timings_ms=timings
+        )
         for key in watch.keys:
             if self._owner.get(key) == watch.result.request_id:
                 del self._owner[key]

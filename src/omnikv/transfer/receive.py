@@ -20,6 +20,7 @@ under one deadline and keeps the results; a later :meth:`KVReceiver.receive` of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from omnikv._logging import RateLimitedLog
 from omnikv.config import TransferOptions
 from omnikv.connectors.base import (
     KeyProbe,
@@ -57,7 +59,7 @@ from omnikv.topology.keys import TransferHooks, build_recv_keys
 from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV, move_kv
-from omnikv.transfer.sessions import SessionGuard
+from omnikv.transfer.sessions import PendingStamps, SessionGuard
 from omnikv.transfer.stream import ChunkFeed, EagerChunks, StreamAssembly
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
@@ -75,6 +77,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_misses = RateLimitedLog(logger)  # misses a forger or a client can cause
 
 #: The reference's warm-up request id: never received.
 DUMMY_REQUEST_ID = "dummy_req_id"
@@ -491,11 +494,15 @@ class KVReceiver:
         status = next((s for kind, s in _STATUS if isinstance(exc, kind)), None)
         if status is None:
             raise exc
-        if quiet:
-            log = logger.debug
-        else:
-            log = logger.warning if status is ReceiveStatus.TIMEOUT else logger.error
-        log("KV receive for %s failed (%s): %s", request_id, status.value, exc)
+        level = logging.WARNING if status is ReceiveStatus.TIMEOUT else logging.ERROR
+        # a refused or corrupt payload can be a forger's: rate-limited like any such line
+        log = logger.debug if quiet else functools.partial(_misses.log, level)
+        log(
+            "KV receive for %s failed (%s): %s",
+            request_id,
+            status.value,
+            exc,
+        )
         return ReceiveResult(request_id, status, None, 0, keys, str(exc), time.monotonic() - t0)
 
     # -- where a request's KV stands, without receiving it -------------------------------------
@@ -627,7 +634,7 @@ class KVReceiver:
             streams = StreamAssembly(
                 eager or chunks,
                 max_header_bytes=self.options.max_header_bytes,
-                guard=self.guard,
+                guard=None if self.guard is None else self.guard.pending(),
                 feed=feed,
             )
             kv, t_decode = self._use(
@@ -689,6 +696,8 @@ class KVReceiver:
             refusal = None if check is None else check(kv)
             if refusal is not None:
                 raise PayloadRefused(f"KV of {request_id} refused: {refusal}")
+            if isinstance(streams.guard, PendingStamps):  # check, then remember
+                streams.guard.commit()
             verdict, reason = Verdict.DELIVERED, None
         except (OmniKVError, KVPrefetchConsumeError) as exc:
             reason = str(exc)
@@ -776,8 +785,8 @@ class KVReceiver:
             payload = buf.tensor
         limit = self.options.max_header_bytes
         decoded = decode_kv(payload, copy=own, max_header_bytes=limit)
-        if self.guard is not None:
-            self.guard.admit(decoded.stamp, decoded.request_id)
+        if streams is not None and streams.guard is not None:  # remembered once all passed
+            streams.guard.admit(decoded.stamp, decoded.request_id)
         if decoded.stream is not None:
             if streams is None or wait is None:
                 raise DecodeError("corrupt KV payload: a streamed piece outside a receive")

@@ -15,22 +15,33 @@ from typing import Any
 
 import torch
 
+from omnikv._logging import RateLimitedLog
 from omnikv.transfer.received import ReceivedKV
 
 __all__ = [
     "CFG_EXTRA_FIELDS",
+    "MAX_COMPANIONS",
+    "MAX_COMPANION_ID_CHARS",
     "apply_kv_cache_to_request",
     "apply_received_kv",
     "apply_request_kv_payload",
     "cfg_companion_ids",
+    "checked_companions",
     "collect_cfg_companions",
     "collect_request_kv_payload",
+    "companion_refusal",
     "kv_namespace",
     "move_to_device",
     "request_id_of",
 ]
 
 logger = logging.getLogger(__name__)
+_refused_companions = RateLimitedLog(logger)
+
+#: CFG companions one request may have (Bagel has two: ``cfg_text``, ``cfg_img``).
+MAX_COMPANIONS = 8
+#: Longest companion request id accepted.
+MAX_COMPANION_ID_CHARS = 512
 
 CFG_EXTRA_FIELDS = (
     "cfg_kv_request_ids",
@@ -169,23 +180,60 @@ def _same(before: Iterable[Any], after: Iterable[Any]) -> bool:
     return all(a is b for a, b in zip(before, after, strict=True))
 
 
+def companion_refusal(request_id: str, companion: Any) -> str | None:
+    """Why ``companion`` cannot be a CFG companion of ``request_id`` (``None``: it can).
+
+    Companions are the caller's own: a companion id is its request's id, ``__`` and a suffix
+    (the reference's form, ``<request id>__cfg_text``), a ``str`` of at most
+    :data:`MAX_COMPANION_ID_CHARS` printable characters. An id of another request (another
+    tenant's) is refused, so that listing it cannot capture that request's KV."""
+    if not isinstance(companion, str):
+        return f"a companion id is a {type(companion).__name__}, not a string"
+    if len(companion) > MAX_COMPANION_ID_CHARS or not companion.isprintable():
+        return f"a companion id longer than {MAX_COMPANION_ID_CHARS} or not printable"
+    if not companion.startswith(f"{request_id}__") or len(companion) <= len(request_id) + 2:
+        return f"companion {companion!r:.80} is not {request_id!r:.80} + '__' + a suffix"
+    return None
+
+
+def checked_companions(request_id: str, companions: Mapping[Any, Any]) -> dict[str, str]:
+    """``{role: companion id}`` of ``companions`` (client input: a request's
+    ``cfg_kv_request_ids``) that :func:`companion_refusal` admits, at most
+    :data:`MAX_COMPANIONS`; empty entries are skipped, refused ones logged (rate-limited)."""
+    out: dict[str, str] = {}
+    for role, rid in companions.items():
+        if rid is None or rid == "":
+            continue
+        why = companion_refusal(request_id, rid)
+        if why is None and len(out) >= MAX_COMPANIONS:
+            why = f"more than {MAX_COMPANIONS} companions"
+        if why is not None:
+            _refused_companions.warning("CFG companion of %.80r refused: %s", request_id, why)
+            continue
+        out[str(role)] = rid
+    return out
+
+
 def cfg_companion_ids(req: Any) -> dict[str, str]:
-    """``sampling_params.cfg_kv_request_ids`` (``{role: companion request id}``), or ``{}``."""
+    """``sampling_params.cfg_kv_request_ids`` (``{role: companion request id}``) as
+    :func:`checked_companions` admits them, or ``{}``."""
     sp = getattr(req, "sampling_params", None)
     ids = getattr(sp, "cfg_kv_request_ids", None)
-    if not isinstance(ids, Mapping):
+    rid = request_id_of(req)
+    if not isinstance(ids, Mapping) or rid is None:
         return {}
-    return {str(role): str(rid) for role, rid in ids.items() if rid}
+    return checked_companions(rid, ids)
 
 
 def collect_cfg_companions(req: Any, collect: Callable[..., Any], *args: Any) -> None:
     """Call the model's ``cfg_kv_collect_func(request_id, cfg_ids, *args)`` and set every entry
-    of its result on ``req.sampling_params``. Its failure is logged: the companions are lost,
-    the primary KV stays."""
+    of its result on ``req.sampling_params``. ``cfg_ids`` are the request's companions as
+    :func:`cfg_companion_ids` admits them (so the collector never receives another request's
+    KV). Its failure is logged: the companions are lost, the primary KV stays."""
     sp = getattr(req, "sampling_params", None)
     rid = request_id_of(req)
     try:
-        out = collect(rid, getattr(sp, "cfg_kv_request_ids", None), *args)
+        out = collect(rid, cfg_companion_ids(req), *args)
     except Exception:  # model code
         logger.exception("CFG KV collection failed for %s", rid)
         return

@@ -63,6 +63,25 @@ class RankKV:
     value_cache: list[torch.Tensor]
 
 
+def _check_covers(kv: RankKV, what: str) -> None:
+    """``ValueError`` unless ``kv`` holds one K and one V ``[tokens, heads, dim]`` tensor per
+    layer of its box, of exactly the box's tokens and heads, K and V alike: slicing anything
+    else would put a piece of the wrong heads or too few tokens."""
+    b = kv.box
+    layers = b.layers[1] - b.layers[0]
+    extent = (b.tokens[1] - b.tokens[0], b.heads[1] - b.heads[0])
+    if len(kv.key_cache) != layers or len(kv.value_cache) != layers:
+        raise ValueError(
+            f"{what} has {len(kv.key_cache)} K and {len(kv.value_cache)} V layers, its box {layers}"
+        )
+    for i, (k, v) in enumerate(zip(kv.key_cache, kv.value_cache, strict=True)):
+        if k.dim() != 3 or tuple(k.shape[:2]) != extent or k.shape != v.shape:
+            raise ValueError(
+                f"{what}: layer {i} K {tuple(k.shape)}, V {tuple(v.shape)}; its box needs"
+                f" [tokens, heads, head_dim] = [{extent[0]}, {extent[1]}, d] for both"
+            )
+
+
 class PieceSender:
     """A source rank's side of a reshard: created by the stage with its connector, both
     placements, its rank and the stage pair; :meth:`send` is called once per request."""
@@ -86,12 +105,14 @@ class PieceSender:
     def send(self, request_id: str, kv: RankKV, num_tokens: int, *, deadline: float) -> int:
         """Put this rank's piece for every target that takes one from it; the bytes put.
 
-        ``kv`` must cover this rank's box for ``num_tokens`` tokens (else ``ValueError``).
+        ``kv`` must cover exactly this rank's box for ``num_tokens`` tokens, one
+        ``[tokens, heads, head_dim]`` K and V per layer (else ``ValueError``, nothing put).
         A failed put raises the connector's error after the pieces before it were put.
         """
         box = self.source.box(self.rank, num_tokens)
-        if kv.box != box or len(kv.key_cache) != len(kv.value_cache):
+        if kv.box != box:
             raise ValueError(f"rank {self.rank}'s KV covers {kv.box}, its placement says {box}")
+        _check_covers(kv, f"rank {self.rank}'s KV")
         total = 0
         for piece in self.plan(num_tokens).for_source(self.rank):
             total += self._put(request_id, piece, kv, num_tokens, deadline)

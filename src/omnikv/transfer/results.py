@@ -75,8 +75,11 @@ class TransferLog:
         return results
 
     def delivered(self, result: SendResult) -> None:
-        """Count a send's verdict (``delivery.delivered`` / ``.refused`` / ``.expired``)."""
-        self.metrics.record("delivery", result.status.value, result.nbytes, {})
+        """Count a send's verdict (``delivery.delivered`` / ``.refused`` / ``.expired``) and
+        its end-to-end hand-off time (phase ``delivery.handoff``: send call to verdict)."""
+        handoff = result.timings_ms.get("handoff_ms")
+        timings = {} if handoff is None else {"handoff_ms": handoff}
+        self.metrics.record("delivery", result.status.value, result.nbytes, timings)
 
     def received(self, result: ReceiveResult) -> ReceiveResult:
         """Log ``result`` (without its KV) and count it; returns it."""

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from omnikv._logging import RateLimitedLog
 from omnikv.config import RetryPolicy, TransferOptions
 from omnikv.connectors.base import OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["KVSender", "SendBatch", "SendRefused", "SendResult", "SendStatus", "put_with_retry"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 _RESERVED_METADATA = ("block_size", "num_layers", "dtype", "seq_len")
 _DTYPE_ALIASES = {
@@ -139,7 +141,7 @@ def put_with_retry(
         delay = policy.delay(attempt)
         if attempt + 1 >= policy.attempts or delay >= remaining(deadline):
             break
-        logger.warning(
+        _outsider.warning(
             "Transfer attempt %d/%d for %s failed (%s); retrying in %.2fs",
             attempt + 1,
             policy.attempts,
@@ -438,7 +440,7 @@ class KVSender:
         timings = {"extract_ms": (t_plan - t0) * 1e3, "encode_put_ms": (t_end - t_plan) * 1e3}
         if failed:
             reason = "put failed for " + "; ".join(failed)
-            logger.error("KV transfer FAILED: %s (%s)", transfer_id, reason)
+            _outsider.error("KV transfer FAILED: %s (%s)", transfer_id, reason)
             return SendResult(
                 request_id, SendStatus.FAILED, transfer_id, keys, total, reason, timings
             )
@@ -630,5 +632,5 @@ class KVSender:
 
     @staticmethod
     def _fail(request_id: str, reason: str) -> SendResult:
-        logger.error("Failed KV transfer for %s: %s", request_id, reason)
+        _outsider.error("Failed KV transfer for %s: %s", request_id, reason)
         return SendResult(request_id, SendStatus.FAILED, request_id, [], 0, reason)

@@ -16,6 +16,13 @@ for every payload it decodes) refuses, with a typed error and a count:
   ``E`` was taken, a payload of ``X`` at an epoch below ``E`` was sent by an incarnation that has
   since restarted, and is refused. Unnamed senders are never ordered against each other.
 
+**Check, then remember.** A stamp is checked when its payload is decoded, but remembered only
+once the payload passed every check it gets (:class:`PendingStamps`): the receive's ``check``
+(the vLLM consumer's MAC), or ``on_chunk`` for a chunk handed over as it arrives. A refused
+payload (a forgery with a huge epoch, or with a genuine sender's session and next sequence
+numbers, refused for its MAC) leaves both memories exactly as they were, so nobody without the
+secret can make a later genuine payload fail.
+
 Both memories are bounded (least recently seen dropped first): a duplicate older than
 ``capacity`` payloads is no longer recognised, which the transports' consume-once and TTLs make
 harmless. A receiver that restarts starts with empty memories (a new epoch of its own); what its
@@ -35,7 +42,7 @@ from omnikv.errors import PayloadRefused
 from omnikv.metrics import TransferMetrics
 from omnikv.wire.format import Stamp
 
-__all__ = ["DuplicatePayload", "SenderStamps", "SessionGuard", "StalePayload"]
+__all__ = ["DuplicatePayload", "PendingStamps", "SenderStamps", "SessionGuard", "StalePayload"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,30 +100,60 @@ class SessionGuard:
         self.counts = {"duplicates": 0, "stale_epoch": 0}
 
     def admit(self, stamp: Stamp | None, request_id: str) -> None:
-        """Take ``stamp``'s payload, or raise :class:`DuplicatePayload` /
-        :class:`StalePayload` (counted, and the payload is refused). ``None`` (a payload without
-        a stamp: the reference's encoder, an older omnikv) is admitted unchecked."""
+        """Check ``stamp`` and remember it at once: for a payload that gets no other check.
+        Raises :class:`DuplicatePayload` / :class:`StalePayload` (counted). A payload that is
+        checked further (a MAC, the consumer's ``check`` or ``on_chunk``) goes through
+        :meth:`pending` instead, so that a refused one leaves no mark."""
+        self.check(stamp, request_id)
+        self.remember(stamp, request_id)
+
+    def pending(self) -> PendingStamps:
+        """A new, empty :class:`PendingStamps` of this guard (one per receive or chunk)."""
+        return PendingStamps(self)
+
+    def check(self, stamp: Stamp | None, request_id: str) -> None:
+        """Raise :class:`DuplicatePayload` / :class:`StalePayload` (counted) when ``stamp``'s
+        payload must be refused; change nothing else. ``None`` (a payload without a stamp: the
+        reference's encoder, an older omnikv) passes unchecked."""
         if stamp is None:
             return
-        ident = (stamp.s, stamp.q)
         with self._lock:
-            if ident in self._seen:
-                self._seen.move_to_end(ident)
-                error: PayloadRefused = DuplicatePayload(
-                    f"payload {stamp.q} of sender session {stamp.s} for {request_id} was "
-                    "already received (duplicate)"
-                )
-                kind = "duplicates"
-            elif stamp.i is not None and stamp.e < self._newest.get(stamp.i, stamp.e):
-                error = StalePayload(
-                    f"payload for {request_id} comes from an old epoch of sender instance "
-                    f"{stamp.i!r} ({stamp.e} < {self._newest[stamp.i]}: it has restarted since)"
-                )
-                kind = "stale_epoch"
-            else:
-                self._remember(ident, stamp)
+            error = self._refusal(stamp, request_id)
+        if error is not None:
+            self._refuse(error)
+
+    def remember(self, stamp: Stamp | None, request_id: str) -> None:
+        """Take ``stamp``'s payload for good: called once it passed every check it gets.
+        Checks again under the same lock (two copies of one payload checked at once: the second
+        to be remembered is refused) and raises as :meth:`check` does."""
+        if stamp is None:
+            return
+        with self._lock:
+            error = self._refusal(stamp, request_id)
+            if error is None:
+                self._remember((stamp.s, stamp.q), stamp)
                 return
-            self.counts[kind] += 1
+        self._refuse(error)
+
+    def _refusal(self, stamp: Stamp, request_id: str) -> PayloadRefused | None:
+        """Why ``stamp``'s payload is refused (called with the lock held), counted; reads only
+        the memories (their order included)."""
+        if (stamp.s, stamp.q) in self._seen:
+            self.counts["duplicates"] += 1
+            return DuplicatePayload(
+                f"payload {stamp.q} of sender session {stamp.s} for {request_id} was "
+                "already received (duplicate)"
+            )
+        if stamp.i is not None and stamp.e < self._newest.get(stamp.i, stamp.e):
+            self.counts["stale_epoch"] += 1
+            return StalePayload(
+                f"payload for {request_id} comes from an old epoch of sender instance "
+                f"{stamp.i!r} ({stamp.e} < {self._newest[stamp.i]}: it has restarted since)"
+            )
+        return None
+
+    def _refuse(self, error: PayloadRefused) -> None:
+        kind = "duplicates" if isinstance(error, DuplicatePayload) else "stale_epoch"
         logger.debug("refused KV payload: %s", error)  # the receive's result says it too
         if self.metrics is not None:
             self.metrics.record("guard", kind, 0, {})
@@ -131,3 +168,31 @@ class SessionGuard:
             self._newest.move_to_end(stamp.i)
             while len(self._newest) > self._cap_instances:
                 self._newest.popitem(last=False)
+
+
+class PendingStamps:
+    """The stamps of payloads checked by a :class:`SessionGuard` but not yet remembered.
+
+    Made by :meth:`SessionGuard.pending` for one receive (its tail and chunks) or one chunk
+    handed to ``on_chunk``: :meth:`admit` checks a stamp and holds it, :meth:`commit` remembers
+    every stamp held once the payload passed every later check (the consumer's MAC among
+    them). A receive that is refused never commits, so a forged payload (which can carry any
+    stamp: a huge epoch, a genuine sender's session and next sequence numbers) changes nothing
+    a later genuine payload is judged by. Not thread-safe: one receive's thread uses it."""
+
+    def __init__(self, guard: SessionGuard) -> None:
+        self.guard = guard
+        self._held: list[tuple[Stamp, str]] = []
+
+    def admit(self, stamp: Stamp | None, request_id: str) -> None:
+        """Check ``stamp`` (raises as :meth:`SessionGuard.check`) and hold it."""
+        self.guard.check(stamp, request_id)
+        if stamp is not None:
+            self._held.append((stamp, request_id))
+
+    def commit(self) -> None:
+        """Remember every stamp held (raises as :meth:`SessionGuard.remember` for one that a
+        copy remembered meanwhile; those before it stay remembered) and forget them here."""
+        held, self._held = self._held, []
+        for stamp, request_id in held:
+            self.guard.remember(stamp, request_id)

@@ -54,13 +54,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from omnikv._logging import RateLimitedLog
 from omnikv.config import RetryPolicy
 from omnikv.connectors.base import ManagedBuffer, OmniConnectorBase
 from omnikv.errors import DecodeError, OmniKVError, PayloadRefused
 from omnikv.topology.keys import build_send_keys
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.send import KVSender, SendBatch, SendRefused, SendResult, SendStatus
-from omnikv.transfer.sessions import SessionGuard
+from omnikv.transfer.sessions import PendingStamps, SessionGuard
 from omnikv.wire.decode import DecodedKV, decode_kv
 from omnikv.wire.format import MAX_STREAM_CHUNKS, StreamMark
 
@@ -83,6 +84,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Longest a streaming step waits for room to put a chunk (seconds; ``send_timeout`` if less).
 STEP_PUT_S = 0.25
@@ -471,7 +473,7 @@ class KVStreams:
             while len(self._streams) > self.capacity:
                 evicted.append(self._streams.popitem(last=False))
         for old_rid, old in evicted:
-            logger.warning(
+            _outsider.warning(
                 "KV stream of %s dropped: more than %d streams open (abort_kv_stream missing?)",
                 old_rid,
                 self.capacity,
@@ -682,14 +684,16 @@ class ChunkFeed:
     before it as hostile input (its index, a range starting where the last one stopped, the
     same stream, request id, layers, dtypes and head shapes, the token count its range says).
     Called by :class:`EagerChunks`'s lane as chunks arrive, and by :class:`StreamAssembly`
-    for any chunk the lane did not hand over. With ``guard`` a chunk's stamp is admitted
-    (:meth:`SessionGuard.admit <omnikv.transfer.sessions.SessionGuard.admit>`) before it is
+    for any chunk the lane did not hand over. With ``guard`` a chunk's stamp is checked
+    (:meth:`SessionGuard.check <omnikv.transfer.sessions.SessionGuard.check>`) before it is
     handed over, so that a replayed chunk (a copy of one this receiver already took) never
-    reaches ``on_chunk``. After the first refusal nothing more is handed
-    over (:attr:`refusal`; :attr:`corrupt` says whether the chunk itself was inconsistent, as
-    opposed to refused by ``on_chunk`` or the guard), and ``on_refusal`` is called (the receive
-    stops waiting for the tail). :meth:`close` waits for a call in flight and refuses
-    every later one, so that a receive that returned never writes again. Thread-safe.
+    reaches ``on_chunk``, and remembered only once ``on_chunk`` took it (a chunk it refuses,
+    such as a forgery failing the consumer's MAC, leaves the guard as it was). After the first
+    refusal nothing more is handed over (:attr:`refusal`; :attr:`corrupt` says whether the
+    chunk itself was inconsistent, as opposed to refused by ``on_chunk`` or the guard), and
+    ``on_refusal`` is called (the receive stops waiting for the tail). :meth:`close` waits for
+    a call in flight and refuses every later one, so that a receive that returned never writes
+    again. Thread-safe.
     """
 
     def __init__(
@@ -738,7 +742,12 @@ class ChunkFeed:
                 return span
             assert chunk.stream is not None  # checked by _continues
             start, stop = (int(v) for v in chunk.stream.r[0])
-            why = self._admitted(chunk) or self._call(chunk, index, start, stop, span)
+            pending = None if self._guard is None else self._guard.pending()
+            why = (
+                self._admitted(pending, chunk)
+                or self._call(chunk, index, start, stop, span)
+                or self._admitted(pending, None)
+            )
             if why is not None:
                 self._refused(why)
                 return why
@@ -803,13 +812,17 @@ class ChunkFeed:
         if self._next_layer == 0:
             self.end = self._range[1]
 
-    def _admitted(self, chunk: DecodedKV) -> str | None:
+    def _admitted(self, pending: PendingStamps | None, chunk: DecodedKV | None) -> str | None:
         """Why the guard refuses the chunk's stamp (a duplicate, a stale epoch); ``None`` when
-        it takes it, or without a guard."""
-        if self._guard is None:
+        it passes, or without a guard. With ``chunk`` ``None``: remembers the stamp checked
+        (called once ``on_chunk`` took the chunk, so a chunk it refused leaves no mark)."""
+        if pending is None:
             return None
         try:
-            self._guard.admit(chunk.stamp, chunk.request_id)
+            if chunk is None:
+                pending.commit()
+            else:
+                pending.admit(chunk.stamp, chunk.request_id)
         except PayloadRefused as exc:
             return str(exc)
         return None
@@ -831,7 +844,7 @@ class ChunkFeed:
         try:
             return self._on_chunk(piece)
         except Exception as exc:  # the caller's bug refuses this receive, nothing else
-            logger.exception("on_chunk raised for chunk %d of %s", index, chunk.request_id)
+            _outsider.exception("on_chunk raised for chunk %d of %s", index, chunk.request_id)
             return f"on_chunk raised {type(exc).__name__}: {exc}"
 
     def error(self, key: str) -> OmniKVError:
@@ -993,7 +1006,7 @@ class EagerChunks:
                             return
                         continue
                 # taken after stop() collected the rest (a wait that outlived its slice)
-                logger.warning("dropped chunk %s, taken after its receive ended", ckey)
+                _outsider.warning("dropped chunk %s, taken after its receive ended", ckey)
                 buf.release()
                 return
         except OmniKVError as exc:  # the assembly's own take reports a missing chunk
@@ -1146,7 +1159,7 @@ class StreamAssembly:
         source: ChunkSource,
         *,
         max_header_bytes: int,
-        guard: SessionGuard | None = None,
+        guard: SessionGuard | PendingStamps | None = None,
         feed: ChunkFeed | None = None,
     ) -> None:
         self.source = source

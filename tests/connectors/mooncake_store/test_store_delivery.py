@@ -167,8 +167,9 @@ def scenario_verdicts() -> dict[str, Any]:
             json.dumps({"key": m1, "verdict": "accepted"}).encode(),
             json.dumps({"key": "someone-else", "verdict": "delivered"}).encode(),
         ]
+        raw = other.live_store()  # a Store client writing records of its own making
         for i, body in enumerate(bad, 1):
-            assert other._store.put(ack_key(m1), body, other._rcfg) == 0
+            assert raw.put(ack_key(m1), body, other.placement) == 0
             _until(lambda i=i: conn.health()["acks_malformed"] >= i, 10, "malformed dropped")
         res["m1_after_malformed"] = sender.get_send_result("m1").status.value
         r_in.put(("receive", "m1", None))
@@ -187,7 +188,7 @@ def scenario_verdicts() -> dict[str, Any]:
         assert buf is not None
         buf.release()
         lone.acknowledge(*STAGES, "n1", Verdict.DELIVERED)
-        res["n1_record"] = other._store.is_exist(ack_key(keys[-1]))
+        res["n1_record"] = raw.is_exist(ack_key(keys[-1]))
         t0 = time.monotonic()
         lone.close()
         res["n1_close_s"] = time.monotonic() - t0
@@ -207,7 +208,7 @@ def scenario_verdicts() -> dict[str, Any]:
         res["sender"] = {k: v for k, v in health.items() if "ack" in k or k == "watched_keys"}
         # nothing of the test is left in the store: payloads and verdict records
         everything = keys + [ack_key(k) for k in keys]
-        found = other._store.batch_is_exist(everything)
+        found = raw.batch_is_exist(everything)
         res["left"] = [k for k, e in zip(everything, found, strict=True) if e != 0]
         clients.close()
         res["threads"] = [t for t in omnikv_threads() if "verdict" in t]

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -215,10 +216,23 @@ def _abortable(recv: Any, in_q: Any, out_q: Any, hold_q: Any, res: dict[str, Any
     def wait() -> None:
         got["buf"] = recv.wait("0", "1", "slow", deadline=time.monotonic() + 10, abort=abort)
 
+    pinged, pings = threading.Event(), [0]
+
+    def count_pings(frames: list[bytes]) -> None:  # the receive's pings after its abort
+        if abort.is_set() and msgpack.unpackb(frames[0], raw=False).get("op") == "ping":
+            pings[0] += 1
+            if pings[0] >= 3:
+                pinged.set()
+
+    recv.control_client.observe_sends(count_pings)
     th = threading.Thread(target=wait)
     th.start()
     assert out_q.get(timeout=20)[0] == "writing"
-    time.sleep(0.5)  # the condition under test: a write held over ten abort polls
+    # the condition under test: the abort set while the write runs, and the receive still
+    # waiting for it three pings later
+    abort.set()
+    assert pinged.wait(20)
+    recv.control_client.observe_sends(None)
     hold_q.put("go")
     th.join(timeout=20)
     buf = got.get("buf")

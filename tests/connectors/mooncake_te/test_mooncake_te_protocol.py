@@ -97,18 +97,68 @@ def test_a_session_name_is_respelt_in_its_port_only() -> None:
     assert respell_session("[::1]:15321", 1) == "[::1]:015321"
 
 
+def _write(names: SessionNames, session: str, token: bytes, ident: bytes = b"") -> str:
+    """What a sender does for a pull that succeeds: ask the spelling, then record the write."""
+    spelling, generation = names.name_for(session, token)
+    if spelling:
+        names.wrote(session, token, ident or token, generation)
+    return spelling
+
+
 def test_a_session_name_is_respelt_each_time_a_new_receiver_has_it() -> None:
-    names = SessionNames()
-    assert names.name_for("h:15000", b"a") == "h:15000"
-    assert names.name_for("h:15000", b"a") == "h:15000"  # the same receiver: the same name
-    assert names.name_for("h:16000", b"b") == "h:16000"  # another session: its own count
-    assert names.name_for("h:15000", b"c") == "h:015000"
-    assert names.name_for("h:15000", b"c") == "h:015000"
-    assert names.name_for("h:15000", b"a") == "h:0015000"  # never back to a name once used
+    names = SessionNames(live=lambda ident: False)  # every earlier receiver is gone
+    assert _write(names, "h:15000", b"a") == "h:15000"
+    assert _write(names, "h:15000", b"a") == "h:15000"  # the same receiver: the same name
+    assert _write(names, "h:16000", b"b") == "h:16000"  # another session: its own count
+    assert _write(names, "h:15000", b"c") == "h:015000"
+    assert _write(names, "h:15000", b"c") == "h:015000"
+    assert _write(names, "h:15000", b"a") == "h:0015000"  # never back to a name once used
 
 
 def test_a_session_name_respelt_too_often_is_refused() -> None:
-    names = SessionNames()
+    names = SessionNames(live=lambda ident: False)
     for i in range(MAX_SESSION_RESPELLINGS + 1):
-        assert names.name_for("h:15000", bytes([i % 256, i // 256]))
-    assert names.name_for("h:15000", b"one more") == ""
+        assert _write(names, "h:15000", bytes([i % 256, i // 256]))
+    assert names.name_for("h:15000", b"one more") == ("", MAX_SESSION_RESPELLINGS + 1)
+
+
+def test_claims_spend_nothing_until_a_write_succeeds() -> None:
+    """Issue 39 item 2: saying a name (and failing to write to it) costs nothing."""
+    names = SessionNames(live=lambda ident: False)
+    for i in range(200):
+        _, generation = names.name_for("h:15000", i.to_bytes(2, "big"))
+        names.failed("h:15000", i.to_bytes(2, "big"), generation)
+    assert len(names) == 0
+    assert _write(names, "h:15000", b"genuine") == "h:15000"
+
+
+def test_a_live_receivers_name_is_shared_never_respelt_by_others() -> None:
+    live = {b"conn-a"}
+    names = SessionNames(live=lambda ident: ident in live)
+    assert _write(names, "h:15000", b"a", b"conn-a") == "h:15000"
+    for i in range(MAX_SESSION_RESPELLINGS * 2):  # strangers claiming the name, writes succeed
+        assert _write(names, "h:15000", i.to_bytes(2, "big")) == "h:15000"
+    assert _write(names, "h:15000", b"a", b"conn-a") == "h:15000"
+    live.clear()  # the receiver went away; the next one at the name gets a fresh spelling
+    assert _write(names, "h:15000", b"b", b"conn-b") == "h:015000"
+
+
+def test_a_failed_write_moves_its_claimant_to_the_next_spelling() -> None:
+    live = {b"conn-a"}
+    names = SessionNames(live=lambda ident: ident in live)
+    _write(names, "h:15000", b"a", b"conn-a")
+    spelling, generation = names.name_for("h:15000", b"b")  # old channel not noticed gone yet
+    assert spelling == "h:15000"
+    names.failed("h:15000", b"b", generation)  # the engine's segment is the old receiver's
+    assert names.name_for("h:15000", b"b") == ("h:015000", 1)
+
+
+def test_the_name_table_is_bounded_sparing_live_receivers() -> None:
+    live = {b"keep"}
+    names = SessionNames(live=lambda ident: ident in live, max_names=8, max_failed=4)
+    _write(names, "h:1", b"t", b"keep")
+    for port in range(2, 40):
+        _write(names, f"h:{port}", b"t")
+        names.failed(f"x:{port}", b"t", 0)
+    assert len(names) == 8
+    assert names.name_for("h:1", b"t") == ("h:1", 0)  # the live one was kept

@@ -193,10 +193,19 @@ def _abortable(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
     from omnikv.connectors.nixl import agent as nixl_agent
 
     gate, abort = threading.Event(), threading.Event()
+    reading, polled = threading.Event(), threading.Event()
     real_state = nixl_agent.Transfer.state
+    polls_after_abort = [0]
 
-    def held_state(self: Any) -> str:
-        return real_state(self) if gate.is_set() else "PROC"
+    def held_state(self: Any) -> str:  # the READ stays "running" until ``gate``
+        if gate.is_set():
+            return real_state(self)
+        reading.set()
+        if abort.is_set():
+            polls_after_abort[0] += 1
+            if polls_after_abort[0] >= 100:
+                polled.set()
+        return "PROC"
 
     res: dict[str, Any] = {}
     before = recv.health()["quarantine_events"]
@@ -210,7 +219,11 @@ def _abortable(recv: Any, out_q: Any, in_q: Any) -> dict[str, Any]:
             )
         )
         th.start()
-        time.sleep(0.5)  # the condition under test: a READ held over ten abort polls
+        # the condition under test: the wait's abort set while its READ runs, and the READ
+        # watched a hundred times more after it, never cut
+        assert reading.wait(20)
+        abort.set()
+        assert polled.wait(20)
     finally:
         gate.set()
         nixl_agent.Transfer.state = real_state  # type: ignore[method-assign]

@@ -446,6 +446,7 @@ print(json.dumps({"soft": soft, "hard": hard, "raised_cap": low, "capped": cappe
 """
 
 
+@pytest.mark.slow
 def test_the_soft_descriptor_limit_is_raised_and_bounds_the_connections() -> None:
     import json
     import subprocess
@@ -464,8 +465,9 @@ def test_the_soft_descriptor_limit_is_raised_and_bounds_the_connections() -> Non
     assert res["raised_cap"] < 256 and res["capped"] < 64, res  # half of what is left
 
 
-def test_channels_to_servers_gone_and_of_ended_threads_are_closed() -> None:
-    """A long-lived client meeting servers in turn keeps no connection to the ones gone."""
+def test_channels_to_servers_gone_are_closed_and_threads_share_one() -> None:
+    """A long-lived client meeting servers in turn keeps no connection to the ones gone, and
+    every thread talks to a server over the same one connection (issue 39 item 3)."""
     import threading
 
     first, second = _server(), _server()
@@ -475,16 +477,65 @@ def test_channels_to_servers_gone_and_of_ended_threads_are_closed() -> None:
         assert old is not None and client.has_channel(("127.0.0.1", first.port))
         first.close()  # the sender goes away: its connection is closed under the channel
         held: list[Any] = []
-        worker = threading.Thread(
-            target=lambda: held.append(client.channel(("127.0.0.1", second.port), 5.0))
-        )
-        worker.start()
-        worker.join(timeout=10)
-        assert held and held[0] is not None  # a thread that has ended now
-        assert client.channel(("127.0.0.1", second.port), 5.0) is not None  # sweeps first
+        workers = [
+            threading.Thread(
+                target=lambda: held.append(client.channel(("127.0.0.1", second.port), 5.0))
+            )
+            for _ in range(8)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=10)
+        assert len(held) == 8 and held[0] is not None
+        assert all(c is held[0] for c in held)  # one connection for every thread
+        assert client.channel(("127.0.0.1", second.port), 5.0) is held[0]
         assert old.closed and not client.has_channel(("127.0.0.1", first.port))
-        assert held[0].closed  # the ended thread's channel went too
-        assert client.connections == 1  # this thread's channel to ``second``
+        assert not held[0].closed  # the threads that asked for it ended; it stays
+        assert client.connections == 1
+        assert _until(lambda: second.stats()["channels"] == 1)
     finally:
         client.close()
         second.close()
+
+
+def test_concurrent_requests_on_the_shared_channel_each_get_their_own_reply() -> None:
+    """64 threads ask at once over the one channel; the reader hands every reply to the thread
+    that sent its request (answers come back in another order than the requests)."""
+    import threading
+
+    from omnikv.connectors.pull.control import Request
+    from omnikv.connectors.pull.server import ControlServer
+
+    (port,) = free_ports(1)
+    held: list[Request] = []
+
+    def handler(req: Request) -> None:  # answers in batches, last request first
+        held.append(req)
+        if len(held) == 8:
+            for r in reversed(held):
+                server.answer(r, {"op": "info", "found": True, "size": int(r.msg["key"])})
+            held.clear()
+
+    server = ControlServer(_codec(None), ("127.0.0.1", port), handler)
+    server.start()
+    client = _client()
+    got: dict[int, Any] = {}
+    try:
+        chan = client.channel(("127.0.0.1", port), 5.0)
+        assert chan is not None
+
+        def ask(i: int) -> None:
+            reply = chan.request({"op": "query", "key": str(i), "wait_ms": 0}, 20.0)
+            got[i] = None if reply is None else reply["size"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert got == {i: i for i in range(64)}
+        assert client.connections == 1 and server.stats()["connections"] == 1
+    finally:
+        client.close()
+        server.close()

@@ -73,7 +73,6 @@ def test_factory_builds_it_from_a_typed_config(namespace: str) -> None:
     )
     try:
         assert isinstance(c, SharedMemoryConnector)
-        assert c.supports_raw_data
         assert c.health()["status"] == "healthy"
     finally:
         c.close()

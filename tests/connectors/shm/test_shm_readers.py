@@ -107,6 +107,7 @@ def _until(cond: Any, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.slow
 def test_a_blocked_waiter_reads_its_offer_itself(
     peers: list[Peer], namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -315,3 +315,51 @@ def test_a_pool_full_of_fresh_payloads_makes_a_put_wait_for_a_reader(
     assert not waiter.is_alive() and len(result) == 1 and isinstance(result[0], float), result
     h = tx.health()
     assert (h["put_pool_full"], h["put_timeouts"]) == (0, 0)
+
+
+@pytest.mark.timeout(40)
+def test_a_full_pool_serves_the_newest_hand_off(
+    make_sender: Callable[..., SharedMemoryConnector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 39 item 9: eight hand-offs nobody comes for (``do_remote_decode`` requests whose
+    parameters are never used) fill the pool; past ``unclaimed_grace_seconds`` a genuine put
+    gets their space at once, the oldest first and no more than it needs, counted, logged with
+    their keys and reported ``expired``. Before, every put failed at once until the 300 s TTL
+    ("the first in 29x s")."""
+    from omnikv.connectors.delivery import DeliveryReport
+
+    tx = make_sender(pool_size_bytes=1 << 20, unclaimed_grace_seconds=0.5)
+    reports: list[DeliveryReport] = []
+    tx.set_delivery_listener(reports.append)
+    for i in range(8):
+        put(tx, f"unused{i}", 128 * KIB, i, 5.0)
+    wait_for("the grace to pass", lambda: tx.health()["oldest_published_s"] > 0.6)
+    caplog.set_level(logging.WARNING, logger=STORE_LOGGER)
+    took = put(tx, "genuine", 200 * KIB, 9, 1.0)
+    assert took < 0.5
+    h = tx.health()
+    assert (h["grace_evicted"], h["grace_evicted_bytes"]) == (2, 256 * KIB), h
+    assert (h["put_pool_full"], h["ttl_reaped"], h["published"]) == (0, 0, 7), h
+    lines = [r.getMessage() for r in caplog.records if "unclaimed_grace_seconds" in r.getMessage()]
+    assert len(lines) == 1 and "unused0, unused1" in lines[0] and "unused2" not in lines[0]
+    expired = sorted(r.key for r in reports if r.verdict.value == "expired")
+    assert expired == ["unused0", "unused1"], reports
+
+
+@pytest.mark.timeout(40)
+def test_within_the_grace_a_put_waits_for_it_instead_of_failing(
+    make_sender: Callable[..., SharedMemoryConnector],
+) -> None:
+    tx = make_sender(pool_size_bytes=1 << 20, unclaimed_grace_seconds=1.0)
+    for i in range(4):
+        put(tx, f"k{i}", 256 * KIB, i, 5.0)
+    took = put(tx, "next", 256 * KIB, 9, 5.0)  # fits once k0 passes its grace
+    h = tx.health()
+    assert 0.5 < took < 3.0 and h["grace_evicted"] == 1 and h["put_waits"] == 1, (took, h)
+
+
+def test_the_grace_is_a_config_key() -> None:
+    assert ShmConfig.parse({}).unclaimed_grace_s == 10.0
+    assert ShmConfig.parse({"unclaimed_grace_seconds": 2}).unclaimed_grace_s == 2.0
+    with pytest.raises(ConfigError, match="unclaimed_grace_seconds"):
+        ShmConfig.parse({"unclaimed_grace_seconds": -1})

@@ -14,6 +14,8 @@ stopped by PID.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from test_shm_peer import Peer, peer_pool, start_peer
 
 from omnikv.connectors import ConnectorSpec, OmniConnectorFactory
 from omnikv.connectors.shm.connector import SharedMemoryConnector
+from omnikv.connectors.shm.wakeup import MAX_WAITERS, Wakeups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,3 +147,92 @@ def test_closing_ends_wakeups_and_a_bad_timeout_is_refused(make: Any) -> None:
     c.close()
     assert c.get_wakeup_generation() is None
     assert c.wait_for_change(generation, timeout=5.0) is False
+
+
+def test_a_wakeup_socket_numbered_past_select_s_limit_still_waits(make: Any) -> None:
+    """A process with many files open (an engine) gets a socket numbered >= 1024, which
+    ``select`` refuses: the wait must still last its timeout (a caller's poll loop would spin
+    otherwise) and still wake on a put."""
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        receiver, sender = make(stage_id=1), make()
+        generation = receiver.get_wakeup_generation()
+        assert generation is not None
+        t0 = time.monotonic()
+        assert receiver.wait_for_change(generation, timeout=0.3) is False
+        assert time.monotonic() - t0 >= 0.25
+        assert sender.put("0", "1", "r1", b"x")[0]
+        assert receiver.wait_for_change(generation, timeout=5.0) is True
+    finally:
+        for fd in spare:
+            os.close(fd)
+
+
+def test_names_bound_by_others_cannot_make_a_put_unbounded(namespace: str) -> None:
+    """Anyone on the host may bind datagram sockets under a stage's wakeup prefix; a put sends
+    to at most ``MAX_WAITERS`` of them."""
+    receiver = Wakeups(namespace, 4)
+    assert receiver.generation() is not None  # binds the receiver's socket: the prefix's form
+    sock = receiver._sock
+    assert sock is not None
+    prefix = sock.getsockname()[1:].decode().rsplit("/", 1)[0]
+    flood = []
+    try:
+        for i in range(MAX_WAITERS + 40):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            flood.append(s)
+            s.bind(f"\0{prefix}/flood{i:04d}".encode())
+            s.setblocking(False)
+        sender = Wakeups(namespace, None)
+        sender.notify(4)
+        sender.close()
+        woken = 0
+        for s in [*flood, sock]:
+            try:
+                s.recv(16)
+                woken += 1
+            except BlockingIOError:
+                pass
+        assert 0 < woken <= MAX_WAITERS
+    finally:
+        for s in flood:
+            s.close()
+        receiver.close()
+
+
+def test_closing_wakes_a_waiter(make: Any) -> None:
+    """``close()`` ends a wait in progress (``False``) instead of leaving the waiting thread
+    blocked for the rest of its timeout."""
+    c = make(stage_id=1)
+    generation = c.get_wakeup_generation()
+    assert generation is not None
+    got: list[tuple[bool, float]] = []
+    entered = threading.Event()
+
+    def wait() -> None:
+        entered.set()
+        t0 = time.monotonic()
+        got.append((c.wait_for_change(generation, timeout=20.0), time.monotonic() - t0))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert entered.wait(5)
+    # not synchronisation: the assertions hold whenever the close comes; the pause only makes
+    # the close usually find the waiter inside its poll, the case that kept it blocked
+    time.sleep(0.2)
+    c.close()
+    waiter.join(25)
+    assert not waiter.is_alive()
+    assert got and got[0][0] is False and got[0][1] < 5.0
+
+
+@pytest.mark.parametrize("stage", [float("inf"), float("-inf"), float("nan"), "1e3", None])
+def test_a_stage_that_is_no_number_has_no_wakeups_and_never_raises(stage: Any) -> None:
+    """``notify`` never raises (a put calls it after publishing) and only stage numbers have
+    wakeups, whatever a config or a caller passes as the stage."""
+    w = Wakeups("scope-of-odd-stages", stage)
+    try:
+        assert w.generation() is None
+        w.notify(stage)
+    finally:
+        w.close()

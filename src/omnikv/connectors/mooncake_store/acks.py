@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.boundary import ErrorMap
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: What a payload key is followed by to name its verdict record.
 ACK_SUFFIX = ".ack"
@@ -316,7 +318,7 @@ class VerdictWatch:
         if parsed is None:
             if body or size > MAX_RECORD_BYTES:
                 self._counters.add("acks_malformed")
-                logger.warning("dropped a malformed verdict record %s (%d bytes)", rkey, size)
+                _outsider.warning("dropped a malformed verdict record %s (%d bytes)", rkey, size)
             else:  # listed but unreadable: its holder went away; the ack timeout decides
                 logger.debug("verdict record %s could not be read; removed", rkey)
             return
@@ -353,7 +355,7 @@ class WrittenRecords:
         rkey = ack_key(key)
         if len(key) > MAX_KEY_CHARS:
             self._counters.add("ack_failures")
-            logger.warning("no verdict record for a key of %d characters", len(key))
+            _outsider.warning("no verdict record for a key of %d characters", len(key))
             return
         try:
             body = encode_record(key, verdict, reason)

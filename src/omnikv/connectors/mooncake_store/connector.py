@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
     GetResult,
     KeyProbe,
@@ -51,12 +52,12 @@ from omnikv.connectors.base import (
 from omnikv.connectors.boundary import CodeRule, ErrorMap, ErrorRule
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
-    DEFAULT_ACK_TIMEOUT_S,
     DeliveryListener,
     DeliveryNotices,
     Verdict,
 )
 from omnikv.connectors.mooncake_store.acks import VerdictWatch, WrittenRecords
+from omnikv.connectors.mooncake_store.config import StoreConfig
 from omnikv.connectors.mooncake_te.engine import (
     INSTALL_HINT,
     set_metadata_cache,
@@ -64,7 +65,6 @@ from omnikv.connectors.mooncake_te.engine import (
     set_tcp_connection_pool,
 )
 from omnikv.connectors.pool import HostPool
-from omnikv.connectors.pull.host import resolve_host
 from omnikv.errors import (
     ConfigError,
     ConnectorClosedError,
@@ -72,19 +72,15 @@ from omnikv.errors import (
     ConnectorUnavailableError,
     PeerGoneError,
 )
-from omnikv.values import parse_bool, parse_int, parse_number, parse_positive, parse_size
 
 __all__ = ["STORE_ERRORS", "MooncakeConnector", "MooncakeStoreConnector", "import_mooncake_store"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Mooncake's ``TRANSFER_FAIL``: the master lists the object, but the client whose segment holds
 #: it did not answer (a killed sender). Later reads of it block about a second each in the engine.
 _TRANSFER_FAIL = -800
-#: ``buffer_ttl_seconds`` by default (the other connectors' default).
-DEFAULT_BUFFER_TTL_S = 300.0
-#: ``ack_linger_s`` by default: how long a closing receiver waits for its verdicts to be read.
-DEFAULT_ACK_LINGER_S = 1.0
 
 #: The Store connector's boundary. Mooncake's bindings (pybind11) declare no exception classes:
 #: the store reports failures as return codes (a read's ``TRANSFER_FAIL`` means the sender is
@@ -167,7 +163,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
     module docstring).
     """
 
-    supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
     takes_abort: ClassVar[bool] = True
@@ -176,44 +171,24 @@ class MooncakeStoreConnector(OmniConnectorBase):
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._closed = True  # until fully built
-        cfg = dict(config or {})
-        self.host = resolve_host(cfg.get("host", "127.0.0.1"))
-        self.metadata_server = str(cfg.get("metadata_server", "P2PHANDSHAKE"))
-        self.master = str(cfg.get("master_server_address", "127.0.0.1:50051"))
-        self.protocol = str(cfg.get("protocol", "tcp"))
-        self.device_name = str(cfg.get("device_name", "") or "")
-
-        def size(key: str, default: int) -> int:
-            return parse_size(key, cfg.get(key), default)
-
-        def flag(key: str, default: bool) -> bool:
-            return parse_bool(key, cfg.get(key), default)
-
-        segment = size("global_segment_size", 512 << 20)
-        local_buf = size("local_buffer_size", 64 << 20)
-        pool_size = size("memory_pool_size", 512 << 20)
-        self.remove_after_get = flag("remove_after_get", True)
-        tcp_pool = flag("tcp_connection_pool", False)
-        metadata_cache = flag("metadata_cache", False)
-        replicas = parse_int("replica_num", cfg.get("replica_num"), 1)
-        probe_s = parse_positive("master_probe_timeout_s", cfg.get("master_probe_timeout_s"), 3.0)
-        self.put_timeout_s = parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0)
-        self.max_tracked_keys = parse_int("max_tracked_keys", cfg.get("max_tracked_keys"), 4096)
-        self.buffer_ttl_s = parse_number(
-            "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
-        )
-        ack_timeout_s = parse_positive(
-            "ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S
-        )
-        self.ack_linger_s = parse_number(
-            "ack_linger_s", cfg.get("ack_linger_s"), DEFAULT_ACK_LINGER_S
-        )
+        cfg = StoreConfig.parse(config)
+        self.config = cfg
+        self.host = cfg.host
+        self.metadata_server = cfg.metadata_server
+        self.master = cfg.master
+        self.protocol = cfg.protocol
+        self.device_name = cfg.device_name
+        self.remove_after_get = cfg.remove_after_get
+        self.put_timeout_s = cfg.put_timeout_s
+        self.max_tracked_keys = cfg.max_tracked_keys
+        self.buffer_ttl_s = cfg.buffer_ttl_s
+        self.ack_linger_s = cfg.ack_linger_s
         self._next_sweep = 0.0
         store_cls, replicate_cls = import_mooncake_store()
-        _probe_master(self.master, probe_s)
+        _probe_master(self.master, cfg.master_probe_timeout_s)
         set_tcp_bind_address(self.host)
-        set_tcp_connection_pool(tcp_pool)
-        set_metadata_cache(metadata_cache)
+        set_tcp_connection_pool(cfg.tcp_connection_pool)
+        set_metadata_cache(cfg.metadata_cache)
         self._lock = threading.Lock()
         # Keys this client put and has not seen consumed, oldest first, with when they were
         # put (for cleanup() and the TTL).
@@ -237,11 +212,13 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 "acks_malformed",
             )
         )
-        self._notices = DeliveryNotices(ack_timeout_s)
+        self._notices = DeliveryNotices(cfg.ack_timeout_s)
         self._verdicts = VerdictWatch(self, self._notices, self._counters, STORE_ERRORS)
         self._records = WrittenRecords(self._counters, STORE_ERRORS, self.max_tracked_keys)
         self._replicate_cls = replicate_cls
-        self._rcfg = self._placement(replicas, flag("prefer_local_segment", True) and segment > 0)
+        self._rcfg = self._placement(
+            cfg.replica_num, cfg.prefer_local_segment and cfg.global_segment_size > 0
+        )
         # key taken -> the segment that held it (its sender's): where its verdict record goes
         self._holders: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._store: Any = None
@@ -249,7 +226,12 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self._registered = False
         try:
             with STORE_ERRORS.translate("Mooncake Store set-up"):
-                self._open(store_cls(), segment, local_buf, pool_size)
+                self._open(
+                    store_cls(),
+                    cfg.global_segment_size,
+                    cfg.local_buffer_size,
+                    cfg.memory_pool_size,
+                )
         except BaseException:
             self._teardown()
             raise
@@ -259,7 +241,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self.host,
             self.master,
             self.protocol,
-            pool_size,
+            cfg.memory_pool_size,
         )
 
     def _open(self, store: Any, segment: int, local_buf: int, pool_size: int) -> None:
@@ -284,6 +266,11 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if self._closed or self._store is None or self._pool is None:
             raise ConnectorClosedError("MooncakeStoreConnector is closed")
         return self._store, self._pool
+
+    @property
+    def placement(self) -> Any:
+        """The ``ReplicateConfig`` of this client's puts (its verdict records use it too)."""
+        return self._rcfg
 
     def live_store(self) -> Any | None:
         """The store client while open, else ``None`` (for the verdict watch)."""
@@ -433,7 +420,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         try:
             buf = self._take(key, 0.0)
         except ConnectorError as exc:
-            logger.error("get of %s failed: %s", key, exc)
+            _outsider.error("get of %s failed: %s", key, exc)
             return None
         if buf is None:
             self._counters.add("misses")
@@ -572,7 +559,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 self._verdicts.expired_by_ttl(k, ttl)
         if reaped:
             self._counters.add("ttl_reaped", len(reaped))
-            logger.warning(
+            _outsider.warning(
                 "MooncakeStoreConnector removed %d object(s) unconsumed after %.0f s (TTL): %s",
                 len(reaped),
                 ttl,

@@ -4,10 +4,12 @@
 size in its own registered pool and sends ``pull``; the sender writes into the slot and answers
 ``done``. While it waits for ``done`` the receiver pings; silence for ``peer_timeout_seconds``
 raises :class:`~omnikv.errors.PeerGoneError`. If the receiver gives up (deadline, peer gone)
-while the write may still be running, the slot is *quarantined*: a reaper asks the sender about
-the transfer (``status``) and frees the slot only once the transfer is known finished or dead,
-so no later allocation is overwritten. A quarantined transfer that did finish is kept as a late
-arrival and handed to the next ``get`` / ``wait`` of that key.
+while the write may still be running, the slot is *quarantined*
+(:mod:`omnikv.connectors.pull.quarantine`, shared with the NIXL receiver): its reaper asks the
+sender about the transfer (``status``, :class:`_StatusQuery`) and frees the slot only once the
+transfer is known finished or dead, so no later allocation is overwritten. A quarantined
+transfer that did finish is kept as a late arrival and handed to the next ``get`` / ``wait`` of
+that key.
 
 Every channel to a sender starts with a ``hello`` that declares this receiver's engine session,
 a random token of this connector (so a sender tells it from an earlier receiver that had the
@@ -38,6 +40,7 @@ from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import Channel, ControlClient
 from omnikv.connectors.pull.connector import LateArrivals, deliver, transfer_budget_s
 from omnikv.connectors.pull.control import ControlCodec
+from omnikv.connectors.pull.quarantine import Outcome, Quarantine
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PeerGoneError
 
@@ -47,16 +50,6 @@ logger = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 _RETRYABLE = frozenset({"not_found", "busy", "expired"})
-
-
-@dataclass
-class _Quarantined:
-    key: str
-    endpoint: Endpoint
-    xid: str
-    offset: int
-    size: int
-    last_heard: float
 
 
 @dataclass
@@ -92,11 +85,16 @@ class ReceiverSide:
             "len": pool.size,
         }
         self._client = ControlClient(codec, hello, heartbeat_s=cfg.limits.heartbeat_s)
-        self._lock = threading.Lock()
-        self._quarantine: dict[str, _Quarantined] = {}
         self._late = LateArrivals(pool, counters)
         self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self._quarantine = Quarantine(
+            pool,
+            self._late,
+            counters,
+            interval_s=max(0.05, min(0.5, cfg.peer_timeout_s / 5)),
+            name="omnikv-te-quarantine",
+            closed=self._stop.is_set,
+        )
 
     # -- one receive -------------------------------------------------------------------------------
     def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
@@ -129,8 +127,7 @@ class ReceiverSide:
             if remaining(deadline) <= 0:
                 self._counters.add("misses")
                 return None
-            with self._lock:
-                pending = any(q.key == key for q in self._quarantine.values())
+            pending = self._quarantine.holds(key)
             if abort is not None and abort.is_set():
                 return None
             hold_until = min(deadline, time.monotonic() + 0.25) if pending else deadline
@@ -161,9 +158,11 @@ class ReceiverSide:
         left = remaining(deadline)
         wait_s = min(max(0.0, left - 0.02), LONG_POLL_CAP_S) if hold else 0.0
         msg = {"op": "query", "key": key, "wait_ms": int(wait_s * 1000)}
-        reply = chan.request(msg, min(left, wait_s + self._cfg.peer_timeout_s))
+        patience = wait_s + self._cfg.peer_timeout_s
+        reply = chan.request(msg, min(left, patience))
         if reply is None:
-            self._client.discard(endpoint)  # silent: greet afresh next time
+            if left >= patience:  # silent past its hold and the peer timeout: greet afresh
+                self._client.discard(endpoint, chan)
             return 0
         if reply["op"] != "info" or not reply["found"]:
             return 0
@@ -196,6 +195,14 @@ class ReceiverSide:
         return self._await_done(chan, pull, {nonce}, time.monotonic() + budget)
 
     def _await_done(
+        self, chan: Channel, pull: _Pull, nonces: set[bytes], end: float
+    ) -> ManagedBuffer | None:
+        try:
+            return self._collect_done(chan, pull, nonces, end)
+        finally:
+            chan.forget(nonces)  # pongs nobody will collect now
+
+    def _collect_done(
         self, chan: Channel, pull: _Pull, nonces: set[bytes], end: float
     ) -> ManagedBuffer | None:
         ping_every = max(0.05, self._cfg.peer_timeout_s / 5)
@@ -240,71 +247,36 @@ class ReceiverSide:
 
     # -- quarantine and late arrivals --------------------------------------------------------------
     def _quarantine_slot(self, pull: _Pull) -> None:
-        q = _Quarantined(pull.key, pull.endpoint, pull.xid, pull.offset, pull.size, pull.heard)
-        with self._lock:
-            self._quarantine[pull.xid] = q
-            start = self._reaper is None and not self._stop.is_set()
-            if start:
-                self._reaper = threading.Thread(
-                    target=self._reap_quarantine, name="omnikv-te-quarantine", daemon=True
-                )
-        self._counters.add("quarantine_events")
-        logger.warning(
-            "quarantined a %d-byte slot for %s (transfer %s may be running)",
-            pull.size,
-            pull.key,
-            pull.xid,
-        )
-        if start and self._reaper is not None:
-            self._reaper.start()
+        """The receive of ``pull`` gave up while the sender may still write its slot."""
+        status = _StatusQuery(self, pull.endpoint, pull.xid, pull.heard)
+        self._quarantine.add(pull.xid, pull.key, pull.offset, pull.size, status)
 
-    def _reap_quarantine(self) -> None:
-        """Reaper thread: frees quarantined slots once their transfer is finished or dead."""
-        interval = max(0.05, min(0.5, self._cfg.peer_timeout_s / 5))
-        while not self._stop.wait(interval):
-            with self._lock:
-                items = list(self._quarantine.values())
-            for q in items:
-                if self._stop.is_set():
-                    return
-                self._settle(q, self._transfer_state(q))
-
-    def _transfer_state(self, q: _Quarantined) -> str:
-        """What the sender says about the transfer: inflight / done / failed / unknown / silent."""
+    def transfer_state(self, endpoint: Endpoint, xid: str) -> str:
+        """What the sender says about transfer ``xid``: inflight / done / failed / unknown, or
+        ``silent`` (called by the quarantine's reaper)."""
         timeout = min(1.0, self._cfg.peer_timeout_s)
+        chan = None
         try:
-            with TE_ERRORS.translate(f"status of {q.xid}"):
-                chan = self._client.channel(q.endpoint, timeout)
-                msg = {"op": "status", "xid": q.xid}
+            with TE_ERRORS.translate(f"status of {xid}"):
+                chan = self._client.channel(endpoint, timeout)
+                msg = {"op": "status", "xid": xid}
                 reply = None if chan is None else chan.request(msg, timeout)
         except ConnectorUnavailableError as exc:
-            logger.debug("status query for %s failed: %s", q.xid, exc)
+            logger.debug("status query for %s failed: %s", xid, exc)
             return "silent"
         if reply is None:
-            self._client.discard(q.endpoint)
+            self._client.discard(endpoint, chan)
             return "silent"
         return str(reply.get("state", "unknown")) if reply["op"] == "xstate" else "unknown"
-
-    def _settle(self, q: _Quarantined, state: str) -> None:
-        now = time.monotonic()
-        if state == "inflight":
-            q.last_heard = now
-            return
-        if state == "silent" and now - q.last_heard < self._cfg.quarantine_dead_s:
-            return
-        with self._lock:
-            if self._quarantine.pop(q.xid, None) is None:
-                return
-        late = state == "done" and not self._stop.is_set()
-        if late and self._late.keep(q.key, q.offset, q.size):
-            logger.info("transfer of %s finished after its receiver gave up; kept", q.key)
-        else:
-            self._pool.allocator.free(q.offset)
-            self._counters.add("quarantine_freed")
 
     # -- state and shutdown ------------------------------------------------------------------------
     def cleanup(self, request_id: str) -> None:
         self._late.cleanup(request_id)
+
+    @property
+    def quarantine_dead_s(self) -> float:
+        """How long a silent sender's quarantined transfer is waited for."""
+        return self._cfg.quarantine_dead_s
 
     @property
     def client(self) -> ControlClient:
@@ -312,8 +284,7 @@ class ReceiverSide:
         return self._client
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"quarantined": len(self._quarantine), "late_arrivals_held": len(self._late)}
+        return {"quarantined": len(self._quarantine), "late_arrivals_held": len(self._late)}
 
     @property
     def rejected(self) -> int:
@@ -321,18 +292,36 @@ class ReceiverSide:
 
     @property
     def thread(self) -> threading.Thread | None:
-        return self._reaper
+        return self._quarantine.thread
 
     def close(self) -> None:
         """Stop the reaper, close every channel, forget quarantined slots (pool goes next)."""
         self._stop.set()
-        reaper = self._reaper
-        if reaper is not None and reaper is not threading.current_thread():
-            reaper.join(timeout=max(5.0, self._cfg.peer_timeout_s * 2))
+        left = self._quarantine.close(max(5.0, self._cfg.peer_timeout_s * 2))
         self._client.close()
-        with self._lock:
-            if self._quarantine:
-                # unregistering the pool makes the engine refuse any later write into it
-                logger.warning("closing with %d quarantined receive slots", len(self._quarantine))
-            self._quarantine.clear()
+        if left:
+            # unregistering the pool makes the engine refuse any later write into it
+            logger.warning("closing with %d quarantined receive slots", len(left))
         self._late.clear()
+
+
+@dataclass
+class _StatusQuery:
+    """A quarantined pull as the Transfer Engine receiver asks about it: the sender's
+    ``status`` of the transfer; silence for ``quarantine_dead_seconds`` counts as gone."""
+
+    side: ReceiverSide
+    endpoint: Endpoint
+    xid: str
+    last_heard: float
+
+    def outcome(self) -> Outcome:
+        state = self.side.transfer_state(self.endpoint, self.xid)
+        now = time.monotonic()
+        if state == "inflight":
+            self.last_heard = now
+            return Outcome.RUNNING
+        if state == "silent":
+            dead = now - self.last_heard >= self.side.quarantine_dead_s
+            return Outcome.GONE if dead else Outcome.RUNNING
+        return Outcome.DONE if state == "done" else Outcome.GONE

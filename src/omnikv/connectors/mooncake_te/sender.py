@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
@@ -50,6 +51,7 @@ from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_ident
 __all__ = ["SenderSide"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 
 @dataclass
@@ -72,6 +74,12 @@ class _Waiter:
 #: How often one session name may come back with a new receiver before writes to it are refused
 #: (each time costs the name one leading zero in the port).
 MAX_SESSION_RESPELLINGS = 64
+#: How many session names the sender remembers (names its engine wrote to); past it the name
+#: used least recently whose receiver holds no channel is forgotten.
+MAX_SESSION_NAMES = 4096
+#: How many (session, receiver) pairs whose last write failed are remembered (their next write
+#: tries the next spelling).
+MAX_FAILED_SPELLINGS = 1024
 
 
 def respell_session(session: str, generation: int) -> str:
@@ -81,31 +89,114 @@ def respell_session(session: str, generation: int) -> str:
     return f"{host}:{'0' * generation}{port}"
 
 
-class SessionNames:
-    """The name under which the engine is to write to each receiver session (thread-safe).
+@dataclass
+class _Name:
+    """The receiver a session name was last written to: its token, its channel, the spelling."""
 
-    Remembers, per session name written to, the token of the receiver written to last and how
-    often the name was respelt: one entry per ``host:port`` ever served, as the engine keeps one
-    segment per name itself.
+    token: bytes
+    ident: bytes
+    generation: int
+
+
+class SessionNames:
+    """The spelling under which the engine is to write to each receiver session (thread-safe).
+
+    The engine keeps the segment of every name it opened for as long as it lives, so a receiver
+    that comes back under a name (a restart on the same port) must be written to under a new
+    spelling. Without ``auth_secret`` anyone can claim any name, so nothing here is spent by
+    saying so (issue 39 item 2):
+
+    * a spelling is remembered only after a write under it succeeded (:meth:`wrote`): a claim of
+      a name where no engine answers, or a write that fails, changes nothing;
+    * while the receiver a name was last written to holds its channel (``live``), the engine
+      behind the name is that receiver's, so every other claimant of the name is written to
+      under the same spelling: a live receiver's name cannot be respelt by others at all;
+    * a claimant whose write under the current spelling failed tries the next one (a receiver
+      that restarted before its old channel was noticed gone);
+    * both tables are bounded (:data:`MAX_SESSION_NAMES` names written to,
+      :data:`MAX_FAILED_SPELLINGS` failures), oldest first; a name is never forgotten while its
+      receiver holds a channel.
+
+    ``live(ident)`` says whether the control connection ``ident`` still holds a channel.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        live: Callable[[bytes], bool],
+        *,
+        max_names: int = MAX_SESSION_NAMES,
+        max_failed: int = MAX_FAILED_SPELLINGS,
+    ) -> None:
+        self._live = live
+        self._max_names = max_names
+        self._max_failed = max_failed
         self._lock = threading.Lock()
-        self._seen: dict[str, tuple[bytes, int]] = {}
+        self._names: collections.OrderedDict[str, _Name] = collections.OrderedDict()
+        self._failed: collections.OrderedDict[tuple[str, bytes], int] = collections.OrderedDict()
 
-    def name_for(self, session: str, token: bytes) -> str:
-        """``session`` as the engine is to be given it for the receiver of ``token``: respelt
-        each time the name comes back with another token; ``""`` past
-        :data:`MAX_SESSION_RESPELLINGS`."""
+    def __len__(self) -> int:
         with self._lock:
-            last = self._seen.get(session)
-            generation = 0 if last is None else last[1] + (last[0] != token)
-            if generation > MAX_SESSION_RESPELLINGS:
-                return ""
-            self._seen[session] = (token, generation)
-        if last is not None and generation != last[1]:
-            logger.info("session %s came back with a new receiver; writing to it afresh", session)
-        return respell_session(session, generation)
+            return len(self._names)
+
+    def name_for(self, session: str, token: bytes) -> tuple[str, int]:
+        """``(spelling, generation)`` under which to write to the receiver of ``token`` at
+        ``session``; ``("", generation)`` past :data:`MAX_SESSION_RESPELLINGS`."""
+        with self._lock:
+            last = self._names.get(session)
+            if last is None:
+                generation = 0
+            elif last.token == token or self._live(last.ident):
+                generation = last.generation
+            else:
+                generation = last.generation + 1
+            failed = self._failed.get((session, token))
+            if failed is not None and failed >= generation:
+                generation = failed + 1
+        if generation > MAX_SESSION_RESPELLINGS:
+            return "", generation
+        return respell_session(session, generation), generation
+
+    def wrote(self, session: str, token: bytes, ident: bytes, generation: int) -> None:
+        """A write under ``generation``'s spelling reached the receiver of ``token`` (on the
+        connection ``ident``): remember it (called after every successful write)."""
+        with self._lock:
+            self._failed.pop((session, token), None)
+            last = self._names.get(session)
+            if last is not None and generation < last.generation:
+                return  # a write that started before a newer receiver came
+            if (
+                last is not None
+                and generation == last.generation
+                and last.token != token
+                and self._live(last.ident)
+            ):
+                self._names.move_to_end(session)
+                return  # the name's receiver is still there: it keeps the name
+            self._names[session] = _Name(token, ident, generation)
+            self._names.move_to_end(session)
+            self._bound_names()
+        if last is not None and generation > last.generation:
+            _outsider.info(
+                "session %s came back with a new receiver; writing to it afresh", session
+            )
+
+    def failed(self, session: str, token: bytes, generation: int) -> None:
+        """A write under ``generation``'s spelling failed: that claimant tries the next
+        spelling next time (remembered for at most :data:`MAX_FAILED_SPELLINGS` claimants)."""
+        with self._lock:
+            self._failed[(session, token)] = generation
+            self._failed.move_to_end((session, token))
+            while len(self._failed) > self._max_failed:
+                self._failed.popitem(last=False)
+
+    def _bound_names(self) -> None:
+        """(lock held) Forget the least recently used names past the cap, sparing live ones."""
+        excess = len(self._names) - self._max_names
+        if excess <= 0:
+            return
+        gone = [n for n, e in self._names.items() if not self._live(e.ident)][:excess]
+        for name in gone:
+            del self._names[name]
 
 
 def _pull_refusal(entry: _Entry | None, req: Request) -> str:
@@ -149,7 +240,6 @@ class SenderSide:
         self._waiters: list[_Waiter] = []
         self._xfers: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._inflight = 0
-        self._sessions = SessionNames()
         self._idle = threading.Condition(self._lock)
         self._stopping = False
         self._sweep_every = max(0.05, min(10.0, cfg.ttl_s / 2))
@@ -163,6 +253,7 @@ class SenderSide:
             name="omnikv-te",
             limits=cfg.limits,
         )
+        self._sessions = SessionNames(self._server.has_channel)
         try:
             self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="omnikv-te-pull")
         except BaseException:
@@ -292,7 +383,9 @@ class SenderSide:
                 self._note_xfer(req.msg["xid"], "inflight")
         if reason:
             if reason == "outside_pool":
-                logger.warning("refused a pull of %s outside the requester's pool", req.msg["key"])
+                _outsider.warning(
+                    "refused a pull of %s outside the requester's pool", req.msg["key"]
+                )
             self._server.answer(req, {"op": "error", "reason": reason})
             return
         assert entry is not None
@@ -309,13 +402,33 @@ class SenderSide:
 
     # -- pull workers ------------------------------------------------------------------------------
     def _write(self, req: Request, entry: _Entry) -> str:
-        """One engine write of ``entry`` into the requester's slot; ``""`` or why it failed."""
-        sess = self._sessions.name_for(req.peer["sess"], req.peer["inc"])
-        if not sess:
-            return f"session {req.peer['sess']} reused by too many receivers; restart the sender"
+        """The engine write of ``entry`` into the requester's slot; ``""`` or why it failed.
+
+        A write that fails under a spelling the requester inherited (another receiver's, or one
+        from before a restart) is tried once more under the next spelling
+        (:class:`SessionNames`)."""
+        session, token = req.peer["sess"], req.peer["inc"]
+        sess, generation = self._sessions.name_for(session, token)
         hook = self.write_hook
         if hook is not None:
             hook()
+        reason = ""
+        for _ in range(2):
+            if not sess:
+                return f"session {session} reused by too many receivers; restart the sender"
+            reason = self._write_as(sess, req, entry)
+            if not reason:
+                self._sessions.wrote(session, token, req.ident, generation)
+                return ""
+            self._sessions.failed(session, token, generation)
+            again, next_generation = self._sessions.name_for(session, token)
+            if next_generation == generation:
+                break
+            sess, generation = again, next_generation
+        return reason
+
+    def _write_as(self, sess: str, req: Request, entry: _Entry) -> str:
+        """One engine write of ``entry`` under the session spelling ``sess``."""
         t0 = time.perf_counter()
         try:
             rc = self._engine.transfer_sync_write(
@@ -348,7 +461,7 @@ class SenderSide:
             self._server.answer(req, {"op": "done", "size": entry.size})
         else:
             self._counters.add("pull_failures")
-            logger.warning("pull of %s failed: %s", entry.key, reason)
+            _outsider.warning("pull of %s failed: %s", entry.key, reason)
             self._server.answer(req, {"op": "error", "reason": reason})
 
     def _finish_pull(self, entry: _Entry, xid: str, *, ok: bool) -> bool:
@@ -380,7 +493,7 @@ class SenderSide:
         why = f"unconsumed for {self._cfg.ttl_s:g} s (TTL, buffer_ttl_seconds)"
         for e in old:
             self._pool.allocator.free(e.offset)
-            logger.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
+            _outsider.warning("dropped %s after %.0f s unconsumed (TTL)", e.key, self._cfg.ttl_s)
             self._verdicts.expired(e.key, e.pub, why)
         if old:
             self._counters.add("ttl_reaped", len(old))
@@ -390,6 +503,7 @@ class SenderSide:
         with self._lock:
             mine = {"entries": len(self._entries), "inflight": self._inflight}
         mine["awaiting_verdicts"] = len(self._verdicts)
+        mine["session_names"] = len(self._sessions)
         return {**mine, **self._server.stats()}
 
     @property

@@ -213,7 +213,16 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
             "threads": [t.name for t in self._threads() if t.is_alive()],
             **side_stats,
             **self._counters.snapshot(),
+            "rejected_messages": self._rejected(),
         }
+
+    def _rejected(self) -> int:
+        """Control messages dropped as invalid, forged or replayed, by the server (requests)
+        and the client (replies): ``rejected_messages``, as the Transfer Engine connector."""
+        server, client = self._server, self._client
+        return (server.rejected if server is not None else 0) + (
+            client.rejected if client is not None else 0
+        )
 
     def _threads(self) -> Iterator[threading.Thread]:
         for t in (

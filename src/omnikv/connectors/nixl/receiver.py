@@ -8,10 +8,11 @@ sender (again if the sender's agent changed: it restarted).
 While the READ runs the receiver polls it (finely, bounded) and pings the sender's control
 port; a sender silent for ``peer_timeout_seconds``, or a READ failing while the sender does not
 answer, is :class:`~omnikv.errors.PeerGoneError`. A READ given up while it may still write (the
-deadline passed, the peer went silent) leaves its slot *quarantined*: a reaper thread frees it
-once NIXL reports the transfer finished or cancelled. A quarantined READ that did complete
-consumed the sender's entry, so its bytes are kept as a late arrival for the next ``get`` /
-``wait`` of that key.
+deadline passed, the peer went silent) leaves its slot *quarantined*
+(:mod:`omnikv.connectors.pull.quarantine`, shared with the Transfer Engine receiver; here
+:class:`_ParkedRead` asks the READ itself): the reaper frees it once NIXL reports the transfer
+finished or cancelled. A quarantined READ that did complete consumed the sender's entry, so its
+bytes are kept as a late arrival for the next ``get`` / ``wait`` of that key.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import Channel, ControlClient
 from omnikv.connectors.pull.connector import LateArrivals, deliver, transfer_budget_s
 from omnikv.connectors.pull.control import Endpoint
+from omnikv.connectors.pull.quarantine import Outcome, Quarantine
 from omnikv.deadline import remaining
 from omnikv.errors import (
     ConnectorClosedError,
@@ -71,11 +73,23 @@ class _Grant:
 
 
 @dataclass
-class _Quarantined:
-    key: str
+class _ParkedRead:
+    """A quarantined READ as the NIXL receiver asks about it: its own transfer's state; one
+    still running past ``quarantine_dead_seconds`` is cancelled (released) and counts as gone.
+    A slot is freed only once its READ is released."""
+
     xfer: Transfer
-    offset: int
     since: float
+    dead_s: float
+
+    def outcome(self) -> Outcome:
+        state = self.xfer.state()
+        if state == "PROC":
+            dead = time.monotonic() - self.since > self.dead_s
+            return Outcome.GONE if dead and self.xfer.release() else Outcome.RUNNING
+        if not self.xfer.release():
+            return Outcome.RUNNING
+        return Outcome.DONE if state == "DONE" else Outcome.GONE
 
 
 class NixlReceiverSide:
@@ -105,11 +119,16 @@ class NixlReceiverSide:
         self._counters = counters
         self._lock = lock
         self._remotes: dict[Endpoint, str] = {}
-        self._quarantine: dict[str, _Quarantined] = {}
         self._late = LateArrivals(pool, counters, limit=_MAX_LATE)
-        self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
         self.closed = False
+        self._quarantine = Quarantine(
+            pool,
+            self._late,
+            counters,
+            interval_s=max(0.01, min(0.25, settings.peer_timeout_s / 10)),
+            name="omnikv-nixl-quarantine",
+            closed=lambda: self.closed,
+        )
 
     # -- the public paths --------------------------------------------------------------------
     def wait(
@@ -133,8 +152,7 @@ class NixlReceiverSide:
             if remaining(deadline) <= 0:
                 self._counters.add("misses")
                 return None
-            with self._lock:
-                parked = any(q.key == key for q in self._quarantine.values())
+            parked = self._quarantine.holds(key)
             # a parked READ of this key may finish any moment: hold the claim briefly only
             if abort is not None and abort.is_set():
                 return None
@@ -205,7 +223,7 @@ class NixlReceiverSide:
                 self._forget_remote(other)
         reply = chan.request({"op": "meta"}, min(remaining(deadline), self._s.peer_timeout_s))
         if reply is None or reply["op"] != "agentmd":
-            self._client.discard(endpoint)
+            self._client.discard(endpoint, chan)
             return None
         name = self._agent.add_remote(reply["md"])
         if name != reply["agent"]:
@@ -256,6 +274,21 @@ class NixlReceiverSide:
         ``None`` when the time is up; ``PeerGoneError`` when the sender (which answered before:
         the channel exists) stays silent for ``peer_timeout_seconds``.
         """
+        sent: set[bytes] = {nonce}
+        try:
+            return self._await_reply(chan, endpoint, nonce, timeout_s, key, sent)
+        finally:
+            chan.forget(sent)  # the pongs and the reply nobody will collect now
+
+    def _await_reply(
+        self,
+        chan: Channel,
+        endpoint: Endpoint,
+        nonce: bytes,
+        timeout_s: float,
+        key: str,
+        sent: set[bytes],
+    ) -> dict[str, Any] | None:
         end = time.monotonic() + timeout_s
         heard = time.monotonic()
         ping_every = max(0.05, self._s.peer_timeout_s / 5)
@@ -275,7 +308,9 @@ class NixlReceiverSide:
                 heard = time.monotonic()
                 pings.clear()
             elif not pings or time.monotonic() - heard >= ping_every:
-                pings.add(chan.send({"op": "ping"}))
+                ping = chan.send({"op": "ping"})
+                pings.add(ping)
+                sent.add(ping)
 
     def _gone(self, endpoint: Endpoint, doing: str) -> NoReturn:
         self._client.discard(endpoint)
@@ -373,43 +408,9 @@ class NixlReceiverSide:
 
     # -- quarantine and late arrivals --------------------------------------------------------
     def _quarantine_slot(self, key: str, xfer: Transfer, offset: int) -> None:
-        with self._lock:
-            self._quarantine[uuid.uuid4().hex] = _Quarantined(key, xfer, offset, time.monotonic())
-            start = self._reaper is None and not self._stop.is_set()
-            if start:
-                self._reaper = threading.Thread(
-                    target=self._reap, name="omnikv-nixl-quarantine", daemon=True
-                )
-        self._counters.add("quarantine_events")
-        logger.warning("quarantined a %d-byte receive slot for %s (READ running)", xfer.nbytes, key)
-        if start and self._reaper is not None:
-            self._reaper.start()
-
-    def _reap(self) -> None:
-        """Reaper thread: frees quarantined slots once their READ finished or was cancelled."""
-        interval = max(0.01, min(0.25, self._s.peer_timeout_s / 10))
-        while not self._stop.wait(interval):
-            with self._lock:
-                items = list(self._quarantine.items())
-            for qid, q in items:
-                self._check_quarantined(qid, q)
-
-    def _check_quarantined(self, qid: str, q: _Quarantined) -> None:
-        state = q.xfer.state()
-        dead = time.monotonic() - q.since > self._s.quarantine_dead_s
-        if state == "PROC" and not (dead and q.xfer.release()):
-            return
-        if state != "PROC" and not q.xfer.release():
-            return
-        with self._lock:
-            if self._quarantine.pop(qid, None) is None:
-                return
-        keep = state == "DONE" and not self.closed
-        if keep and self._late.keep(q.key, q.offset, q.xfer.nbytes):
-            logger.info("READ of %s finished after its receiver gave up; kept for a retry", q.key)
-        else:
-            self._pool.allocator.free(q.offset)
-            self._counters.add("quarantine_freed")
+        """The receive gave up while its READ may still write the slot at ``offset``."""
+        parked = _ParkedRead(xfer, time.monotonic(), self._s.quarantine_dead_s)
+        self._quarantine.add(uuid.uuid4().hex, key, offset, xfer.nbytes, parked)
 
     def cleanup(self, request_id: str) -> None:
         """Drop the late arrivals of ``request_id`` (:func:`matches_request`)."""
@@ -430,24 +431,21 @@ class NixlReceiverSide:
 
     @property
     def reaper(self) -> threading.Thread | None:
-        return self._reaper
+        return self._quarantine.thread
 
     def close(self, timeout_s: float) -> bool:
         """Stop the reaper; cancel quarantined READs. True when none can still write."""
         self.closed = True
-        self._stop.set()
-        if self._reaper is not None and self._reaper is not threading.current_thread():
-            self._reaper.join(timeout=5.0)
+        parked = self._quarantine.close(5.0)
         end = time.monotonic() + timeout_s
         with self._lock:
-            pending = list(self._quarantine.values())
-            self._quarantine.clear()
             self._remotes.clear()
         self._late.clear()
-        for q in pending:
-            while not q.xfer.release() and time.monotonic() < end:
+        xfers = [p.xfer for p in parked if isinstance(p, _ParkedRead)]
+        for xfer in xfers:
+            while not xfer.release() and time.monotonic() < end:
                 time.sleep(0.01)
-        return all(q.xfer.state() != "PROC" or q.xfer.release() for q in pending)
+        return all(x.state() != "PROC" or x.release() for x in xfers)
 
 
 def _finite(deadline: float) -> float:

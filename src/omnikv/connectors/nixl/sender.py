@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import Writer, fill_slot, matches_request
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent
@@ -50,6 +51,7 @@ from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_ident
 __all__ = ["NixlSenderSide"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: How often the listener polls NIXL notifications while a lease is out (seconds).
 NOTIFY_POLL_S = 0.002
@@ -243,7 +245,7 @@ class NixlSenderSide:
         """Count and log an entry dropped unconsumed (by the TTL or the lease cap)."""
         if why == "ttl":
             self._counters.add("ttl_reaped")
-            logger.warning(
+            _outsider.warning(
                 "dropped %s after %.1f s unconsumed (TTL %.0f s; leased %d times)",
                 entry.key,
                 now - entry.created,
@@ -252,7 +254,7 @@ class NixlSenderSide:
             )
         else:
             self._counters.add("lease_limit_reaped")
-            logger.warning(
+            _outsider.warning(
                 "dropped %s unconsumed after %d leases without a completed READ "
                 "(max_leases_per_entry)",
                 entry.key,
@@ -349,7 +351,7 @@ class NixlSenderSide:
         with self._lock:
             stale = [x for x, e in self._by_xid.items() if e.lease == x and e.lease_until <= now]
         for xid in stale:
-            logger.warning("transfer %s sent no completion within its budget; lease ended", xid)
+            _outsider.warning("transfer %s sent no completion within its budget; lease ended", xid)
             self._end_lease(xid, "expired")
 
     def _reap_ttl(self, now: float) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
     GetResult,
     KeyProbe,
@@ -53,8 +54,8 @@ from omnikv.values import (
     parse_number,
     parse_port,
     parse_positive,
-    parse_secret,
     parse_size,
+    resolve_secret,
 )
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 
 #: The events every pull connector counts (each adds its own; see its protocol module).
@@ -147,7 +149,7 @@ class PullSettings:
     close_timeout_s: float
     window_s: float
     put_timeout_s: float
-    secret: bytes | None
+    secret: bytes | None = field(repr=False)
     default_sender: tuple[str, int] | None
     limits: ServerLimits
 
@@ -161,7 +163,9 @@ class PullSettings:
         taken without a verdict for this long is reported ``expired``),
         ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
         ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30), ``put_timeout_s`` (0),
-        ``auth_secret``, ``sender_host`` / ``sender_zmq_port`` (a receiver's default sender),
+        ``auth_secret`` (or ``auth_secret_file``, or ``$OMNIKV_AUTH_SECRET``:
+        :func:`~omnikv.values.resolve_secret`), ``sender_host`` / ``sender_zmq_port`` (a
+        receiver's default sender),
         and the control port's admission limits (``limits``, a
         :class:`~omnikv.connectors.pull.control.ServerLimits`): ``max_connections`` (1024),
         ``max_connections_per_peer`` (64),
@@ -196,7 +200,7 @@ class PullSettings:
             "close_timeout_s": seconds("close_timeout_seconds", 30.0),
             "window_s": seconds("auth_window_seconds", DEFAULT_WINDOW_S),
             "put_timeout_s": parse_number("put_timeout_s", cfg.get("put_timeout_s"), 0.0),
-            "secret": parse_secret("auth_secret", cfg.get("auth_secret")),
+            "secret": resolve_secret(cfg),
             "default_sender": default_sender,
             "limits": _limits(cfg),
         }
@@ -362,7 +366,6 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
     and implements ``health`` and ``close``.
     """
 
-    supports_raw_data: ClassVar[bool] = True
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
     takes_abort: ClassVar[bool] = True
@@ -473,7 +476,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
             with self.error_map.translate(f"get of {key}"):
                 buf = side.take(key, sender_endpoint(metadata, self._default_sender))
         except ConnectorError as exc:
-            logger.error("get of %s failed: %s", key, exc)
+            _outsider.error("get of %s failed: %s", key, exc)
             return None
         return None if buf is None else get_result(buf)
 
@@ -573,7 +576,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
             side = self._receiving_side()
             msg = verdict_message(key, verdict, reason)
             if msg is None:
-                logger.warning("no verdict sent for %.200s: key too long", key)
+                _outsider.warning("no verdict sent for %.200s: key too long", key)
                 return
             endpoint = sender_endpoint(metadata, self._default_sender)
             with self.error_map.translate(f"verdict on {key}"):

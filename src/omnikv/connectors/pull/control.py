@@ -38,8 +38,9 @@ timestamp can still pass). A message captured on the wire and re-sent byte for b
 another connection or the same one, is dropped without an answer and changes nothing; after a
 server restart the old channel tokens are unknown, so captured requests fail there too.
 
-Rejected messages are counted (``rejected``) and logged at WARNING (the first ten, then one in a
-thousand); nothing is answered to them.
+Rejected messages are counted (``rejected``) and logged at WARNING, rate-limited
+(:class:`omnikv._logging.RateLimitedLog`: a few lines per interval, then one summary line with
+the count); nothing is answered to them.
 
 Using it (an engine connector)::
 

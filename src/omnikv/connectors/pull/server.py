@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.pull.control import (
     TOKEN_BYTES,
     ControlCodec,
@@ -54,11 +55,13 @@ from omnikv.errors import ConnectorUnavailableError, ProtocolError
 __all__ = ["ControlServer", "Handler", "Tick", "effective_max_connections", "raise_nofile_limit"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 Handler = Callable[[Request], None]
 Tick = Callable[[], float]
 
-_LOUD = 10  # the first rejections of each kind are WARNINGs, then one in a thousand
+#: connection refusals and rejected messages: a few WARNINGs per interval, then a summary
+_refusals, _rejections = RateLimitedLog(logger), RateLimitedLog(logger)
 _ACCEPT_BATCH = 64
 _ACCEPT_PAUSE_S = 0.1  # accepting pauses this long when the process is out of descriptors
 _RECV_BYTES = 65536
@@ -302,6 +305,11 @@ class ControlServer:
     def answer(self, req: Request, msg: Mapping[str, Any]) -> None:
         self.reply(req.ident, req.nonce, msg)
 
+    def has_channel(self, ident: bytes) -> bool:
+        """Whether the connection ``ident`` (a :class:`Request`'s) still holds its channel
+        (any thread: one dictionary look-up)."""
+        return ident in self._admission.channels
+
     def stats(self) -> dict[str, int]:
         """Connection counts for ``health()`` (read without a lock: a snapshot, maybe torn)."""
         adm = self._admission
@@ -391,7 +399,7 @@ class ControlServer:
         if oldest is not None:
             self._drop(oldest, "evicted")
             return
-        logger.warning("%s cannot accept: %s; pausing accepts", self._name, exc)
+        _outsider.warning("%s cannot accept: %s; pausing accepts", self._name, exc)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(self._listener)
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_S
@@ -503,7 +511,7 @@ class ControlServer:
             self._admission.touch(conn, time.monotonic())
         backlog = len(conn.out)
         if backlog > 4 * (self._codec.max_message_bytes + 64) + (1 << 20):
-            logger.warning("%s: %s does not read its replies; closing", self._name, conn.addr)
+            _outsider.warning("%s: %s does not read its replies; closing", self._name, conn.addr)
             self._drop(conn, "dropped")
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if backlog else 0)
@@ -532,19 +540,13 @@ class ControlServer:
 
     def _count_loud(self, kind: str, fmt: str, *args: Any) -> None:
         n = self._admission.counts[kind]
-        if n <= _LOUD or n % 1000 == 0:
-            logger.warning("%s " + fmt + " (%d so far)", self._name, *args, n)
-        else:
-            logger.debug("%s " + fmt, self._name, *args)
+        _refusals.warning("%s " + fmt + " (%d so far)", self._name, *args, n)
 
     def _reject(self, why: str) -> None:
         self.rejected += 1
-        if self.rejected <= _LOUD or self.rejected % 1000 == 0:
-            logger.warning(
-                "%s rejected a control message (%d so far): %s", self._name, self.rejected, why
-            )
-        else:
-            logger.debug("%s rejected a control message: %s", self._name, why)
+        _rejections.warning(
+            "%s rejected a control message (%d so far): %s", self._name, self.rejected, why
+        )
 
 
 def _reset(sock: socket.socket) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
     MAX_KEY_CHARS,
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 VERDICT_OP = "verdict"
 _VALUES = frozenset(v.value for v in Verdict)
@@ -218,7 +220,7 @@ class SentVerdicts:
             self._report(watch.put_key, Verdict(verdict), text)
         elif not kept:
             self._counters.add("acks_ignored")
-            logger.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
+            _outsider.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
         return accepted or kept
 
     def sweep(self, now: float | None = None) -> float:

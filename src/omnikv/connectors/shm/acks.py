@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
     MAX_KEY_CHARS,
@@ -62,6 +63,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: The trailing argument of an ``offer`` whose sender takes verdicts.
 ACK_FLAG = "ack"
@@ -162,7 +164,7 @@ class SentVerdicts:
             self._awaiting.move_to_end(key)
             while len(self._awaiting) > MAX_AWAITING:
                 old, _ = self._awaiting.popitem(last=False)
-                logger.warning(
+                _outsider.warning(
                     "no verdict kept for %s: more than %d payloads taken and unacknowledged",
                     old,
                     MAX_AWAITING,

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_POLL_US",
     "DEFAULT_POOL_SIZE",
     "DEFAULT_THRESHOLD",
+    "DEFAULT_UNCLAIMED_GRACE_S",
     "MIN_POOL_SIZE",
     "RESERVE_SLACK",
     "Prefault",
@@ -51,6 +52,9 @@ DEFAULT_POLL_US = 1000
 MIN_POOL_SIZE = 4096
 #: ``buffer_ttl_seconds`` when the config has none (the Mooncake TE and NIXL connectors' default).
 DEFAULT_BUFFER_TTL_S = 300.0
+#: ``unclaimed_grace_seconds`` when the config has none: how long a published payload nobody
+#: claimed keeps its space against newer payloads that find the pool full.
+DEFAULT_UNCLAIMED_GRACE_S = 10.0
 #: ``prefault: "auto"`` when the stage declares nothing about what it sends: a sending connector
 #: populates min(pool_size_bytes, this) at start (a few short prompts' KV of a 7B model).
 AUTO_RESERVE = 16 << 20
@@ -74,6 +78,7 @@ _KNOWN_CONFIG = frozenset(
         "inline_small_payloads",
         "poll_us",
         "buffer_ttl_seconds",
+        "unclaimed_grace_seconds",
         "expected_payload_bytes",
         "kv_bytes_per_token",
         "max_model_len",
@@ -165,6 +170,8 @@ class ShmConfig:
     inline_small_payloads: bool = False
     poll_us: int = DEFAULT_POLL_US  # a blocking wait polls its sockets this long, then sleeps
     buffer_ttl_s: float = DEFAULT_BUFFER_TTL_S  # an unconsumed payload is freed then; 0: never
+    # a payload unclaimed this long gives its space to newer ones when the pool is full
+    unclaimed_grace_s: float = DEFAULT_UNCLAIMED_GRACE_S
     # what the stage declares it sends (sizes the "auto" reserve; 0: not declared)
     expected_payload_bytes: int = 0
     kv_bytes_per_token: int = 0
@@ -208,6 +215,11 @@ class ShmConfig:
             poll_us=_parse_poll_us(cfg.get("poll_us")),
             buffer_ttl_s=parse_number(
                 "buffer_ttl_seconds", cfg.get("buffer_ttl_seconds"), DEFAULT_BUFFER_TTL_S
+            ),
+            unclaimed_grace_s=parse_number(
+                "unclaimed_grace_seconds",
+                cfg.get("unclaimed_grace_seconds"),
+                DEFAULT_UNCLAIMED_GRACE_S,
             ),
             expected_payload_bytes=expected,
             kv_bytes_per_token=parse_int(

@@ -66,11 +66,16 @@ Design (one page; the parts live in modules of this package, each named in paren
   payload dropped by ``cleanup`` gets no verdict. ``health()`` counts ``acks_delivered``,
   ``acks_refused``, ``acks_expired``, ``acks_ignored`` (verdicts naming nothing that peer
   took), ``acks_sent`` / ``ack_failures`` (as a receiver).
-* **A full pool.** A put that finds no space waits until its deadline while space can come
-  back: readers holding payloads are asked to migrate them, a payload being written may go to
-  a waiting reader, an unconsumed one may expire, a reader may come for one put recently. It
-  fails at once with :class:`PoolExhaustedError` (``put_pool_full``) when every slot in use
-  holds a published payload no reader claimed, none expires before the deadline, and even the
+* **A full pool.** A full pool serves the newest hand-off: a put that finds no space first
+  frees payloads published and claimed by no reader for ``unclaimed_grace_seconds`` (10 s),
+  oldest first, until it fits (counted as ``grace_evicted`` / ``grace_evicted_bytes``, one
+  WARNING naming their keys, each reported ``expired``), so requests whose KV nobody comes for
+  cannot starve a producer until their TTL. Otherwise it waits until its deadline while space
+  can come back: readers holding payloads are asked to migrate them, a payload being written
+  may go to a waiting reader, an unconsumed one may expire or pass its grace, a reader may come
+  for one put recently. It fails at once with :class:`PoolExhaustedError` (``put_pool_full``)
+  when every slot in use holds a published payload no reader claimed, none expires or passes
+  its grace before the deadline, and even the
   youngest has waited at least as long as the put may still wait: only a reader coming for one
   could help, none came for any of them in that long, and a waiting put holds its caller (an
   engine's KV blocks) for nothing. The message says how many payloads of how many bytes hold
@@ -122,6 +127,11 @@ key                         default      meaning
 ``buffer_ttl_seconds``      300          an unconsumed payload is freed this many seconds after
                                          its put, with a WARNING naming it (a number >= 0;
                                          0: never); a reader that comes later misses
+``unclaimed_grace_seconds`` 10           when a put finds the pool full, payloads published and
+                                         claimed by no reader for this many seconds are freed,
+                                         oldest first, until it fits (a number >= 0; counted as
+                                         ``grace_evicted``, logged with their keys, reported
+                                         ``expired``)
 ``ack_timeout_s``           60           a payload taken by a reader and not acknowledged this
                                          many seconds after its offer is reported ``expired``
                                          (a number >= 0; a reader that goes away first makes it
@@ -156,6 +166,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
     GetResult,
     KeyProbe,
@@ -182,7 +193,7 @@ from omnikv.connectors.shm.recv import COUNTER_NAMES as RECV_COUNTERS
 from omnikv.connectors.shm.recv import Offer, RecvSide
 from omnikv.connectors.shm.registry import SenderRecord
 from omnikv.connectors.shm.store import COUNTER_NAMES as SEND_COUNTERS
-from omnikv.connectors.shm.store import Entry, SendStore
+from omnikv.connectors.shm.store import Entry, Lifetime, SendStore
 from omnikv.connectors.shm.wakeup import Wakeups
 from omnikv.connectors.shm.wire import namespace_prefix, transport_key
 from omnikv.errors import (
@@ -195,6 +206,7 @@ from omnikv.errors import (
 __all__ = ["COUNTER_NAMES", "DEFAULT_POOL_SIZE", "SharedMemoryConnector"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: Everything a connector counts (``health()``): its mesh's, sending side's and receiving side's.
 COUNTER_NAMES = (*MESH_COUNTERS, *SEND_COUNTERS, *RECV_COUNTERS, *ACK_COUNTERS)
@@ -229,6 +241,11 @@ def _metadata_key(metadata: Any) -> str | None:
     return name if isinstance(name, str) and "@" in name else None
 
 
+#: Set once a connector has said at WARNING that it holds the process's exit (said once per
+#: process: the next ones log at INFO).
+_EXIT_NOTICE = threading.Event()
+
+
 def _wakeup_config(config: Mapping[str, Any] | None, namespace: str) -> tuple[str, Any]:
     """``(scope, stage_id)`` of the wakeups: ``extra.wakeup_scope`` (else the namespace) and
     ``stage_id`` as the reference reads them (a stage that is not a number has none)."""
@@ -242,7 +259,7 @@ def _close_ref(ref: weakref.ref[SharedMemoryConnector]) -> None:
     """Process exit (``atexit`` / multiprocessing exit): close, lingering for consumers."""
     conn = ref()
     if conn is not None:
-        conn.close()
+        conn.close_at_exit()
 
 
 class SharedMemoryConnector(OmniConnectorBase):
@@ -252,12 +269,12 @@ class SharedMemoryConnector(OmniConnectorBase):
     connector serves the sockets, or one waiting thread while it waits (``leadership``).
     """
 
-    supports_raw_data = True
     acknowledges = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._closed = True  # until fully built, so __del__ of a half-built object is a no-op
+        self._exiting = False  # closing because the process exits (close_at_exit)
         self.config = ShmConfig.parse(config)
         self.namespace = self.config.namespace
         self.threshold = self.config.threshold
@@ -280,7 +297,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._mesh.drop,
             counters=self._counters,
             reserve=self.config.reserve_bytes,
-            ttl_s=self.config.buffer_ttl_s,
+            lifetime=Lifetime(self.config.buffer_ttl_s, self.config.unclaimed_grace_s),
             verdicts=self._verdicts,
         )
         self._recv = RecvSide(self._mesh, self._counters)
@@ -521,7 +538,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         except ConnectorClosedError:
             raise
         except (OmniKVError, ValueError) as exc:
-            logger.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
+            _outsider.warning("SharedMemoryConnector get of %r failed: %s", get_key, exc)
             return None
 
     def wait(
@@ -709,6 +726,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             "instance": self.instance,
             "threshold": self.threshold,
             "buffer_ttl_seconds": self.config.buffer_ttl_s,
+            "unclaimed_grace_seconds": self.config.unclaimed_grace_s,
             "ack_timeout_s": self.config.ack_timeout_s,
             "awaiting_verdicts": self._verdicts.awaiting(),
             "pool_reserve_source": self.config.reserve_source,
@@ -742,16 +760,30 @@ class SharedMemoryConnector(OmniConnectorBase):
             )
         logger.debug("SharedMemoryConnector %s closed", self.instance)
 
+    def close_at_exit(self) -> None:
+        """:meth:`close` at process exit (called by the exit hook): the same, but a wait for
+        receivers says so at WARNING, once per process."""
+        self._exiting = True
+        self.close()
+
     def _linger(self, linger_s: float) -> None:
-        """Close (or process exit) with payloads unconsumed: one INFO line saying how many and
-        for how long at most, then wait for readers to take them (see :meth:`flush`)."""
+        """Close (or process exit) with payloads unconsumed: one line saying how many, for how
+        long at most and how to skip the wait, then wait for readers to take them (see
+        :meth:`flush`). At process exit the first such line of the process is a WARNING (the
+        default log level shows it on stderr: the exit would otherwise hang in silence)."""
         status = self._store.snapshot()
         if not status["published"]:
             return
-        logger.info(
-            "SharedMemoryConnector %s: waiting up to %gs (linger_s) for receivers to take %d"
-            " unconsumed payload(s) of %d bytes",
+        loud = self._exiting and not _EXIT_NOTICE.is_set()
+        if loud:
+            _EXIT_NOTICE.set()
+        logger.log(
+            logging.WARNING if loud else logging.INFO,
+            "SharedMemoryConnector %s: %s waits up to %gs (linger_s) for receivers to take %d"
+            " unconsumed payload(s) of %d bytes; to skip the wait set linger_s to 0 in its"
+            " connector_config, or close(linger=False) it first",
             self.instance,
+            "the process exit" if self._exiting else "close",
             linger_s,
             status["published"],
             status["published_bytes"],

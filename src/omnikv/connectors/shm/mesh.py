@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import msgpack
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.shm.leadership import Leadership
 from omnikv.connectors.shm.pool import PeerPool
@@ -57,6 +58,7 @@ from omnikv.connectors.shm.wire import (
 __all__ = ["COUNTER_NAMES", "MAX_FDS_PER_LINK", "Link", "Mesh", "MeshHandler", "random_instance"]
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 MAX_FDS_PER_LINK = 4
 #: The events a mesh counts (in its connector's :class:`Counters`).
@@ -173,7 +175,7 @@ class Mesh:
         if uid != os.getuid():
             s.close()
             self._counters.add("peers_refused")
-            logger.warning("refused shared-memory peer %s of uid %d (pid %d)", what, uid, pid)
+            _outsider.warning("refused shared-memory peer %s of uid %d (pid %d)", what, uid, pid)
             return None
         return pid
 
@@ -255,7 +257,7 @@ class Mesh:
                 return
             link.dropped = True
         self._counters.add("peers_dropped")
-        logger.warning("dropping shared-memory peer %s: %s", link, reason)
+        _outsider.warning("dropping shared-memory peer %s: %s", link, reason)
         with link.send_lock, contextlib.suppress(OSError):
             link.sock.shutdown(socket.SHUT_RDWR)
 
@@ -327,7 +329,7 @@ class Mesh:
             self.drop(link, f"protocol error: {exc}")
             return False
         except Exception as exc:  # a handler failed on a valid message: this link only
-            logger.exception("handling a message from %s failed", link)
+            _outsider.exception("handling a message from %s failed", link)
             self.drop(link, f"handler error: {type(exc).__name__}: {exc}")
             return False
         return True

@@ -48,18 +48,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import HostArrayWriter, Writer, takes_host_arrays
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.pool import BufferAllocator
 from omnikv.connectors.shm.acks import ACK_FLAG, SentVerdicts
+from omnikv.connectors.shm.config import DEFAULT_UNCLAIMED_GRACE_S
 from omnikv.connectors.shm.mesh import Link
 from omnikv.connectors.shm.pool import SenderPool
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PoolExhaustedError
 
-__all__ = ["COUNTER_NAMES", "MAX_WANTS_PER_LINK", "Entry", "SendStore", "Unconsumed"]
+__all__ = [
+    "COUNTER_NAMES",
+    "MAX_WANTS_PER_LINK",
+    "Entry",
+    "Lifetime",
+    "SendStore",
+    "Unconsumed",
+]
+
 
 logger = logging.getLogger(__name__)
+_outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 MAX_WANTS_PER_LINK = 4096
 #: The events a sending side counts (in its connector's :class:`Counters`), its expiry included.
@@ -77,9 +88,21 @@ COUNTER_NAMES = (
     "reclaimed_from_dead_readers",
     "ttl_reaped",
     "ttl_reaped_bytes",
+    "grace_evicted",
+    "grace_evicted_bytes",
 )
 
 Send = Callable[[Link, list[list[Any]], "tuple[int, int, int] | None"], bool]
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """How long a published payload nobody claimed lives: freed ``ttl_s`` after its put
+    (``buffer_ttl_seconds``; 0: never), and giving its space to newer payloads that find the
+    pool full ``grace_s`` after its put (``unclaimed_grace_seconds``)."""
+
+    ttl_s: float = 0.0
+    grace_s: float = DEFAULT_UNCLAIMED_GRACE_S
 
 
 @dataclass
@@ -123,8 +146,10 @@ class Unconsumed:
         changed: threading.Condition,
         counters: Counters,
         verdicts: SentVerdicts | None = None,
+        grace_s: float = DEFAULT_UNCLAIMED_GRACE_S,
     ) -> None:
         self.ttl_s = ttl_s
+        self.grace_s = grace_s
         self.next_expiry = math.inf
         self._counters = counters
         self._verdicts = verdicts
@@ -225,7 +250,7 @@ class Unconsumed:
     def report(self, gone: list[tuple[Entry, float]]) -> None:
         """One WARNING per expired payload, and its ``expired`` verdict (lock not held)."""
         for e, age in gone:
-            logger.warning(
+            _outsider.warning(
                 "shared-memory payload %s (%d bytes) expired unconsumed after %.1fs"
                 " (buffer_ttl_seconds %g); its pool space is free again",
                 e.key,
@@ -273,6 +298,58 @@ class Unconsumed:
         self.next_expiry = min(map(self.expiry, self._entries.values()), default=math.inf)
         return self.next_expiry
 
+    # -- making room for a newer payload ----------------------------------------------------------
+    def grace_ends(self) -> float:
+        """When the oldest payload published here passes its grace (monotonic; ``math.inf``
+        when none is published)."""
+        oldest = min((e.published_at for e in self._entries.values()), default=math.inf)
+        return oldest + self.grace_s
+
+    def make_room(self, fits: Callable[[], bool], now: float) -> list[tuple[Entry, float]]:
+        """(lock held) A put found no space: free the payloads unclaimed for at least
+        ``grace_s`` (``unclaimed_grace_seconds``), oldest first, until ``fits()``; each with its
+        age, for :meth:`report_room` once the lock is released. Counted as
+        ``grace_evicted`` / ``grace_evicted_bytes``."""
+        if self._alloc is None:
+            return []
+        gone: list[tuple[Entry, float]] = []
+        for entry in sorted(self._entries.values(), key=lambda e: e.published_at):
+            if fits() or now - entry.published_at < self.grace_s:
+                break
+            del self._entries[entry.key]
+            self._alloc.free(entry.offset)
+            self._counters.add("grace_evicted")
+            self._counters.add("grace_evicted_bytes", entry.nbytes)
+            gone.append((entry, now - entry.published_at))
+        if gone:
+            self.first_expiry()
+        return gone
+
+    def report_room(self, gone: list[tuple[Entry, float]], key: str) -> None:
+        """One WARNING naming the payloads :meth:`make_room` freed for the put of ``key``, and
+        their ``expired`` verdicts (lock not held)."""
+        if not gone:
+            return
+        labels = [e.label for e, _ in gone]
+        more = f" and {len(labels) - 16} more" if len(labels) > 16 else ""
+        shown = ", ".join(labels[:16]) + more
+        logger.warning(
+            "pool full: freed %d payload(s) of %d bytes unclaimed for over %gs"
+            " (unclaimed_grace_seconds), oldest first, to make room for %s: %s",
+            len(gone),
+            sum(e.nbytes for e, _ in gone),
+            self.grace_s,
+            key,
+            shown,
+        )
+        if self._verdicts is not None:
+            for e, age in gone:
+                self._verdicts.expired(
+                    e.label,
+                    f"unclaimed for {age:.1f} s when the pool was full; freed for a newer payload"
+                    f" (unclaimed_grace_seconds {self.grace_s:g})",
+                )
+
     # -- what a full pool reports ---------------------------------------------------------------
     def refusal(self, slots_in_use: int, deadline: float, now: float) -> str | None:
         """Why a put that found no space at ``now`` should not wait until ``deadline``, or
@@ -283,6 +360,8 @@ class Unconsumed:
         entries = self._entries.values()
         if not entries or slots_in_use != len(entries) or self.first_expiry() < deadline:
             return None
+        if self.grace_ends() < deadline:
+            return None  # the oldest makes room for this put before its deadline
         youngest = max(e.published_at for e in entries)
         if now - youngest < deadline - now:
             return None
@@ -293,6 +372,10 @@ class Unconsumed:
             f" for {now - youngest:.1f}s (at least as long as this put may wait,"
             f" {max(0.0, deadline - now):.1f}s), the oldest ({oldest.label}) for"
             f" {now - oldest.published_at:.1f}s; "
+        )
+        text += (
+            f"the oldest makes room for newer payloads {self.grace_s:g}s after its put"
+            f" (unclaimed_grace_seconds), in {max(0.0, self.grace_ends() - now):.1f}s; "
         )
         if not self.ttl_s:
             return text + "buffer_ttl_seconds is 0, so they never expire"
@@ -328,7 +411,7 @@ class SendStore:
         *,
         counters: Counters,
         reserve: int = 0,
-        ttl_s: float = 0.0,
+        lifetime: Lifetime = Lifetime(),
         verdicts: SentVerdicts | None = None,
     ) -> None:
         self.pool_size = pool_size
@@ -346,7 +429,9 @@ class SendStore:
         #: Delivery verdicts of what is put here (``acks``); ``None``: not watched.
         self.verdicts = verdicts
         # claimed by no reader
-        self._published = Unconsumed(ttl_s, self._lock, self._changed, counters, verdicts)
+        self._published = Unconsumed(
+            lifetime.ttl_s, self._lock, self._changed, counters, verdicts, grace_s=lifetime.grace_s
+        )
         self._held: dict[int, Entry] = {}
         self._wanters: dict[str, list[tuple[Link, int]]] = {}
         self._want_count: dict[Link, int] = {}
@@ -388,10 +473,15 @@ class SendStore:
         Takes free space when there is some (after freeing what expired). Otherwise it waits
         until ``deadline``, asking the readers that hold our payloads to give their slots back
         (``evict``), and then raises :class:`PoolExhaustedError` (counted as ``put_timeouts``).
-        It raises at once when the payload can never fit, and at once (counted as
+        When no space is free, payloads published and unclaimed for at least
+        ``unclaimed_grace_seconds`` are freed, oldest first, until the put fits (counted as
+        ``grace_evicted``, logged with their keys, reported ``expired``): a full pool serves
+        the newest hand-off, and payloads nobody comes for cannot starve a producer for the
+        TTL. It raises at once when the payload can never fit, and at once (counted as
         ``put_pool_full``) when waiting cannot be expected to help: every slot in use holds a
         payload published here and claimed by no reader (none is held, offered or being
-        written), none of them expires before ``deadline``, and even the youngest has waited
+        written), none of them expires or passes its grace before ``deadline``, and even the
+        youngest has waited
         unclaimed for at least as long as this put may still wait. Only a receiver coming for
         one of them could free space then, and none came for any of them in that long; a wait
         would hold the caller (and what it holds, e.g. an engine's KV blocks) for nothing. The
@@ -407,34 +497,72 @@ class SendStore:
             )
         self._published.expire_due()
         t0 = time.monotonic()
-        with self._lock:
-            offset = _try_alloc(alloc, nbytes)
-            if offset is not None:
-                return offset
-            why = self._published.refusal(alloc.allocations, deadline, t0)
-            if why is not None:
-                self._counters.add("put_pool_full")
-                raise PoolExhaustedError(
-                    f"{self._no_space(key, nbytes, t0)}; {why}: failing at once rather than"
-                    " waiting, as only a receiver taking one of them (or cleanup()) could free"
-                    " space before the deadline"
-                )
-            self._check_deadline(key, nbytes, deadline, t0)
-            self._waiting += 1
-            self._counters.add("put_waits")
+        gone: list[tuple[Entry, float]] = []
         try:
-            self._evict(nbytes)
             with self._lock:
-                while True:
-                    offset = _try_alloc(alloc, nbytes)
-                    if offset is not None:
-                        return offset
-                    self._check_deadline(key, nbytes, deadline, t0)
-                    # woken by every free: a release, an expiry, a cleanup
-                    self._changed.wait(min(remaining(deadline), 3600.0))
+                offset = self._alloc_or_make_room(alloc, nbytes, t0, gone)
+                if offset is not None:
+                    return offset
+                return self._wait_for_space(alloc, key, nbytes, deadline, t0, gone)
         finally:
-            with self._lock:
-                self._waiting -= 1
+            self._published.report_room(gone, key)
+
+    def _alloc_or_make_room(
+        self, alloc: BufferAllocator, nbytes: int, now: float, gone: list[tuple[Entry, float]]
+    ) -> int | None:
+        """(lock held) A slot if one fits, after freeing payloads past their grace when none
+        does (added to ``gone``, reported by the caller without the lock)."""
+        offset = _try_alloc(alloc, nbytes)
+        if offset is not None:
+            return offset
+        freed = self._published.make_room(
+            lambda: alloc.block_size(nbytes) <= alloc.largest_free(), now
+        )
+        if not freed:
+            return None
+        gone.extend(freed)
+        self._changed.notify_all()
+        return _try_alloc(alloc, nbytes)
+
+    def _wait_for_space(
+        self,
+        alloc: BufferAllocator,
+        key: str,
+        nbytes: int,
+        deadline: float,
+        t0: float,
+        gone: list[tuple[Entry, float]],
+    ) -> int:
+        """(lock held, released while waiting) The rest of :meth:`allocate`: refuse at once,
+        or wait for space until ``deadline``."""
+        why = self._published.refusal(alloc.allocations, deadline, t0)
+        if why is not None:
+            self._counters.add("put_pool_full")
+            raise PoolExhaustedError(
+                f"{self._no_space(key, nbytes, t0)}; {why}: failing at once rather than"
+                " waiting, as only a receiver taking one of them (or cleanup()) could free"
+                " space before the deadline"
+            )
+        self._check_deadline(key, nbytes, deadline, t0)
+        self._waiting += 1
+        self._counters.add("put_waits")
+        try:
+            self._lock.release()  # readers are asked to give slots back without the lock
+            try:
+                self._evict(nbytes)
+            finally:
+                self._lock.acquire()
+            while True:
+                offset = self._alloc_or_make_room(alloc, nbytes, time.monotonic(), gone)
+                if offset is not None:
+                    return offset
+                self._check_deadline(key, nbytes, deadline, t0)
+                # woken by every free (a release, an expiry, a cleanup) and when the oldest
+                # unclaimed payload passes its grace
+                grace = self._published.grace_ends() - time.monotonic()
+                self._changed.wait(max(0.001, min(remaining(deadline), grace, 3600.0)))
+        finally:
+            self._waiting -= 1
 
     def _check_deadline(self, key: str, nbytes: int, deadline: float, t0: float) -> None:
         """(lock held) Raise when a put waiting for space since ``t0`` must stop: closed, or
@@ -523,7 +651,7 @@ class SendStore:
             old = self._published.add(entry)
             if old is not None:
                 self._counters.add("replaced")
-                logger.warning("key %s put again before it was consumed", entry.key)
+                _outsider.warning("key %s put again before it was consumed", entry.key)
                 self.free(old)
         return target
 

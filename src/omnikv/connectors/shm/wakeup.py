@@ -9,7 +9,10 @@ spurious one a look, never data.
 How: each waiting connector binds a datagram socket in the Linux *abstract* namespace (no file,
 nothing left behind by a killed process) named ``omnikv-shm-wake/<uid>/<scope>/<stage>/<random>``;
 a ``put`` to stage ``S`` sends one byte to every such socket of ``S`` in its scope, listed from
-``/proc/net/unix`` (at most every :data:`RESCAN_S`; the names found last are reused in between).
+``/proc/net/unix`` (at most every :data:`RESCAN_S`; the names found last are reused in between;
+at most :data:`MAX_WAITERS` per stage, so names bound by others cannot make a put unbounded).
+A waiter that binds its socket just after a sender listed is not woken by that sender's puts
+until the sender lists again, up to :data:`RESCAN_S` later (it waits its timeout instead).
 The scope is the connector's ``extra.wakeup_scope`` when set, else its namespace. Stages are
 numbers, as in the reference (``stage_id``; a connector without a number >= 0 has no wakeups,
 and puts to a stage that is not a number wake nobody). ``VLLM_OMNI_SHM_WAKEUP`` other than
@@ -20,6 +23,7 @@ Anyone on the host may send a byte to a wakeup socket: that is a spurious wakeup
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -31,7 +35,7 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["RESCAN_S", "WAKEUP_ENV", "Wakeups", "wakeups_enabled"]
+__all__ = ["MAX_WAITERS", "RESCAN_S", "WAKEUP_ENV", "Wakeups", "wakeups_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,12 @@ logger = logging.getLogger(__name__)
 WAKEUP_ENV = "VLLM_OMNI_SHM_WAKEUP"
 #: A put lists the waiting sockets of its stage again when its list is older than this (s).
 RESCAN_S = 0.1
+#: The most waiting sockets a put wakes per stage (a put's cost is one send per socket).
+MAX_WAITERS = 256
 #: Datagrams drained per wake (a flood only makes one wake).
 _MAX_DRAIN = 1024
+#: The longest single poll (ms): ``poll`` takes a C int.
+_MAX_POLL_MS = float(2**31 - 1)
 
 
 def wakeups_enabled() -> bool:
@@ -51,13 +59,15 @@ def wakeups_enabled() -> bool:
 def _stage_number(stage: Any) -> int | None:
     try:
         number = int(stage)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
         return None
     return number if number >= 0 else None
 
 
-def _bound_datagrams(prefix: str) -> list[str]:
-    """Abstract datagram socket names starting with ``prefix`` (from ``/proc/net/unix``)."""
+def _bound_datagrams(prefix: str, limit: int = MAX_WAITERS) -> list[str]:
+    """Abstract datagram socket names starting with ``prefix`` (from ``/proc/net/unix``), at
+    most ``limit`` of them: anyone on the host may bind names under the prefix, and a put sends
+    to every name listed."""
     found: list[str] = []
     want = "@" + prefix
     try:
@@ -67,6 +77,9 @@ def _bound_datagrams(prefix: str) -> list[str]:
                 parts = line.split()
                 # Num RefCount Protocol Flags Type St Inode Path; datagram sockets: Type 0002
                 if len(parts) >= 8 and parts[4] == "0002" and parts[7].startswith(want):
+                    if len(found) >= limit:
+                        logger.debug("more than %d wakeup sockets under %s", limit, prefix)
+                        break
                     found.append(parts[7][1:])
     except OSError:
         return found
@@ -124,8 +137,11 @@ class Wakeups:
                 return False
             if self._generation != generation:
                 return True
+        # poll, not select: select refuses descriptors >= 1024 (an engine has that many open)
+        poller = select.poll()
         try:
-            readable, _, _ = select.select([sock], [], [], timeout)
+            poller.register(sock, select.POLLIN)
+            readable = poller.poll(min(timeout * 1000.0, _MAX_POLL_MS))
         except (OSError, ValueError):  # closed meanwhile
             return False
         with self._lock:
@@ -179,9 +195,14 @@ class Wakeups:
                 self._known[stage] = (self._known[stage][0], [n for n in names if n not in gone])
 
     def close(self) -> None:
-        """Close both sockets; later calls find no wakeups (idempotent)."""
+        """Close both sockets, ending a wait in progress (it returns ``False``); later calls
+        find no wakeups (idempotent)."""
         with self._lock:
             self._closed = True
+            if self._sock is not None:
+                # a byte to itself wakes a waiter's poll, which a close alone does not
+                with contextlib.suppress(OSError):
+                    self._sock.sendto(b"\0", self._sock.getsockname())
             for sock in (self._sock, self._out):
                 if sock is not None:
                     sock.close()

@@ -35,7 +35,10 @@ Keys:
 * ``auth_secret``: shared by producer and consumer; transfer ids carry a MAC bound to the
   request and payloads a MAC over their bytes. A router that holds it may issue the transfer
   ids itself (early hand-off: :func:`~omnikv.integrations.vllm.binding.new_router_transfer_id`).
-  Falls back to ``omni_kv_config.connector_config.auth_secret``.
+  Falls back to ``omni_kv_config.connector_config.auth_secret``, then to the environment
+  variable ``OMNIKV_AUTH_SECRET``. ``auth_secret_file`` (here or in ``connector_config``, in
+  place of ``auth_secret``) names a file holding it, so that the secret stays off command lines
+  and out of vLLM's logged arguments (:func:`~omnikv.values.resolve_secret`).
 * ``model_id``: the model identity in the binding (default: the model's name or path); set it
   on both sides when the same weights live under different paths.
 * ``producer_tag``: this producer's tag (8 lowercase hex; default derived from the connector
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,7 +72,7 @@ from omnikv.values import (
     parse_int,
     parse_number,
     parse_positive,
-    parse_secret,
+    resolve_secret,
 )
 
 __all__ = [
@@ -98,6 +101,7 @@ _KNOWN = frozenset(
         "idle_step_wait_s",
         "stream_layer_groups",
         "auth_secret",
+        "auth_secret_file",
         "model_id",
         "producer_tag",
         "accept_producer_tags",
@@ -111,13 +115,13 @@ _KNOWN = frozenset(
 class ConnectorOptions:
     """Parsed ``kv_connector_extra_config`` (see the module doc for each key)."""
 
-    omni_kv_config: dict[str, Any]
+    omni_kv_config: dict[str, Any] = field(repr=False)  # may hold the secret
     layout: str | None
     max_concurrent_loads: int
     max_waiting_loads: int
     load_first_wait_s: float
     max_concurrent_sends: int
-    secret: bytes | None
+    secret: bytes | None = field(repr=False)
     model_id: str | None
     tag: str
     accepted_tags: frozenset[str]
@@ -155,9 +159,9 @@ def parse_options(extra: Mapping[str, Any], *, producer: bool, consumer: bool) -
         raise ConfigError(f"vllm_kv_layout must be one of {VLLM_BLOCK_LAYOUTS}, got {layout!r:.60}")
     conn = cfg.get("connector_config")
     conn = conn if isinstance(conn, Mapping) else {}
-    secret = parse_secret("auth_secret", extra.get("auth_secret"))
+    secret = resolve_secret(extra, env=False)
     if secret is None:
-        secret = parse_secret("connector_config.auth_secret", conn.get("auth_secret"))
+        secret = resolve_secret(conn, "connector_config.")
     model_id = extra.get("model_id")
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigError(f"model_id must be a non-empty string, got {model_id!r:.60}")
