@@ -79,6 +79,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) install msgpack msgspec pytest pytest-timeout
 	$(VLLM_PIP) install mooncake-transfer-engine-non-cuda==0.3.13.post1  # bench stream --vllm
+	$(VLLM_PIP) install nixl==1.5.1  # bench vllm --against NixlConnector (vLLM imports nixl._api)
 	$(VLLM_PIP) install --no-deps -e .
 	touch $@
 
@@ -109,7 +110,8 @@ test-vllm: $(VLLM_STAMP) $(OMNI_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
 	  tests/layouts/test_layouts_vllm.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_engine.py \
 	  tests/integrations/test_vllm_serve.py tests/test_examples_vllm.py \
-	  tests/bench/test_bench_stream_vllm.py tests/test_readme_vllm_recipe.py $(PYTEST_ARGS)
+	  tests/bench/test_bench_stream_vllm.py tests/test_readme_vllm_recipe.py \
+	  tests/bench/test_bench_vllm_against.py tests/bench/test_bench_serve_vllm.py $(PYTEST_ARGS)
 	.ci/loopback-only $(OMNI_PY) -m pytest -q -p no:cacheprovider \
 	  tests/integrations/vllm_omni/test_vllm_omni_pipeline.py $(PYTEST_ARGS)
 

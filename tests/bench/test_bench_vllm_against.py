@@ -1,0 +1,120 @@
+"""``omnikv bench vllm --against``: its options, each contender's ``KVTransferConfig``, the
+reason it reports for a connector that cannot start, and (where vLLM is installed, ``make
+test-vllm``) a reduced run: OmniKV, vLLM's ExampleConnector and MooncakeConnector, which
+cannot start on a host without an accelerator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from omnikv.bench import vllm as bench_vllm
+from omnikv.bench import vllm_against
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_against_names() -> None:
+    assert vllm_against.parse_against("ExampleConnector, NixlConnector,ExampleConnector") == [
+        "ExampleConnector",
+        "NixlConnector",
+    ]
+    assert vllm_against.parse_against("all") == list(vllm_against.CANDIDATES)
+    for bad in ("", "OmniKVConnector", "NixlConnector,Nope"):
+        with pytest.raises(ValueError, match="unknown connector"):
+            vllm_against.parse_against(bad)
+    assert set(vllm_against.TRANSPORTS) == {vllm_against.OMNIKV, *vllm_against.CANDIDATES}
+
+
+def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    ns = bench_vllm._parse(["--against", "NixlConnector", "--tokens", "96", "--repeat", "1"])
+    assert ns.against == ["NixlConnector"] and ns.repeat == 1
+    assert bench_vllm._parse([]).against is None
+    for bad in (["--against", "Nope"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            bench_vllm._parse(bad)
+        assert exc.value.code == 2
+    assert "unknown connector(s) ['Nope']" in capsys.readouterr().err
+
+
+def test_every_contender_fails_a_load_instead_of_recomputing(tmp_path: Path) -> None:
+    for name in (vllm_against.OMNIKV, *vllm_against.CANDIDATES):
+        for role in ("kv_producer", "kv_consumer"):
+            cfg = vllm_against.transfer_config(name, role, namespace="ns", storage=tmp_path)
+            assert cfg["kv_connector"] == name and cfg["kv_load_failure_policy"] == "fail"
+    omni = vllm_against.transfer_config(
+        vllm_against.OMNIKV, "kv_consumer", namespace="ns", storage=tmp_path
+    )
+    assert omni["kv_connector_module_path"] == "omnikv.integrations.vllm"
+    extra = omni["kv_connector_extra_config"]["omni_kv_config"]
+    assert extra["need_recv_cache"] and extra["connector_config"]["namespace"] == "ns"
+    nixl = vllm_against.transfer_config(
+        "NixlConnector", "kv_producer", namespace="ns", storage=tmp_path
+    )
+    assert nixl["kv_buffer_device"] == "cpu" and nixl["kv_role"] == "kv_producer"
+    example = vllm_against.transfer_config(
+        "ExampleConnector", "kv_consumer", namespace="ns", storage=tmp_path
+    )
+    assert example["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    offload = vllm_against.transfer_config(
+        "OffloadingConnector", "kv_consumer", namespace="ns", storage=tmp_path
+    )
+    assert offload["kv_role"] == "kv_both"
+    assert offload["kv_connector_extra_config"]["cpu_bytes_to_use"] > 0  # else it stops there
+
+
+ENGINE_LOG = """\
+INFO 12-06 23:20:01 [core.py:90] Initializing a V1 LLM engine
+(EngineCore pid=12) ERROR 12-06 23:20:09 [core.py:1100] EngineCore failed to start.
+(EngineCore pid=12) ERROR 12-06 23:20:09 [core.py:1100] Traceback (most recent call last):
+(EngineCore pid=12) ERROR 12-06 23:20:09 [core.py:1100]   File "x.py", line 3, in f
+(EngineCore pid=12) ERROR 12-06 23:20:09 [core.py:1100] RuntimeError: Cannot access accelerator \
+device when none is available.
+Traceback (most recent call last):
+  File "y.py", line 1, in g
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_the_reason_is_the_root_error_not_vllms_wrapper() -> None:
+    reason = vllm_against.failure_reason(ENGINE_LOG)
+    assert reason == "RuntimeError: Cannot access accelerator device when none is available."
+    assert vllm_against.failure_reason("ModuleNotFoundError: No module named 'lmcache'\n") == (
+        "ModuleNotFoundError: No module named 'lmcache'"
+    )
+    assert vllm_against.failure_reason("Fatal Python error: SIGILL in x\n").startswith("SIGILL")
+    assert vllm_against.failure_reason("just\nlines\n") == "lines"
+    assert vllm_against.failure_reason("") == "no output"
+    assert len(vllm_against.failure_reason("ValueError: " + "x" * 900)) == 300
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM not installed (make test-vllm)")
+@pytest.mark.timeout(1500)
+def test_a_reduced_run_side_by_side(tmp_path: Path) -> None:
+    # NixlConnector's run is the benchmark's (docs/benchmarks.md): here the two contenders
+    # that bound the test's time, one that loads and one that cannot start on this host
+    against = ["ExampleConnector", "MooncakeConnector"]
+    out = tmp_path / "against.json"
+    cmd = [sys.executable, "-m", "omnikv.cli", "bench", "vllm", "--against", ",".join(against)]
+    cmd += ["--tokens", "96", "--repeat", "2", "--dtype", "float32", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1440, check=False)
+    log = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    (case,) = json.loads(out.read_text())["cases"]
+    rows = {c["connector"]: c for c in case["contenders"]}
+    assert list(rows) == [vllm_against.OMNIKV, *against]
+    for name in (vllm_against.OMNIKV, "ExampleConnector"):
+        row = rows[name]
+        assert row["reason"] is None and row["failures"] == [], log
+        assert row["transfer"]["runs"] == 2 and row["mismatches"] == 0, log
+        # vLLM counts the prompt's loaded tokens as cached; prefix caching is off
+        assert min(row["loaded_tokens"]) >= 64, log
+    mooncake = rows["MooncakeConnector"]
+    assert not mooncake["ran"] and "accelerator" in mooncake["reason"], log
