@@ -63,6 +63,9 @@ class LayerBlocks(ABC):
     token_shape: tuple[int, ...]
     #: Whether :meth:`send_source` copies (the sender then reads the copy, not the cache).
     copies_to_send: bool = False
+    #: Whether the attention kernel that writes this layout uses AMX tile instructions (the
+    #: process then asks Linux for the AMX tile state before the kernel runs).
+    uses_amx_tiles: bool = False
 
     @abstractmethod
     def send_source(
@@ -133,6 +136,7 @@ class AmxPackedLayerBlocks(LayerBlocks):
     """
 
     copies_to_send = True
+    uses_amx_tiles = True
 
     def __init__(self, layer: torch.Tensor) -> None:
         shape = tuple(int(d) for d in layer.shape)

@@ -1,16 +1,16 @@
 """The worker half of :class:`OmniKVConnector`: sends and loads on bounded thread pools.
 
-vLLM's model runner calls it once per step, on its own thread: ``bind_connector_metadata``
-(:meth:`WorkerSide.bind`: the step's sends start here), ``start_load_kv``
-(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (nothing to do, or with ``stream_kv``
-ship the blocks the step's prefill completed: :meth:`WorkerSide.ship_streams`) and
-``get_transfer_results`` (:meth:`WorkerSide.results`). With speculative decoding vLLM 0.32
-calls ``get_transfer_results`` before ``wait_for_save``; since sends start at bind, a finished
+vLLM's model runner calls its hooks (vLLM's names) once per step, on its own thread:
+:meth:`WorkerSide.bind_connector_metadata` (the step's sends start here),
+:meth:`WorkerSide.start_load_kv`, :meth:`WorkerSide.wait_for_save` (nothing to do, or with
+``stream_kv`` ship the blocks the step's prefill completed) and
+:meth:`WorkerSide.get_transfer_results`. With speculative decoding vLLM 0.32 calls
+``get_transfer_results`` before ``wait_for_save``; since sends start at bind, a finished
 request is reported whichever comes first.
 
 A send is of a request that finished in an earlier step: its blocks are complete and held by
-vLLM until :meth:`WorkerSide.results` reports the send, and the forward pass does not write
-them, so the send starts at bind, beside the step's forward pass. (Started after it, at
+vLLM until :meth:`WorkerSide.get_transfer_results` reports the send, and the forward pass does
+not write them, so the send starts at bind, beside the step's forward pass. (Started after it, at
 ``wait_for_save``, a send waited a whole step; on a busy producer whose prefill steps take
 seconds, consumers' loads timed out before the KV was even sent.)
 
@@ -76,7 +76,7 @@ from omnikv.integrations.vllm.metadata import (
 )
 from omnikv.integrations.vllm.options import ConnectorOptions, default_layer_groups
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
-from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
+from omnikv.layouts.blocks import LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.receive import ReceiveStatus
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
@@ -198,7 +198,10 @@ class _RateLimitedWarning:
 
 
 class WorkerSide:
-    """Per-worker transfer state; its methods are safe to call from vLLM's runner thread."""
+    """Per-worker transfer state. Its public methods are the worker-side hooks of vLLM's
+    ``KVConnectorBase_V1``, under their names, called by
+    :class:`~omnikv.integrations.vllm.OmniKVConnector` on a worker's instance from vLLM's
+    runner thread."""
 
     def __init__(self, options: ConnectorOptions, block_size: int) -> None:
         cfg = options.omni_kv_config
@@ -245,9 +248,10 @@ class WorkerSide:
         self._saved: set[int] = set()
         self._groups_shipped = 0
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
-        """``register_kv_caches``: per layer the blocks of the engine's caches
-        (:func:`omnikv.layouts.blocks.vllm_layer_blocks`)."""
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
+        """Per layer the blocks of the engine's caches, read in ``layout`` (the facade's
+        choice from the attention backend: :func:`omnikv.layouts.blocks.vllm_layer_blocks`;
+        ``None``: unknown, transfers are off)."""
         if layout is None:
             self.layout_error = "unknown attention backend layout (set vllm_kv_layout)"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
@@ -258,7 +262,7 @@ class WorkerSide:
             self.layout_error = f"layout {layout!r}: {exc}"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
             return
-        if layout == VLLM_CPU_AMX_LAYOUT:
+        if any(layer.uses_amx_tiles for layer in self.layers.values()):
             _request_amx_tiles()
         if not self.layers:
             self.layout_error = "the engine registered no KV cache layers"
@@ -274,9 +278,8 @@ class WorkerSide:
         logger.info("OmniKVConnector: %d layers, layout %s", len(self.layers), layout)
 
     # -- per step ---------------------------------------------------------------------------
-    def bind(self, meta: OmniKVConnectorMetadata) -> None:
-        """``bind_connector_metadata``: start the step's sends, note its loads, cancel what is
-        gone."""
+    def bind_connector_metadata(self, meta: OmniKVConnectorMetadata) -> None:
+        """Start the step's sends, note its loads, cancel what is gone."""
         with self._lock:
             self._sending.update(s.req_id for s in meta.sends)
             self._pending_loads.extend(meta.loads)
@@ -291,11 +294,16 @@ class WorkerSide:
             self.manager.abort_kv_stream(key)
         self._submit_sends(meta.sends)
 
-    def save_layer(self, layer_name: str) -> None:
-        """``save_kv_layer`` with ``stream_kv`` and ``stream_layer_groups`` > 1: note that the
-        forward pass wrote ``layer_name``, and ship, in order, every layer group whose layers
-        are all written, for each producer request this step streams (see
-        :meth:`ship_streams` for what a chunk is). Runs on the runner's thread, inside the
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads are asynchronous (the request joins a batch only once its
+        KV is written, so a slow producer never holds up a forward pass), and a streamed load
+        writes each chunk or layer group as it arrives."""
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """With ``stream_kv`` and ``stream_layer_groups`` > 1: note that the forward pass
+        wrote ``layer_name``, and ship, in order, every layer group whose layers are all
+        written, for each producer request this step streams (see :meth:`wait_for_save` for
+        what a chunk is); otherwise nothing. Runs on the runner's thread, inside the
         forward pass; never raises."""
         if len(self._groups) <= 1 or not self._streams_due or not self._streamable():
             return
@@ -312,8 +320,8 @@ class WorkerSide:
                 if self._ship(spec, (first, end)):
                     self.counters.add("layer_groups_streamed")
 
-    def ship_streams(self) -> None:
-        """``wait_for_save`` with ``stream_kv``: ship the blocks this step's forward pass
+    def wait_for_save(self) -> None:
+        """With ``stream_kv``: ship the blocks this step's forward pass
         completed for producer requests still in prefill (one chunk per request and step, from
         the engine's cache, before the runner goes on), so that at the request's finish only
         its last blocks and the metadata move. With ``stream_layer_groups`` > 1 the step's
@@ -337,7 +345,11 @@ class WorkerSide:
                 self._ship(spec, layers)
 
     def _streamable(self) -> bool:
-        return self.layout_error is None and self.layout != VLLM_CPU_AMX_LAYOUT
+        """Whether stream steps ship: not for a layout read from a copy of the request's
+        blocks (AMX tiles), which a stream step would copy whole every step."""
+        return self.layout_error is None and not any(
+            layer.copies_to_send for layer in self.layers.values()
+        )
 
     def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> bool:
         """One stream step of ``spec``: its newly full blocks, or (``layers``) one layer group
@@ -410,8 +422,8 @@ class WorkerSide:
             tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
         return kv_mac(secret, key, tokens, start, first)
 
-    def start_loads(self) -> None:
-        """``start_load_kv``: start the loads noted at bind (asynchronous)."""
+    def start_load_kv(self) -> None:
+        """Start the loads noted at bind (asynchronous)."""
         with self._lock:
             loads, self._pending_loads = self._pending_loads, []
             now = time.monotonic()
@@ -438,8 +450,8 @@ class WorkerSide:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
             self._send_pool.submit(self._send, spec)
 
-    def results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
-        """``get_transfer_results``: sends done for finished requests, loads ended. A send is
+    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
+        """Sends done for finished requests, loads ended. A send is
         done when its payload is staged in the connector (a copy: the blocks are no longer
         read), or, with ``free_blocks_on: verdict``, when the consumer's verdict is in
         (delivered, refused or expired: by ``buffer_ttl_seconds + ack_timeout_s`` at the
@@ -501,8 +513,14 @@ class WorkerSide:
                 if hold:
                     self._sent.add(req_id)
 
-    def take_stats(self) -> OmniKVConnectorStats | None:
-        """``get_kv_connector_stats``: the interval's counts and durations."""
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's older form of :meth:`get_transfer_results`: requests whose send is done,
+        requests whose load ended (``None`` for none)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> OmniKVConnectorStats | None:
+        """The interval's counts and durations."""
         return self.counters.take_interval()
 
     def _done(self) -> None:
@@ -821,8 +839,8 @@ class WorkerSide:
                     return f"layer {idx} {name}: values that are not finite"
         return None
 
-    def close(self) -> None:
-        """``shutdown``: cancel waiting loads, finish what runs, close the manager."""
+    def shutdown(self) -> None:
+        """Cancel waiting loads, finish what runs, close the manager."""
         with self._lock:
             for event in self._aborts.values():
                 event.set()
