@@ -70,8 +70,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 test-vllm: $(VLLM_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
-	  tests/layouts/test_layouts_vllm.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_engine.py \
-	  tests/integrations/test_vllm_serve.py tests/test_examples_vllm.py \
+	  tests/layouts/test_layouts_vllm.py tests/integrations/vllm tests/test_examples_vllm.py \
 	  tests/bench/test_bench_stream_vllm.py $(PYTEST_ARGS)
 
 bench: $(BASE_STAMP)
