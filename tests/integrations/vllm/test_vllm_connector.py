@@ -52,29 +52,49 @@ def test_speculative_decoding_order_still_reports_the_send(edge: Any) -> None:
     assert results.finished_recving == {"c-spec"} and not results.failed_recving
 
 
-def test_the_cpu_layout_follows_the_isa_vllm_picks(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_the_cpu_layout_follows_the_isa_vllm_picks(caplog: pytest.LogCaptureFixture) -> None:
     """CPU_ATTN's caches have one shape and two layouts: the layout comes from the ISA vLLM's
-    backend picks for the dtype, block size and head size; an ISA omnikv does not know turns
-    transfers off with the reason logged, never a guess."""
-    from vllm.v1.attention.backends import cpu_attn
+    backend picks for the dtype, block size and head size (its own metadata builder marks the
+    attention layers, as it does in an engine before the caches are registered); an ISA omnikv
+    does not know, or layers without one, turn transfers off with the reason logged, never a
+    guess."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     from omnikv.integrations.vllm.connector import cpu_cache_layout
 
-    def config(dtype: torch.dtype, block_size: int, head_size: int) -> Any:
-        model = SimpleNamespace(dtype=dtype, get_head_size=lambda: head_size)
-        cache = SimpleNamespace(block_size=block_size, cache_dtype="auto")
-        return SimpleNamespace(model_config=model, cache_config=cache)
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
-    assert cpu_cache_layout(config(torch.float32, 32, 64)) == "vllm_cpu"
-    assert cpu_cache_layout(config(torch.bfloat16, 16, 64)) == "vllm_cpu"  # vec16
+    def config(dtype: torch.dtype, block_size: int, head_size: int) -> Any:
+        layers = {}
+        for name in names:
+            layer = Attention.__new__(Attention)  # only what the builder reads of a layer
+            layer.impl = SimpleNamespace(num_heads=8, sliding_window=None)
+            layers[name] = layer
+        cfg = SimpleNamespace(
+            model_config=SimpleNamespace(dtype=dtype),
+            cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+            parallel_config=None,
+            compilation_config=SimpleNamespace(static_forward_context=layers),
+        )
+        spec = SimpleNamespace(num_kv_heads=4, head_size=head_size, block_size=block_size)
+        CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))
+        return cfg
+
+    assert cpu_cache_layout(config(torch.float32, 32, 64), names) == "vllm_cpu"
+    assert cpu_cache_layout(config(torch.bfloat16, 16, 64), names) == "vllm_cpu"  # vec16
     packed = "vllm_cpu_amx" if torch.cpu._is_amx_tile_supported() else "vllm_cpu"
-    assert cpu_cache_layout(config(torch.bfloat16, 32, 64)) == packed
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "neon")
+    assert cpu_cache_layout(config(torch.bfloat16, 32, 64), names) == packed
+    cfg = config(torch.float32, 32, 64)
+    for layer in cfg.compilation_config.static_forward_context.values():
+        layer.isa = "neon"
     with caplog.at_level(logging.ERROR):
-        assert cpu_cache_layout(config(torch.float32, 32, 64)) is None
+        assert cpu_cache_layout(cfg, names) is None
     assert "ISA 'neon'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):  # layers the backend did not mark
+        assert cpu_cache_layout(config(torch.float32, 32, 64), ["another.attn"]) is None
+    assert "none set on the attention layers" in caplog.text
 
 
 def test_a_shared_memory_producer_declares_its_payload_size() -> None:

@@ -8,7 +8,7 @@ called on the half that owns it and delegates; see the package doc for the proto
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -54,29 +54,32 @@ CPU_ISA_LAYOUTS: dict[str, str] = {
 }
 
 
-def cpu_cache_layout(vllm_config: Any) -> str | None:
-    """The layout of ``CPU_ATTN``'s caches (called at ``register_kv_caches``): it depends on the
-    ISA the backend picks for this dtype, block size and head size (the shapes are the same), so
-    the backend is asked. ``None``, logged, for an ISA whose layout omnikv does not read."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+def cpu_cache_layout(vllm_config: Any, layer_names: Iterable[str]) -> str | None:
+    """The layout of ``CPU_ATTN``'s caches (called at ``register_kv_caches`` with the names of
+    the registered layers): it depends on the ISA the backend picked for this dtype, block size
+    and head size (the shapes are the same), which vLLM's CPU attention metadata builder sets
+    on each attention layer (``layer.isa``) before the caches are registered; read there, it
+    is the kernel's own choice. ``None``, logged, for an ISA whose layout omnikv does not read,
+    or layers without one or of several."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
 
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    isa = str(
-        _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
-    )
-    layout = CPU_ISA_LAYOUTS.get(isa)
+    layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
+    isas = sorted({str(getattr(layer, "isa", None)) for layer in layers.values()})
+    layout = CPU_ISA_LAYOUTS.get(isas[0]) if len(isas) == 1 else None
     if layout is None:
         logger.error(
-            "OmniKVConnector: vLLM's CPU attention uses ISA %r, whose cache layout omnikv does "
-            "not read (known: %s)",
-            isa,
+            "OmniKVConnector: vLLM's CPU attention uses ISA %s, whose cache layout omnikv "
+            "does not read (known: %s)",
+            ", ".join(repr(isa) for isa in isas) or "(none set on the attention layers)",
             sorted(CPU_ISA_LAYOUTS),
         )
     return layout
 
 
-def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
+def _backend_layout(
+    vllm_config: Any, declared: str | None, layer_names: Iterable[str]
+) -> str | None:
     """The cache layout: ``vllm_kv_layout`` if given, else the attention backend's."""
     if declared is not None:
         return declared
@@ -84,7 +87,7 @@ def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
 
     names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
     if names == ["CPU_ATTN"]:
-        return cpu_cache_layout(vllm_config)
+        return cpu_cache_layout(vllm_config, layer_names)
     layouts = {BACKEND_LAYOUTS.get(n) for n in names}
     if len(layouts) != 1 or None in layouts:
         logger.error("OmniKVConnector: no known layout for attention backend(s) %s", names)
@@ -165,7 +168,7 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = _backend_layout(self._vllm_config, self._options.layout)
+        layout = _backend_layout(self._vllm_config, self._options.layout, kv_caches)
         self._worker_side().register_kv_caches(kv_caches, layout)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
