@@ -1,4 +1,4 @@
-"""The worker half of :class:`OmniKVConnector`: sends and loads on bounded thread pools.
+"""The worker half of :class:`OmniKVConnector`: sends on a bounded pool, loads on admissions.
 
 vLLM's model runner calls its hooks (vLLM's names) once per step, on its own thread:
 :meth:`WorkerSide.bind_connector_metadata` (the step's sends start here),
@@ -16,19 +16,22 @@ seconds, consumers' loads timed out before the KV was even sent.)
 
 Guarantees:
 
-* **Nothing blocks the engine.** Sends and loads run on their own pools (``max_concurrent_sends``
-  and ``max_concurrent_loads`` threads), so one slow or stuck transfer never serialises the
+* **Nothing blocks the engine.** Sends run on a pool of ``max_concurrent_sends`` threads, loads
+  on the receive threads of :class:`~omnikv.transfer.admission.KVAdmission` (the one state
+  machine of a background receive: it queues, runs each load under its deadline and ends the
+  ones whose deadline passed in the queue), so one slow or stuck transfer never serialises the
   others. Each load's deadline counts from its admission; a load still queued at its deadline
-  fails at once, without waiting. The one wait on the runner's thread is in a step that
-  computes nothing while loads run (``idle_step_wait_s``, 2 ms by default, ended by the first
-  load to end): it paces vLLM's busy loop so that the load threads get the GIL.
+  fails at once, without waiting. The one wait on the runner's thread is in a step that computes
+  nothing while loads run (``idle_step_wait_s``, 2 ms by default, ended by the first load to
+  end): it paces vLLM's busy loop so that the load threads get the GIL.
 * **Loads that wait do not hold up loads that are ready.** A load waits at most
-  ``load_first_wait_s`` on the main pool; if its KV has not arrived by then (a never-issued id,
-  a slow producer), it moves to a second pool (``max_waiting_loads`` threads) for the rest of its
-  deadline, and the main pool's thread takes the next load. Ids that never arrive can fill the
-  waiting pool, never the main one. A load under a router's id (early hand-off: its KV is
-  still being computed) waits there from the start, in one receive, so a streamed prefill's
-  blocks taken early are never refused by a first wait that ended.
+  ``load_first_wait_s`` on the first admission (``max_concurrent_loads`` threads); if its KV has
+  not arrived by then (a never-issued id, a slow producer), it is offered to a second one
+  (``max_waiting_loads`` threads) for the rest of its deadline, and the first one's thread takes
+  the next load. Ids that never arrive can fill the waiting admission, never the first. A load
+  under a router's id (early hand-off: its KV is still being computed) waits there from the
+  start, in one receive, so a streamed prefill's blocks taken early are never refused by a first
+  wait that ended.
 * **Check before write.** A load looks up only the key its own binding gives (see
   :mod:`.binding`); what it receives is checked (binding, MAC with ``auth_secret``, layer count,
   tokens, heads, head size, dtype, optionally finiteness) before a byte of it is written into
@@ -78,7 +81,8 @@ from omnikv.integrations.vllm.options import ConnectorOptions, default_layer_gro
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
 from omnikv.layouts.blocks import LayerBlocks, vllm_layer_blocks
 from omnikv.manager import OmniKVTransferManager
-from omnikv.transfer.receive import ReceiveStatus
+from omnikv.transfer.admission import KVAdmission
+from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.stream import Seal
 from omnikv.wire.codec import round_trip
@@ -207,11 +211,20 @@ class WorkerSide:
         cfg = options.omni_kv_config
         self.options = options
         cpus = transfer_cpus()
-        # Built on a thread with every CPU, so that the transport's own threads inherit that.
+        # Built on a thread with every CPU, so that the transport's own threads and the
+        # loads' receive threads inherit that.
         self.manager = _on_cpus(
             cpus,
             lambda: OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)),
         )
+        #: the loads' receives (a consumer only): a first wait of at most ``load_first_wait_s``
+        #: on ``max_concurrent_loads`` threads, the rest of a deadline on ``max_waiting_loads``
+        self._first: KVAdmission | None = None
+        self._waiting: KVAdmission | None = None
+        if self.manager.config.need_recv_cache:
+            self._first, self._waiting = _on_cpus(cpus, self._admissions)
+        #: payload key -> (its load, the load's deadline), while the load is offered
+        self._offered: dict[str, tuple[LoadSpec, float]] = {}
         self.block_size = block_size
         self.counters = TransferCounters()
         self.layers: dict[str, LayerBlocks] = {}
@@ -219,8 +232,6 @@ class WorkerSide:
         self.layout: str | None = None
         self.layout_error: str | None = "register_kv_caches was not called"
         self._send_pool = _pool(options.max_concurrent_sends, "send", cpus)
-        self._load_pool = _pool(options.max_concurrent_loads, "load", cpus)
-        self._wait_pool = _pool(options.max_waiting_loads, "wait", cpus)
         self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -247,6 +258,23 @@ class WorkerSide:
         self._groups: list[tuple[int, int]] = []
         self._saved: set[int] = set()
         self._groups_shipped = 0
+
+    def _admissions(self) -> tuple[KVAdmission, KVAdmission]:
+        """The two admissions the loads run on (each thread of theirs runs :meth:`_load`)."""
+        timeout = self.manager.config.recv_timeout
+        first = KVAdmission(
+            self._load_first,
+            recv_timeout=timeout,
+            max_receives=self.options.max_concurrent_loads,
+            name="omnikv-vllm-load",
+        )
+        waiting = KVAdmission(
+            self._load_rest,
+            recv_timeout=timeout,
+            max_receives=self.options.max_waiting_loads,
+            name="omnikv-vllm-wait",
+        )
+        return first, waiting
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
         """Per layer the blocks of the engine's caches, read in ``layout`` (the facade's
@@ -433,12 +461,36 @@ class WorkerSide:
                 self._aborts[spec.req_id] = abort
                 starts.append((spec, now + spec.remaining_s, abort))
             self._running += len(starts)
-        for spec, deadline, abort in starts:
+        for spec, deadline, _ in starts:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
-            if spec.early:  # the producer is still computing it: wait off the main pool
-                self._wait_pool.submit(self._load, spec, deadline, abort, False)
-            else:
-                self._load_pool.submit(self._load, spec, deadline, abort, True)
+            # a router's id: the producer is still computing it, so it waits off the first wait
+            self._offer(self._waiting if spec.early else self._first, spec, deadline)
+
+    def _offer(self, admission: KVAdmission | None, spec: LoadSpec, deadline: float) -> None:
+        """Queue ``spec``'s load on ``admission`` under its own deadline (a worker without
+        admissions does not receive: the load ends at once, failed)."""
+        if admission is None:
+            self._end_load(spec, deadline, "this worker does not receive KV (need_recv_cache)", 0)
+            return
+        with self._lock:
+            self._offered[spec.key] = (spec, deadline)
+        admission.offer(spec.key, deadline=deadline)
+
+    def _reap_loads(self) -> None:
+        """Take what the admissions hold of ended loads; a load they ended without running
+        it (its deadline passed while it was queued) ends here, failed, without waiting."""
+        for admission in (self._first, self._waiting):
+            if admission is None:
+                continue
+            for key in admission.ready():
+                result = admission.take(key)
+                if result is None or result.ok:
+                    continue  # the load reported itself
+                with self._lock:
+                    offered = self._offered.pop(key, None)
+                if offered is not None:
+                    why = "timeout: recv_timeout passed before the load could start"
+                    self._end_load(offered[0], offered[1], why, 0)
 
     def _submit_sends(self, sends: list[SendSpec]) -> None:
         if not sends:
@@ -458,6 +510,7 @@ class WorkerSide:
         latest). In a step that computes nothing while loads run, first waits up to
         ``idle_step_wait_s`` for one to end (see :mod:`.options`)."""
         self._collect_verdicts()
+        self._reap_loads()
         with self._lock:
             if self._idle_step and self._aborts and not (self._loaded or self._failed):
                 # an idle step while loads run: let their threads have the GIL for a moment
@@ -531,6 +584,12 @@ class WorkerSide:
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no send or load is in flight; False at ``timeout``."""
+        end = time.monotonic() + timeout
+        for admission in (self._first, self._waiting):  # a first wait may move to waiting
+            if admission is not None:
+                admission.wait(deadline=end)
+        self._reap_loads()
+        timeout = max(0.0, end - time.monotonic())
         with self._idle:
             return self._idle.wait_for(lambda: self._running == 0, timeout=timeout)
 
@@ -631,9 +690,48 @@ class WorkerSide:
         return {META_SEALED: [*ranges, [shipped, spec.num_tokens, mac]]}
 
     # -- consumer ---------------------------------------------------------------------------
-    def _load(self, spec: LoadSpec, deadline: float, abort: threading.Event, first: bool) -> None:
-        """One attempt of a load: on the main pool (``first``) bounded by ``load_first_wait_s``,
-        then, if nothing arrived, once more on the waiting pool until the deadline."""
+    def _load_first(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
+    ) -> ReceiveResult:
+        """The first admission's receive: a load's first wait (the load keeps its own
+        deadline, abort and checks)."""
+        return self._load(request_id, first=True)
+
+    def _load_rest(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
+    ) -> ReceiveResult:
+        """The waiting admission's receive: a load's wait until its deadline."""
+        return self._load(request_id, first=False)
+
+    def _load(self, key: str, *, first: bool) -> ReceiveResult:
+        """One attempt of the load offered under ``key``, on an admission's thread: the first
+        (``first``) bounded by ``load_first_wait_s``, then, if nothing arrived, once more on
+        the waiting admission until the deadline. What the admission keeps is only that the
+        load ran (it reports its own end)."""
+        with self._lock:
+            offered = self._offered.get(key)
+            abort = None if offered is None else self._aborts.get(offered[0].req_id)
+        if offered is None or abort is None:
+            return ReceiveResult(key, ReceiveStatus.OK)  # ended already
+        spec, deadline = offered
         t0 = time.monotonic()
         reason = self.layout_error
         nbytes = 0
@@ -641,13 +739,22 @@ class WorkerSide:
             if reason is None:
                 until = min(deadline, t0 + self.options.load_first_wait_s) if first else deadline
                 outcome = self._receive_into_blocks(spec, deadline, until, abort)
-                if outcome is None:  # not there yet: wait for it off the main pool
-                    self._wait_pool.submit(self._load, spec, deadline, abort, False)
-                    return
+                if outcome is None:  # not there yet: wait for it off the first wait
+                    assert self._waiting is not None
+                    self._waiting.offer(key, deadline=deadline)
+                    return ReceiveResult(key, ReceiveStatus.OK)
                 reason, nbytes = outcome
         except Exception as exc:  # any failure means: recompute, never use the blocks
             logger.debug("OmniKVConnector: load of %s raised", spec.transfer_id, exc_info=True)
             reason = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._offered.pop(key, None)
+        self._end_load(spec, deadline, reason, nbytes)
+        return ReceiveResult(key, ReceiveStatus.OK)
+
+    def _end_load(self, spec: LoadSpec, deadline: float, reason: str | None, nbytes: int) -> None:
+        """Record and report a load's end (exactly once per load: ``finished_recving``, and
+        ``failed_recving`` with a ``reason``)."""
         ok = reason is None
         end = time.monotonic()
         self.counters.record(
@@ -845,8 +952,11 @@ class WorkerSide:
             for event in self._aborts.values():
                 event.set()
         self._send_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)  # may still hand loads to the waiting pool
-        self._wait_pool.shutdown(wait=True)
+        for admission in (self._first, self._waiting):  # a first wait may move to waiting
+            if admission is not None:
+                admission.wait(deadline=time.monotonic() + 5.0)
+                admission.close()
+        self._reap_loads()
         self.manager.close()
 
 
