@@ -1,22 +1,24 @@
-"""``OmniKVTransferManager``: the seed API as a thin facade over factory.LazyConnector,
-topology (stages, ports, endpoints), transfer (send, receive, prefetch, requests, result logs)
-and ranks (the stage's roles and the leader -> followers hand-off). Internals return typed
-results; the seed's dict is made here only."""
+"""``OmniKVTransferManager``: the seed API as a translation onto one
+:class:`~omnikv.transfer.edge.TransferEdge` per stage edge (which owns the sender, receiver,
+streams, delivery book, session guard, result log, admission and prefetch), plus the stage's
+connector (:class:`~omnikv.connectors.factory.LazyConnector`) and its ranks (the leader ->
+followers hand-off). Here only: the seed's names, its dicts and ``(None, 0)``, its hook slots,
+its config factories and request objects. Nothing is handed down as a callback, and no
+attribute of another object is set from here."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
-from threading import Event, Lock
+from threading import Event
 from typing import Any
 
 import torch
 
 from omnikv import config as _config
 from omnikv.config import OmniKVCacheConfig, TransferOptions
-from omnikv.connectors.base import KeyProbe, KeyState, OmniConnectorBase
+from omnikv.connectors.base import KeyProbe, OmniConnectorBase
 from omnikv.connectors.factory import LazyConnector
 from omnikv.deadline import deadline_after
 from omnikv.errors import KVPrefetchConsumeError
@@ -34,21 +36,13 @@ from omnikv.topology.placement import (
 )
 from omnikv.transfer import requests as _requests
 from omnikv.transfer.admission import KVAdmission
-from omnikv.transfer.delivery import DeliveryBook
+from omnikv.transfer.edge import DEFAULT_PROBE_TIMEOUT_S, KVCaches, TransferEdge
 from omnikv.transfer.prefetch import KVPrefetcher, KVPrefetchJob, PrefetchConsume
-from omnikv.transfer.receive import (
-    DUMMY_REQUEST_ID,
-    KVReceiver,
-    ReceiveCallbacks,
-    ReceiveResult,
-    ReceiveStatus,
-)
+from omnikv.transfer.receive import DUMMY_REQUEST_ID
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.requests import apply_received_kv, request_id_of
-from omnikv.transfer.results import TransferLog
-from omnikv.transfer.send import KVSender, SendResult
-from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream import KVStreams, Seal, ShippedChunk, StreamProgress
+from omnikv.transfer.results import ReceiveResult, ReceiveStatus, SendResult, StreamProgress
+from omnikv.transfer.stream.sending import Seal, ShippedChunk
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "DUMMY_REQUEST_ID", "LayerKV", "OmniKVTransferManager"]
 
@@ -56,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 DEFAULT_SEND_TIMEOUT = 30.0
-#: How long ``probe_kv_cache`` may wait for its peers' answers, by default (seconds).
-DEFAULT_PROBE_TIMEOUT_S = 0.25
 _INERT = "omni_kv_config needs need_send_cache or need_recv_cache and a connector_config type"
 _HOOKS = ("kv_send_key_builder", "kv_recv_key_builder", "kv_payload_merger", "kv_payload_slicer")
 
@@ -94,26 +86,18 @@ class OmniKVTransferManager:
         has_conn = connector is not None or bool((config.connector_config or {}).get("type"))
         sends, receives = bool(config.need_send_cache), bool(config.need_recv_cache)
         ok = self.configured = has_conn and (sends or receives)
-        common: dict[str, Any] = dict(topology=self.tp_topo, options=self.options, configured=ok)
-        self._sender = KVSender(stages=self.send_stages, enabled=sends, connector=lazy, **common)
-        self._receiver = KVReceiver(
-            stages=self.recv_stages, enabled=receives, connector=lazy, **common
+        #: The typed transfer layer of this stage edge (send / ship / receive / probe / offer,
+        #: poll, take); every seed call below is a translation onto it.
+        self.edge = TransferEdge(
+            config,
+            options=self.options,
+            placement=place,
+            connector=lazy,
+            configured=ok,
+            async_prefetch=async_prefetch,
         )
         #: Counters and phase histograms: `snapshot()`; exported by `omnikv.metrics.register()`.
-        self.metrics = TransferMetrics()
-        self._log = TransferLog(self.metrics)
-        self._deliveries = self._sender.deliveries = DeliveryBook(self._log.delivered)
-        self._receiver.guard = SessionGuard(self.metrics)
-        self._streams = KVStreams(self._sender) if self.options.stream_kv else None
-        self._sender.streams = self._streams
-        if self._streams is not None:  # chunks of a refused stream go at the next step
-            self._deliveries.on_unsettled = self._streams.note_unsettled
-        #: The results of the latest ``handle_finished_requests_kv_transfer`` call, in order.
-        self.last_send_results: list[SendResult] = []
-        self._prefetch_on = bool(async_prefetch) and receives
-        self._prefetch = KVPrefetcher(self.receive_kv_cache_result, config=config)
-        self._admission: KVAdmission | None = None
-        self._admission_lock = Lock()
+        self.metrics: TransferMetrics = self.edge.metrics
         self._ranks = StageRanks(parallel_context, self.tp_topo, config)
         for name in _HOOKS:
             setattr(self, name, None)
@@ -130,10 +114,10 @@ class OmniKVTransferManager:
             )
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # the reference's hook slots are plain attributes; the edge reads them as one value
         object.__setattr__(self, name, value)
-        if name in _HOOKS and "_receiver" in self.__dict__:
-            hooks = TransferHooks.of(*(self.__dict__.get(n) for n in _HOOKS))
-            self._sender.hooks = self._receiver.hooks = hooks
+        if name in _HOOKS and "edge" in self.__dict__:
+            self.edge.set_hooks(TransferHooks.of(*(self.__dict__.get(n) for n in _HOOKS)))
 
     @classmethod
     def _create(
@@ -258,12 +242,15 @@ class OmniKVTransferManager:
         """Send finished requests' KV, all puts under one ``send_timeout``; return every id."""
         if not finished_reqs:
             return []
-        if self._streams is not None:
-            self._streams.drop_orphans()
         deadline = deadline_after(self.options.send_timeout, "send_timeout")
-        args = (finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver)
-        self.last_send_results = self._log.sent(self._sender.send_batch(*args, deadline=deadline))
+        caches = KVCaches(kv_caches, block_size, cache_dtype, request_id_resolver)
+        self.edge.send_many(finished_reqs, caches, deadline=deadline)
         return list(finished_reqs)
+
+    @property
+    def last_send_results(self) -> list[SendResult]:
+        """The results of the latest ``handle_finished_requests_kv_transfer`` call, in order."""
+        return self.edge.last_sends
 
     def stream_kv_blocks(
         self,
@@ -295,10 +282,8 @@ class OmniKVTransferManager:
         layer); call it for each layer group in order, the range counting as shipped once its
         last layer group is. A receiver assembles exactly what a whole send gives.
         """
-        if self._streams is None:
-            return StreamProgress(str(request_id), reason="stream_kv is off")
-        args = (entry, kv_caches, block_size, cache_dtype, request_id_resolver)
-        return self._streams.ship(str(request_id), *args, seal=seal, layers=layers)
+        caches = KVCaches(kv_caches, block_size, cache_dtype, request_id_resolver)
+        return self.edge.ship(request_id, entry, caches, seal=seal, layers=layers)
 
     def kv_stream_chunks(self, request_id: str) -> list[ShippedChunk]:
         """The chunks ``request_id``'s stream has shipped so far, in order: each one's token
@@ -307,20 +292,19 @@ class OmniKVTransferManager:
         finish that vouches for each chunk (the vLLM connector lists their MACs in the tail's
         metadata) reads them here, so that what it vouches for is what the tail's manifest
         lists."""
-        return [] if self._streams is None else self._streams.shipped_chunks(str(request_id))
+        return self.edge.shipped_chunks(request_id)
 
     def abort_kv_stream(self, request_id: str) -> int:
         """Drop what ``request_id``'s stream shipped (a request aborted or preempted before it
         finished; call it wherever the runner frees such a request): the chunks leave the
         connector. Returns how many chunk keys were dropped (0 without a stream)."""
-        return 0 if self._streams is None else self._streams.abort(str(request_id))
+        return self.edge.abort_stream(request_id)
 
     def get_send_result(self, request_id: str) -> SendResult | None:
         """The outcome of the latest send of ``request_id`` (``None`` if never handled); with a
         connector that acknowledges, ``sent`` turns into ``delivered`` / ``refused`` /
         ``expired`` when the receiver's verdict (or the TTL) says so."""
-        rid = str(request_id)
-        return self._deliveries.result(rid) or self._log.sends.get(rid)
+        return self.edge.send_result(request_id)
 
     def wait_delivered(self, request_id: str, timeout: float | None = None) -> SendResult | None:
         """Wait up to ``timeout`` s (``None``: no limit) until the send of ``request_id`` has its
@@ -331,9 +315,7 @@ class OmniKVTransferManager:
         not publish; ``None`` when ``request_id`` was never sent. Every published payload gets
         its verdict by the connector's TTL (``buffer_ttl_seconds``) at the latest.
         """
-        rid = str(request_id)
-        watched = self._deliveries.wait(rid, timeout)
-        return watched if watched is not None else self._log.sends.get(rid)
+        return self.edge.wait_delivered(request_id, timeout)
 
     def update_sender_info(
         self, sender_info: dict[str, Any], sender_stage_id: str | int | None = None
@@ -342,12 +324,12 @@ class OmniKVTransferManager:
         if not self.config.need_recv_cache:
             return
         endpoint = resolve_endpoint(sender_info, sender_stage_id, self.recv_stages[0])
-        if endpoint is None or endpoint == self._receiver.sender:  # unchanged: nothing to do
+        if endpoint is None or endpoint == self.edge.sender_endpoint:  # unchanged: nothing to do
             if endpoint is None:
                 logger.warning("Invalid sender_info format: %r", sender_info)
             return
         (host, base), port = endpoint, rank_port(endpoint[1], self.local_rank)
-        self._receiver.sender = endpoint
+        self.edge.set_sender(endpoint)
         if self.config.connector_config is not None:
             self.config.connector_config.update(sender_host=host, sender_zmq_port=port)
         if self._lazy.current is not None:
@@ -357,7 +339,7 @@ class OmniKVTransferManager:
     @property
     def sender_endpoint(self) -> SenderEndpoint | None:
         """The sender's base ``(host, port)`` set by :meth:`update_sender_info`, if any."""
-        return self._receiver.sender
+        return self.edge.sender_endpoint
 
     def receive_kv_cache_result(  # noqa: PLR0913 - the receive's options, each a keyword
         self,
@@ -372,7 +354,8 @@ class OmniKVTransferManager:
         check: Callable[[ReceivedKV], str | None] | None = None,
         on_chunk: Callable[[ReceivedChunk], str | None] | None = None,
     ) -> ReceiveResult:
-        """:meth:`receive_kv_cache_for_request` as a ReceiveResult (:meth:`KVReceiver.receive`).
+        """:meth:`receive_kv_cache_for_request` as a ReceiveResult
+        (:meth:`TransferEdge.receive <omnikv.transfer.edge.TransferEdge.receive>`).
 
         ``check`` (optional) is run on the received KV before it is accepted: a returned reason
         makes the result ``refused`` and is sent back to the sender as its verdict.
@@ -380,24 +363,17 @@ class OmniKVTransferManager:
         send is handed to it in order as it arrives (:class:`ReceivedChunk`); the KV returned
         then holds only the tokens after them (``kv.token_offset``). A reason refuses the
         receive as ``check``'s does."""
-        per_call = sender_info is not None
-        sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
-        deadline = deadline or deadline_after(self.config.recv_timeout, "recv_timeout")
-        result = self._receiver.receive(
-            str(request_id),
+        return self.edge.receive(
+            request_id,
+            target_device,
+            sender_info=sender_info,
             deadline=deadline,
-            sender=sender,
-            per_call=per_call,
-            target_device=target_device,
             abort=abort,
             quiet=quiet,
-            callbacks=(
-                ReceiveCallbacks(on_arrival, check, on_chunk)
-                if on_arrival or check or on_chunk
-                else None
-            ),
+            on_arrival=on_arrival,
+            check=check,
+            on_chunk=on_chunk,
         )
-        return self._log.received(result)
 
     def probe_kv_cache(
         self,
@@ -413,21 +389,11 @@ class OmniKVTransferManager:
         seconds). A scheduler asks it to order or bound its receives (offer to
         :attr:`admission` the requests whose KV is there); the answer is a snapshot. Takes at
         most ``timeout`` (transports that ask their peers), never raises."""
-        per_call = sender_info is not None
-        try:
-            sender = resolve_endpoint(sender_info, None, self.recv_stages[0]) if per_call else None
-        except Exception as exc:  # client input: an unusable sender_info is an answer
-            return KeyProbe(KeyState.UNKNOWN, detail=f"bad sender_info: {exc}")
-        return self._receiver.probe(
-            str(request_id),
-            deadline=time.monotonic() + max(0.0, float(timeout)),
-            sender=sender,
-            per_call=per_call,
-        )
+        return self.edge.probe(request_id, sender_info=sender_info, timeout=timeout)
 
     def get_receive_result(self, request_id: str) -> ReceiveResult | None:
         """The latest receive outcome of ``request_id`` (status, reason, timings; no data)."""
-        return self._log.receive_result(str(request_id))
+        return self.edge.receive_result(request_id)
 
     def receive_kv_cache_for_request(
         self,
@@ -480,7 +446,7 @@ class OmniKVTransferManager:
         self._take_sender_info(req)  # the companions use it too
         ids = [i for i in (request_id_of(req), *companions) if i is not None]
         deadline = deadline_after(self.config.recv_timeout, "recv_timeout")
-        with self._receiver.companions(ids, deadline=deadline, target_device=target_device):
+        with self.edge.companions(ids, deadline=deadline, target_device=target_device):
             ok = self._receive_into(req, target_device, deadline)
             _requests.collect_cfg_companions(req, cfg_kv_collect_func, self, target_device)
         return ok
@@ -534,7 +500,7 @@ class OmniKVTransferManager:
         found = PrefetchConsume(None)
         if self.prefetch_enabled and rid is not None:
             try:
-                found = self._prefetch.consume(rid, target_device=device)
+                found = self.edge.prefetcher.consume(rid, target_device=device)
             except KVPrefetchConsumeError as exc:
                 logger.error("Prefetched KV of %s unusable; request cannot recover: %s", rid, exc)
                 return False
@@ -556,17 +522,12 @@ class OmniKVTransferManager:
         """Readiness without blocking for this stage's receives (:mod:`omnikv.transfer.admission`):
         ``offer`` queued requests, ``poll`` their states, ``take`` the ready ones. Made on first
         use, with ``recv_timeout`` as each request's deadline; closed by :meth:`close`."""
-        with self._admission_lock:
-            if self._admission is None:
-                self._admission = KVAdmission(
-                    self.receive_kv_cache_result, recv_timeout=self.config.recv_timeout
-                )
-            return self._admission
+        return self.edge.admission
 
     @property
     def prefetch_enabled(self) -> bool:
         """Async prefetch is on (resolved flag) and this stage receives KV."""
-        return self._prefetch_on
+        return self.edge.prefetch_enabled
 
     @property
     def prefetcher(self) -> KVPrefetcher | None:
@@ -574,7 +535,7 @@ class OmniKVTransferManager:
 
         Its worker thread starts with the first prefetch.
         """
-        return self._prefetch if self._prefetch_on else None
+        return self.edge.prefetcher if self.edge.prefetch_enabled else None
 
     def start_prefetch(
         self,
@@ -583,12 +544,12 @@ class OmniKVTransferManager:
     ) -> None:
         """Kick off a background KV load (non-blocking). No-op unless enabled, or on FOLLOWERs."""
         if self.prefetch_enabled and kv_prefetch_jobs and not self.topo_config.is_follower:
-            self._prefetch.start_jobs(kv_prefetch_jobs, target_device)
+            self.edge.prefetcher.start_jobs(kv_prefetch_jobs, target_device)
 
     def consume_prefetched_kv(self, req: Any) -> tuple[dict[str, Any] | None, int]:
         """Consume a prefetched KV; (None, 0) on miss; KVPrefetchConsumeError when unusable."""
         rid = request_id_of(req)
-        kv = self._prefetch.consume_kv(rid) if rid is not None else None
+        kv = self.edge.prefetcher.consume_kv(rid) if rid is not None else None
         return (kv.to_dict(), kv.nbytes) if kv is not None else (None, 0)
 
     consume_loaded_kv = consume_prefetched_kv
@@ -600,25 +561,18 @@ class OmniKVTransferManager:
         (also when prefetch is off), False at the timeout; prefetched results stay for
         ``consume_*``. A negative or NaN ``timeout`` is a ``ValueError``.
         """
-        return self._prefetch.wait_idle(deadline_after(timeout, "timeout"))
+        return self.edge.prefetcher.wait_idle(deadline_after(timeout, "timeout"))
 
     def shutdown_prefetch(self) -> None:
         """Cancel pending prefetches and stop the executor (call on teardown). Idempotent."""
-        self._prefetch.shutdown()
+        self.edge.prefetcher.shutdown()
 
     def close(self) -> None:
         """Drain prefetch, close the connector if one was made, and make none later (teardown).
 
         Idempotent, also for a manager that never made a connector.
         """
-        self.shutdown_prefetch()
-        with self._admission_lock:
-            admission, self._admission = self._admission, None
-        if admission is not None:
-            admission.close()
-        self._receiver.close()
-        if self._streams is not None:
-            self._streams.close()
+        self.edge.close()
         self._lazy.close(final=True)
 
     def __enter__(self) -> OmniKVTransferManager:

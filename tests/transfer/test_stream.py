@@ -24,8 +24,9 @@ from conftest import ManagerFactory, make_paged_caches
 from omnikv import ReceiveStatus
 from omnikv.connectors.local import LocalConnector
 from omnikv.topology.keys import legacy_kv_key
+from omnikv.transfer.edge import KVCaches
 from omnikv.transfer.send import SendStatus
-from omnikv.transfer.stream import chunk_key
+from omnikv.transfer.stream.manifest import chunk_key
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.encode import PackedPayload
 
@@ -65,8 +66,7 @@ def _decode_steps(
 
 
 def _finish(mgr: Any, rid: str, ids: list[int], seq_len: int, caches: Any, dtype: str) -> Any:
-    mgr.handle_finished_requests_kv_transfer({rid: _entry(ids, seq_len)}, caches, BS, dtype)
-    return mgr.get_send_result(rid)
+    return mgr.edge.send(rid, _entry(ids, seq_len), KVCaches(caches, BS, dtype))
 
 
 def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -191,7 +191,7 @@ def test_the_chunk_limit_reached_mid_range_drops_that_ranges_groups(
 ) -> None:
     """At the stream's chunk limit the stream stops; a range whose first groups were published
     before it is dropped (its keys leave the pool), the ranges shipped whole stay."""
-    import omnikv.transfer.stream as stream_mod
+    import omnikv.transfer.stream.sending as stream_mod
 
     monkeypatch.setattr(stream_mod, "MAX_STREAM_CHUNKS", 3)
     caches, ids = _caches(), [3, 4, 5]
@@ -783,9 +783,11 @@ def test_a_chunk_refused_by_on_chunk_refuses_the_receive_and_nothing_after_it_is
     assert ("on_chunk raised RuntimeError" if raises else "not this one") in (result.reason or "")
     assert len(taker.threads) == (1 if raises else 2)  # chunk 0 (taken), chunk 1 (refused)
     assert _until(lambda: _chunk_threads() == [], 2.0), _chunk_threads()
-    assert _finish(sender, "r1", ids, seq_len, caches, "torch.float32").ok
-    # nobody takes the tail now; chunk 2 was never taken: both stay for the sender's TTL
-    assert any("r1#c2" in k for k in _connector(sender).pending_keys())
+    # the refusal came before the finish and was kept: no tail is published for nobody, the
+    # send is refused at once, and chunk 2 (never taken) leaves the pool (issue 39 item 4)
+    finish = _finish(sender, "r1", ids, seq_len, caches, "torch.float32")
+    assert finish.status is SendStatus.REFUSED and "#c" in (finish.reason or ""), finish
+    assert _connector(sender).pending_keys() == []
 
 
 BROKEN = {

@@ -1,7 +1,9 @@
 """The sender's view of delivery: which requests' payloads were delivered, refused or expired.
 
-Called by :class:`~omnikv.transfer.send.KVSender` (``expect`` before a request's puts,
-``settle`` after them) and by the sending connector's listener thread (``on_report``, one
+Made by the transfer edge; called by :class:`~omnikv.transfer.send.KVSender` (``expect``
+before a request's puts, ``settle`` after them), by the edge's streams (``expect_chunks`` as
+each chunk is published, so that a verdict on a chunk that comes before the finish is kept
+until the send settles) and by the sending connector's listener thread (``on_report``, one
 :class:`~omnikv.connectors.delivery.DeliveryReport` per payload). A request with several keys
 (TP ranks of the receiving stage) is ``delivered`` only when every key was, ``refused`` as soon
 as one was refused, ``expired`` as soon as one expired (and none was refused). The manager's
@@ -24,12 +26,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from omnikv.connectors.delivery import DeliveryReport, Verdict
-from omnikv.transfer.send import SendResult, SendStatus
+from omnikv.transfer.results import SendResult, SendStatus
 
 __all__ = ["DeliveryBook"]
 
 logger = logging.getLogger(__name__)
 
+#: Unsettled keys kept for the streams to drop (the oldest beyond it are left to the TTL).
+_MAX_UNSETTLED = 65536
 _STATUS = {
     Verdict.DELIVERED: SendStatus.DELIVERED,
     Verdict.REFUSED: SendStatus.REFUSED,
@@ -39,6 +43,9 @@ _STATUS = {
 
 @dataclass
 class _Watch:
+    """One request's keys and their verdicts; ``result`` is ``None`` until its send settles
+    (a stream's chunks are watched from their publication on)."""
+
     keys: frozenset[str]
     verdicts: dict[str, DeliveryReport] = field(default_factory=dict)
     result: SendResult | None = None
@@ -52,27 +59,79 @@ class DeliveryBook:
         record: Callable[[SendResult], object] | None = None,
         capacity: int = 4096,
     ) -> None:
-        #: Called once with each result when its verdict is decided (the manager's metrics).
+        #: Called once with each result when its verdict is decided (the edge's metrics).
         self.record = record
-        #: Called with the keys of a request that had no verdict yet when the request was
-        #: refused or expired (its stream's chunks that nobody will take). Runs on the
-        #: connector's listener thread: it must only note them.
-        self.on_unsettled: Callable[[list[str]], object] | None = None
         self.capacity = capacity
         self._cond = threading.Condition()
         self._watches: OrderedDict[str, _Watch] = OrderedDict()
         self._owner: dict[str, str] = {}  # key -> request id
+        #: keys of refused or expired sends that had no verdict (nobody will take them)
+        self._unsettled: list[str] = []
 
     def expect(self, request_id: str, keys: Iterable[str]) -> None:
-        """``request_id`` is about to be published under ``keys`` (a re-send starts afresh)."""
+        """``request_id`` is about to be published under ``keys`` (a re-send starts afresh;
+        the verdicts its stream's chunks among ``keys`` already got are kept)."""
         watch = _Watch(frozenset(keys))
         with self._cond:
+            old = self._watches.get(request_id)
+            if old is not None and old.result is None:  # the chunks of this send's stream
+                watch.verdicts = {k: r for k, r in old.verdicts.items() if k in watch.keys}
             self._drop(request_id)
-            self._watches[request_id] = watch
-            for key in watch.keys:
+            self._watch_locked(request_id, watch)
+
+    def expect_chunks(self, request_id: str, keys: Iterable[str]) -> None:
+        """A chunk of ``request_id``'s stream is about to be published under ``keys``: their
+        verdicts are kept until the request's finish settles (:meth:`expect` then takes them
+        over; :meth:`early` tells the finish about a refusal)."""
+        keys = list(keys)
+        with self._cond:
+            watch = self._watches.get(request_id)
+            if watch is None or watch.result is not None:
+                self._drop(request_id)
+                watch = _Watch(frozenset())
+                self._watch_locked(request_id, watch)
+            watch.keys = watch.keys | frozenset(keys)
+            for key in keys:
                 self._owner[key] = request_id
-            while len(self._watches) > self.capacity:
-                self._drop(next(iter(self._watches)))
+
+    def early(self, request_id: str) -> SendResult | None:
+        """The verdict a receiver gave ``request_id``'s stream before its send settled, when it
+        was not ``delivered`` (the worst of them: ``refused`` before ``expired``), as a result
+        to settle the finish with; ``None`` when none came. Called by the sender's finish."""
+        with self._cond:
+            watch = self._watches.get(request_id)
+            if watch is None:
+                return None
+            reports = [r for r in watch.verdicts.values() if r.verdict is not Verdict.DELIVERED]
+        for verdict in (Verdict.REFUSED, Verdict.EXPIRED):
+            hits = [r for r in reports if r.verdict is verdict]
+            if hits:
+                reason = "; ".join(f"{r.key}: {r.reason}" for r in hits if r.reason) or None
+                return SendResult(request_id, _STATUS[verdict], reason=reason)
+        return None
+
+    def forget_unsent(self, request_id: str) -> None:
+        """Stop watching ``request_id``'s stream (aborted before its finish); a settled send's
+        watch stays."""
+        with self._cond:
+            watch = self._watches.get(request_id)
+            if watch is not None and watch.result is None:
+                self._drop(request_id)
+
+    def take_unsettled(self) -> list[str]:
+        """The keys of refused or expired sends that had no verdict when the send was decided
+        (nobody will take them), each returned once: the edge's streams drop their chunks
+        among them on the sender's thread."""
+        with self._cond:
+            keys, self._unsettled = self._unsettled, []
+        return keys
+
+    def _watch_locked(self, request_id: str, watch: _Watch) -> None:
+        self._watches[request_id] = watch
+        for key in watch.keys:
+            self._owner[key] = request_id
+        while len(self._watches) > self.capacity:
+            self._drop(next(iter(self._watches)))
 
     def settle(self, result: SendResult) -> SendResult:
         """The send of ``result.request_id`` ended: watch it if it was sent, else forget it.
@@ -101,7 +160,6 @@ class DeliveryBook:
     def on_report(self, report: DeliveryReport) -> None:
         """The sending connector's listener: one payload's verdict."""
         changed: SendResult | None = None
-        unsettled: list[str] = []
         with self._cond:
             rid = self._owner.get(report.key)
             watch = None if rid is None else self._watches.get(rid)
@@ -112,13 +170,11 @@ class DeliveryBook:
             if watch.result is not None:
                 changed = self._apply(watch)
             if changed is not None and changed.status is not SendStatus.DELIVERED:
-                unsettled = sorted(k for k in watch.keys if k not in watch.verdicts)
+                self._unsettled.extend(sorted(k for k in watch.keys if k not in watch.verdicts))
+                del self._unsettled[:-_MAX_UNSETTLED]
             self._cond.notify_all()
         if changed is not None and self.record is not None:
             self.record(changed)
-        hook = self.on_unsettled
-        if unsettled and hook is not None:
-            hook(unsettled)
 
     def wait(self, request_id: str, timeout: float | None) -> SendResult | None:
         """Block until ``request_id``'s verdict is in or ``timeout`` s passed (``None``: no

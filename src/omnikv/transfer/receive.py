@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,8 +56,10 @@ from omnikv.topology.keys import TransferHooks, build_recv_keys
 from omnikv.topology.placement import SenderEndpoint, source_metadata
 from omnikv.topology.tp import KVTPTopology, merge_received_rank_shards, slice_received_rank_shard
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV, move_kv
+from omnikv.transfer.results import ReceiveResult, ReceiveStatus
 from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream import ChunkFeed, EagerChunks, StreamAssembly
+from omnikv.transfer.stream.manifest import reserved_key
+from omnikv.transfer.stream.receiving import ChunkFeed, EagerChunks, StreamAssembly
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.serializer import is_object
 
@@ -78,51 +79,10 @@ logger = logging.getLogger(__name__)
 
 #: The reference's warm-up request id: never received.
 DUMMY_REQUEST_ID = "dummy_req_id"
+#: Threads that receive a request's CFG companions beside it (one pool per receiver).
+COMPANION_WORKERS = 4
 #: Longest single connector wait when the caller passed an ``abort`` event (seconds).
 ABORT_SLICE_S = 0.05
-
-
-class ReceiveStatus(str, Enum):
-    OK = "ok"
-    TIMEOUT = "timeout"
-    CORRUPT = "corrupt"
-    UNAVAILABLE = "unavailable"
-    PEER_GONE = "peer_gone"
-    SKIPPED = "skipped"
-    #: The caller aborted the wait (prefetch shutdown); nothing was consumed for the missing key.
-    CANCELLED = "cancelled"
-    #: Taken and decoded, then rejected by a check (the caller's ``check``); the sender is told.
-    REFUSED = "refused"
-    #: The manager is configured neither to send nor to receive (see its construction warning).
-    NOT_CONFIGURED = "not_configured"
-
-
-@dataclass
-class ReceiveResult:
-    """Outcome of one request's receive; ``kv`` holds the received KV when ``ok``."""
-
-    request_id: str
-    status: ReceiveStatus
-    kv: ReceivedKV | None = None
-    nbytes: int = 0
-    keys: list[str] = field(default_factory=list)
-    reason: str | None = None
-    waited_s: float = 0.0
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status is ReceiveStatus.OK
-
-    @property
-    def data(self) -> dict[str, Any] | None:
-        """The seed's dict form of :attr:`kv` (a new dict per call), or ``None``."""
-        return None if self.kv is None else self.kv.to_dict()
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The payload's metadata (``custom_metadata`` included); empty without KV."""
-        return {} if self.kv is None else self.kv.metadata
 
 
 class ReceiveFn(Protocol):
@@ -275,9 +235,9 @@ class _EndedBy(threading.Event):
 
 @dataclass
 class _ChunkWaits:
-    """The :class:`~omnikv.transfer.stream.ChunkSource` of one receive: its connector, stages,
-    deadline and abort event; a chunk that is not there by the deadline raises the receive's
-    typed miss (:func:`_missing`)."""
+    """The :class:`~omnikv.transfer.stream.receiving.ChunkSource` of one receive: its
+    connector, stages, deadline and abort event; a chunk that is not there by the deadline
+    raises the receive's typed miss (:func:`_missing`)."""
 
     connector: OmniConnectorBase
     stages: tuple[str, str]
@@ -290,8 +250,8 @@ class _ChunkWaits:
     def wait_ahead(
         self, key: str, metadata: dict[str, Any] | None, stop: threading.Event
     ) -> ManagedBuffer | None:
-        """An :class:`~omnikv.transfer.stream.EagerWait`: ``key`` until the receive's deadline,
-        ended once ``stop`` is set."""
+        """An :class:`~omnikv.transfer.stream.receiving.EagerWait`: ``key`` until the receive's
+        deadline, ended once ``stop`` is set."""
         return _wait_sliced(self.connector, self.stages, key, self.deadline, metadata, stop)
 
     def take(self, key: str, metadata: dict[str, Any] | None) -> ManagedBuffer:
@@ -341,6 +301,15 @@ def _acknowledge(
         connector.acknowledge(*stages, key, verdict, reason, metadata=meta)
 
 
+def _refuse_reserved(pairs: Iterable[tuple[str, Any]]) -> None:
+    """Raise ``DecodeError`` for a request key in the chunk key space (a key hook spelled one):
+    a receive never takes a stream's chunk as a request's payload."""
+    for key, _ in pairs:
+        why = reserved_key(key)
+        if why is not None:
+            raise DecodeError(why)
+
+
 def combine_probes(probes: Iterable[KeyProbe]) -> KeyProbe:
     """One request's state from its keys' probes (see :meth:`KVReceiver.probe`): ``missing``
     when any key is, else ``unknown`` when any is, else ``offered`` when any is, else
@@ -382,8 +351,10 @@ _STATUS = (
 class KVReceiver:
     """Receives one request's KV for the local rank of one stage edge.
 
-    ``connector`` is the manager's :class:`LazyConnector`; ``hooks`` is replaced (never mutated)
-    when the worker installs key builders, a merger or a slicer.
+    Made by the transfer edge, with its ``connector`` (a :class:`LazyConnector`) and its
+    session ``guard`` (refuses duplicates and stale epochs; ``None``: unchecked);
+    :meth:`set_hooks` replaces (never mutates) the hooks when the worker installs key builders,
+    a merger or a slicer, :meth:`set_sender` the sender stage's endpoint.
     """
 
     def __init__(
@@ -394,25 +365,32 @@ class KVReceiver:
         options: TransferOptions,
         connector: LazyConnector,
         hooks: TransferHooks | None = None,
+        guard: SessionGuard | None = None,
         enabled: bool = True,
         configured: bool = True,
-        companion_workers: int = 4,
     ) -> None:
         self.stages = stages
         self.topology = topology
         self.options = options
         self.connector = connector
         self.hooks = hooks or TransferHooks()
-        #: The sender stage's base endpoint (the manager's ``update_sender_info``).
+        #: The sender stage's base endpoint (:meth:`set_sender`).
         self.sender: SenderEndpoint | None = None
         #: ``need_recv_cache``; ``configured``: the manager sends or receives at all.
         self.enabled, self.configured = enabled, configured
-        self._companion_workers = companion_workers
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._kept: dict[str, ReceiveResult] = {}
-        #: Refuses duplicates and stale epochs (set by the manager; ``None``: unchecked).
-        self.guard: SessionGuard | None = None
+        #: Refuses duplicates and stale epochs (``None``: unchecked).
+        self.guard = guard
+
+    def set_hooks(self, hooks: TransferHooks) -> None:
+        """Use ``hooks`` from the next receive on (the edge's, when the worker sets a slot)."""
+        self.hooks = hooks
+
+    def set_sender(self, endpoint: SenderEndpoint | None) -> None:
+        """The sender stage's base endpoint for the receives without a per-call one."""
+        self.sender = endpoint
 
     # -- the result form ----------------------------------------------------------------------
     def receive(
@@ -477,6 +455,8 @@ class KVReceiver:
             reason = "warm-up request"
         elif self.stages[0] is None or self.stages[1] is None:
             reason = "recv stages unset"
+        elif reserved_key(request_id) is not None:
+            reason = reserved_key(request_id)
         elif per_call and sender is None:
             status, reason = ReceiveStatus.UNAVAILABLE, "bad sender_info"
         if reason is None:
@@ -588,6 +568,7 @@ class KVReceiver:
         )
         if trace is not None:
             trace.keys = [k for k, _ in pairs]
+        _refuse_reserved(pairs)
         waits = [(key, source_metadata(sender, rank, per_call)) for key, rank in pairs]
         stages = (from_stage, to_stage)
         on_chunk = None if callbacks is None else callbacks.on_chunk
@@ -905,7 +886,7 @@ class KVReceiver:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    max_workers=self._companion_workers, thread_name_prefix="omnikv-recv"
+                    max_workers=COMPANION_WORKERS, thread_name_prefix="omnikv-recv"
                 )
             return self._pool
 

@@ -1,98 +1,114 @@
-"""Bounded, thread-safe logs of per-request outcomes (the manager's ``get_*_result`` views).
+"""The typed outcomes of the transfer layer: a send (:class:`SendResult`), a receive
+(:class:`ReceiveResult`) and a streaming step (:class:`StreamProgress`).
 
-Next to the metrics: the metrics count outcomes, these logs keep the latest outcome of each of the
-most recent requests (default 4096), oldest forgotten first, so a long-running stage never grows.
+Plain values, imported by the sending, receiving, streaming and delivery modules and by the
+edge; this module imports none of them, so none of them imports another for its result type.
+The seed facade turns them into the seed API's shapes (``(None, 0)``, dicts).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
-from omnikv.metrics import TransferMetrics
-from omnikv.transfer.receive import ReceiveResult
-from omnikv.transfer.send import SendResult, SendStatus
+from omnikv.transfer.received import ReceivedKV
 
-__all__ = ["DEFAULT_KEPT", "ResultLog", "TransferLog"]
-
-DEFAULT_KEPT = 4096
-_VERDICTS = (SendStatus.DELIVERED, SendStatus.REFUSED, SendStatus.EXPIRED)
-
-T = TypeVar("T")
-
-
-class ResultLog(Generic[T]):
-    """``request_id -> latest outcome``, at most ``capacity`` entries (oldest dropped first)."""
-
-    def __init__(self, capacity: int = DEFAULT_KEPT) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._items: OrderedDict[str, T] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def record(self, key: str, value: T) -> None:
-        """Store ``value`` as the latest outcome of ``key`` (moves it to the newest end)."""
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-
-    def get(self, key: str) -> T | None:
-        """The latest outcome of ``key``, or ``None`` when unknown (or already forgotten)."""
-        with self._lock:
-            return self._items.get(key)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
+__all__ = [
+    "ReceiveResult",
+    "ReceiveStatus",
+    "SendResult",
+    "SendStatus",
+    "StreamProgress",
+]
 
 
-class TransferLog:
-    """Send and receive outcomes of one manager: the latest per request, plus the metrics.
+class SendStatus(str, Enum):
+    """A send's outcome. ``sent``: every key published; with a connector that acknowledges
+    (``acknowledges``), it later becomes ``delivered`` (every receiver accepted its payload),
+    ``refused`` (a receiver rejected it, with its reason) or ``expired`` (nobody took it within
+    the TTL, or the receiver that took it went away without a verdict)."""
 
-    The receive log keeps the outcome, not the tensors (holding them would pin pool memory).
-    """
+    SENT = "sent"
+    DELIVERED = "delivered"
+    REFUSED = "refused"
+    EXPIRED = "expired"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    #: The manager is configured neither to send nor to receive (see its construction warning).
+    NOT_CONFIGURED = "not_configured"
 
-    def __init__(self, metrics: TransferMetrics, capacity: int = DEFAULT_KEPT) -> None:
-        self.metrics = metrics
-        self.sends: ResultLog[SendResult] = ResultLog(capacity)
-        # a receive's fields but its KV, as a tuple (built on the receiver's return path; the
-        # ReceiveResult is made when asked for, see :meth:`receive_result`)
-        self._receives: ResultLog[tuple[Any, ...]] = ResultLog(capacity)
-        #: The results of the latest batch of sends, in order.
-        self.last_sends: list[SendResult] = []
 
-    def sent(self, results: list[SendResult]) -> list[SendResult]:
-        for r in results:
-            self.sends.record(r.request_id, r)
-            # a verdict that came in before the batch ended is counted by ``delivered``
-            status = "sent" if r.status in _VERDICTS else r.status.value
-            self.metrics.record("send", status, r.nbytes, r.timings_ms)
-        self.last_sends = results
-        return results
+@dataclass
+class SendResult:
+    """Outcome of one request's send. ``ok`` when every key was published (``sent``, and
+    ``delivered`` after it); ``refused`` and ``expired`` are not ok."""
 
-    def delivered(self, result: SendResult) -> None:
-        """Count a send's verdict (``delivery.delivered`` / ``.refused`` / ``.expired``)."""
-        self.metrics.record("delivery", result.status.value, result.nbytes, {})
+    request_id: str
+    status: SendStatus
+    transfer_id: str = ""
+    keys: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    reason: str | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
-    def received(self, result: ReceiveResult) -> ReceiveResult:
-        """Log ``result`` (without its KV) and count it; returns it."""
-        kept = (
-            result.status,
-            result.nbytes,
-            result.keys,
-            result.reason,
-            result.waited_s,
-            result.timings_ms,
-        )
-        self._receives.record(result.request_id, kept)
-        self.metrics.record("recv", result.status.value, result.nbytes, result.timings_ms)
-        return result
+    @property
+    def ok(self) -> bool:
+        return self.status is SendStatus.SENT or self.status is SendStatus.DELIVERED
 
-    def receive_result(self, request_id: str) -> ReceiveResult | None:
-        """The latest receive outcome of ``request_id`` without its KV (``None``: unknown)."""
-        kept = self._receives.get(request_id)
-        return None if kept is None else ReceiveResult(request_id, kept[0], None, *kept[1:])
+
+class ReceiveStatus(str, Enum):
+    OK = "ok"
+    TIMEOUT = "timeout"
+    CORRUPT = "corrupt"
+    UNAVAILABLE = "unavailable"
+    PEER_GONE = "peer_gone"
+    SKIPPED = "skipped"
+    #: The caller aborted the wait (prefetch shutdown); nothing was consumed for the missing key.
+    CANCELLED = "cancelled"
+    #: Taken and decoded, then rejected by a check (the caller's ``check``); the sender is told.
+    REFUSED = "refused"
+    #: The manager is configured neither to send nor to receive (see its construction warning).
+    NOT_CONFIGURED = "not_configured"
+
+
+@dataclass
+class ReceiveResult:
+    """Outcome of one request's receive; ``kv`` holds the received KV when ``ok``."""
+
+    request_id: str
+    status: ReceiveStatus
+    kv: ReceivedKV | None = None
+    nbytes: int = 0
+    keys: list[str] = field(default_factory=list)
+    reason: str | None = None
+    waited_s: float = 0.0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReceiveStatus.OK
+
+    @property
+    def data(self) -> dict[str, Any] | None:
+        """The seed's dict form of :attr:`kv` (a new dict per call), or ``None``."""
+        return None if self.kv is None else self.kv.to_dict()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The payload's metadata (``custom_metadata`` included); empty without KV."""
+        return {} if self.kv is None else self.kv.metadata
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """What one ``stream_kv_blocks`` call did for a request: ``shipped`` tokens in
+    ``chunks`` chunks so far, ``new`` of them by this call (``nbytes`` published for them);
+    ``reason`` says why it shipped nothing or stopped the stream (``None``: nothing to say)."""
+
+    request_id: str
+    shipped: int = 0
+    chunks: int = 0
+    new: int = 0
+    reason: str | None = None
+    nbytes: int = 0

@@ -23,9 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -40,16 +38,26 @@ from omnikv.layouts.gather import BlockGather, plan_request_kv
 from omnikv.layouts.specs import HF_HINT
 from omnikv.topology.keys import TransferHooks, build_send_keys
 from omnikv.topology.tp import KVTPTopology, head_range, head_slice_tag
+from omnikv.transfer.results import SendResult, SendStatus
 from omnikv.transfer.sessions import SenderStamps
+from omnikv.transfer.stream.manifest import reserved_key
 from omnikv.wire.codec import Coded, encode_rows
 from omnikv.wire.encode import PackedPayload
 from omnikv.wire.format import DTYPE_TO_NAME
 
 if TYPE_CHECKING:
     from omnikv.transfer.delivery import DeliveryBook
-    from omnikv.transfer.stream import KVStreams
 
-__all__ = ["KVSender", "SendBatch", "SendRefused", "SendResult", "SendStatus", "put_with_retry"]
+__all__ = [
+    "KVSender",
+    "SendBatch",
+    "SendRefused",
+    "SendResult",
+    "SendStatus",
+    "TailPlan",
+    "TailSource",
+    "put_with_retry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,40 +72,6 @@ _DTYPE_ALIASES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-
-
-class SendStatus(str, Enum):
-    """A send's outcome. ``sent``: every key published; with a connector that acknowledges
-    (``acknowledges``), it later becomes ``delivered`` (every receiver accepted its payload),
-    ``refused`` (a receiver rejected it, with its reason) or ``expired`` (nobody took it within
-    the TTL, or the receiver that took it went away without a verdict)."""
-
-    SENT = "sent"
-    DELIVERED = "delivered"
-    REFUSED = "refused"
-    EXPIRED = "expired"
-    SKIPPED = "skipped"
-    FAILED = "failed"
-    #: The manager is configured neither to send nor to receive (see its construction warning).
-    NOT_CONFIGURED = "not_configured"
-
-
-@dataclass
-class SendResult:
-    """Outcome of one request's send. ``ok`` when every key was published (``sent``, and
-    ``delivered`` after it); ``refused`` and ``expired`` are not ok."""
-
-    request_id: str
-    status: SendStatus
-    transfer_id: str = ""
-    keys: list[str] = field(default_factory=list)
-    nbytes: int = 0
-    reason: str | None = None
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status is SendStatus.SENT or self.status is SendStatus.DELIVERED
 
 
 class _Refused(Exception):
@@ -197,6 +171,11 @@ def _check_block_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(b) for b in value)
 
 
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is a token count a stream's tail can be cut from (an int >= 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _metadata(entry: Mapping[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     custom = entry.get("custom_metadata")
     if custom is None:
@@ -283,11 +262,48 @@ SendBatch = _Batch
 SendRefused = _Refused
 
 
+class TailPlan(NamedTuple):
+    """What a streamed request's finish sends
+    (:meth:`~omnikv.transfer.stream.sending.KVStreams.tail`): the tail's blocks
+    (:meth:`blocks`), its manifest (the header's ``sm``) and the chunk keys it refers to."""
+
+    first_block: int
+    manifest: dict[str, Any]
+    chunk_keys: list[str]
+
+    def blocks(
+        self, block_ids: Sequence[int], seq_len: int, block_size: int
+    ) -> tuple[Sequence[int], int]:
+        """The block ids and token count of the tail (tokens after the last chunk). An empty
+        tail still names one block (the planner needs one; zero tokens are read from it)."""
+        ids = block_ids[self.first_block :] or block_ids[self.first_block - 1 : self.first_block]
+        return ids, seq_len - self.first_block * block_size
+
+
+class TailSource(Protocol):
+    """Where a finish learns that its request was streamed (the edge's
+    :class:`~omnikv.transfer.stream.sending.KVStreams`, passed to :meth:`KVSender.send_batch`):
+    the :class:`TailPlan` to send instead of the whole request, or ``None``."""
+
+    def tail(
+        self,
+        request_id: str,
+        transfer_id: str,
+        keys: list[str],
+        block_ids: Sequence[int],
+        seq_len: int,
+        batch: SendBatch,
+    ) -> TailPlan | None: ...
+
+
 class KVSender:
     """Turns finished requests into published payloads for one stage edge.
 
-    ``connector`` is the manager's :class:`LazyConnector`; ``hooks`` is replaced (never mutated)
-    when the worker installs a send-key builder.
+    Made by the transfer edge, with its ``connector`` (a :class:`LazyConnector`) and its
+    delivery book (``deliveries``: fed by the connector's listener, ``None`` without verdicts);
+    :meth:`set_hooks` replaces (never mutates) the hooks when the worker installs a send-key
+    builder. Knows nothing of streams: a finish is handed its stream's tail
+    (:class:`TailSource`).
     """
 
     def __init__(
@@ -298,9 +314,9 @@ class KVSender:
         options: TransferOptions,
         connector: LazyConnector,
         hooks: TransferHooks | None = None,
+        deliveries: DeliveryBook | None = None,
         enabled: bool = True,
         configured: bool = True,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.stages = stages
         self.topology = topology
@@ -309,17 +325,17 @@ class KVSender:
         self.hooks = hooks or TransferHooks()
         #: ``need_send_cache``; ``configured``: the manager sends or receives at all.
         self.enabled, self.configured = enabled, configured
-        self.sleep = sleep
         #: Each cache layer's K/V split and checks, kept across requests (see LayerCache).
         self.layers = LayerCache()
         #: Session, epoch and sequence written into every payload (duplicates, restarts).
         self.stamps = SenderStamps(options.instance_id)
-        #: Verdicts of what was sent (set by the manager); fed by the connector's listener.
-        self.deliveries: DeliveryBook | None = None
-        #: Requests whose full blocks were shipped during decode (set by the manager when
-        #: ``stream_kv`` is on; :mod:`omnikv.transfer.stream`); their finish sends the tail.
-        self.streams: KVStreams | None = None
+        #: Verdicts of what was sent; fed by the connector's listener.
+        self.deliveries = deliveries
         self._listened: OmniConnectorBase | None = None
+
+    def set_hooks(self, hooks: TransferHooks) -> None:
+        """Use ``hooks`` from the next send on (the edge's, when the worker sets a slot)."""
+        self.hooks = hooks
 
     def send_batch(
         self,
@@ -330,19 +346,23 @@ class KVSender:
         request_id_resolver: Callable[[str], str] | None = None,
         *,
         deadline: float,
+        tails: TailSource | None = None,
     ) -> list[SendResult]:
         """One :class:`SendResult` per request, in order; never raises for a request's failure.
+        ``tails`` (the edge's streams) gives a streamed request's tail to send.
 
         Not sending at all (``need_send_cache`` false, no connector) is recorded per request:
         ``not_configured`` when the manager neither sends nor receives, else skipped/failed.
         """
-        results = self._send_all(
-            finished_reqs, kv_caches, block_size, cache_dtype, request_id_resolver, deadline
+        return self._send_all(
+            finished_reqs,
+            kv_caches,
+            block_size,
+            cache_dtype,
+            request_id_resolver,
+            deadline,
+            tails=tails,
         )
-        if self.streams is not None:  # a failed finish drops what its stream had shipped
-            for result in results:
-                self.streams.settle(result)
-        return results
 
     def _send_all(
         self,
@@ -352,6 +372,8 @@ class KVSender:
         cache_dtype: Any,
         resolver: Callable[[str], str] | None,
         deadline: float,
+        *,
+        tails: TailSource | None,
     ) -> list[SendResult]:
         if type(finished_reqs) is not dict and not isinstance(finished_reqs, Mapping):
             why = f"finished_reqs must be a dict of request entries, got {type(finished_reqs)}"
@@ -364,7 +386,9 @@ class KVSender:
             batch = self.prepare(kv_caches, block_size, cache_dtype, resolver, deadline)
         except _Refused as exc:
             return [self._fail(str(rid), str(exc)) for rid in finished_reqs]
-        return [self._send_one(str(rid), entry, batch) for rid, entry in finished_reqs.items()]
+        return [
+            self._send_one(str(rid), entry, batch, tails) for rid, entry in finished_reqs.items()
+        ]
 
     @staticmethod
     def prepare(
@@ -380,9 +404,11 @@ class KVSender:
         layers = [_detached(layer) for layer in kv_caches]
         return _Batch(layers, int(block_size), cache_dtype, want, resolver, deadline)
 
-    def _send_one(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
+    def _send_one(
+        self, request_id: str, entry: Any, batch: _Batch, tails: TailSource | None
+    ) -> SendResult:
         try:
-            result = self.send(request_id, entry, batch)
+            result = self.send(request_id, entry, batch, tails)
         except Exception as exc:  # input nobody foresaw: this request fails, the batch goes on
             logger.debug("sending %s raised", request_id, exc_info=True)
             result = self._fail(request_id, f"{type(exc).__name__}: {exc}")
@@ -407,8 +433,12 @@ class KVSender:
             connector.set_delivery_listener(book.on_report)
             self._listened = connector
 
-    def send(self, request_id: str, entry: Any, batch: _Batch) -> SendResult:
-        """Validate, extract, encode and publish one request."""
+    def send(
+        self, request_id: str, entry: Any, batch: _Batch, tails: TailSource | None = None
+    ) -> SendResult:
+        """Validate, extract, encode and publish one request (a streamed one: its tail, unless
+        a receiver already refused one of its chunks: then nothing more is published and the
+        send is ``refused`` with that receiver's reason)."""
         t0 = time.perf_counter()
         mapping = type(entry) is dict or isinstance(entry, Mapping)
         block_ids = entry.get("block_ids") if mapping else None
@@ -424,12 +454,17 @@ class KVSender:
         try:
             transfer_id = self.transfer_id(request_id, batch.resolver)
             payloads, keys, shipped = self._plan(
-                request_id, transfer_id, entry, batch, (from_stage, to_stage)
+                request_id, transfer_id, entry, batch, (from_stage, to_stage), tails
             )
         except (_Refused, OmniKVError) as exc:
             return self._fail(request_id, str(exc))
         t_plan = time.perf_counter()
         self._watch(connector, request_id, [*shipped, *keys])
+        book = self.deliveries
+        early = None if not shipped or book is None else book.early(request_id)
+        if early is not None:  # a receiver refused a chunk: the tail would go to nobody
+            logger.debug("KV tail of %s not published: %s", transfer_id, early.reason)
+            return SendResult(request_id, early.status, transfer_id, shipped, 0, early.reason)
         total, failed = self.put_all(
             connector, (from_stage, to_stage), keys, payloads, batch.deadline, self.options.retry
         )
@@ -459,7 +494,7 @@ class KVSender:
         total, failed = 0, []
         for key, payload in zip(keys, payloads, strict=True):
             ok, size, err = put_with_retry(
-                connector, stages, key, payload, policy, deadline=deadline, sleep=self.sleep
+                connector, stages, key, payload, policy, deadline=deadline
             )
             total += size
             if not ok:
@@ -512,16 +547,30 @@ class KVSender:
         entry: Mapping[str, Any],
         batch: _Batch,
         stages: tuple[str, str],
+        tails: TailSource | None,
     ) -> tuple[list[PackedPayload], list[str], list[str]]:
         """The payloads and keys of one request, and the chunk keys its stream already
-        published (a streamed request's payloads then hold only its tail and the manifest);
-        raises with the reason it cannot be sent."""
+        published (a streamed request's payloads then hold only its tail and the manifest:
+        its KV is planned once, for the tail alone); raises with the reason it cannot be
+        sent."""
         block_ids = _check_block_ids(entry.get("block_ids"))
         seq_len = entry.get("seq_len")
+        keys = build_send_keys(self.topology, transfer_id, *stages, self.hooks.send_keys)
+        for key in keys:
+            why = reserved_key(key)
+            if why is not None:
+                raise _Refused(why)
+        tail = None
+        ids: Sequence[int] = block_ids
+        tokens: Any = seq_len  # checked by plan_request_kv
+        if tails is not None and isinstance(seq_len, int) and _is_count(seq_len):
+            tail = tails.tail(request_id, transfer_id, keys, block_ids, seq_len, batch)
+            if tail is not None:
+                ids, tokens = tail.blocks(block_ids, seq_len, batch.block_size)
         keys_g, values_g = plan_request_kv(
             batch.kv_caches,
-            block_ids,
-            seq_len,
+            ids,
+            tokens,
             batch.block_size,
             layout=self.options.kv_cache_layout,
             request_id=transfer_id,
@@ -536,29 +585,11 @@ class KVSender:
             "seq_len": seq_len,
         }
         metadata = _metadata(entry, base)
-        hook = self.hooks.send_keys
-        keys = build_send_keys(self.topology, transfer_id, *stages, hook)
-        streams = self.streams
-        tail = None
-        if streams is not None:
-            tail = streams.tail(request_id, transfer_id, keys, block_ids, seq_len, batch)
-        if tail is None:
-            payloads = self._payloads(transfer_id, keys, keys_g, values_g, block_ids, metadata)
-            return payloads, keys, []
-        tail_ids, tail_len = tail.blocks(block_ids, seq_len, batch.block_size)
-        keys_g, values_g = plan_request_kv(
-            batch.kv_caches,
-            tail_ids,
-            tail_len,
-            batch.block_size,
-            layout=self.options.kv_cache_layout,
-            request_id=transfer_id,
-            cache=self.layers,
-        )
+        stream = None if tail is None else tail.manifest
         payloads = self._payloads(
-            transfer_id, keys, keys_g, values_g, block_ids, metadata, stream=tail.manifest
+            transfer_id, keys, keys_g, values_g, block_ids, metadata, stream=stream
         )
-        return payloads, keys, tail.chunk_keys
+        return payloads, keys, [] if tail is None else tail.chunk_keys
 
     def _payloads(
         self,

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnikv.transfer.stream import pieces_out_of_order
+from omnikv.transfer.stream.manifest import pieces_out_of_order
 from omnikv.wire.format import MAX_STREAM_CHUNKS
 
 __all__ = [
@@ -360,7 +360,7 @@ def _sealed_entries(
 ) -> list[tuple[int, int, str, int, int]] | str:
     """``sealed``'s entries as ``(start, stop, mac, first layer, layer stop)``, checked: ranges
     contiguous from token 0, none empty; a range's layer groups consecutive from layer 0 to
-    ``num_layers`` (:func:`~omnikv.transfer.stream.pieces_out_of_order`, as for a stream's
+    ``num_layers`` (:func:`~omnikv.transfer.stream.manifest.pieces_out_of_order`, as for a stream's
     manifest); or why not."""
     out: list[tuple[int, int, str, int, int]] = []
     for item in sealed:

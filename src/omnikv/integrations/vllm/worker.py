@@ -84,7 +84,7 @@ from omnikv.manager import OmniKVTransferManager
 from omnikv.transfer.admission import KVAdmission
 from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
-from omnikv.transfer.stream import Seal
+from omnikv.transfer.stream.sending import Seal
 from omnikv.wire.codec import round_trip
 
 __all__ = ["META_BINDING", "META_MAC", "META_SEALED", "WorkerSide", "transfer_cpus"]
