@@ -68,6 +68,7 @@ from typing import Any, TypeVar
 import torch
 
 from omnikv.config import config_from_dict, options_from_dict
+from omnikv.connectors.factory import LazyConnector
 from omnikv.errors import OmniKVError
 from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
 from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, kv_mac_matches
@@ -80,10 +81,12 @@ from omnikv.integrations.vllm.metadata import (
 from omnikv.integrations.vllm.options import ConnectorOptions, default_layer_groups
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
 from omnikv.layouts.blocks import LayerBlocks, vllm_layer_blocks
-from omnikv.manager import OmniKVTransferManager
+from omnikv.ranks.discovery import discover_tp
+from omnikv.topology.placement import StagePlacement
 from omnikv.transfer.admission import KVAdmission
-from omnikv.transfer.receive import ReceiveResult, ReceiveStatus
+from omnikv.transfer.edge import KVCaches, TransferEdge
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
+from omnikv.transfer.results import ReceiveResult, ReceiveStatus, SendResult
 from omnikv.transfer.stream.sending import Seal
 from omnikv.wire.codec import round_trip
 
@@ -213,15 +216,14 @@ class WorkerSide:
         cpus = transfer_cpus()
         # Built on a thread with every CPU, so that the transport's own threads and the
         # loads' receive threads inherit that.
-        self.manager = _on_cpus(
-            cpus,
-            lambda: OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)),
-        )
+        #: the transfer edge every send, stream step and receive goes through
+        self.edge: TransferEdge
+        self.edge, self._connector = _on_cpus(cpus, lambda: self._open_edge(cfg))
         #: the loads' receives (a consumer only): a first wait of at most ``load_first_wait_s``
         #: on ``max_concurrent_loads`` threads, the rest of a deadline on ``max_waiting_loads``
         self._first: KVAdmission | None = None
         self._waiting: KVAdmission | None = None
-        if self.manager.config.need_recv_cache:
+        if self.edge.config.need_recv_cache:
             self._first, self._waiting = _on_cpus(cpus, self._admissions)
         #: payload key -> (its load, the load's deadline), while the load is offered
         self._offered: dict[str, tuple[LoadSpec, float]] = {}
@@ -259,9 +261,31 @@ class WorkerSide:
         self._saved: set[int] = set()
         self._groups_shipped = 0
 
+    def _open_edge(self, cfg: Mapping[str, Any]) -> tuple[TransferEdge, LazyConnector]:
+        """This worker's transfer edge (``omni_kv_config`` ``cfg``) and the connector it
+        owns; a sender's connector is made at once (its pool and listener exist before the
+        first send). Verdicts are pushed to :meth:`_on_verdict`."""
+        config, options = config_from_dict(dict(cfg)), options_from_dict(dict(cfg))
+        place = StagePlacement.of(config, discover_tp())
+        lazy = LazyConnector.for_stage(
+            config, place.topology.local_rank, retry_interval=options.connector_retry_interval
+        )
+        moves = bool(config.need_send_cache or config.need_recv_cache)
+        edge = TransferEdge(
+            config,
+            options=options,
+            placement=place,
+            connector=lazy,
+            configured=moves and bool((config.connector_config or {}).get("type")),
+            on_verdict=self._on_verdict,
+        )
+        if config.need_send_cache:
+            lazy.get()
+        return edge, lazy
+
     def _admissions(self) -> tuple[KVAdmission, KVAdmission]:
         """The two admissions the loads run on (each thread of theirs runs :meth:`_load`)."""
-        timeout = self.manager.config.recv_timeout
+        timeout = self.edge.config.recv_timeout
         first = KVAdmission(
             self._load_first,
             recv_timeout=timeout,
@@ -319,7 +343,7 @@ class WorkerSide:
         self._streams_due.extend(meta.streams)
         self._saved, self._groups_shipped = set(), 0
         for key in meta.stream_aborts:
-            self.manager.abort_kv_stream(key)
+            self.edge.abort_stream(key)
         self._submit_sends(meta.sends)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -388,12 +412,10 @@ class WorkerSide:
             sources = [layer.send_source(spec.block_ids) for layer in self.layers.values()]
             views: list[Any] = [kv for kv, _ in sources]
             entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
-            progress = self.manager.stream_kv_blocks(
+            progress = self.edge.ship(
                 spec.key,
                 entry,
-                views,
-                self.block_size,
-                str(views[0][0].dtype),
+                KVCaches(views, self.block_size, str(views[0][0].dtype)),
                 seal=None if self.options.secret is None else self._sealer(spec.key),
                 layers=layers,
             )
@@ -445,7 +467,7 @@ class WorkerSide:
         first, end = (0, len(self.layers)) if layers is None else layers
         chosen = list(self.layers.values())[first:end]
         tokens = [layer.gather(block_ids, count) for layer in chosen]
-        codec = self.manager.options.wire_codec
+        codec = self.edge.options.wire_codec
         if codec != "off":
             tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
         return kv_mac(secret, key, tokens, start, first)
@@ -509,7 +531,7 @@ class WorkerSide:
         (delivered, refused or expired: by ``buffer_ttl_seconds + ack_timeout_s`` at the
         latest). In a step that computes nothing while loads run, first waits up to
         ``idle_step_wait_s`` for one to end (see :mod:`.options`)."""
-        self._collect_verdicts()
+        self._expire_verdicts()
         self._reap_loads()
         with self._lock:
             if self._idle_step and self._aborts and not (self._loaded or self._failed):
@@ -533,38 +555,32 @@ class WorkerSide:
         ``refused`` or ``expired``, with ``delivery_reason``)."""
         record = self.counters.get(transfer_id)
         key = None if record is None else record.get("send_key")
-        result = None if key is None else self.manager.get_send_result(key)
+        result = None if key is None else self.edge.send_result(key)
         if record is not None and result is not None:
             record["delivery"] = result.status.value
             record["delivery_reason"] = result.reason
         return record
 
-    def _collect_verdicts(self) -> None:
-        """Count the verdicts that came in since the last step (``sends_delivered``,
-        ``sends_refused``, ``sends_expired``); with ``free_blocks_on: verdict`` their requests'
-        sends are done now."""
+    def _on_verdict(self, result: SendResult) -> None:
+        """The edge pushes a send's verdict (on the connector's listener thread, or on the
+        send's own thread when the verdict came first): counted (``sends_delivered``,
+        ``sends_refused``, ``sends_expired``); with ``free_blocks_on: verdict`` the request's
+        send is done now. Only notes it."""
         with self._lock:
-            due = list(self._verdicts_due.items())
-        if not due:
-            return
-        connector = self.manager.connector
+            req_id = self._verdicts_due.pop(result.request_id, None)
+            if req_id is not None and self.options.free_blocks_on == "verdict":
+                self._sent.add(req_id)
+        if req_id is not None:
+            self.counters.add(f"sends_{result.status.value}")
+
+    def _expire_verdicts(self) -> None:
+        """While verdicts are due, let a transport without a timer of its own expire what is
+        past its TTL now (the verdicts themselves are pushed: :meth:`_on_verdict`)."""
+        with self._lock:
+            due = bool(self._verdicts_due)
+        connector = self._connector.current if due else None
         if connector is not None:
-            connector.reap_consumed()  # a transport without a timer expires what is due now
-        ended: list[tuple[str, str]] = []
-        for key, req_id in due:
-            result = self.manager.get_send_result(key)
-            status = "expired" if result is None else result.status.value
-            if status in ("delivered", "refused", "expired"):
-                self.counters.add(f"sends_{status}")
-                ended.append((key, req_id))
-        if not ended:
-            return
-        hold = self.options.free_blocks_on == "verdict"
-        with self._lock:
-            for key, req_id in ended:
-                self._verdicts_due.pop(key, None)
-                if hold:
-                    self._sent.add(req_id)
+            connector.reap_consumed()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """vLLM's older form of :meth:`get_transfer_results`: requests whose send is done,
@@ -598,6 +614,11 @@ class WorkerSide:
         t0 = time.monotonic()
         reason = self.layout_error
         nbytes = 0
+        connector = self._connector.get()
+        watched = connector is not None and connector.acknowledges
+        if watched:  # before the put: a verdict may come before the send returns
+            with self._lock:
+                self._verdicts_due[spec.key] = spec.req_id
         try:
             if reason is None:
                 reason, nbytes = self._put(spec)
@@ -619,11 +640,10 @@ class WorkerSide:
             ok=ok,
             reason=reason,
         )
-        connector = self.manager.connector
-        watched = ok and connector is not None and connector.acknowledges
+        watched = watched and ok
         with self._lock:
-            if watched:
-                self._verdicts_due[spec.key] = spec.req_id
+            if not watched:
+                self._verdicts_due.pop(spec.key, None)
             if not (watched and self.options.free_blocks_on == "verdict"):
                 self._sent.add(spec.req_id)
             self._done()
@@ -650,15 +670,8 @@ class WorkerSide:
             "seq_len": spec.num_tokens,
             "custom_metadata": metadata,
         }
-        self.manager.handle_finished_requests_kv_transfer(
-            {spec.key: entry},
-            kv_caches=views,
-            block_size=self.block_size,
-            cache_dtype=str(views[0][0].dtype),
-        )
-        result = self.manager.get_send_result(spec.key)
-        if result is None:
-            return "the manager recorded no send result", 0
+        caches = KVCaches(views, self.block_size, str(views[0][0].dtype))
+        result = self.edge.send(spec.key, entry, caches)
         if result.ok:
             return None, int(result.nbytes)
         return f"{result.status.value}: {result.reason}", 0
@@ -670,7 +683,7 @@ class WorkerSide:
         and a consumer that took the chunks as they came checks only the tail now. The chunks
         and their MACs are the stream's own record (what the tail's manifest lists); a chunk
         whose MAC it lacks is hashed again from the blocks."""
-        chunks = self.manager.kv_stream_chunks(spec.key)
+        chunks = self.edge.shipped_chunks(spec.key)
         shipped = chunks[-1][1] if chunks else 0
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
             shipped, chunks = 0, []
@@ -771,7 +784,7 @@ class WorkerSide:
             self.counters.add("tokens_loaded", spec.end - spec.start)
             self.counters.add("bytes_loaded", nbytes)
             # From admission: the deadline is ``recv_timeout`` after it, on this worker's clock.
-            admitted = deadline - self.manager.config.recv_timeout
+            admitted = deadline - self.edge.config.recv_timeout
             self.counters.observe("load_seconds", end - admitted)
         else:
             self.counters.add("loads_failed")
@@ -813,7 +826,7 @@ class WorkerSide:
         def on_chunk(chunk: ReceivedChunk) -> str | None:
             return self._write_chunk(spec, chunk, written)
 
-        result = self.manager.receive_kv_cache_result(
+        result = self.edge.receive(
             spec.key, deadline=until, abort=abort, quiet=True, check=check, on_chunk=on_chunk
         )
         if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
@@ -947,7 +960,7 @@ class WorkerSide:
         return None
 
     def shutdown(self) -> None:
-        """Cancel waiting loads, finish what runs, close the manager."""
+        """Cancel waiting loads, finish what runs, close the edge and its connector."""
         with self._lock:
             for event in self._aborts.values():
                 event.set()
@@ -957,7 +970,8 @@ class WorkerSide:
                 admission.wait(deadline=time.monotonic() + 5.0)
                 admission.close()
         self._reap_loads()
-        self.manager.close()
+        self.edge.close()
+        self._connector.close(final=True)
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
