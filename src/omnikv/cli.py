@@ -42,6 +42,7 @@ BENCHES = (
     "stream",
     "vllm",
     "serve",
+    "reshard",
 )
 #: the benchmarks that measure over payload sizes next to memcpy and take ``--plot FILE``
 PLOTTED = ("shm", "manager")

@@ -34,6 +34,7 @@ from typing import Any
 
 from omnikv.errors import ConfigError
 from omnikv.layouts.specs import LAYOUTS
+from omnikv.topology.reshard import RANK_MAPPING_KEYS
 from omnikv.values import (
     parse_bool,
     parse_choice,
@@ -406,7 +407,8 @@ def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") 
     Guarantees, each failure a :class:`ConfigError` that starts with ``where`` and names the key:
     the value is a mapping; every top-level key is in :data:`KNOWN_KEYS` (a near miss is
     suggested); stage ids are strings or integers; ``engine_input_source`` is a list of them;
-    ``rank_mapping`` holds only ``from_tp`` / ``to_tp``; ``connector_config`` is a mapping whose
+    ``rank_mapping`` holds only ``from_tp`` / ``to_tp`` and the placement keys of
+    :data:`~omnikv.topology.reshard.RANK_MAPPING_KEYS`; ``connector_config`` is a mapping whose
     ``type`` names a registered connector (nothing is imported); every value parses as
     :func:`config_from_dict` and :func:`options_from_dict` parse it.
     """
@@ -436,11 +438,9 @@ def check_omni_kv_config(omni_kv_config: Any, *, where: str = "omni_kv_config") 
                 f"{where}: rank_mapping must be a mapping like {{'from_tp': 2, 'to_tp': 4}}, "
                 f"got {rank_mapping!r:.60}"
             )
-        extra = sorted(str(k) for k in rank_mapping if k not in ("from_tp", "to_tp"))
+        extra = sorted(str(k) for k in rank_mapping if k not in RANK_MAPPING_KEYS)
         if extra:
-            raise _unknown_key_error(
-                f"{where}: rank_mapping", extra, frozenset({"from_tp", "to_tp"})
-            )
+            raise _unknown_key_error(f"{where}: rank_mapping", extra, RANK_MAPPING_KEYS)
     _check_connector_config(where, kv.get("connector_config"))
     try:
         config_from_dict(kv)

@@ -22,8 +22,31 @@ def test_bench_manager_small_run_verifies(tmp_path: Path) -> None:
         "1",
         "--pool-mib",
         "16",
+        "--wait-iters",
+        "5",
+        "--wait-gaps-ms",
+        "2,20",
+        "--idle-s",
+        "0.5",
         "--no-targets",
     ]
     result = run_bench_json("manager", args, out, timeout=140)
     case = result["cases"]["64KiB"]
     assert result["bench"] == "manager" and case["runs"] == 20 and case["first_s"] > 0
+    # the receiver-already-waiting case: each gap with its floor and the phases of a receive
+    waiting = {row["gap_ms"]: row for row in result["waiting"]}
+    assert sorted(waiting) == [2.0, 20.0]
+    for row in waiting.values():
+        assert row["runs"] == 5 and row["floor"]["runs"] == 5
+        assert row["floor"]["median_s"] > 0 and row["median_s"] > 0
+        phases = row["phases_ms"]
+        assert list(phases) == [
+            "send call to put done",
+            "put done to wait end (wake-up)",
+            "decode",
+            "finish (checks, verdict)",
+            "seed dict, return",
+        ]
+        assert phases["decode"] > 0 and phases["send call to put done"] > 0
+    idle = result["idle_receiver"]
+    assert idle["wall_s"] >= 0.5 and 0 <= idle["cpu_s"] < idle["wall_s"]

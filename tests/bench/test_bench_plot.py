@@ -41,6 +41,10 @@ MANAGER_FAST = [
     "1",
     "--pool-mib",
     "16",
+    "--wait-iters",
+    "0",
+    "--idle-s",
+    "0",
     "--no-targets",
 ]
 

@@ -15,7 +15,15 @@ is a real first request (pool creation, connection, mapping):
 
 * **224 MiB**: Qwen2.5-7B shape (28 layers, 4 KV heads, dim 128, fp16), 4096 tokens, block 16;
 * **64 KiB**: 2 layers, 2 KV heads, dim 64, fp16, 64 tokens (targets: p50 <= 0.5 ms, p99 <= 2 ms);
-* **memcpy** of each payload's size in the same run (aligned, pre-faulted: the ceiling).
+* **memcpy** of each payload's size in the same run (aligned, pre-faulted: the ceiling);
+* **the receiver already waiting** (64 KiB; ``--wait-iters`` samples per gap, 200): the put comes
+  ``--wait-gaps-ms`` (2 and 20) after the receiver entered its receive call, past any spin, as
+  in a stage whose receiver waits for the previous stage. Each sample alternates with the floor:
+  a bare eventfd wake-up between the same two processes at the same gap. Printed with the
+  steady case and the medians of the phases of one receive (send call to put done; put done to
+  the receiver's wait end, i.e. the wake-up; decode; finish: checks and the verdict; the seed's
+  dict). Then an idle receiver's CPU over ``--idle-s`` seconds (10) of waiting for KV that never
+  comes (targets: p50 <= 0.4 ms, p99 <= 1 ms at each gap).
 
 The sender stage declares the case's payload size (``expected_payload_bytes``), so its pool's
 start-up reserve (``prefault: "auto"``) is sized for it (``--prefault-mib`` sets it instead in
@@ -170,9 +178,11 @@ def _verify(data: dict[str, Any] | None, caches: list[torch.Tensor], shape: Shap
 
 
 # -- receiver (child process) ------------------------------------------------------------------
-def _receiver(fd: int) -> int:
+def _receiver(fd: int, efd: int) -> int:
     """Child: ``[new, ns, shape, pool, freeze, poll_us]`` builds a manager; ``[recv, rid,
-    verify]`` receives; ``[profile, on|off]``; ``stop``."""
+    verify]`` receives (answering ``[waiting, t]`` as it enters the call, then ``[t_got, ok,
+    after_wait_ms, t_call, timings_ms]``); ``[floor]`` blocks on the eventfd ``efd`` (answering
+    ``[waiting, t]``, then the time it woke); ``[profile, on|off]``; ``stop``."""
     from omnikv import OmniKVTransferManager
 
     chan = JsonChannel(socket.socket(fileno=fd))
@@ -198,21 +208,42 @@ def _receiver(fd: int) -> int:
             prof = cProfile.Profile() if msg[1] == "on" else prof
             chan.send("ok", _stats_text(prof) if msg[1] == "off" else "")
             prof = None if msg[1] == "off" else prof
+        elif msg[0] == "idle":
+            chan.send("ok", _idle_cpu_s(mgr, float(msg[1])))
+        elif msg[0] == "floor":
+            chan.send("waiting", time.monotonic())
+            os.eventfd_read(efd)  # blocks until the sender writes it
+            chan.send(time.monotonic())
         else:
-            chan.send("waiting")
             if prof is not None:
                 prof.enable()
             t_call = time.monotonic()
+            chan.send("waiting", t_call)
             data, _size = mgr.receive_kv_cache_for_request(msg[1])
             t = time.monotonic()
             if prof is not None:
                 prof.disable()
             ok = _verify(data, caches, shape) if msg[2] else data is not None
             del data
-            chan.send(t, ok, _after_wait_ms(mgr, msg[1], t - t_call))
+            result = mgr.get_receive_result(msg[1])
+            timings = dict(getattr(result, "timings_ms", None) or {})
+            chan.send(t, ok, _after_wait_ms(timings, t - t_call), t_call, timings)
     if mgr is not None:
         mgr.close()
     return 0
+
+
+def _idle_cpu_s(mgr: Any, seconds: float) -> list[float]:
+    """A receiver waiting ``seconds`` for KV that never comes: (wall s, CPU s of this whole
+    process, every thread) over that wait, which ends at its deadline as a ``timeout``."""
+    wall0, cpu0 = time.monotonic(), _own_cpu_s()
+    mgr.receive_kv_cache_result(f"never-{uuid.uuid4().hex[:8]}", deadline=wall0 + seconds)
+    return [time.monotonic() - wall0, _own_cpu_s() - cpu0]
+
+
+def _own_cpu_s() -> float:
+    own = os.times()
+    return own.user + own.system
 
 
 def _settle_heap(freeze: bool) -> None:
@@ -223,11 +254,9 @@ def _settle_heap(freeze: bool) -> None:
         gc.freeze()
 
 
-def _after_wait_ms(mgr: Any, rid: str, call_s: float) -> float:
+def _after_wait_ms(timings: dict[str, float], call_s: float) -> float:
     """How long the receiver's call ran after its connector wait ended (decode, the seed's dict,
     bookkeeping): the call's duration minus the wait in the receive result's phase timings."""
-    result = mgr.get_receive_result(rid)
-    timings = getattr(result, "timings_ms", None) or {}
     return call_s * 1e3 - float(timings.get("wait_ms", 0.0))
 
 
@@ -353,9 +382,166 @@ def _one(
     timings = sent.timings_ms if sent is not None else {}
     _PHASES.extract_ms.append(float(timings.get("extract_ms", "nan")))
     _PHASES.encode_put_ms.append(float(timings.get("encode_put_ms", "nan")))
-    t_got, ok, after_wait_ms = chan.recv()
+    t_got, ok, after_wait_ms, _t_call, _timings = chan.recv()
     _PHASES.after_wait_ms.append(float(after_wait_ms))
     return t0, float(t_got), bool(ok)
+
+
+# -- the receiver already waiting (issue: a stage's receiver usually waits longer than any spin)
+#: The put comes this long after the receiver entered its wait (ms), in the waiting cases.
+WAIT_GAPS_MS = (2.0, 20.0)
+#: The phases of one receive in the waiting cases, in order (medians in ms are reported).
+WAIT_PHASES = (
+    "send call to put done",
+    "put done to wait end (wake-up)",
+    "decode",
+    "finish (checks, verdict)",
+    "seed dict, return",
+)
+
+
+@dataclass
+class WaitingCase:
+    """One gap of the waiting case: samples from the send call to the receive's return, the
+    floor (a bare eventfd wake-up between the same two processes, same gap, alternated with
+    the samples) and the medians of the phases of one receive (:data:`WAIT_PHASES`)."""
+
+    gap_ms: float
+    stats: Stats
+    floor: Stats
+    phases_ms: dict[str, float]
+
+
+def _sleep_until(t: float) -> None:
+    """Pace a sample: idle until ``t`` (monotonic); the receiver is already blocked."""
+    left = t - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+def _floor_sample(chan: JsonChannel, efd: int, gap_s: float) -> float:
+    """One bare wake-up: the receiver blocks reading ``efd``; ``gap_s`` after it entered that
+    read, this process writes it; seconds from the write to the receiver's wake."""
+    chan.send("floor")
+    _, t_enter = chan.expect("waiting")
+    _sleep_until(float(t_enter) + gap_s)
+    t0 = time.monotonic()
+    os.eventfd_write(efd, 1)
+    (t_woke,) = chan.recv()
+    return float(t_woke) - t0
+
+
+def _waiting_sample(
+    chan: JsonChannel, mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str, gap_s: float
+) -> tuple[float, dict[str, float], bool]:
+    """One request sent ``gap_s`` after the receiver entered its receive call: (seconds from
+    the send call to the receive's return, the phases of :data:`WAIT_PHASES` in ms, verified)."""
+    chan.send("recv", rid, True)
+    _, t_enter = chan.expect("waiting")
+    _sleep_until(float(t_enter) + gap_s)
+    t0 = time.monotonic()
+    mgr.handle_finished_requests_kv_transfer(
+        {rid: {"block_ids": list(range(shape.blocks)), "seq_len": shape.tokens}},
+        caches,
+        BLOCK,
+        "torch.float16",
+    )
+    sent = mgr.get_send_result(rid)
+    tx = sent.timings_ms if sent is not None else {}
+    t_got, ok, after_wait_ms, t_call, rx = chan.recv()
+    # the sender's phases start a little after t0: the put ends at most this late
+    t_put = t0 + (float(tx.get("extract_ms", 0.0)) + float(tx.get("encode_put_ms", 0.0))) / 1e3
+    t_wait_end = float(t_call) + float(rx.get("wait_ms", 0.0)) / 1e3
+    decode, finish = float(rx.get("decode_ms", 0.0)), float(rx.get("finish_ms", 0.0))
+    phases = dict(
+        zip(
+            WAIT_PHASES,
+            (
+                (t_put - t0) * 1e3,
+                (t_wait_end - t_put) * 1e3,
+                decode,
+                finish,
+                float(after_wait_ms) - decode - finish,
+            ),
+            strict=True,
+        )
+    )
+    return float(t_got) - t0, phases, bool(ok)
+
+
+def _run_waiting(
+    args: argparse.Namespace, chan: JsonChannel, efd: int
+) -> tuple[list[WaitingCase], list[str], dict[str, float]]:
+    """The 64 KiB case with the receiver already waiting when the put comes (one fresh pair of
+    managers; the request samples alternate with floor samples at each gap), then the idle
+    receiver's CPU (``--idle-s``): (cases, failures, idle figures or {})."""
+    from omnikv import OmniKVTransferManager
+
+    shape = SHAPES["64KiB"]
+    pool = args.pool_mib * MIB
+    namespace = f"bench-mgr-{uuid.uuid4().hex[:10]}"
+    caches = _caches(shape)
+    chan.send("new", namespace, "64KiB", pool, not args.no_gc_freeze, args.poll_us)
+    chan.expect("ok")
+    mgr = OmniKVTransferManager(_config(namespace, "sender", pool, expected=shape.nbytes))
+    _settle_heap(not args.no_gc_freeze)
+    _await_reserve(mgr)
+    cases: list[WaitingCase] = []
+    failures: list[str] = []
+    idle: dict[str, float] = {}
+    try:
+        for i in range(1 + args.warmup):  # the first request and warm-up, back to back
+            if not _one(chan, mgr, caches, shape, rid=f"wait-warm-{i}", i=i, n=0)[2]:
+                failures.append(f"waiting warm-up {i}")
+        for gap_ms in args.wait_gaps_ms:
+            samples, floor = [], []
+            phases: dict[str, list[float]] = {name: [] for name in WAIT_PHASES}
+            for i in range(args.wait_iters):
+                floor.append(_floor_sample(chan, efd, gap_ms / 1e3))
+                rid = f"wait-{gap_ms:g}-{i}"
+                took, parts, ok = _waiting_sample(chan, mgr, caches, shape, rid, gap_ms / 1e3)
+                if not ok:
+                    failures.append(rid)
+                samples.append(took)
+                for name, ms in parts.items():
+                    phases[name].append(ms)
+            cases.append(
+                WaitingCase(
+                    gap_ms,
+                    Stats(f"64 KiB, put {gap_ms:g} ms into the wait", samples, shape.nbytes),
+                    Stats(f"floor: eventfd wake-up, {gap_ms:g} ms into the wait", floor),
+                    {name: sorted(ms)[len(ms) // 2] for name, ms in phases.items()},
+                )
+            )
+        if args.idle_s:
+            chan.send("idle", args.idle_s)
+            _, (wall, cpu) = chan.expect("ok", timeout_s=args.idle_s + 60)
+            idle = {"wall_s": wall, "cpu_s": cpu}
+            print(
+                f"idle receiver: {cpu * 1e3:.1f} ms of CPU (every thread) over a {wall:.1f} s"
+                f" wait for KV that never came ({cpu / wall * 100:.2f} % of one core)"
+            )
+    finally:
+        mgr.close()
+    return cases, failures, idle
+
+
+def _print_waiting(cases: list[WaitingCase], steady: Stats | None) -> None:
+    print("\nThe receiver already waiting (64 KiB; send call -> receive returned, ms)")
+    head = f"{'case':<40} {'p50':>8} {'p99':>8} {'min':>8} {'max':>8}"
+    print(head + "\n" + "-" * len(head))
+    rows = ([steady] if steady is not None else []) + [
+        st for case in cases for st in (case.stats, case.floor)
+    ]
+    for st in rows:
+        lo, hi = st.spread
+        print(
+            f"{st.name:<40} {st.median * 1e3:8.3f} {st.p99 * 1e3:8.3f} {lo * 1e3:8.3f}"
+            f" {hi * 1e3:8.3f}"
+        )
+    for case in cases:
+        parts = ", ".join(f"{name} {ms:.3f}" for name, ms in case.phases_ms.items())
+        print(f"phases at {case.gap_ms:g} ms (medians, ms): {parts}")
 
 
 def _memcpy(nbytes: int, iters: int) -> Stats:
@@ -432,6 +618,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the receiver connector's poll_us (a blocking wait polls this long before it"
         " sleeps; default: the connector's default, 1000; 0: never poll)",
     )
+    parser.add_argument(
+        "--wait-iters",
+        type=int,
+        default=200,
+        help="samples per gap of the 'receiver already waiting' case (0: skip that case)",
+    )
+    parser.add_argument(
+        "--wait-gaps-ms",
+        type=_gaps,
+        default=WAIT_GAPS_MS,
+        help="comma-separated gaps (ms) between the receiver entering its wait and the put, in"
+        " the waiting case (default 2,20)",
+    )
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=10.0,
+        help="measure an idle waiting receiver's CPU over this many seconds (0: skip)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")
     parser.add_argument(
@@ -443,12 +648,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_plot_option(parser)
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--efd", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv or []))
     require_plot(parser, args.plot)
     torch.set_num_threads(1)
     if args.role == "receiver":
-        return _receiver(args.fd)
+        return _receiver(args.fd, args.efd)
     parent, child = socket.socketpair()
+    efd = os.eventfd(0)  # the floor's wake-up: written here, read by the receiver
     cmd = [
         sys.executable,
         "-m",
@@ -459,15 +666,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "receiver",
         "--fd",
         str(child.fileno()),
+        "--efd",
+        str(efd),
     ]
-    proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
+    proc = subprocess.Popen(cmd, pass_fds=[child.fileno(), efd])
     child.close()
     chan = JsonChannel(parent)
     try:
         chan.expect("ready")
-        return _sender(args, chan, proc.pid)
+        return _sender(args, chan, proc.pid, efd)
     finally:
         reap(proc, chan)
+        os.close(efd)
+
+
+def _gaps(text: str) -> tuple[float, ...]:
+    try:
+        gaps = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of milliseconds: {text!r}") from exc
+    if not gaps or any(not 0 <= g <= 10_000 for g in gaps):
+        raise argparse.ArgumentTypeError(f"gaps must be 0..10000 ms, got {text!r}")
+    return gaps
 
 
 def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) -> None:
@@ -487,7 +707,7 @@ def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) ->
     )
 
 
-def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
+def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int, efd: int) -> int:
     cases = [("64KiB", args.small_iters)] + ([] if args.skip_large else [("224MiB", args.iters)])
     rows: list[Stats] = []
     memcpys: list[Stats] = []  # and the steady state of the same cases: the plot's rows
@@ -530,6 +750,24 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int) -> int:
             )
             targets.append(("64 KiB p99 <= 2 ms (ms)", steady.p99 * 1e3, steady.p99 <= 2e-3))
     print_table(rows, title="through the managers, two processes (steady state)")
+    if args.wait_iters > 0:
+        waiting, fails, idle = _run_waiting(args, chan, efd)
+        failures += fails
+        out["idle_receiver"] = idle
+        _print_waiting(waiting, steadies[0])
+        out["waiting"] = [
+            {
+                "gap_ms": case.gap_ms,
+                **case.stats.as_dict(),
+                "floor": case.floor.as_dict(),
+                "phases_ms": case.phases_ms,
+            }
+            for case in waiting
+        ]
+        for case in waiting:
+            p50, p99 = case.stats.median * 1e3, case.stats.p99 * 1e3
+            targets.append((f"waiting {case.gap_ms:g} ms: p50 <= 0.4 ms (ms)", p50, p50 <= 0.4))
+            targets.append((f"waiting {case.gap_ms:g} ms: p99 <= 1 ms (ms)", p99, p99 <= 1.0))
     if failures:
         raise SystemExit(f"verification failed: {', '.join(failures[:5])}")
     print("\nTargets")
