@@ -51,6 +51,7 @@ def _plain(health: dict[str, Any]) -> dict[str, Any]:
 def stage_main(cfg: dict[str, Any], sender_info: Any, in_q: Any, out_q: Any) -> None:
     """Child entry point: a manager built from ``cfg`` serving commands until ``close``."""
     from omnikv import OmniKVTransferManager
+    from omnikv.transfer.edge import KVCaches
 
     mgr = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=cfg))
     if sender_info is not None:
@@ -61,10 +62,9 @@ def stage_main(cfg: dict[str, Any], sender_info: Any, in_q: Any, out_q: Any) -> 
         cmd = in_q.get()
         op = cmd[0]
         if op == "send":
-            spec = {cmd[1]: {"block_ids": BLOCK_IDS, "seq_len": SEQ_LEN}}
-            mgr.handle_finished_requests_kv_transfer(spec, _caches(1.0), 8, "torch.float32")
-            res = mgr.get_send_result(cmd[1])
-            out_q.put(("sent", res.status.value if res else None, res.reason if res else None))
+            entry = {"block_ids": BLOCK_IDS, "seq_len": SEQ_LEN}
+            res = mgr.edge.send(cmd[1], entry, KVCaches(_caches(1.0), 8, "torch.float32"))
+            out_q.put(("sent", res.status.value, res.reason))
         elif op == "stall_put":
             conn = mgr.connector
             assert conn is not None

@@ -184,6 +184,7 @@ def stage_sender(
     """A sender stage rank: sends ``req`` from its slice of the cache, then waits to close."""
     _set_rank(rank)
     from omnikv import OmniKVTransferManager
+    from omnikv.transfer.edge import KVCaches
 
     try:
         mgr = OmniKVTransferManager.from_od_config(SimpleNamespace(omni_kv_config=omni_kv))
@@ -194,22 +195,19 @@ def stage_sender(
         ]
         entry = {"block_ids": block_ids(spec), "seq_len": spec["seq_len"]}
         t0 = time.monotonic()
-        done = mgr.handle_finished_requests_kv_transfer(
-            {"req": entry}, caches, spec["block_size"], "float16"
-        )
+        res = mgr.edge.send("req", entry, KVCaches(caches, spec["block_size"], "float16"))
         send_s = time.monotonic() - t0
-        res = mgr.get_send_result("req")
         del caches
         out_q.put(
             (
                 "sent",
                 rank,
                 {
-                    "done": done,
-                    "status": res.status.value if res else None,
-                    "reason": res.reason if res else None,
-                    "keys": list(res.keys) if res else [],
-                    "nbytes": res.nbytes if res else 0,
+                    "done": [res.request_id],
+                    "status": res.status.value,
+                    "reason": res.reason,
+                    "keys": list(res.keys),
+                    "nbytes": res.nbytes,
                     "send_s": send_s,
                 },
             )

@@ -15,13 +15,30 @@ from typing import Any
 
 import torch
 
+from omnikv.config import TransferOptions
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["omnikv.manager", "omnikv.connectors.shm.connector"])
 
 
-def sender_main(conn: Connection, namespace: str, pool_size_bytes: int) -> None:
-    """Child: ``("send", rid, fill)`` sends that request's KV; ``("close",)`` closes."""
+def _caches(fill: float) -> list[Any]:
+    """Two layers of a 4-block paged cache (block size 8); layer ``i`` filled with ``fill + i``."""
+    return [torch.full((2, 4, 8, 2, 4), float(fill) + i) for i in range(2)]
+
+
+def sender_main(
+    conn: Connection, namespace: str, pool_size_bytes: int, stream_kv: bool = False
+) -> None:
+    """Child: the sending stage's loop, through its transfer edge (plain tuples only).
+
+    ``("send", rid, fill)`` sends 10 tokens in blocks 0 and 1 and answers whether they were
+    published; ``("finish", rid, ids, seq_len, fill)`` sends (a streamed request: its tail)
+    and answers the result's status and reason; ``("ship", rid, ids, seq_len, fill)`` ships a
+    stream step (``stream_kv``) and answers the chunks shipped and the reason;
+    ``("abort", rid)`` drops its stream's chunks; ``("wait", rid, timeout)`` waits for the
+    send's verdict; ``("pending",)`` lists the keys still published; ``("close",)``."""
     from omnikv import OmniKVCacheConfig, OmniKVTransferManager
+    from omnikv.transfer.edge import KVCaches
 
     mgr = OmniKVTransferManager(
         OmniKVCacheConfig(
@@ -33,8 +50,10 @@ def sender_main(conn: Connection, namespace: str, pool_size_bytes: int) -> None:
             from_stage="stage1",
             to_stage="stage2",
             need_send_cache=True,
-        )
+        ),
+        options=TransferOptions(stream_kv=stream_kv),
     )
+    edge = mgr.edge
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -43,19 +62,35 @@ def sender_main(conn: Connection, namespace: str, pool_size_bytes: int) -> None:
             break
         if cmd[0] == "send":
             _, rid, fill = cmd
-            caches: list[Any] = [torch.full((2, 4, 8, 2, 4), float(fill) + i) for i in range(2)]
-            mgr.handle_finished_requests_kv_transfer(
-                {rid: {"block_ids": [0, 1], "seq_len": 10}}, caches, 8, "torch.float32"
-            )
-            res = mgr.get_send_result(rid)
-            conn.send(("sent", rid, bool(res is not None and res.ok)))
+            entry = {"block_ids": [0, 1], "seq_len": 10}
+            res = edge.send(rid, entry, KVCaches(_caches(fill), 8, "torch.float32"))
+            conn.send(("sent", rid, res.ok))
+        elif cmd[0] in ("finish", "ship"):
+            _, rid, ids, seq_len, fill = cmd
+            entry = {"block_ids": list(ids), "seq_len": seq_len}
+            caches = KVCaches(_caches(fill), 8, "torch.float32")
+            if cmd[0] == "ship":
+                progress = edge.ship(rid, entry, caches)
+                conn.send(("shipped", progress.chunks, progress.reason))
+            else:
+                res = edge.send(rid, entry, caches)
+                conn.send(("result", res.status.value, res.reason))
+        elif cmd[0] == "abort":
+            conn.send(("aborted", edge.abort_stream(cmd[1])))
+        elif cmd[0] == "wait":
+            res = edge.wait_delivered(cmd[1], cmd[2])
+            conn.send(("status", None if res is None else res.status.value))
+        elif cmd[0] == "pending":
+            conn.send(("pending", mgr.flush(0.0)))
         elif cmd[0] == "close":
             mgr.close()
             conn.send(("closed",))
             break
 
 
-def stage_receiver(namespace: str, timeout: float, *, prefetch: bool = False) -> Any:
+def stage_receiver(
+    namespace: str, timeout: float, *, prefetch: bool = False, stream_kv: bool = False
+) -> Any:
     """The receiving stage's manager on the test's namespace (``stage1`` -> ``stage2``)."""
     from omnikv import OmniKVCacheConfig, OmniKVTransferManager
 
@@ -69,16 +104,19 @@ def stage_receiver(namespace: str, timeout: float, *, prefetch: bool = False) ->
             enable_kv_async_prefetch=prefetch,
         ),
         async_prefetch=prefetch,
+        options=TransferOptions(stream_kv=stream_kv),
     )
 
 
 class SenderProc:
     """Handle of one sender process (started and ready when constructed)."""
 
-    def __init__(self, namespace: str, pool_size_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self, namespace: str, pool_size_bytes: int = 8 << 20, *, stream_kv: bool = False
+    ) -> None:
         self.conn, child = _CTX.Pipe()
         self.proc = _CTX.Process(
-            target=sender_main, args=(child, namespace, pool_size_bytes), daemon=True
+            target=sender_main, args=(child, namespace, pool_size_bytes, stream_kv), daemon=True
         )
         self.proc.start()
         child.close()
@@ -93,6 +131,11 @@ class SenderProc:
         """Send ``rid``'s KV and wait until the sender says it was published."""
         self.conn.send(("send", rid, fill))
         assert self.recv() == ("sent", rid, True)
+
+    def ask(self, *cmd: Any, timeout: float = 10.0) -> Any:
+        """Send ``cmd`` and return the sender's answer (a tuple)."""
+        self.conn.send(cmd)
+        return self.recv(timeout)
 
     def kill(self) -> None:
         """SIGKILL by PID and reap."""

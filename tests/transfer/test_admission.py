@@ -19,6 +19,7 @@ from omnikv import ReceiveStatus
 from omnikv.connectors.local import LocalConnector
 from omnikv.transfer.admission import KVAdmission, Readiness
 from omnikv.transfer.receive import ReceiveResult
+from support.polling import until
 from support.stage_sender import SenderProc, stage_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -26,13 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 def _until(admission: KVAdmission, rid: str, state: Readiness, timeout: float = 10.0) -> None:
     """Poll as a step loop would (bounded) until ``rid`` reaches ``state``."""
-    end = time.monotonic() + timeout
-    while True:
+
+    def reached() -> bool:
         got = admission.poll([rid]).get(rid)
-        if got is not None and got.state is state:
-            return
-        assert time.monotonic() < end, f"{rid} never reached {state.value}: {got}"
-        time.sleep(0.002)
+        return got is not None and got.state is state
+
+    until(reached, timeout, f"{rid} reaches {state.value}")
 
 
 def _fill(result: ReceiveResult) -> float:

@@ -29,6 +29,7 @@ from omnikv.transfer.send import SendStatus
 from omnikv.transfer.stream.manifest import chunk_key
 from omnikv.wire.decode import decode_kv
 from omnikv.wire.encode import PackedPayload
+from support.polling import until
 
 BS = 4
 DTYPE_NAMES = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16"}
@@ -496,12 +497,7 @@ def _chunk_threads() -> list[threading.Thread]:
 
 
 def _until(cond: Any, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.002)
-    return True
+    return bool(until(lambda: bool(cond()), timeout))
 
 
 def test_a_streaming_receiver_takes_the_chunks_before_the_tail_is_sent(

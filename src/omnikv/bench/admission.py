@@ -105,6 +105,7 @@ def _sender(fd: int, namespace: str, pool: int) -> int:
     KV at ``t0 + at_s`` (``CLOCK_MONOTONIC``, one clock for the node) and answers
     ``["sent", {rid: t_published}]``."""
     from omnikv import OmniKVTransferManager
+    from omnikv.transfer.edge import KVCaches
 
     layers, heads, dim = MODELS[MODEL]
     max_blocks = max(t for t, _ in SIZE_MIX) // BLOCK
@@ -125,9 +126,8 @@ def _sender(fd: int, namespace: str, pool: int) -> int:
             blocks = -(-int(tokens) // BLOCK)
             meta = {"block_ids": list(range(blocks)), "seq_len": int(tokens)}
             key = f"{prefix}-{rid}"
-            mgr.handle_finished_requests_kv_transfer({key: meta}, caches, BLOCK, "torch.float16")
-            res = mgr.get_send_result(key)
-            if res is None or not res.ok:
+            res = mgr.edge.send(key, meta, KVCaches(caches, BLOCK, "torch.float16"))
+            if not res.ok:
                 raise RuntimeError(f"send of {key} failed: {res}")
             published[rid] = time.monotonic()
         return ["sent", published]

@@ -54,6 +54,7 @@ def _tokens_for(mib: float) -> int:
 def _sender_main(conn: Connection, namespace: str, tokens: int, pool: int) -> None:
     """Child process: on ``("send", prefix, n)`` send ``n`` requests' KV, pool-bounded."""
     from omnikv import OmniKVTransferManager, TransferOptions
+    from omnikv.transfer.edge import KVCaches
 
     mgr = OmniKVTransferManager(
         shm_stage_config(namespace, pool, to_stage="stage2", need_send_cache=True),
@@ -78,9 +79,8 @@ def _sender_main(conn: Connection, namespace: str, tokens: int, pool: int) -> No
                 c.fill_(float(i % 100))
             meta = {"block_ids": list(range(blocks)), "seq_len": tokens}
             rid = f"{prefix}-{i}"
-            mgr.handle_finished_requests_kv_transfer({rid: meta}, caches, BLOCK, "torch.float16")
-            res = mgr.get_send_result(rid)
-            ok = ok and res is not None and res.ok
+            res = mgr.edge.send(rid, meta, KVCaches(caches, BLOCK, "torch.float16"))
+            ok = ok and res.ok
         conn.send(("sent", ok))  # every payload is at the source before the loop starts
     mgr.close()
 

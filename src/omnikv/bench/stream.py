@@ -2,10 +2,10 @@
 shaped link between two emulated nodes.
 
 What a next stage waits for is the *tail*: from the moment the AR stage finishes a request
-(``handle_finished_requests_kv_transfer``) to the moment the receiving stage holds its KV. Sent
-whole, the tail is the whole transfer; streamed (``stream_kv: true``), full blocks leave while
-the request decodes and a receiver with ``stream_kv`` takes them as they are published, so the
-finish moves only the last partial block and the manifest.
+(``manager.edge.send``, what ``handle_finished_requests_kv_transfer`` does) to the moment the
+receiving stage holds its KV. Sent whole, the tail is the whole transfer; streamed (``stream_kv:
+true``), full blocks leave while the request decodes and a receiver with ``stream_kv`` takes
+them as they are published, so the finish moves only the last partial block and the manifest.
 
 Two emulated nodes (:class:`~omnikv.bench.netns.EmulatedLink`, ``tc tbf`` at each ``--rates``
 entry) run one agent each: node *a* an AR stage (a sender manager over the Mooncake Transfer
@@ -13,9 +13,10 @@ Engine, protocol tcp, with a random ``auth_secret``), node *b* the next stage (a
 manager, ``stream_kv: true``). Per request: the receiver starts its receive; the sender's prompt
 KV exists (a paged cache of ``--model``'s shape, ``--tokens`` tokens, seeded random fp16), then
 it decodes ``--decode-steps`` steps of ``--step-ms`` each (each step writes one more token; a
-streamed case calls ``stream_kv_blocks`` at every step, and the step's remaining time is slept),
-then finishes. Timed, on the one machine's monotonic clock: *tail* = receiver's KV in hand - the
-sender's finish call; also each streamed case's first step (it ships the prompt's blocks).
+streamed case calls ``manager.edge.ship`` (``stream_kv_blocks``) at every step, and the step's
+remaining time is slept), then finishes. Timed, on the one machine's monotonic clock: *tail* =
+receiver's KV in hand - the sender's finish call; also each streamed case's first step (it ships
+the prompt's blocks).
 
 Cases per rate, alternating round by round after a discarded warm-up round: whole and streamed,
 each with ``wire_codec`` ``off`` and, with ``--codecs``, the others. Every received KV is
@@ -53,6 +54,7 @@ from omnikv.bench.netns import (
     parse_rate,
     unavailable_reason,
 )
+from omnikv.transfer.edge import KVCaches
 
 __all__ = ["TARGET", "main"]
 
@@ -125,17 +127,15 @@ class _Agent:
             t0 = time.monotonic()
             if stream:
                 entry = _entry(self.ids, prompt + step)
-                self.mgr.stream_kv_blocks(rid, entry, self.caches, BLOCK, "torch.float16")
+                self.mgr.edge.ship(rid, entry, KVCaches(self.caches, BLOCK, "torch.float16"))
             took = time.monotonic() - t0
             if step == 1:
                 first = took
             time.sleep(max(0.0, step_ms / 1e3 - took))  # the step's compute
         t_finish = time.monotonic()
-        spec = {rid: _entry(self.ids, prompt + steps)}
-        self.mgr.handle_finished_requests_kv_transfer(spec, self.caches, BLOCK, "torch.float16")
-        res = self.mgr.get_send_result(rid)
-        status = None if res is None else res.status.value
-        return ["finished", t_finish, status, None if res is None else res.reason, first]
+        entry = _entry(self.ids, prompt + steps)
+        res = self.mgr.edge.send(rid, entry, KVCaches(self.caches, BLOCK, "torch.float16"))
+        return ["finished", t_finish, res.status.value, res.reason, first]
 
     def op_receive(self, rid: str, seq_len: int, tolerance: float) -> list[Any]:
         """Start receiving ``rid`` (``result`` collects it)."""

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omnikv.errors import HFCacheError
-from omnikv.transfer.receive import ReceiveResult
-from omnikv.transfer.send import SendResult, SendStatus
+from omnikv.transfer.edge import KVCaches
+from omnikv.transfer.results import ReceiveResult, SendResult
 
 if TYPE_CHECKING:
     from omnikv.manager import OmniKVTransferManager
@@ -133,13 +133,7 @@ def send_hf_cache(
     if custom_metadata:
         entry["custom_metadata"] = dict(custom_metadata)
     dtype = str(pairs[0][0].dtype).removeprefix("torch.")
-    manager.handle_finished_requests_kv_transfer({rid: entry}, list(layers), seq, dtype)
-    result = manager.get_send_result(rid)
-    if result is None:
-        reason = "the manager does not send (need_send_cache is false or no send stages)"
-        logger.warning("KV of %s not sent: %s", rid, reason)
-        return SendResult(rid, SendStatus.SKIPPED, rid, reason=reason)
-    return result
+    return manager.edge.send(rid, entry, KVCaches(list(layers), seq, dtype))
 
 
 def receive_hf_cache(

@@ -113,9 +113,9 @@ _Job = tuple[str, _Tracked, "torch.device | None", "dict[str, Any] | None"]
 class KVAdmission:
     """Background receives for offered requests, and their readiness on demand.
 
-    Made by :attr:`OmniKVTransferManager.admission` (one per manager), by the prefetcher (one
-    receive thread, ``name="kv-prefetch"``) or directly with a manager's
-    ``receive_kv_cache_result``. Thread-safe: a scheduler thread may poll while another
+    Made by :attr:`TransferEdge.admission <omnikv.transfer.edge.TransferEdge.admission>` (one
+    per edge), by the prefetcher (one receive thread, ``name="kv-prefetch"``) or directly with
+    an edge's ``receive``. Thread-safe: a scheduler thread may poll while another
     offers. The ``max_receives`` receive threads start here, so that an offer only queues
     (starting a thread waits until it runs: milliseconds on a busy host); they are named
     ``name`` when there is one, ``name-0``, ``name-1``, ... otherwise, and ``name`` also heads

@@ -100,7 +100,7 @@ class DeliveryBook:
         to settle the finish with; ``None`` when none came. Called by the sender's finish."""
         with self._cond:
             watch = self._watches.get(request_id)
-            if watch is None:
+            if watch is None or watch.result is not None:
                 return None
             reports = [r for r in watch.verdicts.values() if r.verdict is not Verdict.DELIVERED]
         for verdict in (Verdict.REFUSED, Verdict.EXPIRED):

@@ -164,11 +164,6 @@ class TransferEdge:
         """The sender stage's base endpoint for every receive without a per-call one."""
         self._receiver.set_sender(endpoint)
 
-    @property
-    def streaming(self) -> bool:
-        """Whether this edge streams requests while they decode (``stream_kv``)."""
-        return self._streams is not None
-
     # -- sending ------------------------------------------------------------------------------
     def send(
         self,

@@ -11,7 +11,7 @@ A prefetch is an entry of a :class:`~omnikv.transfer.admission.KVAdmission`, the
 machine of a background receive: ``start`` offers it, ``consume`` waits for it and takes it, a
 superseded queued prefetch is withdrawn, ``shutdown`` closes the tracker. The prefetcher's
 tracker has one receive thread, ``kv-prefetch``, made with the first prefetch, so prefetches
-run one at a time ("serial mode") through the manager's typed receive (:class:`ReceiveFn`).
+run one at a time ("serial mode") through the edge's typed receive (:class:`ReceiveFn`).
 What the prefetcher keeps itself is what only prefetch has: which jobs are prefetched (a
 sender endpoint, device memory to spare, room in the table), the reference's calling
 conventions (``sender_info``, ``deadline``, ``abort``; the reference's job dicts), the CUDA
@@ -206,7 +206,7 @@ def _phase(state: RequestReadiness) -> str:
 class KVPrefetcher:
     """A bounded table of prefetches keyed by request id, received by one background thread.
 
-    ``receive`` is the manager's typed receive (:class:`ReceiveFn`). ``config`` (the manager's
+    ``receive`` is the edge's typed receive (:class:`ReceiveFn`). ``config`` (the manager's
     ``OmniKVCacheConfig``) is read at each :meth:`start`: ``recv_timeout`` makes the prefetch's
     deadline, ``kv_prefetch_min_free_mem_ratio`` guards device targets. ``stager`` does the
     device copies of ``cuda`` targets (default: a fresh
@@ -404,7 +404,7 @@ class KVPrefetcher:
     ) -> ReceiveResult:
         """The receive the tracker runs for each prefetch, on the ``kv-prefetch`` thread.
 
-        Calls the manager's receive as the prefetch always has (``sender_info``, ``deadline``,
+        Calls the edge's receive as the prefetch always has (``sender_info``, ``deadline``,
         ``abort``; a ``cuda`` target through the pinned stager on a side stream), with the
         tracker's ``on_arrival`` (so :meth:`readiness` shows ``pending`` once the payload is
         taken) and ``check`` (the tracker never sets one). The tracker's ``quiet`` is not

@@ -1,7 +1,8 @@
 """Receive path: keys -> wait with a deadline -> decode -> merge/slice -> optional device copy.
 
-Called by the manager (``receive_kv_cache_for_request`` and everything built on it), possibly
-from several threads at once (CFG companions, prefetch). Two forms:
+Called by the transfer edge (its ``receive``, behind the manager's
+``receive_kv_cache_for_request`` and everything built on it), possibly from several threads at
+once (CFG companions, prefetch). Two forms:
 
 * :meth:`KVReceiver.fetch` raises: :class:`~omnikv.errors.ReceiveTimeout` (nothing arrived by
   the deadline), :class:`~omnikv.errors.DecodeError` (corrupt payload),
@@ -86,8 +87,9 @@ ABORT_SLICE_S = 0.05
 
 
 class ReceiveFn(Protocol):
-    """The manager's typed receive (``OmniKVTransferManager.receive_kv_cache_result``), as the
-    background receivers (prefetch, admission) call it.
+    """The edge's typed receive (:meth:`TransferEdge.receive
+    <omnikv.transfer.edge.TransferEdge.receive>`), as the background receivers (prefetch,
+    admission) call it.
 
     Receives ``request_id`` from the endpoint in ``sender_info`` by ``deadline``, onto
     ``target_device`` (``None``: the host); honours ``abort`` between connector waits; logs a
@@ -489,7 +491,7 @@ class KVReceiver:
     ) -> KeyProbe:
         """Where ``request_id``'s KV stands, without taking or claiming any of it.
 
-        Called by the manager's ``probe_kv_cache`` (a scheduler ordering its queue). Asks the
+        Called by the edge's ``probe`` (a scheduler ordering its queue). Asks the
         connector's :meth:`~omnikv.connectors.base.OmniConnectorBase.probe` for every key this
         rank would wait for, with the metadata :meth:`fetch` would give, all by ``deadline``,
         and combines them: ``ready`` when each is ready (or a companion receive already holds
@@ -832,8 +834,9 @@ class KVReceiver:
     ) -> dict[str, ReceiveResult]:
         """Receive every id concurrently under one deadline; keep the results for :meth:`receive`.
 
-        Called by the manager before the CFG collector runs; the collector's own receives of
-        these ids then return at once. Drop what nobody took with :meth:`drop_kept`.
+        Called by the edge's ``companions`` before the CFG collector runs; the collector's own
+        receives of these ids then return at once. Drop what nobody took with
+        :meth:`drop_kept`.
         """
         ids = [str(r) for r in request_ids]
         if not ids:

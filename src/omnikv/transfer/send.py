@@ -1,8 +1,9 @@
 """Send path: validate -> extract a request's blocks -> encode into connector memory -> put.
 
-Called by the manager's ``handle_finished_requests_kv_transfer`` on the model-runner thread,
-once per batch. Every request gets a :class:`SendResult` (sent, skipped, or failed and why);
-one bad request never affects another, and nothing here raises for a request's failure.
+Called by the transfer edge (``send`` / ``send_many``, behind the manager's
+``handle_finished_requests_kv_transfer``) on the model-runner thread, once per batch. Every
+request gets a :class:`SendResult` (sent, skipped, or failed and why); one bad request never
+affects another, and nothing here raises for a request's failure.
 
 Input is checked, never coerced: block ids are integers (``1.7`` is not block 1, ``"12"`` is not
 blocks 1 and 2), ``block_size`` is a positive int, ``custom_metadata`` is a dict that may not

@@ -239,6 +239,7 @@ class KVStreams:
             self.abort(rid)
             return StreamProgress(rid, reason=str(exc))
         stream, ids, batch = step
+        self._note_refusal(rid, stream)
         if stream.stopped is not None:  # (the chunk limit may stop it mid-range)
             self._drop_pending(stream, connector)
             return self._progress(rid, stream, 0, stream.stopped)
@@ -296,6 +297,15 @@ class KVStreams:
             nbytes,
         )
         return self._progress(rid, stream, new, None, int(nbytes))
+
+    def _note_refusal(self, rid: str, stream: _Stream) -> None:
+        """Stop a stream still shipping when a receiver refused (or let expire) one of its
+        chunks before the finish (the delivery book keeps that verdict): nobody takes what
+        would come next, and the finish is refused at once."""
+        early = None if self.deliveries is None else self.deliveries.early(rid)
+        if early is not None and stream.stopped is None:
+            stream.stopped = f"{early.status.value} by a receiver: {early.reason}"
+            logger.debug("KV stream of %s stopped: %s", rid, stream.stopped)
 
     @staticmethod
     def _piece(
@@ -528,17 +538,12 @@ class KVStreams:
         return self._drop_stream(stream)
 
     def close(self) -> None:
-        """Abort every open stream (the manager's close). Idempotent."""
+        """Abort every open stream (the edge's close). Idempotent."""
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
             self._drop_stream(stream)
-
-    def open_streams(self) -> list[str]:
-        """The requests with an open stream (tests, diagnostics)."""
-        with self._lock:
-            return list(self._streams)
 
     def _drop_stream(self, stream: _Stream) -> int:
         keys = list(stream.chunk_keys)
