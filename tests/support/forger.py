@@ -34,7 +34,7 @@ def main(spec: dict[str, object]) -> None:
         for _ in range(int(spec["layers"]))  # type: ignore[call-overload]
     ]
     with OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)) as mgr:
-        stamps = mgr._sender.stamps  # what a forger writes into its headers by hand
+        stamps = mgr.edge._sender.stamps  # what a forger writes into its headers by hand
         stamps.session = str(spec["session"])
         stamps.epoch = int(spec["epoch"])  # type: ignore[call-overload]
         stamps.instance_id = None if spec["instance"] is None else str(spec["instance"])

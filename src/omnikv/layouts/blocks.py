@@ -58,6 +58,9 @@ class LayerBlocks(ABC):
     token_shape: tuple[int, ...]
     #: Whether :meth:`send_source` copies (the sender then reads the copy, not the cache).
     copies_to_send: bool = False
+    #: Whether the attention kernel that writes this layout uses AMX tile instructions (the
+    #: process then asks Linux for the AMX tile state before the kernel runs).
+    uses_amx_tiles: bool = False
 
     @abstractmethod
     def send_source(
@@ -125,6 +128,7 @@ class PackedLayerBlocks(LayerBlocks):
     """
 
     copies_to_send = True
+    uses_amx_tiles = True
 
     def __init__(self, layer: torch.Tensor, spec: PackedLayout) -> None:
         blocks, heads, block_size, head_size = spec.check(layer)

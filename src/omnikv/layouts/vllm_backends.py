@@ -10,6 +10,7 @@ tensor's shape: vLLM 0.32's GPU and CPU caches have the same shape. vLLM is impo
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from omnikv.layouts.specs import VLLM_BHNC_LAYOUT, VLLM_CPU_AMX_LAYOUT, VLLM_CPU_LAYOUT
@@ -43,36 +44,55 @@ CPU_ISA_LAYOUTS: dict[str, str] = {
 }
 
 
-def cpu_cache_layout(vllm_config: Any) -> str | None:
+def cpu_cache_layout(vllm_config: Any, layer_names: Iterable[str] | None = None) -> str | None:
     """The layout of ``CPU_ATTN``'s caches: it depends on the ISA the backend picks for this
-    dtype, block size and head size (the shapes are the same), so the backend is asked.
-    ``None``, logged, for an ISA whose layout omnikv does not read."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    dtype, block size and head size (the shapes are the same). With ``layer_names`` (the vLLM
+    connector at ``register_kv_caches``), it is read where vLLM's CPU attention metadata builder
+    put it, on each named attention layer (``layer.isa``), through vLLM's public
+    ``get_layers_from_vllm_config``: the kernel's own choice. Without (``from_vllm_config``,
+    before the model's layers exist), the backend's selector is asked for this config.
+    ``None``, logged, for an ISA whose layout omnikv does not read, or layers without one or of
+    several."""
+    if layer_names is not None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
 
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    isa = str(
-        _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
-    )
-    layout = CPU_ISA_LAYOUTS.get(isa)
+        layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
+        isas = sorted({str(getattr(layer, "isa", None)) for layer in layers.values()})
+    else:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model = vllm_config.model_config
+        cache = vllm_config.cache_config
+        isas = [
+            str(
+                _get_attn_isa(
+                    model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype
+                )
+            )
+        ]
+    layout = CPU_ISA_LAYOUTS.get(isas[0]) if len(isas) == 1 else None
     if layout is None:
         logger.error(
-            "vLLM's CPU attention uses ISA %r, whose cache layout omnikv does not read (known: %s)",
-            isa,
+            "vLLM's CPU attention uses ISA %s, whose cache layout omnikv does not read (known: %s)",
+            ", ".join(repr(isa) for isa in isas) or "(none set on the attention layers)",
             sorted(CPU_ISA_LAYOUTS),
         )
     return layout
 
 
-def attention_backend_layout(vllm_config: Any) -> str | None:
+def attention_backend_layout(
+    vllm_config: Any, layer_names: Iterable[str] | None = None
+) -> str | None:
     """The layout of the caches of the engine ``vllm_config`` describes: that of its attention
     backends (the layers' own once the model is loaded, else the one vLLM's selector picks for
-    this config). ``None``, logged, when the backends disagree or one is unknown."""
+    this config; ``layer_names``, the registered layers, go to :func:`cpu_cache_layout`).
+    ``None``, logged, when the backends disagree or one is unknown."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
     if names == ["CPU_ATTN"]:
-        return cpu_cache_layout(vllm_config)
+        return cpu_cache_layout(vllm_config, layer_names)
     layouts = {BACKEND_LAYOUTS.get(n) for n in names}
     if len(layouts) != 1 or None in layouts:
         logger.error("no known cache layout for vLLM attention backend(s) %s", names)

@@ -83,8 +83,10 @@ class TransferEdge:
     receives on and its TP topology; ``connector`` is the stage's
     :class:`~omnikv.connectors.factory.LazyConnector` (made on first use). ``configured``:
     the stage sends or receives at all (else every result is ``not_configured``).
-    ``async_prefetch`` turns the prefetcher on (for a stage that receives). Thread-safe as its
-    parts are: sends and stream steps from the model runner's thread, receives from any.
+    ``async_prefetch`` turns the prefetcher on (for a stage that receives). ``on_verdict`` is
+    told each send's result once the receiver's verdict decides it (``delivered``,
+    ``refused``, ``expired``). Thread-safe as its parts are: sends and stream steps from the
+    model runner's thread, receives from any.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class TransferEdge:
         connector: LazyConnector,
         configured: bool = True,
         async_prefetch: bool = False,
+        on_verdict: Callable[[SendResult], object] | None = None,
     ) -> None:
         self.config, self.options, self.placement = config, options, placement
         self.connector = connector
@@ -103,7 +106,8 @@ class TransferEdge:
         #: Counters and phase histograms: ``snapshot()``; exported by ``omnikv.metrics``.
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
-        self._deliveries = DeliveryBook(self._log.delivered)
+        self._on_verdict = on_verdict
+        self._deliveries = DeliveryBook(self._delivered)
         self._hooks = TransferHooks()
         self._sender = KVSender(
             stages=placement.send_stages,
@@ -130,6 +134,14 @@ class TransferEdge:
         self._prefetch = KVPrefetcher(self.receive, config=config)
         self._admission: KVAdmission | None = None
         self._admission_lock = threading.Lock()
+
+    def _delivered(self, result: SendResult) -> None:
+        """The delivery book decided a send's verdict: logged, then pushed to ``on_verdict``
+        (on the connector's listener thread, or the sending thread when the verdict came
+        before the send ended: it must only note it)."""
+        self._log.delivered(result)
+        if self._on_verdict is not None:
+            self._on_verdict(result)
 
     # -- settings -----------------------------------------------------------------------------
     @property

@@ -22,12 +22,12 @@ It follows vLLM's convention for disaggregated prefill, for many concurrent clie
   waits for a send, and vLLM frees the blocks once the put is done.
 * **Consumer.** A request submitted with those params gets its prompt KV from omnikv.
   ``get_num_new_matched_tokens`` admits or refuses the params at once (form, producer tag,
-  binding, MAC with ``auth_secret``); an admitted request is loaded asynchronously on a bounded
-  pool of load threads, each load bound by its own deadline (``recv_timeout`` from admission),
-  looking up only the payload its own binding names, checking it whole before writing vLLM's
-  blocks. Any miss, timeout or mismatch is logged, counted and reported as a failed receive:
-  with ``kv_load_failure_policy="recompute"`` vLLM recomputes the prefill (never a wrong answer,
-  and nothing unchecked enters the prefix cache).
+  binding, MAC with ``auth_secret``); an admitted request is loaded asynchronously on the
+  bounded receive threads of a ``KVAdmission``, each load bound by its own deadline
+  (``recv_timeout`` from admission), looking up only the payload its own binding names, checking
+  it whole before writing vLLM's blocks. Any miss, timeout or mismatch is logged, counted and
+  reported as a failed receive: with ``kv_load_failure_policy="recompute"`` vLLM recomputes the
+  prefill (never a wrong answer, and nothing unchecked enters the prefix cache).
 * **Early hand-off.** With ``auth_secret`` on both engines and ``stream_kv`` in both
   ``omni_kv_config``, a router that holds the secret issues the transfer id itself
   (:func:`new_router_transfer_id`) and sends the request to the producer and the consumer at

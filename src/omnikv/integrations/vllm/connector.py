@@ -8,7 +8,7 @@ called on the half that owns it and delegates; see the package doc for the proto
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -43,11 +43,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _backend_layout(vllm_config: Any, declared: str | None) -> str | None:
+def _backend_layout(
+    vllm_config: Any, declared: str | None, layer_names: Iterable[str]
+) -> str | None:
     """The cache layout: ``vllm_kv_layout`` if given, else the attention backend's."""
     if declared is not None:
         return declared
-    return attention_backend_layout(vllm_config)
+    return attention_backend_layout(vllm_config, layer_names)
 
 
 def declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> None:
@@ -72,7 +74,11 @@ def declare_payload_size(omni_kv_config: dict[str, Any], vllm_config: Any) -> No
 
 
 class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM v1 KV connector shipping finished requests' prompt KV through omnikv."""
+    """vLLM v1 KV connector shipping finished requests' prompt KV through omnikv.
+
+    A facade, as vLLM's own NIXL connector: each hook asserts it is called on the half that
+    owns it and delegates to the hook of the same name on :class:`.scheduler.SchedulerSide`
+    or :class:`.worker.WorkerSide`."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -103,8 +109,8 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 fingerprint=model_fingerprint(vllm_config, options.model_id),
                 recv_timeout=config_from_dict(options.omni_kv_config).recv_timeout,
                 prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
+                block_size=int(getattr(cache, "block_size", 0) or 0),
             )
-            self._scheduler.set_block_size(int(getattr(cache, "block_size", 0) or 0))
         else:
             declare_payload_size(options.omni_kv_config, vllm_config)
             self._worker = WorkerSide(options, int(vllm_config.cache_config.block_size))
@@ -119,48 +125,39 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = _backend_layout(self._vllm_config, self._options.layout)
-        self._worker_side().register(kv_caches, layout)
+        layout = _backend_layout(self._vllm_config, self._options.layout, kv_caches)
+        self._worker_side().register_kv_caches(kv_caches, layout)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, OmniKVConnectorMetadata):
-            self._worker_side().bind(connector_metadata)
+            self._worker_side().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker_side().start_loads()
+        self._worker_side().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads are asynchronous (the request joins a batch only once its
-        KV is written, so a slow producer never holds up a forward pass), and a streamed
-        load writes each chunk or layer group as it arrives (see :mod:`.worker`)."""
+        self._worker_side().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """With ``stream_kv`` and ``stream_layer_groups`` > 1: ship each layer group of this
-        step's newly full blocks once its last layer is written (see
-        :meth:`.worker.WorkerSide.save_layer`); otherwise nothing per layer."""
-        self._worker_side().save_layer(layer_name)
+        self._worker_side().save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """With ``stream_kv``: ship the blocks this step's forward pass completed for requests
-        in prefill (see :meth:`.worker.WorkerSide.ship_streams`). Sends of finished requests
-        start at bind (see :mod:`.worker`)."""
-        self._worker_side().ship_streams()
+        self._worker_side().wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker_side().results(finished_req_ids)
+        return self._worker_side().get_transfer_results(finished_req_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        return self._worker_side().get_finished(finished_req_ids)
 
     def get_kv_connector_stats(self) -> OmniKVConnectorStats | None:
         """The interval's stats: transfers on a worker, admission refusals on the scheduler."""
         if self._worker is not None:
-            return self._worker.take_stats()
-        return self._scheduler_side().counters.take_interval()
+            return self._worker.get_kv_connector_stats()
+        return self._scheduler_side().get_kv_connector_stats()
 
     @classmethod
     def build_kv_connector_stats(
@@ -180,34 +177,30 @@ class OmniKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.close()
+            self._worker.shutdown()
 
     # -- scheduler side -------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler_side().matched(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
-        return self._scheduler_side().build(scheduler_output)
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler_side().update(
-            connector_output.finished_sending or (),
-            connector_output.finished_recving or (),
-            set(getattr(connector_output, "failed_recving", None) or ()),
-        )
+        self._scheduler_side().update_connector_output(connector_output)
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.pending
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,7 @@ from omnikv.integrations.vllm.metadata import (
     StreamSpec,
 )
 from omnikv.integrations.vllm.options import ConnectorOptions
-from omnikv.integrations.vllm.stats import TransferCounters
+from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
 
 __all__ = [
     "PARAM_BINDING",
@@ -98,7 +98,12 @@ class _Streaming:
 
 
 class SchedulerSide:
-    """Per-engine scheduler state (single-threaded: vLLM's scheduler loop)."""
+    """Per-engine scheduler state (single-threaded: vLLM's scheduler loop). Its public
+    methods are the scheduler-side hooks of vLLM's ``KVConnectorBase_V1``, under their names,
+    called by :class:`~omnikv.integrations.vllm.OmniKVConnector` on the scheduler's instance.
+
+    ``clock`` (``time.monotonic`` unless a test steps it) reads the time that admission
+    deadlines count from."""
 
     def __init__(
         self,
@@ -109,6 +114,8 @@ class SchedulerSide:
         fingerprint: str,
         recv_timeout: float,
         prefix_caching: bool,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.options = options
         self.producer = producer
@@ -116,6 +123,7 @@ class SchedulerSide:
         self.fingerprint = fingerprint
         self.recv_timeout = recv_timeout
         self.prefix_caching = prefix_caching
+        self._clock = clock
         self._sends: list[SendSpec] = []
         self._loads: list[tuple[LoadSpec, float]] = []  # with the absolute deadline
         self._cancels: list[str] = []
@@ -132,7 +140,8 @@ class SchedulerSide:
         self.stream = bool(options_from_dict(options.omni_kv_config).stream_kv) and producer
         self._streaming: dict[str, _Streaming] = {}
         self._stream_aborts: list[str] = []
-        self._block_size = 0
+        #: the engine's block size (a stream step is emitted per full block)
+        self._block_size = int(block_size)
         self._router_ids: OrderedDict[str, str] = OrderedDict()  # router id -> its request
 
     # -- consumer ---------------------------------------------------------------------------
@@ -169,13 +178,16 @@ class SchedulerSide:
             payload_key(tid, binding),
             binding,
             available,
-            time.monotonic() + self.recv_timeout,
+            self._clock() + self.recv_timeout,
         )
         self._admitted[request.request_id] = admitted
         return admitted
 
-    def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
-        """``get_num_new_matched_tokens``: how many prompt tokens this request loads."""
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """How many prompt tokens this request loads (``(None, False)``: ask again next
+        step), and whether asynchronously."""
         if not self.consumer:
             return 0, False
         params = getattr(request, "kv_transfer_params", None)
@@ -191,10 +203,10 @@ class SchedulerSide:
             return 0, False
         if admitted.key in self._loading:
             # A sibling (n > 1) loads this payload: ask again next step, until our deadline.
-            if time.monotonic() >= admitted.deadline:
+            if self._clock() >= admitted.deadline:
                 return 0, False
             return None, False
-        count = admitted.num_tokens - num_computed
+        count = admitted.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def _no_sharing_note(self, admitted: _Admitted) -> None:
@@ -207,12 +219,12 @@ class SchedulerSide:
                 admitted.transfer_id,
             )
 
-    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        """``update_state_after_alloc``: an admitted request with external tokens loads them;
-        a producer request to stream (``stream_kv``) gets its transfer id now."""
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """An admitted request with external tokens loads them; a producer request to stream
+        (``stream_kv``) gets its transfer id now."""
         if self.stream:
             self._open_stream(request, blocks)
-        if num_external <= 0:
+        if num_external_tokens <= 0:
             return
         rid = request.request_id
         admitted = self._admitted.get(rid)
@@ -227,9 +239,9 @@ class SchedulerSide:
             key=admitted.key,
             binding=admitted.binding,
             block_ids=block_ids,
-            start=admitted.num_tokens - num_external,
+            start=admitted.num_tokens - num_external_tokens,
             end=admitted.num_tokens,
-            remaining_s=0.0,  # set in build(), when the metadata leaves
+            remaining_s=0.0,  # set in build_connector_meta(), when the metadata leaves
             early=is_router_id(admitted.transfer_id),
         )
         self._loads.append((spec, admitted.deadline))
@@ -303,14 +315,11 @@ class SchedulerSide:
                 specs.append(StreamSpec(rid, st.key, tuple(st.block_ids), upto))
         return specs
 
-    def set_block_size(self, block_size: int) -> None:
-        """The engine's block size (a stream step is emitted per full block)."""
-        self._block_size = int(block_size)
-
-    def finished(
+    def request_finished(
         self, request: Any, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``request_finished``: keep the blocks of a ``do_remote_decode`` request and send."""
+        """Keep the blocks of a finished ``do_remote_decode`` request and send them: whether
+        the blocks are kept, and the ``kv_transfer_params`` for the client."""
         rid = request.request_id
         self._admitted.pop(rid, None)
         if rid in self._load_of:  # aborted while its KV was loading: stop waiting for it
@@ -389,10 +398,11 @@ class SchedulerSide:
         return None
 
     # -- both -------------------------------------------------------------------------------
-    def build(self, scheduler_output: Any = None) -> OmniKVConnectorMetadata:
-        """``build_connector_meta``: this step's sends, loads, cancels and (``stream_kv``) the
-        blocks of requests in prefill to ship after its forward pass."""
-        now = time.monotonic()
+    def build_connector_meta(self, scheduler_output: Any) -> OmniKVConnectorMetadata:
+        """This step's sends, loads, cancels and (``stream_kv``) the blocks of requests in
+        prefill to ship after its forward pass; ``scheduler_output`` may be ``None`` (no
+        stream step then)."""
+        now = self._clock()
         loads = [
             dataclasses.replace(spec, remaining_s=max(0.0, deadline - now))
             for spec, deadline in self._loads
@@ -410,15 +420,18 @@ class SchedulerSide:
         self._sends, self._loads, self._cancels, self._stream_aborts = [], [], [], []
         return meta
 
-    def update(
-        self, finished_sending: Iterable[str], finished_recving: Iterable[str], failed: set[str]
-    ) -> None:
-        """``update_connector_output``: sends and loads the workers reported as ended."""
-        self._sending.difference_update(finished_sending)
-        for rid in finished_recving:
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Sends and loads the workers reported as ended (``finished_sending``,
+        ``finished_recving``, of these ``failed_recving``: vLLM's ``KVConnectorOutput``)."""
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        self._sending.difference_update(connector_output.finished_sending or ())
+        for rid in connector_output.finished_recving or ():
             self._settle(rid, rid not in failed)
 
-    @property
-    def pending(self) -> bool:
-        """``has_pending_push_work``: sends queued or in flight."""
+    def has_pending_push_work(self) -> bool:
+        """Sends queued or in flight (vLLM keeps stepping until they are done)."""
         return bool(self._sending or self._sends)
+
+    def get_kv_connector_stats(self) -> OmniKVConnectorStats | None:
+        """The interval's admission counts (``loads_refused``, ``router_ids_refused``)."""
+        return self.counters.take_interval()

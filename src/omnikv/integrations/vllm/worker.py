@@ -1,34 +1,37 @@
-"""The worker half of :class:`OmniKVConnector`: sends and loads on bounded thread pools.
+"""The worker half of :class:`OmniKVConnector`: sends on a bounded pool, loads on admissions.
 
-vLLM's model runner calls it once per step, on its own thread: ``bind_connector_metadata``
-(:meth:`WorkerSide.bind`: the step's sends start here), ``start_load_kv``
-(:meth:`WorkerSide.start_loads`), ``wait_for_save`` (nothing to do, or with ``stream_kv``
-ship the blocks the step's prefill completed: :meth:`WorkerSide.ship_streams`) and
-``get_transfer_results`` (:meth:`WorkerSide.results`). With speculative decoding vLLM 0.32
-calls ``get_transfer_results`` before ``wait_for_save``; since sends start at bind, a finished
+vLLM's model runner calls its hooks (vLLM's names) once per step, on its own thread:
+:meth:`WorkerSide.bind_connector_metadata` (the step's sends start here),
+:meth:`WorkerSide.start_load_kv`, :meth:`WorkerSide.wait_for_save` (nothing to do, or with
+``stream_kv`` ship the blocks the step's prefill completed) and
+:meth:`WorkerSide.get_transfer_results`. With speculative decoding vLLM 0.32 calls
+``get_transfer_results`` before ``wait_for_save``; since sends start at bind, a finished
 request is reported whichever comes first.
 
 A send is of a request that finished in an earlier step: its blocks are complete and held by
-vLLM until :meth:`WorkerSide.results` reports the send, and the forward pass does not write
-them, so the send starts at bind, beside the step's forward pass. (Started after it, at
+vLLM until :meth:`WorkerSide.get_transfer_results` reports the send, and the forward pass does
+not write them, so the send starts at bind, beside the step's forward pass. (Started after it, at
 ``wait_for_save``, a send waited a whole step; on a busy producer whose prefill steps take
 seconds, consumers' loads timed out before the KV was even sent.)
 
 Guarantees:
 
-* **Nothing blocks the engine.** Sends and loads run on their own pools (``max_concurrent_sends``
-  and ``max_concurrent_loads`` threads), so one slow or stuck transfer never serialises the
+* **Nothing blocks the engine.** Sends run on a pool of ``max_concurrent_sends`` threads, loads
+  on the receive threads of :class:`~omnikv.transfer.admission.KVAdmission` (the one state
+  machine of a background receive: it queues, runs each load under its deadline and ends the
+  ones whose deadline passed in the queue), so one slow or stuck transfer never serialises the
   others. Each load's deadline counts from its admission; a load still queued at its deadline
-  fails at once, without waiting. The one wait on the runner's thread is in a step that
-  computes nothing while loads run (``idle_step_wait_s``, 2 ms by default, ended by the first
-  load to end): it paces vLLM's busy loop so that the load threads get the GIL.
+  fails at once, without waiting. The one wait on the runner's thread is in a step that computes
+  nothing while loads run (``idle_step_wait_s``, 2 ms by default, ended by the first load to
+  end): it paces vLLM's busy loop so that the load threads get the GIL.
 * **Loads that wait do not hold up loads that are ready.** A load waits at most
-  ``load_first_wait_s`` on the main pool; if its KV has not arrived by then (a never-issued id,
-  a slow producer), it moves to a second pool (``max_waiting_loads`` threads) for the rest of its
-  deadline, and the main pool's thread takes the next load. Ids that never arrive can fill the
-  waiting pool, never the main one. A load under a router's id (early hand-off: its KV is
-  still being computed) waits there from the start, in one receive, so a streamed prefill's
-  blocks taken early are never refused by a first wait that ended.
+  ``load_first_wait_s`` on the first admission (``max_concurrent_loads`` threads); if its KV has
+  not arrived by then (a never-issued id, a slow producer), it is offered to a second one
+  (``max_waiting_loads`` threads) for the rest of its deadline, and the first one's thread takes
+  the next load. Ids that never arrive can fill the waiting admission, never the first. A load
+  under a router's id (early hand-off: its KV is still being computed) waits there from the
+  start, in one receive, so a streamed prefill's blocks taken early are never refused by a first
+  wait that ended.
 * **Check before write.** A load looks up only the key its own binding gives (see
   :mod:`.binding`); what it receives is checked (binding, MAC with ``auth_secret``, layer count,
   tokens, heads, head size, dtype, optionally finiteness) before a byte of it is written into
@@ -65,6 +68,7 @@ from typing import Any, TypeVar
 import torch
 
 from omnikv.config import config_from_dict, options_from_dict
+from omnikv.connectors.factory import LazyConnector
 from omnikv.errors import OmniKVError
 from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
 from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, kv_mac_matches
@@ -76,10 +80,13 @@ from omnikv.integrations.vllm.metadata import (
 )
 from omnikv.integrations.vllm.options import ConnectorOptions, default_layer_groups
 from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounters
-from omnikv.layouts.blocks import VLLM_CPU_AMX_LAYOUT, LayerBlocks, vllm_layer_blocks
-from omnikv.manager import OmniKVTransferManager
-from omnikv.transfer.receive import ReceiveStatus
+from omnikv.layouts.blocks import LayerBlocks, vllm_layer_blocks
+from omnikv.ranks.discovery import discover_tp
+from omnikv.topology.placement import StagePlacement
+from omnikv.transfer.admission import KVAdmission
+from omnikv.transfer.edge import KVCaches, TransferEdge
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
+from omnikv.transfer.results import ReceiveResult, ReceiveStatus, SendResult
 from omnikv.transfer.stream.sending import Seal
 from omnikv.wire.codec import round_trip
 
@@ -198,17 +205,28 @@ class _RateLimitedWarning:
 
 
 class WorkerSide:
-    """Per-worker transfer state; its methods are safe to call from vLLM's runner thread."""
+    """Per-worker transfer state. Its public methods are the worker-side hooks of vLLM's
+    ``KVConnectorBase_V1``, under their names, called by
+    :class:`~omnikv.integrations.vllm.OmniKVConnector` on a worker's instance from vLLM's
+    runner thread."""
 
     def __init__(self, options: ConnectorOptions, block_size: int) -> None:
         cfg = options.omni_kv_config
         self.options = options
         cpus = transfer_cpus()
-        # Built on a thread with every CPU, so that the transport's own threads inherit that.
-        self.manager = _on_cpus(
-            cpus,
-            lambda: OmniKVTransferManager(config_from_dict(cfg), options=options_from_dict(cfg)),
-        )
+        # Built on a thread with every CPU, so that the transport's own threads and the
+        # loads' receive threads inherit that.
+        #: the transfer edge every send, stream step and receive goes through
+        self.edge: TransferEdge
+        self.edge, self._connector = _on_cpus(cpus, lambda: self._open_edge(cfg))
+        #: the loads' receives (a consumer only): a first wait of at most ``load_first_wait_s``
+        #: on ``max_concurrent_loads`` threads, the rest of a deadline on ``max_waiting_loads``
+        self._first: KVAdmission | None = None
+        self._waiting: KVAdmission | None = None
+        if self.edge.config.need_recv_cache:
+            self._first, self._waiting = _on_cpus(cpus, self._admissions)
+        #: payload key -> (its load, the load's deadline), while the load is offered
+        self._offered: dict[str, tuple[LoadSpec, float]] = {}
         self.block_size = block_size
         self.counters = TransferCounters()
         self.layers: dict[str, LayerBlocks] = {}
@@ -216,8 +234,6 @@ class WorkerSide:
         self.layout: str | None = None
         self.layout_error: str | None = "register_kv_caches was not called"
         self._send_pool = _pool(options.max_concurrent_sends, "send", cpus)
-        self._load_pool = _pool(options.max_concurrent_loads, "load", cpus)
-        self._wait_pool = _pool(options.max_waiting_loads, "wait", cpus)
         self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -245,9 +261,49 @@ class WorkerSide:
         self._saved: set[int] = set()
         self._groups_shipped = 0
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
-        """``register_kv_caches``: per layer the blocks of the engine's caches
-        (:func:`omnikv.layouts.blocks.vllm_layer_blocks`)."""
+    def _open_edge(self, cfg: Mapping[str, Any]) -> tuple[TransferEdge, LazyConnector]:
+        """This worker's transfer edge (``omni_kv_config`` ``cfg``) and the connector it
+        owns; a sender's connector is made at once (its pool and listener exist before the
+        first send). Verdicts are pushed to :meth:`_on_verdict`."""
+        config, options = config_from_dict(dict(cfg)), options_from_dict(dict(cfg))
+        place = StagePlacement.of(config, discover_tp())
+        lazy = LazyConnector.for_stage(
+            config, place.topology.local_rank, retry_interval=options.connector_retry_interval
+        )
+        moves = bool(config.need_send_cache or config.need_recv_cache)
+        edge = TransferEdge(
+            config,
+            options=options,
+            placement=place,
+            connector=lazy,
+            configured=moves and bool((config.connector_config or {}).get("type")),
+            on_verdict=self._on_verdict,
+        )
+        if config.need_send_cache:
+            lazy.get()
+        return edge, lazy
+
+    def _admissions(self) -> tuple[KVAdmission, KVAdmission]:
+        """The two admissions the loads run on (each thread of theirs runs :meth:`_load`)."""
+        timeout = self.edge.config.recv_timeout
+        first = KVAdmission(
+            self._load_first,
+            recv_timeout=timeout,
+            max_receives=self.options.max_concurrent_loads,
+            name="omnikv-vllm-load",
+        )
+        waiting = KVAdmission(
+            self._load_rest,
+            recv_timeout=timeout,
+            max_receives=self.options.max_waiting_loads,
+            name="omnikv-vllm-wait",
+        )
+        return first, waiting
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: str | None) -> None:
+        """Per layer the blocks of the engine's caches, read in ``layout`` (the facade's
+        choice from the attention backend: :func:`omnikv.layouts.blocks.vllm_layer_blocks`;
+        ``None``: unknown, transfers are off)."""
         if layout is None:
             self.layout_error = "unknown attention backend layout (set vllm_kv_layout)"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
@@ -258,7 +314,7 @@ class WorkerSide:
             self.layout_error = f"layout {layout!r}: {exc}"
             logger.error("OmniKVConnector: %s; transfers are off", self.layout_error)
             return
-        if layout == VLLM_CPU_AMX_LAYOUT:
+        if any(layer.uses_amx_tiles for layer in self.layers.values()):
             _request_amx_tiles()
         if not self.layers:
             self.layout_error = "the engine registered no KV cache layers"
@@ -274,9 +330,8 @@ class WorkerSide:
         logger.info("OmniKVConnector: %d layers, layout %s", len(self.layers), layout)
 
     # -- per step ---------------------------------------------------------------------------
-    def bind(self, meta: OmniKVConnectorMetadata) -> None:
-        """``bind_connector_metadata``: start the step's sends, note its loads, cancel what is
-        gone."""
+    def bind_connector_metadata(self, meta: OmniKVConnectorMetadata) -> None:
+        """Start the step's sends, note its loads, cancel what is gone."""
         with self._lock:
             self._sending.update(s.req_id for s in meta.sends)
             self._pending_loads.extend(meta.loads)
@@ -288,14 +343,19 @@ class WorkerSide:
         self._streams_due.extend(meta.streams)
         self._saved, self._groups_shipped = set(), 0
         for key in meta.stream_aborts:
-            self.manager.abort_kv_stream(key)
+            self.edge.abort_stream(key)
         self._submit_sends(meta.sends)
 
-    def save_layer(self, layer_name: str) -> None:
-        """``save_kv_layer`` with ``stream_kv`` and ``stream_layer_groups`` > 1: note that the
-        forward pass wrote ``layer_name``, and ship, in order, every layer group whose layers
-        are all written, for each producer request this step streams (see
-        :meth:`ship_streams` for what a chunk is). Runs on the runner's thread, inside the
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads are asynchronous (the request joins a batch only once its
+        KV is written, so a slow producer never holds up a forward pass), and a streamed load
+        writes each chunk or layer group as it arrives."""
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """With ``stream_kv`` and ``stream_layer_groups`` > 1: note that the forward pass
+        wrote ``layer_name``, and ship, in order, every layer group whose layers are all
+        written, for each producer request this step streams (see :meth:`wait_for_save` for
+        what a chunk is); otherwise nothing. Runs on the runner's thread, inside the
         forward pass; never raises."""
         if len(self._groups) <= 1 or not self._streams_due or not self._streamable():
             return
@@ -312,8 +372,8 @@ class WorkerSide:
                 if self._ship(spec, (first, end)):
                     self.counters.add("layer_groups_streamed")
 
-    def ship_streams(self) -> None:
-        """``wait_for_save`` with ``stream_kv``: ship the blocks this step's forward pass
+    def wait_for_save(self) -> None:
+        """With ``stream_kv``: ship the blocks this step's forward pass
         completed for producer requests still in prefill (one chunk per request and step, from
         the engine's cache, before the runner goes on), so that at the request's finish only
         its last blocks and the metadata move. With ``stream_layer_groups`` > 1 the step's
@@ -337,7 +397,11 @@ class WorkerSide:
                 self._ship(spec, layers)
 
     def _streamable(self) -> bool:
-        return self.layout_error is None and self.layout != VLLM_CPU_AMX_LAYOUT
+        """Whether stream steps ship: not for a layout read from a copy of the request's
+        blocks (AMX tiles), which a stream step would copy whole every step."""
+        return self.layout_error is None and not any(
+            layer.copies_to_send for layer in self.layers.values()
+        )
 
     def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> bool:
         """One stream step of ``spec``: its newly full blocks, or (``layers``) one layer group
@@ -348,12 +412,10 @@ class WorkerSide:
             sources = [layer.send_source(spec.block_ids) for layer in self.layers.values()]
             views: list[Any] = [kv for kv, _ in sources]
             entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
-            progress = self.manager.stream_kv_blocks(
+            progress = self.edge.ship(
                 spec.key,
                 entry,
-                views,
-                self.block_size,
-                str(views[0][0].dtype),
+                KVCaches(views, self.block_size, str(views[0][0].dtype)),
                 seal=None if self.options.secret is None else self._sealer(spec.key),
                 layers=layers,
             )
@@ -405,13 +467,13 @@ class WorkerSide:
         first, end = (0, len(self.layers)) if layers is None else layers
         chosen = list(self.layers.values())[first:end]
         tokens = [layer.gather(block_ids, count) for layer in chosen]
-        codec = self.manager.options.wire_codec
+        codec = self.edge.options.wire_codec
         if codec != "off":
             tokens = [(round_trip(k, codec), round_trip(v, codec)) for k, v in tokens]
         return kv_mac(secret, key, tokens, start, first)
 
-    def start_loads(self) -> None:
-        """``start_load_kv``: start the loads noted at bind (asynchronous)."""
+    def start_load_kv(self) -> None:
+        """Start the loads noted at bind (asynchronous)."""
         with self._lock:
             loads, self._pending_loads = self._pending_loads, []
             now = time.monotonic()
@@ -421,12 +483,36 @@ class WorkerSide:
                 self._aborts[spec.req_id] = abort
                 starts.append((spec, now + spec.remaining_s, abort))
             self._running += len(starts)
-        for spec, deadline, abort in starts:
+        for spec, deadline, _ in starts:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
-            if spec.early:  # the producer is still computing it: wait off the main pool
-                self._wait_pool.submit(self._load, spec, deadline, abort, False)
-            else:
-                self._load_pool.submit(self._load, spec, deadline, abort, True)
+            # a router's id: the producer is still computing it, so it waits off the first wait
+            self._offer(self._waiting if spec.early else self._first, spec, deadline)
+
+    def _offer(self, admission: KVAdmission | None, spec: LoadSpec, deadline: float) -> None:
+        """Queue ``spec``'s load on ``admission`` under its own deadline (a worker without
+        admissions does not receive: the load ends at once, failed)."""
+        if admission is None:
+            self._end_load(spec, deadline, "this worker does not receive KV (need_recv_cache)", 0)
+            return
+        with self._lock:
+            self._offered[spec.key] = (spec, deadline)
+        admission.offer(spec.key, deadline=deadline)
+
+    def _reap_loads(self) -> None:
+        """Take what the admissions hold of ended loads; a load they ended without running
+        it (its deadline passed while it was queued) ends here, failed, without waiting."""
+        for admission in (self._first, self._waiting):
+            if admission is None:
+                continue
+            for key in admission.ready():
+                result = admission.take(key)
+                if result is None or result.ok:
+                    continue  # the load reported itself
+                with self._lock:
+                    offered = self._offered.pop(key, None)
+                if offered is not None:
+                    why = "timeout: recv_timeout passed before the load could start"
+                    self._end_load(offered[0], offered[1], why, 0)
 
     def _submit_sends(self, sends: list[SendSpec]) -> None:
         if not sends:
@@ -438,14 +524,15 @@ class WorkerSide:
             self.counters.record(spec.transfer_id, req_id=spec.req_id, submitted=now)
             self._send_pool.submit(self._send, spec)
 
-    def results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
-        """``get_transfer_results``: sends done for finished requests, loads ended. A send is
+    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> KVConnectorTransferResults:
+        """Sends done for finished requests, loads ended. A send is
         done when its payload is staged in the connector (a copy: the blocks are no longer
         read), or, with ``free_blocks_on: verdict``, when the consumer's verdict is in
         (delivered, refused or expired: by ``buffer_ttl_seconds + ack_timeout_s`` at the
         latest). In a step that computes nothing while loads run, first waits up to
         ``idle_step_wait_s`` for one to end (see :mod:`.options`)."""
-        self._collect_verdicts()
+        self._expire_verdicts()
+        self._reap_loads()
         with self._lock:
             if self._idle_step and self._aborts and not (self._loaded or self._failed):
                 # an idle step while loads run: let their threads have the GIL for a moment
@@ -468,41 +555,41 @@ class WorkerSide:
         ``refused`` or ``expired``, with ``delivery_reason``)."""
         record = self.counters.get(transfer_id)
         key = None if record is None else record.get("send_key")
-        result = None if key is None else self.manager.get_send_result(key)
+        result = None if key is None else self.edge.send_result(key)
         if record is not None and result is not None:
             record["delivery"] = result.status.value
             record["delivery_reason"] = result.reason
         return record
 
-    def _collect_verdicts(self) -> None:
-        """Count the verdicts that came in since the last step (``sends_delivered``,
-        ``sends_refused``, ``sends_expired``); with ``free_blocks_on: verdict`` their requests'
-        sends are done now."""
+    def _on_verdict(self, result: SendResult) -> None:
+        """The edge pushes a send's verdict (on the connector's listener thread, or on the
+        send's own thread when the verdict came first): counted (``sends_delivered``,
+        ``sends_refused``, ``sends_expired``); with ``free_blocks_on: verdict`` the request's
+        send is done now. Only notes it."""
         with self._lock:
-            due = list(self._verdicts_due.items())
-        if not due:
-            return
-        connector = self.manager.connector
-        if connector is not None:
-            connector.reap_consumed()  # a transport without a timer expires what is due now
-        ended: list[tuple[str, str]] = []
-        for key, req_id in due:
-            result = self.manager.get_send_result(key)
-            status = "expired" if result is None else result.status.value
-            if status in ("delivered", "refused", "expired"):
-                self.counters.add(f"sends_{status}")
-                ended.append((key, req_id))
-        if not ended:
-            return
-        hold = self.options.free_blocks_on == "verdict"
-        with self._lock:
-            for key, req_id in ended:
-                self._verdicts_due.pop(key, None)
-                if hold:
-                    self._sent.add(req_id)
+            req_id = self._verdicts_due.pop(result.request_id, None)
+            if req_id is not None and self.options.free_blocks_on == "verdict":
+                self._sent.add(req_id)
+        if req_id is not None:
+            self.counters.add(f"sends_{result.status.value}")
 
-    def take_stats(self) -> OmniKVConnectorStats | None:
-        """``get_kv_connector_stats``: the interval's counts and durations."""
+    def _expire_verdicts(self) -> None:
+        """While verdicts are due, let a transport without a timer of its own expire what is
+        past its TTL now (the verdicts themselves are pushed: :meth:`_on_verdict`)."""
+        with self._lock:
+            due = bool(self._verdicts_due)
+        connector = self._connector.current if due else None
+        if connector is not None:
+            connector.reap_consumed()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's older form of :meth:`get_transfer_results`: requests whose send is done,
+        requests whose load ended (``None`` for none)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> OmniKVConnectorStats | None:
+        """The interval's counts and durations."""
         return self.counters.take_interval()
 
     def _done(self) -> None:
@@ -513,6 +600,12 @@ class WorkerSide:
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no send or load is in flight; False at ``timeout``."""
+        end = time.monotonic() + timeout
+        for admission in (self._first, self._waiting):  # a first wait may move to waiting
+            if admission is not None:
+                admission.wait(deadline=end)
+        self._reap_loads()
+        timeout = max(0.0, end - time.monotonic())
         with self._idle:
             return self._idle.wait_for(lambda: self._running == 0, timeout=timeout)
 
@@ -521,6 +614,11 @@ class WorkerSide:
         t0 = time.monotonic()
         reason = self.layout_error
         nbytes = 0
+        connector = self._connector.get()
+        watched = connector is not None and connector.acknowledges
+        if watched:  # before the put: a verdict may come before the send returns
+            with self._lock:
+                self._verdicts_due[spec.key] = spec.req_id
         try:
             if reason is None:
                 reason, nbytes = self._put(spec)
@@ -542,11 +640,10 @@ class WorkerSide:
             ok=ok,
             reason=reason,
         )
-        connector = self.manager.connector
-        watched = ok and connector is not None and connector.acknowledges
+        watched = watched and ok
         with self._lock:
-            if watched:
-                self._verdicts_due[spec.key] = spec.req_id
+            if not watched:
+                self._verdicts_due.pop(spec.key, None)
             if not (watched and self.options.free_blocks_on == "verdict"):
                 self._sent.add(spec.req_id)
             self._done()
@@ -573,15 +670,8 @@ class WorkerSide:
             "seq_len": spec.num_tokens,
             "custom_metadata": metadata,
         }
-        self.manager.handle_finished_requests_kv_transfer(
-            {spec.key: entry},
-            kv_caches=views,
-            block_size=self.block_size,
-            cache_dtype=str(views[0][0].dtype),
-        )
-        result = self.manager.get_send_result(spec.key)
-        if result is None:
-            return "the manager recorded no send result", 0
+        caches = KVCaches(views, self.block_size, str(views[0][0].dtype))
+        result = self.edge.send(spec.key, entry, caches)
         if result.ok:
             return None, int(result.nbytes)
         return f"{result.status.value}: {result.reason}", 0
@@ -593,7 +683,7 @@ class WorkerSide:
         and a consumer that took the chunks as they came checks only the tail now. The chunks
         and their MACs are the stream's own record (what the tail's manifest lists); a chunk
         whose MAC it lacks is hashed again from the blocks."""
-        chunks = self.manager.kv_stream_chunks(spec.key)
+        chunks = self.edge.shipped_chunks(spec.key)
         shipped = chunks[-1][1] if chunks else 0
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
             shipped, chunks = 0, []
@@ -613,9 +703,48 @@ class WorkerSide:
         return {META_SEALED: [*ranges, [shipped, spec.num_tokens, mac]]}
 
     # -- consumer ---------------------------------------------------------------------------
-    def _load(self, spec: LoadSpec, deadline: float, abort: threading.Event, first: bool) -> None:
-        """One attempt of a load: on the main pool (``first``) bounded by ``load_first_wait_s``,
-        then, if nothing arrived, once more on the waiting pool until the deadline."""
+    def _load_first(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
+    ) -> ReceiveResult:
+        """The first admission's receive: a load's first wait (the load keeps its own
+        deadline, abort and checks)."""
+        return self._load(request_id, first=True)
+
+    def _load_rest(
+        self,
+        request_id: str,
+        target_device: torch.device | None = None,
+        *,
+        sender_info: dict[str, Any] | None = None,
+        deadline: float | None = None,
+        abort: threading.Event | None = None,
+        quiet: bool = False,
+        on_arrival: Callable[[int], object] | None = None,
+        check: Callable[[ReceivedKV], str | None] | None = None,
+    ) -> ReceiveResult:
+        """The waiting admission's receive: a load's wait until its deadline."""
+        return self._load(request_id, first=False)
+
+    def _load(self, key: str, *, first: bool) -> ReceiveResult:
+        """One attempt of the load offered under ``key``, on an admission's thread: the first
+        (``first``) bounded by ``load_first_wait_s``, then, if nothing arrived, once more on
+        the waiting admission until the deadline. What the admission keeps is only that the
+        load ran (it reports its own end)."""
+        with self._lock:
+            offered = self._offered.get(key)
+            abort = None if offered is None else self._aborts.get(offered[0].req_id)
+        if offered is None or abort is None:
+            return ReceiveResult(key, ReceiveStatus.OK)  # ended already
+        spec, deadline = offered
         t0 = time.monotonic()
         reason = self.layout_error
         nbytes = 0
@@ -623,13 +752,22 @@ class WorkerSide:
             if reason is None:
                 until = min(deadline, t0 + self.options.load_first_wait_s) if first else deadline
                 outcome = self._receive_into_blocks(spec, deadline, until, abort)
-                if outcome is None:  # not there yet: wait for it off the main pool
-                    self._wait_pool.submit(self._load, spec, deadline, abort, False)
-                    return
+                if outcome is None:  # not there yet: wait for it off the first wait
+                    assert self._waiting is not None
+                    self._waiting.offer(key, deadline=deadline)
+                    return ReceiveResult(key, ReceiveStatus.OK)
                 reason, nbytes = outcome
         except Exception as exc:  # any failure means: recompute, never use the blocks
             logger.debug("OmniKVConnector: load of %s raised", spec.transfer_id, exc_info=True)
             reason = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._offered.pop(key, None)
+        self._end_load(spec, deadline, reason, nbytes)
+        return ReceiveResult(key, ReceiveStatus.OK)
+
+    def _end_load(self, spec: LoadSpec, deadline: float, reason: str | None, nbytes: int) -> None:
+        """Record and report a load's end (exactly once per load: ``finished_recving``, and
+        ``failed_recving`` with a ``reason``)."""
         ok = reason is None
         end = time.monotonic()
         self.counters.record(
@@ -646,7 +784,7 @@ class WorkerSide:
             self.counters.add("tokens_loaded", spec.end - spec.start)
             self.counters.add("bytes_loaded", nbytes)
             # From admission: the deadline is ``recv_timeout`` after it, on this worker's clock.
-            admitted = deadline - self.manager.config.recv_timeout
+            admitted = deadline - self.edge.config.recv_timeout
             self.counters.observe("load_seconds", end - admitted)
         else:
             self.counters.add("loads_failed")
@@ -688,7 +826,7 @@ class WorkerSide:
         def on_chunk(chunk: ReceivedChunk) -> str | None:
             return self._write_chunk(spec, chunk, written)
 
-        result = self.manager.receive_kv_cache_result(
+        result = self.edge.receive(
             spec.key, deadline=until, abort=abort, quiet=True, check=check, on_chunk=on_chunk
         )
         if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
@@ -821,15 +959,19 @@ class WorkerSide:
                     return f"layer {idx} {name}: values that are not finite"
         return None
 
-    def close(self) -> None:
-        """``shutdown``: cancel waiting loads, finish what runs, close the manager."""
+    def shutdown(self) -> None:
+        """Cancel waiting loads, finish what runs, close the edge and its connector."""
         with self._lock:
             for event in self._aborts.values():
                 event.set()
         self._send_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)  # may still hand loads to the waiting pool
-        self._wait_pool.shutdown(wait=True)
-        self.manager.close()
+        for admission in (self._first, self._waiting):  # a first wait may move to waiting
+            if admission is not None:
+                admission.wait(deadline=time.monotonic() + 5.0)
+                admission.close()
+        self._reap_loads()
+        self.edge.close()
+        self._connector.close(final=True)
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
