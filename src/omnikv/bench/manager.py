@@ -371,12 +371,7 @@ def _one(
     if gap_ms:
         time.sleep(gap_ms / 1e3)  # idle time before the request (not part of the sample)
     t0 = time.monotonic()
-    mgr.handle_finished_requests_kv_transfer(
-        {rid: {"block_ids": list(range(shape.blocks)), "seq_len": shape.tokens}},
-        caches,
-        BLOCK,
-        "torch.float16",
-    )
+    _send(mgr, caches, shape, rid)
     _PHASES.send_call_s.append(time.monotonic() - t0)
     sent = mgr.get_send_result(rid)
     timings = sent.timings_ms if sent is not None else {}
@@ -440,12 +435,7 @@ def _waiting_sample(
     _, t_enter = chan.expect("waiting")
     _sleep_until(float(t_enter) + gap_s)
     t0 = time.monotonic()
-    mgr.handle_finished_requests_kv_transfer(
-        {rid: {"block_ids": list(range(shape.blocks)), "seq_len": shape.tokens}},
-        caches,
-        BLOCK,
-        "torch.float16",
-    )
+    _send(mgr, caches, shape, rid)
     sent = mgr.get_send_result(rid)
     tx = sent.timings_ms if sent is not None else {}
     t_got, ok, after_wait_ms, t_call, rx = chan.recv()
@@ -543,6 +533,16 @@ def _print_waiting(cases: list[WaitingCase], steady: Stats | None) -> None:
     for case in cases:
         parts = ", ".join(f"{name} {ms:.3f}" for name, ms in case.phases_ms.items())
         print(f"phases at {case.gap_ms:g} ms (medians, ms): {parts}")
+
+
+def _send(mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str) -> None:
+    """The sender stage's call: request ``rid`` holds every block of ``caches``."""
+    mgr.handle_finished_requests_kv_transfer(
+        {rid: {"block_ids": list(range(shape.blocks)), "seq_len": shape.tokens}},
+        caches,
+        BLOCK,
+        "torch.float16",
+    )
 
 
 def _memcpy(nbytes: int, iters: int) -> Stats:

@@ -82,9 +82,9 @@ def _check_covers(kv: RankKV, what: str) -> None:
             )
 
 
-class PieceSender:
-    """A source rank's side of a reshard: created by the stage with its connector, both
-    placements, its rank and the stage pair; :meth:`send` is called once per request."""
+class _RankSide:
+    """What both sides of a reshard hold: the connector, both placements, this rank (checked
+    against its own side's placement: ``ValueError`` outside it) and the stage pair."""
 
     def __init__(
         self,
@@ -94,10 +94,23 @@ class PieceSender:
         rank: int,
         stages: tuple[str, str],
     ) -> None:
-        source.coords(rank)  # ValueError for a rank outside the placement
+        self._own_placement(source, target).coords(rank)
         self._connector = connector
         self.source, self.target, self.rank = source, target, rank
         self._stages = stages
+
+    @staticmethod
+    def _own_placement(source: Placement, target: Placement) -> Placement:
+        raise NotImplementedError
+
+
+class PieceSender(_RankSide):
+    """A source rank's side of a reshard: created by the stage with its connector, both
+    placements, its rank and the stage pair; :meth:`send` is called once per request."""
+
+    @staticmethod
+    def _own_placement(source: Placement, target: Placement) -> Placement:
+        return source
 
     def plan(self, num_tokens: int) -> ReshardPlan:
         return plan_reshard(self.source, self.target, num_tokens)
@@ -137,22 +150,13 @@ class PieceSender:
         return int(size)
 
 
-class PieceReceiver:
+class PieceReceiver(_RankSide):
     """A target rank's side of a reshard: created by the stage with its connector, both
     placements, its rank and the stage pair; :meth:`receive` assembles one request's KV."""
 
-    def __init__(
-        self,
-        connector: OmniConnectorBase,
-        source: Placement,
-        target: Placement,
-        rank: int,
-        stages: tuple[str, str],
-    ) -> None:
-        target.coords(rank)
-        self._connector = connector
-        self.source, self.target, self.rank = source, target, rank
-        self._stages = stages
+    @staticmethod
+    def _own_placement(source: Placement, target: Placement) -> Placement:
+        return target
 
     def receive(
         self,
