@@ -108,7 +108,7 @@ $(OMNI_STAMP): $(VLLM_STAMP) $(OMNI_FIXTURE)/pyproject.toml
 # The vllm-omni pipeline test runs after the others: one pipeline at a time, ~4 min each here.
 test-vllm: $(VLLM_STAMP) $(OMNI_STAMP)
 	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
-	  tests/layouts/test_layouts_vllm.py tests/integrations/vllm tests/test_examples_vllm.py \
+	  tests/layouts/test_layouts_vllm.py tests/integrations/vllm_connector tests/test_examples_vllm.py \
 	  tests/bench/test_bench_stream_vllm.py tests/test_readme_vllm_recipe.py \
 	  tests/bench/test_bench_vllm_against.py tests/bench/test_bench_serve_vllm.py $(PYTEST_ARGS)
 	.ci/loopback-only $(OMNI_PY) -m pytest -q -p no:cacheprovider \

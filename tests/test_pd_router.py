@@ -1,6 +1,6 @@
 """examples/pd_router.py against stand-in servers (aiohttp apps on loopback): what it sends to the
 producer and the consumer, streaming pass-through, errors, /v1/models and /health. The router
-in front of real vLLM servers is tested in tests/integrations/vllm/test_vllm_serve.py."""
+in front of real vLLM servers is tested in tests/integrations/vllm_connector/test_vllm_serve.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``omnikv bench serve`` without vLLM: its options, the skip path, the id forgery of its hostile
 client, what it reads from a server (metrics, log lines) and its process handling. The bench
-against real servers runs in tests/integrations/vllm/test_vllm_serve.py."""
+against real servers runs in tests/integrations/vllm_connector/test_vllm_serve.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """OmniKVConnector's halves driven as vLLM's scheduler and model runner drive them, without an
 engine: a producer and a consumer over LocalConnector (both in this process), on CPU_ATTN-layout
-caches (tests/integrations/vllm/).
+caches (tests/integrations/vllm_connector/).
 
 A *side* is one engine's connectors: ``sched`` (the scheduler's), ``worker`` (a worker's, its
 caches registered) and ``caches``. :func:`step` is one engine step as vLLM runs it (bind,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from support import vllm_halves as halves
+from support.vllm_fixtures import edge_fixture  # noqa: F401 (fixtures)
 from support.vllm_halves import PROMPT
 
 pytestmark = pytest.mark.skipif(

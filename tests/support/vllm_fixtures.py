@@ -1,4 +1,7 @@
-"""Fixtures of the connector tests without an engine: ``edge``, a producer and a consumer over
+"""Fixtures of the vLLM connector tests without an engine, imported by each test module of
+tests/integrations/vllm_connector/ (a conftest.py there would shadow tests/conftest.py, which
+other tests import as ``conftest``; and the folder is not named ``vllm``, which would make
+``import vllm`` find it where vLLM is not installed): ``edge``, a producer and a consumer over
 LocalConnector in a namespace of their own (both shut down after the test, with every side a
 test adds to ``edge.made``), and ``secure``, the same with an ``auth_secret``."""
 
@@ -14,8 +17,8 @@ import pytest
 from support import vllm_halves as halves
 
 
-@pytest.fixture
-def edge() -> Iterator[Any]:
+@pytest.fixture(name="edge")
+def edge_fixture() -> Iterator[Any]:
     ns = f"vllm-{uuid.uuid4().hex[:8]}"
     conn = {"type": "LocalConnector", "namespace": ns}
     producer = halves.pair(
@@ -31,8 +34,8 @@ def edge() -> Iterator[Any]:
         side.worker.shutdown()
 
 
-@pytest.fixture
-def secure(edge: Any) -> Any:
+@pytest.fixture(name="secure")
+def secure_fixture(edge: Any) -> Any:
     conn = dict(edge.conn, namespace=edge.conn["namespace"] + "s")
     producer = halves.pair(
         "kv_producer",

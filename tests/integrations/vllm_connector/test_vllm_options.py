@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from support.vllm_fixtures import edge_fixture  # noqa: F401 (fixtures)
+
 pytestmark = pytest.mark.skipif(
     find_spec("vllm") is None, reason="vLLM not installed (make test-vllm builds .venv-vllm)"
 )

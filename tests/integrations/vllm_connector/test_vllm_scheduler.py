@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from support import vllm_halves as halves
+from support.vllm_fixtures import edge_fixture, secure_fixture  # noqa: F401 (fixtures)
 from support.vllm_halves import PROMPT
 
 pytestmark = pytest.mark.skipif(

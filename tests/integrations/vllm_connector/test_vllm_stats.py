@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from support import vllm_halves as halves
+from support.vllm_fixtures import edge_fixture  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(
     find_spec("vllm") is None, reason="vLLM not installed (make test-vllm builds .venv-vllm)"

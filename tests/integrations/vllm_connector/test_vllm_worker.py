@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from support import vllm_halves as halves
+from support.vllm_fixtures import edge_fixture, secure_fixture  # noqa: F401 (fixtures)
 from support.vllm_halves import BLOCKS, BS, DIM, HEADS, PROMPT
 
 pytestmark = pytest.mark.skipif(
