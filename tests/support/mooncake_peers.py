@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from omnikv.bench.mooncake_master import MooncakeMaster, free_ports
 from omnikv.connectors.mooncake_te.engine import unavailable_reason as mooncake_skip_reason
@@ -41,6 +42,7 @@ __all__ = [
     "Master",
     "crc",
     "free_ports",
+    "mooncake_scenario",
     "mooncake_skip_reason",
     "omnikv_threads",
     "pattern",
@@ -81,6 +83,15 @@ def _can_unshare() -> bool:
         check=False,
     )
     return probe.returncode == 0
+
+
+def mooncake_scenario(module_file: str, func: str, timeout: float) -> dict[str, Any]:
+    """A module fixture's scenario: skips the test where the Mooncake engine cannot run here,
+    else :func:`run_scenario` of ``func`` in ``module_file``."""
+    reason = mooncake_skip_reason()
+    if reason is not None:
+        pytest.skip(str(reason))
+    return run_scenario(module_file, func, timeout=timeout)
 
 
 _UNSHARE: bool | None = None

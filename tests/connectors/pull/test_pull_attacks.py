@@ -34,7 +34,7 @@ from omnikv.connectors.nixl.agent import unavailable_reason as nixl_skip_reason
 from support.mooncake_peers import (
     crc,
     free_ports,
-    mooncake_skip_reason,
+    mooncake_scenario,
     pattern,
     peers,
     run_scenario,
@@ -205,9 +205,7 @@ def scenario_connection_flood() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def connection_flood() -> dict[str, Any]:
-    if mooncake_skip_reason() is not None:
-        pytest.skip(str(mooncake_skip_reason()))
-    return run_scenario(__file__, "scenario_connection_flood", timeout=150)
+    return mooncake_scenario(__file__, "scenario_connection_flood", timeout=150)
 
 
 def test_the_flood_reached_the_sender(connection_flood: dict[str, Any]) -> None:

@@ -17,10 +17,9 @@ import pytest
 from support.mooncake_peers import (
     crc,
     free_ports,
-    mooncake_skip_reason,
+    mooncake_scenario,
     pattern,
     peers,
-    run_scenario,
 )
 from support.pull_engine import ask, serve_sender, start_sender
 
@@ -85,9 +84,7 @@ def scenario_concurrent_receives() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def concurrent() -> dict[str, Any]:
-    if mooncake_skip_reason() is not None:
-        pytest.skip(str(mooncake_skip_reason()))
-    return run_scenario(__file__, "scenario_concurrent_receives", timeout=240)
+    return mooncake_scenario(__file__, "scenario_concurrent_receives", timeout=240)
 
 
 def test_seventy_concurrent_laned_receives_all_succeed(concurrent: dict[str, Any]) -> None:

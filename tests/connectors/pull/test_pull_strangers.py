@@ -27,7 +27,7 @@ import pytest
 from support.mooncake_peers import (
     crc,
     free_ports,
-    mooncake_skip_reason,
+    mooncake_scenario,
     pattern,
     peers,
     run_scenario,
@@ -138,9 +138,7 @@ def scenario_strangers() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def strangers() -> dict[str, Any]:
-    if mooncake_skip_reason() is not None:
-        pytest.skip(str(mooncake_skip_reason()))
-    return run_scenario(__file__, "scenario_strangers", timeout=300)
+    return mooncake_scenario(__file__, "scenario_strangers", timeout=300)
 
 
 def test_the_strangers_writes_reached_the_live_receivers_engine(strangers: dict[str, Any]) -> None:
