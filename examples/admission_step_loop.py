@@ -61,7 +61,9 @@ def main() -> int:
         from_stage="0",
         stage_id="1",
         need_recv_cache=True,
-        recv_timeout=3.0,  # request 6 is given up 3 s after its offer
+        # each request's deadline from its offer: room for stage 0's start on a busy host;
+        # request 6 ends when stage 0 has left (peer_gone), well before
+        recv_timeout=30.0,
     )
     with OmniKVTransferManager(config) as manager:
         admission = manager.admission

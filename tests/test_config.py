@@ -149,6 +149,24 @@ def test_string_booleans_mean_what_they_say() -> None:
     assert options_from_dict({"payload_checksum": "True"}).payload_checksum is True
 
 
+def test_the_data_check_follows_the_connector_unless_it_is_set() -> None:
+    """Unset, the sender asks its connector: on where the bytes cross a link between nodes
+    (Transfer Engine, NIXL, the Store), off for shared memory and in-process connectors."""
+    from omnikv.connectors.local import LocalConnector
+    from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
+    from omnikv.connectors.mooncake_te.connector import MooncakeTransferEngineConnector
+    from omnikv.connectors.nixl.connector import NixlConnector
+    from omnikv.connectors.shm.connector import SharedMemoryConnector
+
+    assert options_from_dict({}).payload_checksum is None
+    assert TransferOptions().payload_checksum is None
+    assert options_from_dict({"payload_checksum": False}).payload_checksum is False
+    assert options_from_dict({"payload_checksum": "true"}).payload_checksum is True
+    cross_node = (MooncakeTransferEngineConnector, NixlConnector, MooncakeStoreConnector)
+    assert all(kind.checks_data for kind in cross_node)
+    assert not SharedMemoryConnector.checks_data and not LocalConnector.checks_data
+
+
 def test_options() -> None:
     opts = options_from_dict(
         {"kv_cache_layout": "blocks_first", "connector_config": {"payload_checksum": True}}

@@ -21,8 +21,8 @@ SOURCES = {
     "SharedMemoryConnector": ["shm/config.py", "shm/connector.py"],
     "MooncakeStoreConnector": ["mooncake_store/config.py", "mooncake_store/connector.py"],
     "MooncakeConnector": ["mooncake_store/config.py", "mooncake_store/connector.py"],
-    "MooncakeTransferEngineConnector": ["pull/connector.py", "mooncake_te/protocol.py"],
-    "NixlConnector": ["pull/connector.py", "nixl/protocol.py"],
+    "MooncakeTransferEngineConnector": ["pull/connector.py", "mooncake_te/config.py"],
+    "NixlConnector": ["pull/connector.py", "nixl/config.py"],
 }
 # a key read as cfg.get("k"), cfg["k"], or named as the first argument of a parser
 _READ = re.compile(

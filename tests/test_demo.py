@@ -28,7 +28,7 @@ def _demo(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "omnikv.cli", "demo", "--timeout", "90", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         env=env,
         check=False,
     )
@@ -46,7 +46,7 @@ _REALISTIC = re.compile(
 )
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(270)
 @pytest.mark.parametrize("connector", ["SharedMemoryConnector", "LocalConnector"])
 def test_demo_tokens_match_reference(connector: str) -> None:
     before = _shm_files()
@@ -75,7 +75,7 @@ def test_demo_tokens_match_reference(connector: str) -> None:
     assert _shm_files() <= before
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(270)
 def test_demo_fails_on_a_perturbed_kv() -> None:
     out = _demo(
         "--requests",
@@ -95,7 +95,7 @@ def test_demo_fails_on_a_perturbed_kv() -> None:
     assert "result: FAIL" in out.stdout
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(270)
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
 def test_hf_llama_demo_in_one_process() -> None:
     out = _demo(

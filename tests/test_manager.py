@@ -160,6 +160,7 @@ def test_receive_copy_gives_each_tensor_its_own_memory_of_its_size(
     assert torch.equal(data["layer_blocks"]["value_cache"][1], want)
 
 
+@pytest.mark.timing
 def test_miss_returns_within_timeout_plus_50ms(manager_pair: PairFactory) -> None:
     _, receiver = manager_pair(recv_timeout=0.3)
     t0 = time.monotonic()
@@ -193,6 +194,7 @@ def test_waiting_receiver_wakes_on_put(manager_pair: PairFactory) -> None:
     assert out["t1"] - out["t0"] < 2.0
 
 
+@pytest.mark.timing  # a bound of 0.1 s on a dummy request's answer: run alone, after the lanes
 def test_dummy_request_and_guards(manager_pair: PairFactory) -> None:
     _, receiver = manager_pair(recv_timeout=5.0)
     t0 = time.monotonic()
@@ -217,6 +219,7 @@ def test_dict_payload_and_receive_kv_cache_applies(
     assert req.sampling_params.kv_metadata == {"seq_len": 2} == req.kv_metadata
 
 
+@pytest.mark.timing
 def test_receive_multi_kv_cache_fetches_companions_concurrently(
     manager_pair: PairFactory,
 ) -> None:

@@ -5,6 +5,7 @@ in front of real vLLM servers is tested in tests/integrations/vllm_connector/tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import sys
@@ -384,24 +385,67 @@ def test_healthcheck_is_health_under_vllms_name() -> None:
     _run(go())
 
 
-def test_a_stream_read_to_the_end_logs_no_disconnect(caplog: pytest.LogCaptureFixture) -> None:
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait, bounded, until ``check()`` holds (for what the test can only observe by asking)."""
+    end = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < end, f"not within {timeout}s: {what}"
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["read-to-the-end", "gone-mid-stream"])
+def test_the_disconnect_line_is_for_a_client_gone_mid_stream_only(
+    caplog: pytest.LogCaptureFixture, whole: bool
+) -> None:
+    """A client that read the stream to its ``[DONE]`` and closed before the router's end of
+    the stream (as streaming clients do) logs no disconnect line; one that closed while the
+    consumer was still generating logs it once. The router writes to its client only after it
+    noticed the client's close, so both cases reach the router's write to a closed client."""
+    chunk, done = b'data: {"choices": [{"text": " w1"}]}\n\n', b"data: [DONE]\n\n"
+    go_on, handled = asyncio.Event(), asyncio.Event()
+    seen: list[web.Request] = []
+
     async def stream(request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse()
         out.content_type = "text/event-stream"
         await out.prepare(request)
-        await out.write(b'data: {"choices": [{"text": " w1"}]}\n\ndata: [DONE]\n\n')
-        await out.write_eof()
+        await out.write(chunk + done if whole else chunk)
+        await asyncio.wait_for(go_on.wait(), 10)  # the client left, and the router knows
+        with contextlib.suppress(ConnectionResetError):
+            if not whole:
+                await out.write(chunk)  # still generating
+                await asyncio.wait_for(handled.wait(), 10)
+            await out.write_eof()
         return out
 
-    producer, consumer = Upstream(), Upstream(stream)
+    @web.middleware
+    async def note(request: web.Request, handler: Handler) -> web.StreamResponse:
+        seen.append(request)
+        try:
+            return await handler(request)
+        finally:
+            handled.set()
 
     async def go() -> None:
-        async with _deployment(producer, consumer) as (url, session):
-            for _ in range(3):
+        producer, consumer = Upstream(), Upstream(stream)
+        async with _serve(producer.app) as p_url, _serve(consumer.app) as c_url:
+            app = pd_router.build_app(p_url, c_url, timeout_s=10.0)
+            app.middlewares.append(note)
+            async with _serve(app) as url, aiohttp.ClientSession() as session:
                 body = {"model": "tiny", "prompt": "w1", "stream": True}
-                async with session.post(url + "/v1/completions", json=body) as r:
-                    assert (await r.read()).endswith(b"data: [DONE]\n\n")
+                r = await session.post(url + "/v1/completions", json=body)
+                got = b""
+                while not got.endswith(done if whole else chunk):
+                    got += await r.content.readany()
+                r.close()  # the connection, not back to the pool
+                await _until(lambda: seen[0].transport is None, "the router saw the close")
+                go_on.set()
+                await asyncio.wait_for(handled.wait(), 10)
 
     with caplog.at_level("DEBUG", logger="pd_router"):
         _run(go())
-    assert not [r for r in caplog.records if "disconnected" in r.getMessage()]
+    lines = [r for r in caplog.records if r.name == "pd_router"]
+    gone = [r for r in lines if "disconnected during the stream" in r.getMessage()]
+    closed = [r for r in lines if "closed after the whole stream" in r.getMessage()]
+    assert (len(gone), len(closed)) == ((0, 1) if whole else (1, 0)), lines
+    assert all(r.levelname == "DEBUG" for r in closed) and all(r.levelname == "INFO" for r in gone)

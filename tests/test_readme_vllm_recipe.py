@@ -6,11 +6,13 @@ and run unchanged in a fresh directory (``examples`` linked there) in a process 
 with nothing set beyond what the recipe sets; the test waits for the router's ``/health``, sends
 a completion through it, checks that the consumer loaded the prompt's KV (its
 ``vllm:omnikv_loads_ok``: the engines agreed on the secret read from the file the recipe
-generated), then stops the whole group by its id.
+generated) and that the secret is in none of the logged lines (vLLM's "non-default args"
+included) nor on any command line of the group, then stops the whole group by its id.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from support import paths
+from support.leaks import assert_secret_hidden, group_cmdlines
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,6 +82,16 @@ def _wait_healthy(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> N
     pytest.fail(f"no healthy router after {timeout} s:\n{log.read_text()[-5000:]}")
 
 
+def _secret_file(pgid: int) -> Path:
+    """The ``auth_secret_file`` the servers of group ``pgid`` were given (the recipe's)."""
+    for cmdline in group_cmdlines(pgid).values():
+        args = cmdline.split(b"\0")
+        if b"--kv-transfer-config" in args:
+            ktc = json.loads(args[args.index(b"--kv-transfer-config") + 1])
+            return Path(ktc["kv_connector_extra_config"]["auth_secret_file"])
+    raise AssertionError("no server with --kv-transfer-config in the recipe's group")
+
+
 def test_the_served_recipe_runs_as_written(tmp_path: Path) -> None:
     from omnikv.bench.serve import fetch_metrics, load_counts, post_json
 
@@ -99,6 +112,7 @@ def test_the_served_recipe_runs_as_written(tmp_path: Path) -> None:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # the recipe's servers and router: one group, ours
         )
+    secret_file: Path | None = None
     try:
         _wait_healthy(proc, log, timeout=700)
         before = fetch_metrics(CONSUMER)
@@ -114,6 +128,9 @@ def test_the_served_recipe_runs_as_written(tmp_path: Path) -> None:
         assert answer["choices"][0]["text"]
         counts = load_counts(before, fetch_metrics(CONSUMER))
         assert counts == {"loads_ok": 1, "loads_failed": 0, "loads_refused": 0}, counts
+        secret_file = _secret_file(proc.pid)
+        secret = secret_file.read_bytes().removesuffix(b"\n")
+        assert_secret_hidden(secret, pgid=proc.pid, log=log.read_bytes(), servers=2)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the group this test started (its own session)
         try:
@@ -121,3 +138,5 @@ def test_the_served_recipe_runs_as_written(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        if secret_file is not None:
+            secret_file.unlink(missing_ok=True)  # the recipe's mktemp file

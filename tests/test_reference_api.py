@@ -177,6 +177,7 @@ def test_wait_prefetch_then_consume(make_manager: Callable[..., OmniKVTransferMa
     assert data is not None and size > 0 and data["metadata"]["seq_len"] == 10
 
 
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 @pytest.mark.timeout(30)
 def test_wait_prefetch_times_out_while_a_receive_runs(
     make_manager: Callable[..., OmniKVTransferManager],

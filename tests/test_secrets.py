@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from omnikv.config import OmniKVCacheConfig
-from omnikv.connectors.mooncake_te.protocol import TEConfig
-from omnikv.connectors.nixl.protocol import NixlSettings
+from omnikv.connectors.mooncake_te.config import TEConfig
+from omnikv.connectors.nixl.config import NixlSettings
 from omnikv.errors import ConfigError
 from omnikv.values import MAX_SECRET_FILE_BYTES, SECRET_ENV, redacted, resolve_secret
 

@@ -45,6 +45,7 @@ BENCHES = (
     "vllm",
     "serve",
     "reshard",
+    "fanout",
 )
 #: the benchmarks that measure over payload sizes next to memcpy and take ``--plot FILE``
 PLOTTED = ("shm", "manager")

@@ -338,12 +338,27 @@ class OmniKVTransferManager:
         ``entry`` is shaped like a ``finished_reqs`` entry (``block_ids``, ``seq_len``: the
         tokens whose KV is written). The blocks not shipped yet go as one chunk; the finish
         (:meth:`handle_finished_requests_kv_transfer`) then sends only the rest and the
-        metadata. Synchronous and short (one put attempt, at most
-        :data:`omnikv.transfer.stream.STEP_PUT_S`); never raises for the request's failure
-        (the progress says why nothing went). A no-op without ``stream_kv``.
+        metadata. The step is handed to the stream's worker thread and this returns at once,
+        whatever the prompt's size: the worker copies the blocks out of ``kv_caches``, seals,
+        codes and puts them (one put attempt, at most
+        :data:`omnikv.transfer.stream.STEP_PUT_S`), in order. Never raises for the request's
+        failure: the returned progress says what earlier steps published, why not, and how
+        many steps are still pending (:meth:`wait_kv_stream` waits for them). At most
+        :data:`omnikv.transfer.stream.sending.DEFAULT_MAX_QUEUED` steps wait at once; a step beyond
+        is refused (``reason`` says back-pressure) and its blocks go with a later step or
+        the tail. A no-op without ``stream_kv``.
 
-        ``seal`` (optional): called with each chunk's token range and block ids; what it
-        returns travels in that chunk's header metadata (:class:`~omnikv.transfer.stream.Seal`).
+        What the caller may do after it returns: write new tokens into the request's blocks
+        that are not full yet, and run further steps. What it may not do: change a full
+        block (true of a paged cache: a full block is never written again while its request
+        runs), or free or reuse the request's blocks before the finish
+        (:meth:`handle_finished_requests_kv_transfer`) or :meth:`abort_kv_stream` returned
+        (each drops the request's queued steps and waits for one running, so the blocks are
+        no longer read).
+
+        ``seal`` (optional): called, on the worker, with each chunk's token range and block
+        ids; what it returns travels in that chunk's header metadata
+        (:class:`~omnikv.transfer.stream.Seal`).
 
         ``layers`` (optional, ``(first, stop)``): ship only those layers of the newly full
         blocks, as soon as the forward pass has written them (``kv_caches`` still names every
@@ -352,6 +367,14 @@ class OmniKVTransferManager:
         """
         caches = KVCaches(kv_caches, block_size, cache_dtype, request_id_resolver)
         return self.edge.ship(request_id, entry, caches, seal=seal, layers=layers)
+
+    def wait_kv_stream(self, request_id: str, timeout: float | None = None) -> StreamProgress:
+        """Wait up to ``timeout`` s (``None``: no limit) until the :meth:`stream_kv_blocks`
+        steps of ``request_id`` handed over so far ran; the request's progress then (what
+        they published since the last progress, the latest reason nothing went, ``pending``
+        > 0 at the timeout). Not needed before the finish or an abort, which settle the
+        request's steps themselves."""
+        return self.edge.wait_stream(request_id, timeout)
 
     def kv_stream_chunks(self, request_id: str) -> list[ShippedChunk]:
         """The chunks ``request_id``'s stream has shipped so far, in order: each one's token
@@ -620,8 +643,10 @@ class OmniKVTransferManager:
         kv_prefetch_jobs: dict[str, Any] | KVPrefetchJob | list[Any] | None,
         target_device: torch.device | None = None,
     ) -> None:
-        """Kick off a background KV load (non-blocking). No-op unless enabled, or on FOLLOWERs."""
-        if self.prefetch_enabled and kv_prefetch_jobs and not self.topo_config.is_follower:
+        """Kick off a background KV load (non-blocking). No-op unless enabled, or on FOLLOWERs
+        (unless every rank reads the KV itself: ``shared_readers``)."""
+        fetches = not self.topo_config.is_follower or self._ranks.reads_shared()
+        if self.prefetch_enabled and kv_prefetch_jobs and fetches:
             self.edge.prefetcher.start_jobs(kv_prefetch_jobs, target_device)
 
     def consume_prefetched_kv(self, req: Any) -> tuple[dict[str, Any] | None, int]:

@@ -3,6 +3,7 @@ speed assertion: speed claims live in the benchmark's own output, see README).""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,15 @@ def test_bench_manager_small_run_verifies(tmp_path: Path) -> None:
         "2,20",
         "--idle-s",
         "0.5",
+        "--torch-threads",
+        "2",
         "--no-targets",
     ]
     result = run_bench_json("manager", args, out, timeout=140)
     case = result["cases"]["64KiB"]
     assert result["bench"] == "manager" and case["runs"] == 20 and case["first_s"] > 0
+    # CPU per steady-state request on each side, next to one memcpy's CPU of the payload
+    assert case["tx_cpu_s"] > 0 and case["rx_cpu_s"] > 0 and case["memcpy_cpu_s"] >= 0
     # the receiver-already-waiting case: each gap with its floor and the phases of a receive
     waiting = {row["gap_ms"]: row for row in result["waiting"]}
     assert sorted(waiting) == [2.0, 20.0]
@@ -50,3 +55,17 @@ def test_bench_manager_small_run_verifies(tmp_path: Path) -> None:
         assert phases["decode"] > 0 and phases["send call to put done"] > 0
     idle = result["idle_receiver"]
     assert idle["wall_s"] >= 0.5 and 0 <= idle["cpu_s"] < idle["wall_s"]
+
+
+def test_cpu_per_request_counts_only_the_steady_samples() -> None:
+    """Each side's CPU per request is the growth of its CPU clock from the end of the last
+    skipped sample (first request, warm-up) to the end of the last sample, per sample."""
+    from omnikv.bench.manager import _Phases
+
+    phases = _Phases()
+    phases.tx_cpu_s += [5.0, 6.0, 8.0, 11.0]  # 5 s of set-up before the first sample ended
+    phases.rx_cpu_s += [1.0, 1.5, 2.0, 3.0]
+    assert phases.cpu_per_request(2) == (2.5, 0.75)
+    assert all(math.isnan(x) for x in phases.cpu_per_request(4))  # nothing steady
+    phases.clear()
+    assert phases.tx_cpu_s == [] and phases.rx_cpu_s == []

@@ -29,7 +29,8 @@ def test_defaults_are_the_issue_grid() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["--cases", "pd,nope"], ["--requests", "0"], ["--hostile-rate", "0"]]
+    "args",
+    [["--cases", "pd,nope"], ["--requests", "0"], ["--rounds", "0"], ["--hostile-rate", "0"]],
 )
 def test_bad_options_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -231,29 +232,39 @@ def test_drain_waits_for_a_quiet_consumer(monkeypatch: pytest.MonkeyPatch) -> No
     assert not serve.drain(Dep(), timeout=0.0, quiet_s=0.0)  # type: ignore[arg-type]
 
 
-def test_auth_is_on_by_default_and_off_on_request() -> None:
+def test_auth_is_on_by_default_and_off_on_request(tmp_path: Path) -> None:
+    """The secret goes by file: its path is in the servers' settings, the secret itself is on
+    no command line."""
     assert serve.parse_args([]).no_auth is False and serve.parse_args(["--no-auth"]).no_auth
-    served = serve.ServedModel("/m", namespace="ns", auth_secret="s3cret")
+    path = serve.write_secret_file(tmp_path / "secret")
+    secret = path.read_text().strip()
+    assert len(secret) == 64 and path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        serve.write_secret_file(path)  # never reused nor overwritten
+    served = serve.ServedModel("/m", namespace="ns", auth_secret_file=path)
     for role in ("kv_producer", "kv_consumer"):
         argv = serve.server_argv(served, role=role, port=8200)
         ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        assert ktc["kv_connector_extra_config"]["auth_secret"] == "s3cret"
+        assert ktc["kv_connector_extra_config"]["auth_secret_file"] == str(path)
+        assert "auth_secret" not in ktc["kv_connector_extra_config"]
+        assert not any(secret in a for a in argv)
     argv = serve.server_argv(serve.ServedModel("/m", namespace="ns"), role="kv_consumer", port=1)
     ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert "auth_secret" not in ktc["kv_connector_extra_config"]
+    assert not {"auth_secret", "auth_secret_file"} & set(ktc["kv_connector_extra_config"])
 
 
 @pytest.mark.timeout(300)  # importing vLLM takes a minute on a busy host
-def test_the_served_secret_is_one_the_connector_accepts() -> None:
+def test_the_served_secret_is_one_the_connector_accepts(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="the connector's options need vLLM (make test-vllm)")
     from omnikv.integrations.vllm.options import parse_options
 
+    path = serve.write_secret_file(tmp_path / "secret")
     argv = serve.server_argv(
-        serve.ServedModel("/m", namespace="ns", auth_secret="ab" * 32), role="kv_consumer", port=1
+        serve.ServedModel("/m", namespace="ns", auth_secret_file=path), role="kv_consumer", port=1
     )
     ktc = serve.json.loads(argv[argv.index("--kv-transfer-config") + 1])
     opts = parse_options(ktc["kv_connector_extra_config"], producer=False, consumer=True)
-    assert opts.secret == b"ab" * 32
+    assert opts.secret == path.read_text().strip().encode()
 
 
 def test_device_cuda_puts_each_engine_on_its_own_gpu() -> None:
@@ -341,3 +352,70 @@ def test_the_hostile_target_compares_c_with_d(capsys: pytest.CaptureFixture[str]
     assert out.count("| 12 | 500 |") == 1
     assert "4 client(s) x 1024 tokens: the hostile ids add +5 %" in out and "within 10 %" in out
     assert "16 client(s) x 1024 tokens: the hostile ids add +50 %" in out and "OVER 10 %" in out
+
+
+def test_rounds_alternate_the_order_of_the_cases() -> None:
+    assert serve.parse_args([]).rounds == 1
+    cases = ["pd", "recompute", "hostile", "busy"]
+    assert serve.round_order(cases, 0) == cases
+    assert serve.round_order(cases, 1) == cases[::-1]
+    assert serve.round_order(cases, 2) == cases
+
+
+def test_a_cases_rounds_are_reported_together() -> None:
+    """TTFTs, outcomes and counts add up; the consumer's means are weighted by observations."""
+    one = serve.CaseResult(
+        "hostile",
+        4,
+        1024,
+        16,
+        [0.1, 0.2],
+        1,
+        0,
+        2.0,
+        ["e1"],
+        loads={"loads_ok": 2, "loads_refused": 5},
+        warnings=1,
+        hostile={"rate": 8.0, "sent": 10, "skipped": 1, "answered": {"200": 9}, "errors": 0},
+        timing={"kv_wait": {"count": 2, "mean_s": 0.010}, "prefill": {"count": 1, "mean_s": 0.5}},
+    )
+    two = serve.CaseResult(
+        "hostile",
+        4,
+        1024,
+        16,
+        [0.3],
+        0,
+        2,
+        3.0,
+        ["e2"],
+        loads={"loads_ok": 1, "loads_refused": 7},
+        hostile_warnings=1,
+        hostile={
+            "rate": 8.0,
+            "sent": 12,
+            "skipped": 0,
+            "answered": {"200": 11, "500": 1},
+            "errors": 1,
+        },
+        timing={"kv_wait": {"count": 6, "mean_s": 0.030}},
+    )
+    got = serve.pooled([one, two])
+    assert (got.case, got.clients, got.tokens, got.requests) == ("hostile", 4, 1024, 32)
+    assert got.ttfts == [0.1, 0.2, 0.3] and got.completed == 3
+    assert (got.failed, got.unfinished, got.wall_s, got.errors) == (1, 2, 5.0, ["e1", "e2"])
+    assert got.loads == {"loads_ok": 3, "loads_refused": 12}
+    assert (got.warnings, got.hostile_warnings) == (1, 1)
+    assert got.hostile == {
+        "rate": 8.0,
+        "sent": 22,
+        "skipped": 1,
+        "answered": {"200": 20, "500": 1},
+        "errors": 1,
+    }
+    assert got.timing["kv_wait"]["count"] == 8
+    assert got.timing["kv_wait"]["mean_s"] == pytest.approx(0.025)
+    assert got.timing["prefill"] == {"count": 1, "mean_s": 0.5}
+    # a round whose consumer exported no counters leaves the pooled counts unknown
+    three = serve.CaseResult("hostile", 4, 1024, 16, [0.4], 0, 0, 1.0, [], loads=None)
+    assert serve.pooled([one, three]).loads is None

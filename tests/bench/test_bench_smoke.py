@@ -38,13 +38,19 @@ def test_bench_shm_small_run_verifies(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_bench_codec_small_run_verifies(tmp_path: Path) -> None:
-    """Encode, decode, crc32 and both KV MACs over a small payload, each result verified."""
+    """Encode and decode with and without the data check, and the KV MACs (this version's and
+    the one before) over a small payload, each result verified."""
     out = tmp_path / "codec.json"
     args = ["--tokens", "64", "--quick", "--quality-prompts", "0", "--no-targets"]
     result = run_bench_json("codec", args, out, timeout=100)
     names = [r["name"] for r in result["results"]]
-    assert "HMAC-SHA256 (kv_mac)" in names and "keyed BLAKE2b (before)" in names, names
-    assert result["ratios"]["mac_sha256_vs_blake2b"] > 0
+    assert "kv_mac: keyed BLAKE3 (v4)" in names and "HMAC-SHA256 (v3, before)" in names, names
+    assert {"pack_into, no check", "pack_into + data check", "decode_kv + data check"} <= set(
+        names
+    ), names
+    ratios = result["ratios"]
+    assert ratios["mac_vs_memcpy"] > 0 and ratios["data_check_vs_memcpy"] > 0, ratios
+    assert ratios["authenticated_vs_not"] > 1, ratios
 
 
 def scenario_bench_mooncake(path: str) -> dict[str, Any]:
@@ -73,11 +79,14 @@ def test_bench_mooncake_small_run_verifies(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_bench_admission_small_run_verifies(tmp_path: Path) -> None:
     """Both modes run over two real sender processes and every payload is verified; admission
-    never waits for a transfer (a wait would last until the missing request's 2 s deadline; the
-    bench's own 5 ms stall threshold is a speed figure, not checked here)."""
+    never waits for a transfer (a wait would last until the missing request's deadline; the
+    bench's own 5 ms stall threshold is a speed figure, not checked here); the only request that
+    fails is the one never sent. The deadline (4 s) leaves a starved sender room to publish
+    late: a sent request fails only when it is published past its deadline (the failure says
+    when it was)."""
     out = tmp_path / "admission.json"
     args = ["--requests", "12", "--max-tokens", "256", "--rounds", "1", "--span-s", "0.4"]
-    args += ["--recv-timeout", "2.0", "--no-targets", "--json", str(out)]
+    args += ["--recv-timeout", "4.0", "--no-targets", "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "omnikv.cli", "bench", "admission", *args],
         capture_output=True,
@@ -92,4 +101,9 @@ def test_bench_admission_small_run_verifies(tmp_path: Path) -> None:
     fifo, admission = result["rounds"]["fifo"][0], result["rounds"]["admission"][0]
     assert admission["max_in_kv_calls_s"] < 1.0 < fifo["max_in_kv_calls_s"], result
     assert fifo["completed"] + fifo["failed"] == 12 == admission["completed"] + admission["failed"]
-    assert admission["failed"] == fifo["failed"] == 1  # the one never sent (10% of 12)
+    never = result["never_sent"]
+    assert len(never) == 1, result  # 10 % of 12
+    # the one never sent fails in both modes, at its deadline, and nothing else does
+    for mode in (fifo, admission):
+        assert list(mode["failures"]) == never, mode["failures"]
+        assert mode["failures"][never[0]].startswith("timeout"), mode["failures"]

@@ -5,11 +5,17 @@ cannot start on a host without an accelerator."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
+import time
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +87,78 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 """
 
 
+#: A stand-in engine: it starts a child (as vLLM's engine starts its engine core), records both
+#: PIDs, and then neither replies nor notices its input closing (as an engine still loading).
+FAKE_ENGINE = """
+import os, subprocess, sys, time
+core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+tmp = os.path.join(os.environ["FAKE_ENGINE_DIR"], f"{os.getpid()}.tmp")
+with open(tmp, "w") as f:
+    f.write(f"{os.getpid()} {core.pid}")
+os.rename(tmp, tmp[:-4] + ".pids")
+sys.stdin.read()
+time.sleep(600)
+"""
+#: The benchmark's run with the stand-in engines (OmniKV and one contender: four engines).
+DRIVER = """
+import argparse, sys
+from pathlib import Path
+from omnikv.bench import vllm_against
+vllm_against._argv = lambda cfg: [sys.executable, "-c", sys.argv[2]]
+vllm_against.build_tiny_llama = lambda path, dtype: path
+ns = argparse.Namespace(tokens="96", dtype="float32", repeat=1, start_timeout=600,
+                        round_timeout=60)
+vllm_against.run_against(ns, Path(sys.argv[1]), ["ExampleConnector"])
+"""
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.mark.slow  # five processes per case
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_every_engine_dies_with_the_benchmark(tmp_path: Path, sig: signal.Signals) -> None:
+    """Killed while its engines start (SIGINT, SIGTERM as ``timeout`` sends it, or SIGKILL),
+    the benchmark leaves no engine and no engine's child alive, checked by PID."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = os.environ | {"FAKE_ENGINE_DIR": str(pids_dir)}
+    bench = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(tmp_path), FAKE_ENGINE],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 40
+        while len(list(pids_dir.glob("*.pids"))) < 4 and time.monotonic() < deadline:
+            assert bench.poll() is None, bench.communicate()[0].decode(errors="replace")
+            time.sleep(0.05)  # polling for the four engines' files, bounded by the deadline
+        files = list(pids_dir.glob("*.pids"))
+        pids = [int(p) for f in files for p in f.read_text().split()]
+        assert len(files) == 4 and all(_alive(p) for p in pids), pids
+        bench.send_signal(sig)
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the kills to land, bounded by the deadline
+        assert [p for p in pids if _alive(p)] == []
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(timeout=10)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_the_reason_is_the_root_error_not_vllms_wrapper() -> None:
     reason = vllm_against.failure_reason(ENGINE_LOG)
     assert reason == "RuntimeError: Cannot access accelerator device when none is available."
@@ -91,6 +169,45 @@ def test_the_reason_is_the_root_error_not_vllms_wrapper() -> None:
     assert vllm_against.failure_reason("just\nlines\n") == "lines"
     assert vllm_against.failure_reason("") == "no output"
     assert len(vllm_against.failure_reason("ValueError: " + "x" * 900)) == 300
+
+
+class _Starting:
+    """An engine whose first reply is ``replies`` (nothing: it never answers)."""
+
+    def __init__(self, *replies: dict[str, Any]) -> None:
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        for r in replies:
+            self._replies.put(r)
+
+    def next_reply(self, timeout: float) -> dict[str, Any]:
+        try:
+            return self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no reply") from None
+
+
+def test_a_start_that_vllm_logged_as_failed_ends_without_waiting_out_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engine may hang after its worker failed; once either engine of the contender
+    logged that it cannot start, the wait ends (not at the start deadline), and the reason is
+    the root cause the failed engine logged, not what the hanging one raised on its way."""
+    monkeypatch.setattr(vllm_against, "START_POLL_S", 0.05)
+    producer, consumer = tmp_path / "X-producer.log", tmp_path / "X-consumer.log"
+    producer.write_text("AttributeError: 'Worker' object has no attribute 'ctx'\n")
+    consumer.write_text("loading\n")
+    t0 = time.monotonic()
+    vllm_against._wait_started(_Starting({"ok": True}), [producer, consumer], t0 + 60)
+    with pytest.raises(TimeoutError):  # nothing logged: the deadline decides
+        vllm_against._wait_started(_Starting(), [producer, consumer], time.monotonic() + 0.3)
+    consumer.write_text(
+        "RuntimeError: Worker failed with error 'Cannot access accelerator device', see above\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="X-consumer: the engine logged that it cannot start"):
+        vllm_against._wait_started(_Starting(), [producer, consumer], t0 + 60)
+    assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.slow

@@ -83,6 +83,7 @@ class _PackedOnly(OmniConnectorBase):
         self._closed = True
 
 
+@pytest.mark.timing
 def test_default_wait_polls_finely_and_boundedly() -> None:
     conn = _PollOnly()
     t0 = time.monotonic()
@@ -92,6 +93,7 @@ def test_default_wait_polls_finely_and_boundedly() -> None:
     assert 10 < conn.calls < 200  # neither a busy loop nor a coarse sleep
 
 
+@pytest.mark.timing
 def test_default_wait_returns_a_managed_buffer() -> None:
     conn = _PollOnly()
     conn.ready_at = time.monotonic() + 0.05

@@ -27,7 +27,7 @@ client keeps a keep-alive connection and threads per process) and nothing more.
 teardown sets the pace: destroying a Transfer Engine waits for its handshake listener's
 one-second accept timeout and the Store client's ``close`` takes about two seconds, both holding
 the GIL (so cycles cannot overlap in one process); the Store's 200 cycles take about seven
-minutes, mostly waiting, so ``make test`` runs this module beside the rest of the suite. The
+minutes, mostly waiting, so ``make test`` runs this module in a lane of its own beside the rest. The
 engines run at the same time, each in its own isolated child process. Before the fixes a
 long-lived receiver kept one descriptor per sender it had met (its control channel), every
 long-lived Mooncake engine one per peer (the TCP transport's pooled connection), and a

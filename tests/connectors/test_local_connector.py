@@ -50,6 +50,7 @@ def test_wait_hands_objects_over_as_their_encoded_bytes(namespace: str) -> None:
     assert isinstance(buf, ManagedBuffer) and decode_object(buf.tensor) == {"x": 1}
 
 
+@pytest.mark.timing  # a bound of 50 ms past a deadline: run alone, after the lanes
 def test_wait_honours_its_deadline(namespace: str) -> None:
     conn = LocalConnector({"namespace": namespace})
     t0 = time.monotonic()
@@ -236,3 +237,23 @@ def test_an_unconsumed_payload_expires_after_its_ttl_and_is_named(
     assert never.buffer_ttl_s == 0
     with pytest.raises(ConfigError, match="buffer_ttl_seconds"):
         LocalConnector({"namespace": namespace, "buffer_ttl_seconds": "soon"})
+
+
+def test_withdraw_takes_back_only_this_connectors_untaken_payload(namespace: str) -> None:
+    """``withdraw``: the sender's own untaken payload goes (slot freed, no verdict); a second
+    call, another connector of the namespace, a taken payload and a reader get False."""
+    from omnikv.connectors.delivery import DeliveryReport
+
+    a, b = LocalConnector({"namespace": namespace}), LocalConnector({"namespace": namespace})
+    reports: list[DeliveryReport] = []
+    a.set_delivery_listener(reports.append)
+    assert a.put("0", "1", "gone", b"x" * 100)[0] and a.put("0", "1", "kept", b"y" * 100)[0]
+    assert b.withdraw("0", "1", "gone") is False  # not b's
+    assert a.withdraw("0", "1", "gone") is True
+    assert a.withdraw("0", "1", "gone") is False
+    assert b.get("0", "1", "gone") is None
+    buf, _ = b.get("0", "1", "kept")
+    assert a.withdraw("0", "1", "kept") is False  # taken
+    buf.release()
+    a.reap_consumed()
+    assert reports == [] and a.pending_keys() == []

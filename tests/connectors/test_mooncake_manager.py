@@ -20,20 +20,19 @@ from typing import Any
 
 import pytest
 
-from support.mooncake_peers import Master, mooncake_skip_reason, peers, queue, run_scenario, spawn
+from support.mooncake_peers import Master, mooncake_skip_reason, run_scenario
 from support.pull_engine import (
     QWEN,
+    SCENARIO_224_S,
     SMALL,
     check_closed_sender,
     check_consumed_once,
     check_received,
     check_receiver_closed,
     check_sent_224,
-    collect,
-    receive_and_check,
+    hand_off_224,
     scenario_224,
     scenario_tp,
-    stage_sender,
 )
 
 pytestmark = [
@@ -77,13 +76,7 @@ def scenario_store_224() -> dict[str, Any]:
             "need_recv_cache": True,
             "recv_timeout": 60.0,
         }
-        out_q, in_q = queue(), queue()
-        proc = spawn(stage_sender, send_cfg, 0, 1, QWEN, out_q, in_q)
-        with peers(proc, timeout=30):
-            res["recv"] = receive_and_check(recv_cfg, 0, 1, QWEN, None)
-            res["sent"] = collect(out_q, 1, 60)[0][2]
-            in_q.put("close")
-            res["closed"] = collect(out_q, 1, 60)[0][2]
+        res.update(hand_off_224(send_cfg, recv_cfg, None))
         # nothing was left in the store: a fresh client finds no object under the key
         from omnikv.connectors.mooncake_store.connector import MooncakeStoreConnector
 
@@ -100,66 +93,66 @@ def scenario_te_tp(s: int, t: int) -> dict[str, Any]:
 # -- tests (each scenario runs once per module; each test checks one behaviour) -----------------
 @pytest.fixture(scope="module")
 def te_224() -> dict[str, Any]:
-    return run_scenario(__file__, "scenario_te_224", timeout=180)
+    return run_scenario(__file__, "scenario_te_224", timeout=SCENARIO_224_S)
 
 
 @pytest.fixture(scope="module")
 def store_224() -> dict[str, Any]:
-    return run_scenario(__file__, "scenario_store_224", timeout=180)
+    return run_scenario(__file__, "scenario_store_224", timeout=SCENARIO_224_S)
 
 
 @pytest.fixture(scope="module")
 def te_tp() -> dict[str, Any]:
-    return run_scenario(__file__, "scenario_te_tp", {"s": 2, "t": 4}, timeout=180)
+    return run_scenario(__file__, "scenario_te_tp", {"s": 2, "t": 4}, timeout=420)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_te_sender_reports_the_224mib_kv_sent(te_224: dict[str, Any]) -> None:
     check_sent_224(te_224["sent"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_te_receiver_gets_every_tensor_intact(te_224: dict[str, Any]) -> None:
     check_received(te_224["recv"], QWEN, QWEN["heads"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_te_kv_is_consumed_once(te_224: dict[str, Any]) -> None:
     check_consumed_once(te_224["recv"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_te_receiver_leaves_nothing_after_close(te_224: dict[str, Any]) -> None:
     check_receiver_closed(te_224["recv"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_te_sender_leaves_nothing_after_close(te_224: dict[str, Any]) -> None:
     check_closed_sender(te_224["closed"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_store_sender_reports_the_224mib_kv_sent(store_224: dict[str, Any]) -> None:
     check_sent_224(store_224["sent"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_store_receiver_gets_every_tensor_intact(store_224: dict[str, Any]) -> None:
     check_received(store_224["recv"], QWEN, QWEN["heads"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_store_kv_is_consumed_once(store_224: dict[str, Any]) -> None:
     check_consumed_once(store_224["recv"])
     assert store_224["left_in_store"] != 1, "the consumed object must be removed from the store"
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_store_receiver_leaves_nothing_after_close(store_224: dict[str, Any]) -> None:
     check_receiver_closed(store_224["recv"], store_224["metadata_port"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(SCENARIO_224_S + 60)
 def test_store_sender_leaves_nothing_after_close(store_224: dict[str, Any]) -> None:
     closed = store_224["closed"]
     # the sender remembers its put until its verdict watch sees it taken (it polls the store)
@@ -168,7 +161,7 @@ def test_store_sender_leaves_nothing_after_close(store_224: dict[str, Any]) -> N
     assert [c for c in closed["tcp"] if c[1] != store_224["metadata_port"]] == [], closed
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(440)
 def test_tp2_senders_slice_heads_for_their_tp4_receivers(te_tp: dict[str, Any]) -> None:
     sent = te_tp["sent"]
     assert sorted(sent) == ["0", "1"]
@@ -180,7 +173,7 @@ def test_tp2_senders_slice_heads_for_their_tp4_receivers(te_tp: dict[str, Any]) 
         assert body["keys"] == [f"req_0_0_{rank}_{first}", f"req_0_0_{rank}_{first + 1}"]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(440)
 def test_every_tp4_receiver_gets_its_heads_intact(te_tp: dict[str, Any]) -> None:
     assert sorted(te_tp["received"]) == ["0", "1", "2", "3"]
     for body in te_tp["received"].values():
@@ -189,7 +182,7 @@ def test_every_tp4_receiver_gets_its_heads_intact(te_tp: dict[str, Any]) -> None
         check_receiver_closed(body)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(440)
 def test_tp2_senders_leave_nothing_after_close(te_tp: dict[str, Any]) -> None:
     for body in te_tp["closed"].values():
         check_closed_sender(body)

@@ -138,18 +138,30 @@ def test_layouts_by_name() -> None:
 
 
 @pytest.mark.parametrize(
+    "ids",
+    [
+        [5, 1, 6, 3],  # each block a run of its own
+        [2, 3, 4, 5],  # one run: one slice copy
+        [6, 7, 0, 1],  # two runs
+        [13, 11, 9, 7, 5, 3, 1, 0, 2, 4, 6, 8, 10, 12],  # > MAX_RUN_COPIES runs: index_copy_
+    ],
+)
+@pytest.mark.parametrize(
     ("start", "n"),
     [(0, 0), (0, 5), (0, 8), (0, 24), (3, 2), (3, 5), (3, 13), (5, 19), (8, 16), (3, 20), (11, 17)],
 )
 def test_scatter_tokens_writes_exactly_the_tokens_a_per_token_copy_writes(
-    start: int, n: int
+    start: int, n: int, ids: list[int]
 ) -> None:
-    """Partial first block, whole blocks (one copy), partial last block: the same cache as a
-    token-by-token reference, through a strided view, nothing outside the range touched."""
-    from omnikv.layouts.scatter import scatter_tokens
+    """Partial first block, whole blocks (a copy per run of consecutive ids, or one
+    index_copy_), partial last block: the same cache as a token-by-token reference, through a
+    strided view, nothing outside the range touched."""
+    from omnikv.layouts.scatter import MAX_RUN_COPIES, scatter_tokens
 
-    bs, ids = 8, [5, 1, 6, 3]
-    base = torch.randn(8, 3, bs, 4)  # [blocks, heads, block_size, dim]: a strided token view
+    bs = 8
+    if len(ids) > 4:  # the fragmented case: more whole blocks than copies per run
+        n += (MAX_RUN_COPIES + 2) * bs
+    base = torch.randn(14, 3, bs, 4)  # [blocks, heads, block_size, dim]: a strided token view
     view = base.permute(0, 2, 1, 3)  # [blocks, block_size, heads, dim]
     src = torch.randn(n, 3, 4)
     want = base.clone().permute(0, 2, 1, 3)

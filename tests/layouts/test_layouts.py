@@ -10,7 +10,7 @@ import torch
 
 from omnikv.errors import ExtractionError
 from omnikv.layouts.cache import LayerCache, PreparedBlocks
-from omnikv.layouts.gather import BlockGather, plan_request_kv
+from omnikv.layouts.gather import BlockGather, BlockIndex, plan_request_kv
 from omnikv.layouts.specs import normalize_layer_kv, split_layer_kv
 from omnikv.wire.encode import host_bits
 
@@ -247,6 +247,35 @@ def test_block_index_is_shared_by_every_layer_and_made_once_per_device() -> None
     assert index is not None and index.start is None
     assert index.tensor(torch.device("cpu")) is index.tensor(torch.device("cpu"))
     assert index.array().tolist() == [6, 2, 0]
+
+
+def test_host_bits_gather_from_a_strided_cache_reads_only_the_requests_blocks() -> None:
+    """A strided cache (vLLM's CPU layout keeps K and V side by side in each token's row) with
+    the request's blocks out of order: ``write_bits`` copies one slice per run of consecutive
+    ids (numpy's ``take`` would first copy the whole cache, which then costs every send the
+    cache's size), and writes what the torch gather writes. Measured by what numpy allocates
+    (it reports its buffers to tracemalloc): a few blocks' worth, not the 32 MiB cache."""
+    import tracemalloc
+
+    cache = torch.randn(2048, 16, 2, 2 * 128)  # [blocks, block_size, heads, K | V]: 32 MiB
+    k = cache[..., :128]
+    ids, seq = [9, 10, 11, 3, 4, 700, 12], 7 * 16 - 5
+    gather = BlockGather(k, tuple(ids), seq)
+    assert BlockIndex(tuple(ids[:6])).runs() == ((0, 9, 3), (3, 3, 2), (5, 700, 1))
+    want = torch.empty(gather.shape)
+    gather.write_into(want)
+    got = torch.full(gather.shape, float("nan"))
+    bits = host_bits(got)
+    assert bits is not None
+    tracemalloc.start()
+    try:
+        assert gather.write_bits(bits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(got, want)
+    assert torch.equal(want, _expected(k, ids, seq))
+    assert peak < 1 << 20, peak
 
 
 def test_host_bits_refuses_what_numpy_cannot_view() -> None:

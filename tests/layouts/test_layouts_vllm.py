@@ -189,6 +189,7 @@ def test_scatter_refuses_a_cache_without_blocks() -> None:
 
 
 # -- against vLLM's own cache writer ----------------------------------------------------------
+@pytest.mark.timeout(300)  # the first to import vLLM: over two minutes on a loaded host
 @pytest.mark.parametrize(
     ("isa", "dtype", "block_size", "head_size"),
     [

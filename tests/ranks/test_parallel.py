@@ -95,3 +95,39 @@ def test_cfg_payloads_follow_the_reference_order() -> None:
     assert two[1] is not None and two[0] is not None
     assert two[1]["sp.past_key_values"] is two[0]["sp.past_key_values"]
     assert build_cfg_rank_payloads(plain, 3)[2] is None
+
+
+class _Group:
+    """A process group's rank and size, nothing else (the role snapshot reads only these)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(
+    ("readers", "world", "tp", "shared"),
+    [(4, 4, 1, True), (None, 4, 1, False), (2, 4, 1, False), (4, 4, 2, False), ("x", 4, 1, False)],
+)
+def test_ranks_read_shared_only_when_the_count_is_the_stage(
+    readers: object, world: int, tp: int, shared: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank reads the payload itself only when ``shared_readers`` equals the world size of
+    a stage without TP; otherwise the leader path stays, and a count that does not fit is
+    logged once."""
+    conn: dict[str, object] = {"type": "SharedMemoryConnector"}
+    if readers is not None:
+        conn["shared_readers"] = readers
+    cfg = OmniKVCacheConfig(connector_config=conn, need_recv_cache=True, from_tp=tp, to_tp=tp)
+    ctx = ParallelContext(world_group=_Group(1, world), tp_size=tp)  # type: ignore[arg-type]
+    mgr = OmniKVTransferManager(cfg, parallel_context=ctx)
+    ranks = mgr._ranks
+    assert ranks.reads_shared() is shared
+    assert ranks.reads_shared() is shared
+    misfit = readers in (2, 4) and not shared
+    assert sum("shared_readers" in r.getMessage() for r in caplog.records) == int(misfit)

@@ -46,8 +46,10 @@ def main(spec: dict[str, object]) -> None:
             caches,
             block,
             "float32",
-            seal=lambda start, stop, ids: {"omnikv_mac": "0" * 32},
+            seal=lambda start, stop, ids: {"omnikv_mac": "omnikv-kv-v4:" + "0" * 32},
         )
+        if progress.reason is None:  # handed to the stream worker: what it published
+            progress = mgr.wait_kv_stream(str(spec["key"]), 30.0)
         print("sent" if progress.new == tokens else f"failed {progress!r}", flush=True)
         sys.stdin.read()
 

@@ -16,8 +16,10 @@ Run directly as ``python tests/support/mooncake_peers.py <module file> <function
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.util
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -97,6 +99,28 @@ def mooncake_scenario(module_file: str, func: str, timeout: float) -> dict[str, 
 _UNSHARE: bool | None = None
 
 
+# what a scenario needs after its bound to be killed and reported
+SCENARIO_REPORT_S = 15.0
+# a scenario still running this long before its bound prints its threads' stacks
+SCENARIO_STACKS_BEFORE_S = 8.0
+
+
+def _check_fits_the_test_timeout(func: str, timeout: float) -> None:
+    """Refuse a scenario whose bound does not fit in what is left of the test's pytest-timeout.
+
+    pytest-timeout's default (signal) method arms ``ITIMER_REAL``; a scenario bound above what
+    is left of it never fires, and a slow scenario then fails as a bare pytest timeout, without
+    its output. Checked on every run, so a test whose mark is too low fails at once, on any host.
+    """
+    left, _ = signal.getitimer(signal.ITIMER_REAL)
+    if left and left < timeout + SCENARIO_REPORT_S:
+        raise AssertionError(
+            f"scenario {func}: its bound of {timeout:.0f} s does not fit in the {left:.0f} s "
+            f"left of the test's timeout; mark the test pytest.mark.timeout("
+            f"{math.ceil(timeout + SCENARIO_REPORT_S) + 30}) or more"
+        )
+
+
 def run_scenario(
     module_file: str,
     func: str,
@@ -112,6 +136,7 @@ def run_scenario(
     ``_private_shm`` says whether that was possible). Raises ``AssertionError`` with the child's
     output when it fails or overruns ``timeout``.
     """
+    _check_fits_the_test_timeout(func, timeout)
     global _UNSHARE
     if _UNSHARE is None:
         _UNSHARE = _can_unshare() and os.environ.get("OMNIKV_NO_UNSHARE") != "1"
@@ -122,6 +147,8 @@ def run_scenario(
     path = [str(SRC), str(HERE.parent), module_dir, env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(path)
     env.setdefault("GLOG_minloglevel", "2")
+    # an overrunning scenario prints its threads' stacks first (what it was waiting on)
+    env["OMNIKV_SCENARIO_STACKS_S"] = str(max(1.0, timeout - SCENARIO_STACKS_BEFORE_S))
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -147,7 +174,7 @@ def run_scenario(
     except subprocess.TimeoutExpired:
         _kill_group(proc.pid)
         out, _ = proc.communicate()
-        raise AssertionError(f"scenario {func} overran {timeout}s:\n{out[-6000:]}") from None
+        raise AssertionError(f"scenario {func} overran {timeout}s:\n{out[-12000:]}") from None
     finally:
         _kill_group(proc.pid)
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
@@ -230,6 +257,9 @@ def omnikv_threads() -> list[str]:
 
 def _main(argv: list[str]) -> int:
     module_file, func, params = argv[0], argv[1], json.loads(argv[2])
+    stacks_s = os.environ.get("OMNIKV_SCENARIO_STACKS_S")
+    if stacks_s:
+        faulthandler.dump_traceback_later(float(stacks_s))
     spec = importlib.util.spec_from_file_location(Path(module_file).stem, module_file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

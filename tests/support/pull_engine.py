@@ -11,10 +11,12 @@ config, and the checks of their results. Scenarios run isolated through
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from queue import Empty
 from types import SimpleNamespace
 from typing import Any
 
@@ -178,10 +180,26 @@ def _set_rank(rank: int) -> None:
 
 
 # -- manager level: the stage ranks --------------------------------------------------------------
+#: A stage process still running this long (seconds) prints every thread's stack to stderr
+#: (which the scenario's failure report shows), before :func:`scenario_tp` gives up on it.
+STACKS_AFTER_S = 280.0
+
+
 def stage_sender(
-    omni_kv: dict[str, Any], rank: int, tp: int, spec: dict[str, Any], out_q: Any, in_q: Any
+    omni_kv: dict[str, Any],
+    rank: int,
+    tp: int,
+    spec: dict[str, Any],
+    out_q: Any,
+    in_q: Any,
+    gated: bool = False,
 ) -> None:
-    """A sender stage rank: sends ``req`` from its slice of the cache, then waits to close."""
+    """A sender stage rank: sends ``req`` from its slice of the cache, then waits to close.
+
+    ``gated``: once its manager and cache are built, it reports ``ready`` and sends only on
+    ``"send"``, so a receiver's deadline covers the send, not the process's start (importing
+    torch and the engine can take minutes on a loaded host)."""
+    faulthandler.dump_traceback_later(STACKS_AFTER_S)
     _set_rank(rank)
     from omnikv import OmniKVTransferManager
     from omnikv.transfer.edge import KVCaches
@@ -194,6 +212,11 @@ def stage_sender(
             for i in range(spec["layers"])
         ]
         entry = {"block_ids": block_ids(spec), "seq_len": spec["seq_len"]}
+        if gated:
+            out_q.put(("ready", rank, {}))
+            go = in_q.get(timeout=300)
+            if go != "send":
+                raise RuntimeError(f"expected 'send', got {go!r}")
         t0 = time.monotonic()
         res = mgr.edge.send("req", entry, KVCaches(caches, spec["block_size"], "float16"))
         send_s = time.monotonic() - t0
@@ -212,7 +235,7 @@ def stage_sender(
                 },
             )
         )
-        cmd = in_q.get(timeout=120)
+        cmd = in_q.get(timeout=360)  # after every rank's report (up to 300 s: scenario_tp)
         conn = mgr.connector
         health = conn.health() if conn is not None else {}
         mgr.close()
@@ -235,9 +258,17 @@ def stage_sender(
 
 
 def receive_and_check(
-    omni_kv: dict[str, Any], rank: int, tp: int, spec: dict[str, Any], sender_info: Any
+    omni_kv: dict[str, Any],
+    rank: int,
+    tp: int,
+    spec: dict[str, Any],
+    sender_info: Any,
+    before_wait: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """A receiver stage rank: receives ``req``, compares every tensor, checks consume-once."""
+    """A receiver stage rank: receives ``req``, compares every tensor, checks consume-once.
+
+    ``before_wait`` runs once the receiving manager is built, just before the wait (a gated
+    sender is told to send there: the receiver is waiting when the put comes)."""
     _set_rank(rank)
     from omnikv import OmniKVTransferManager
 
@@ -245,6 +276,8 @@ def receive_and_check(
     if sender_info is not None:
         mgr.update_sender_info(sender_info)
     res: dict[str, Any] = {"rank": rank}
+    if before_wait is not None:
+        before_wait()
     t0 = time.monotonic()
     data, size = mgr.receive_kv_cache_for_request("req")
     res["recv_s"] = time.monotonic() - t0
@@ -292,6 +325,7 @@ def stage_receiver(
     sender_info: Any,
     out_q: Any,
 ) -> None:
+    faulthandler.dump_traceback_later(STACKS_AFTER_S)
     try:
         out_q.put(("received", rank, receive_and_check(omni_kv, rank, tp, spec, sender_info)))
     except Exception as exc:
@@ -299,10 +333,16 @@ def stage_receiver(
 
 
 def collect(out_q: Any, want: int, timeout: float) -> list[tuple[str, int, Any]]:
+    """``want`` reports of the stage processes, within ``timeout`` seconds; an ``error`` report
+    raises at once, and a timeout says which reports came (kind and rank)."""
     got: list[tuple[str, int, Any]] = []
     end = time.monotonic() + timeout
     while len(got) < want:
-        msg = out_q.get(timeout=max(0.1, end - time.monotonic()))
+        try:
+            msg = out_q.get(timeout=max(0.1, end - time.monotonic()))
+        except Empty:
+            came = sorted((kind, rank) for kind, rank, _ in got)
+            raise AssertionError(f"{len(got)} of {want} reports in {timeout} s: {came}") from None
         if msg[0] == "error":
             raise AssertionError(f"rank {msg[1]}: {msg[2]}")
         got.append(msg)
@@ -357,26 +397,51 @@ def free_base_port(ranks: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def scenario_224(connector: dict[str, Any]) -> dict[str, Any]:
-    """224 MiB from one sender stage to one receiver stage through ``connector``."""
-    base = free_base_port(1)
+#: The 224 MiB scenarios' bound: the sum of their steps' own (sender built 120 s, the receive's
+#: 60 s deadline and its 1 s second try, the sent and closed reports 60 s each) and a minute for
+#: comparing 224 MiB on a loaded host, so a slow step fails on its own bound, with its name.
+SCENARIO_224_S = 360.0
+
+
+def hand_off_224(
+    send_cfg: dict[str, Any], recv_cfg: dict[str, Any], sender_info: Any
+) -> dict[str, Any]:
+    """224 MiB from a sender stage process (``send_cfg``) to a receiver stage in this process
+    (``recv_cfg``; ``sender_info`` as ``update_sender_info`` takes it, or ``None``): the
+    receiver's, the sender's and the closed sender's reports. Prints when each step ended
+    (seconds from the start), so an overrun says which step was slow."""
+    t0 = time.monotonic()
+
+    def step(what: str) -> None:
+        print(f"hand_off_224 +{time.monotonic() - t0:.1f} s: {what}", flush=True)
+
     out_q, in_q = queue(), queue()
-    send_cfg = kv_config(connector, "sender", base, 1, 1)
-    proc = spawn(stage_sender, send_cfg, 0, 1, QWEN, out_q, in_q)
+    proc = spawn(stage_sender, send_cfg, 0, 1, QWEN, out_q, in_q, True)
     res: dict[str, Any] = {}
     with peers(proc, timeout=30):
+        collect(out_q, 1, 120)  # the sender is built (its start is not the receiver's to wait)
+        step("sender built")
         # the receiver starts waiting before the sender has sent: it is woken by the put
         res["recv"] = receive_and_check(
-            kv_config(connector, "receiver", base, 1, 1),
-            0,
-            1,
-            QWEN,
-            {"0": {"host": "127.0.0.1", "zmq_port": base + 100}},
+            recv_cfg, 0, 1, QWEN, sender_info, before_wait=lambda: in_q.put("send")
         )
+        step(f"received ({res['recv']['status']} after {res['recv']['recv_s']:.1f} s)")
         res["sent"] = collect(out_q, 1, 60)[0][2]
+        step(f"sent report ({res['sent']['status']}, send took {res['sent']['send_s']:.1f} s)")
         in_q.put("close")
         res["closed"] = collect(out_q, 1, 60)[0][2]
+        step("sender closed")
     return res
+
+
+def scenario_224(connector: dict[str, Any]) -> dict[str, Any]:
+    """224 MiB from one sender stage to one receiver stage through the pull ``connector``."""
+    base = free_base_port(1)
+    return hand_off_224(
+        kv_config(connector, "sender", base, 1, 1),
+        kv_config(connector, "receiver", base, 1, 1),
+        {"0": {"host": "127.0.0.1", "zmq_port": base + 100}},
+    )
 
 
 def scenario_tp(connector: dict[str, Any], s: int, t: int) -> dict[str, Any]:
@@ -396,7 +461,9 @@ def scenario_tp(connector: dict[str, Any], s: int, t: int) -> dict[str, Any]:
     ]
     res: dict[str, Any] = {"sent": {}, "received": {}, "closed": {}}
     with peers(*procs, timeout=30):
-        for kind, rank, body in collect(out_q, s + t, 90):
+        # s + t processes start at once (each imports torch and its engine): on a loaded 2-core
+        # host the last report can come minutes later
+        for kind, rank, body in collect(out_q, s + t, 300):
             res[kind][str(rank)] = body
         for _ in range(s):
             in_q.put("close")
@@ -416,8 +483,12 @@ def check_received(r: dict[str, Any], spec: dict[str, Any], heads: int) -> None:
 
 
 def check_consumed_once(r: dict[str, Any]) -> None:
-    # the second receive is a (None, 0) timeout within its 1 s deadline
-    assert r["again"][:2] == [True, 0] and r["again"][2] < 2.0, r["again"]
+    """The second receive of a taken request is a ``(None, 0)`` timeout under its own 1 s
+    deadline, not the stage's 60 s ``recv_timeout`` (these scenarios run beside the whole suite,
+    where a starved 1 s wait can end seconds late; how close a miss keeps to its deadline is each
+    connector's own miss test: ``test_a_miss_is_none_and_quick`` for the Transfer Engine and
+    NIXL, ``test_a_key_never_put_is_none_at_the_deadline`` for the Store)."""
+    assert r["again"][:2] == [True, 0] and r["again"][2] < 15.0, r["again"]
     assert r["again_status"] == "timeout"
 
 

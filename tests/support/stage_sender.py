@@ -70,8 +70,9 @@ def sender_main(
             entry = {"block_ids": list(ids), "seq_len": seq_len}
             caches = KVCaches(_caches(fill), 8, "torch.float32")
             if cmd[0] == "ship":
-                progress = edge.ship(rid, entry, caches)
-                conn.send(("shipped", progress.chunks, progress.reason))
+                called = edge.ship(rid, entry, caches)
+                progress = edge.wait_stream(rid, 30.0)
+                conn.send(("shipped", progress.chunks, called.reason or progress.reason))
             else:
                 res = edge.send(rid, entry, caches)
                 conn.send(("result", res.status.value, res.reason))

@@ -17,7 +17,7 @@ import torch
 from conftest import ManagerFactory
 from omnikv import ReceiveStatus
 from omnikv.connectors.local import LocalConnector
-from omnikv.transfer.admission import KVAdmission, Readiness
+from omnikv.transfer.admission import KVAdmission, Readiness, receive_by_id
 from omnikv.transfer.receive import ReceiveResult
 from support.polling import until
 from support.stage_sender import SenderProc, stage_receiver
@@ -112,6 +112,7 @@ def test_poll_and_take_answer_at_once_with_many_requests_missing(
         assert time.monotonic() - t0 < 5.0
 
 
+@pytest.mark.timing
 def test_a_ready_request_is_not_held_behind_a_thousand_missing_ones(
     senders: list[SenderProc], namespace: str
 ) -> None:
@@ -380,3 +381,28 @@ def test_a_request_whose_bytes_are_on_their_way_is_pending_with_their_size(
         assert result is not None and result.ok and result.nbytes == state.nbytes
     finally:
         conn.finish.set()
+
+
+def test_a_receive_by_id_runs_the_callers_own_receive_with_the_id_only() -> None:
+    """:func:`receive_by_id` (the vLLM worker's loads): the admission's thread hands the id, and
+    nothing else, to the caller's function; what it returns is the request's outcome, what it
+    raises fails the request."""
+    calls: list[tuple[Any, ...]] = []
+
+    def run(rid: str, *extra: Any) -> ReceiveResult:
+        calls.append((rid, *extra))
+        if rid == "boom":
+            raise RuntimeError("load bug")
+        return ReceiveResult(rid, ReceiveStatus.OK, nbytes=7)
+
+    adm = KVAdmission(receive_by_id(run), recv_timeout=10.0, max_receives=2)
+    try:
+        adm.offer(["a", "boom"], sender_info={"host": "h"})
+        _until(adm, "a", Readiness.READY)
+        _until(adm, "boom", Readiness.FAILED)
+        a, boom = adm.take("a"), adm.take("boom")
+        assert a is not None and a.ok and a.nbytes == 7
+        assert boom is not None and boom.reason is not None and "load bug" in boom.reason
+        assert sorted(calls) == [("a",), ("boom",)]
+    finally:
+        adm.close()

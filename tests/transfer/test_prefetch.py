@@ -388,6 +388,7 @@ def test_consume_and_distribute_sync_on_miss(
 
 
 # -- bounded waits ----------------------------------------------------------------------------
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 def test_prefetch_timeout_is_not_followed_by_a_second_full_wait(
     new_receiver: Callable[..., OmniKVTransferManager],
 ) -> None:
@@ -446,6 +447,7 @@ class StuckConnector(OmniConnectorBase):
         self._closed = True
 
 
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 def test_consume_waits_at_most_the_deadline_with_a_stuck_connector(
     new_receiver: Callable[..., OmniKVTransferManager],
 ) -> None:
@@ -463,6 +465,7 @@ def test_consume_waits_at_most_the_deadline_with_a_stuck_connector(
     mgr.close()
 
 
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 def test_shutdown_is_prompt_while_waiting_on_a_sender_that_never_puts(
     new_receiver: Callable[..., OmniKVTransferManager],
 ) -> None:
@@ -478,6 +481,7 @@ def test_shutdown_is_prompt_while_waiting_on_a_sender_that_never_puts(
     mgr.close()
 
 
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 def test_shutdown_with_uninterruptible_connector_is_bounded_and_worker_stops_touching_it(
     new_receiver: Callable[..., OmniKVTransferManager],
 ) -> None:

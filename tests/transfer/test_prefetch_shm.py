@@ -108,6 +108,7 @@ def test_prefetched_dropped_and_later_scheduled_still_gets_its_kv(
         mgr.close()
 
 
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 def test_shutdown_is_prompt_with_a_receive_stuck_on_a_killed_sender(
     senders: list[SenderProc], namespace: str
 ) -> None:

@@ -46,6 +46,7 @@ def _publish(conn: LocalConnector, rid: str, fill: float = 1.0) -> None:
     conn.put("0", "1", legacy_kv_key("0", "1", rid), kv.to_bytes())
 
 
+@pytest.mark.timing  # bounds of 0.1 s past a deadline: run alone, after the lanes
 def test_fetch_raises_receive_timeout_naming_request_and_wait(namespace: str) -> None:
     rx = _receiver(LocalConnector({"namespace": namespace}))
     t0 = time.monotonic()
@@ -92,6 +93,7 @@ def test_warm_up_request_and_unresolvable_per_call_sender_touch_nothing(namespac
     assert res.status is ReceiveStatus.UNAVAILABLE and res.reason == "bad sender_info"
 
 
+@pytest.mark.timing  # a bound of 0.2 s past a deadline: run alone, after the lanes
 def test_companions_are_received_at_once_and_kept_for_one_receive(namespace: str) -> None:
     conn = LocalConnector({"namespace": namespace})
     for rid in ("a", "b"):

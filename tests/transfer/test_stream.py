@@ -25,6 +25,7 @@ from omnikv import ReceiveStatus
 from omnikv.connectors.local import LocalConnector
 from omnikv.topology.keys import legacy_kv_key
 from omnikv.transfer.edge import KVCaches
+from omnikv.transfer.results import StreamProgress
 from omnikv.transfer.send import SendStatus
 from omnikv.transfer.stream.manifest import chunk_key
 from omnikv.wire.decode import decode_kv
@@ -49,6 +50,18 @@ GROUPS: list[list[tuple[int, int]] | None] = [None, [(0, 1), (1, 3)], [(0, 1), (
 GROUP_IDS = ["whole-chunks", "groups-1-2", "layer-by-layer"]
 
 
+def _step(mgr: Any, rid: str, *args: Any, **kw: Any) -> StreamProgress:
+    """One ``stream_kv_blocks`` call, then its step awaited: the call's own refusal, or what
+    the worker published for it (the synchronous step these tests check the logic of; the
+    tests of the worker itself call ``stream_kv_blocks`` alone)."""
+    called = mgr.stream_kv_blocks(rid, *args, **kw)
+    if called.reason is not None:
+        return called
+    done = mgr.wait_kv_stream(rid, 10.0)
+    assert done.pending == 0, done
+    return done
+
+
 def _decode_steps(
     mgr: Any,
     rid: str,
@@ -63,7 +76,7 @@ def _decode_steps(
     ``groups`` one call per layer group, in order, as the forward pass writes them."""
     for t in range(1, seq_len + 1):
         for layers in groups or [None]:
-            mgr.stream_kv_blocks(rid, _entry(ids, t), caches, BS, dtype, layers=layers, **kw)
+            _step(mgr, rid, _entry(ids, t), caches, BS, dtype, layers=layers, **kw)
 
 
 def _finish(mgr: Any, rid: str, ids: list[int], seq_len: int, caches: Any, dtype: str) -> Any:
@@ -122,9 +135,9 @@ def test_only_the_tail_moves_at_the_finish(make_manager: ManagerFactory) -> None
     caches, ids = _caches(), list(range(10))
     sender = make_manager("sender", stream_kv=True)
     receiver = make_manager("receiver")
-    progress = sender.stream_kv_blocks("r1", _entry(ids, 8 * BS + 1), caches, BS, "torch.float32")
+    progress = _step(sender, "r1", _entry(ids, 8 * BS + 1), caches, BS, "torch.float32")
     assert (progress.shipped, progress.chunks, progress.new) == (8 * BS, 1, 8 * BS)
-    again = sender.stream_kv_blocks("r1", _entry(ids, 8 * BS + 2), caches, BS, "torch.float32")
+    again = _step(sender, "r1", _entry(ids, 8 * BS + 2), caches, BS, "torch.float32")
     assert (again.shipped, again.chunks, again.new) == (8 * BS, 1, 0)  # no new full block
     res = _finish(sender, "r1", ids, 8 * BS + 2, caches, "torch.float32")
     tail_bytes = 3 * 2 * 2 * 2 * 8 * 4  # 2 tokens x layers x K,V x heads x dim x fp32
@@ -134,7 +147,7 @@ def test_only_the_tail_moves_at_the_finish(make_manager: ManagerFactory) -> None
 
 def test_streaming_off_makes_the_per_step_call_a_no_op(make_manager: ManagerFactory) -> None:
     sender = make_manager("sender")
-    progress = sender.stream_kv_blocks("r1", _entry([0, 1], 8), _caches(), BS, "torch.float32")
+    progress = _step(sender, "r1", _entry([0, 1], 8), _caches(), BS, "torch.float32")
     assert progress.chunks == 0 and progress.reason == "stream_kv is off"
     assert _connector(sender).pending_keys() == []
     assert sender.abort_kv_stream("r1") == 0
@@ -166,12 +179,12 @@ def test_a_range_missing_its_last_layers_is_dropped_and_the_stream_stops(
     want, _ = receiver.receive_kv_cache_for_request("w")
     _decode_steps(sender, "r1", ids, BS, caches, F32, [(0, 1), (1, 3)])
     assert len(conn.pending_keys()) == 2
-    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(0, 1))
+    p = _step(sender, "r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(0, 1))
     assert (p.shipped, p.new, len(conn.pending_keys())) == (BS, 0, 3)  # a group in flight
-    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(2, 3))
+    p = _step(sender, "r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(2, 3))
     assert p.reason is not None and "layer 1 was due" in p.reason
     assert len(conn.pending_keys()) == 2  # the range's group went; what was whole stays
-    p = sender.stream_kv_blocks("r1", _entry(ids, 3 * BS), caches, BS, F32, layers=(0, 1))
+    p = _step(sender, "r1", _entry(ids, 3 * BS), caches, BS, F32, layers=(0, 1))
     assert p.new == 0 and p.shipped == BS  # stopped: nothing more ships
     res = _finish(sender, "r1", ids, seq_len, caches, F32)
     assert res.ok and len([k for k in res.keys if "#c" in k]) == 2
@@ -200,9 +213,9 @@ def test_the_chunk_limit_reached_mid_range_drops_that_ranges_groups(
     sender = make_manager("sender", stream_kv=True)
     conn = _connector(sender)
     _decode_steps(sender, "r1", ids, BS, caches, F32, [(0, 1), (1, 3)])
-    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(0, 1))
+    p = _step(sender, "r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(0, 1))
     assert p.shipped == BS and len(conn.pending_keys()) == 3  # chunk 2: the limit's last
-    p = sender.stream_kv_blocks("r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(1, 3))
+    p = _step(sender, "r1", _entry(ids, 2 * BS), caches, BS, F32, layers=(1, 3))
     assert p.reason is not None and "3 chunks shipped" in p.reason
     assert len(conn.pending_keys()) == 2 and len(sender.kv_stream_chunks("r1")) == 2
 
@@ -216,10 +229,10 @@ def test_a_bad_layer_group_ships_nothing_and_raises_nothing(make_manager: Manage
         ("ab", "layers must be (first, stop)"),
         ((0, 1, 2), "layers must be (first, stop)"),
     ]:
-        p = sender.stream_kv_blocks("r1", _entry(ids, BS), caches, BS, F32, layers=bad)
+        p = _step(sender, "r1", _entry(ids, BS), caches, BS, F32, layers=bad)
         assert p.new == 0 and why in (p.reason or ""), (bad, p)
     assert _connector(sender).pending_keys() == []
-    p = sender.stream_kv_blocks("r1", _entry(ids, BS), caches, BS, F32, layers=(0, 3))
+    p = _step(sender, "r1", _entry(ids, BS), caches, BS, F32, layers=(0, 3))
     assert p.new == BS and sender.kv_stream_chunks("r1")[0].layers is None  # every layer: whole
 
 
@@ -238,9 +251,9 @@ def test_changed_blocks_restart_the_stream_and_a_changed_finish_sends_whole(
 ) -> None:
     caches = _caches()
     sender, receiver = make_manager("sender", stream_kv=True), make_manager("receiver")
-    sender.stream_kv_blocks("r1", _entry([1, 2, 3], 2 * BS), caches, BS, "torch.float32")
+    _step(sender, "r1", _entry([1, 2, 3], 2 * BS), caches, BS, "torch.float32")
     # preempted and rescheduled on other blocks: what was shipped is dropped, shipping restarts
-    p = sender.stream_kv_blocks("r1", _entry([8, 9, 10], 2 * BS), caches, BS, "torch.float32")
+    p = _step(sender, "r1", _entry([8, 9, 10], 2 * BS), caches, BS, "torch.float32")
     assert (p.shipped, p.chunks) == (2 * BS, 1)
     assert len(_connector(sender).pending_keys()) == 1
     # the finish names yet other blocks: the stream is dropped, the request goes whole
@@ -260,15 +273,15 @@ def test_the_stream_keeps_each_chunks_seal_beside_its_range(make_manager: Manage
     caches = _caches()
     sender = make_manager("sender", stream_kv=True)
     for t in (BS, 2 * BS + 1, 3 * BS):
-        sender.stream_kv_blocks("r1", _entry([1, 2, 3], t), caches, BS, "float32", seal=_seal)
+        _step(sender, "r1", _entry([1, 2, 3], t), caches, BS, "float32", seal=_seal)
     assert sender.kv_stream_chunks("r1") == [
         (0, BS, {"seal": [0, BS, [1]]}, None),
         (BS, 2 * BS, {"seal": [BS, 2 * BS, [2]]}, None),
         (2 * BS, 3 * BS, {"seal": [2 * BS, 3 * BS, [3]]}, None),
     ]
-    sender.stream_kv_blocks("r1", _entry([8, 9, 10], BS), caches, BS, "float32", seal=_seal)
+    _step(sender, "r1", _entry([8, 9, 10], BS), caches, BS, "float32", seal=_seal)
     assert sender.kv_stream_chunks("r1") == [(0, BS, {"seal": [0, BS, [8]]}, None)]  # restarted
-    sender.stream_kv_blocks("r2", _entry([4], BS), caches, BS, "float32")  # no seal
+    _step(sender, "r2", _entry([4], BS), caches, BS, "float32")  # no seal
     assert sender.kv_stream_chunks("r2") == [(0, BS, {}, None)]
     assert sender.abort_kv_stream("r1") == 1 and sender.kv_stream_chunks("r1") == []
     assert _finish(sender, "r2", [4], BS, caches, "float32").ok
@@ -474,23 +487,28 @@ def test_a_missing_chunk_is_a_timeout_and_the_taken_chunks_are_refused(
     assert conn.pending_keys() == [] and conn.health()["pool_used"] == 0
 
 
-def test_chunks_of_a_refused_stream_go_at_the_senders_next_step(
-    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("withdraws", [True, False])
+def test_chunks_of_a_refused_stream_go_at_the_refusal_or_the_senders_next_step(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture, withdraws: bool
 ) -> None:
     """A receiver that refuses a stream's tail before it took the chunks (here: the header
-    is over its bound) leaves them unclaimed; once the refusal is in, the sender drops them at
-    its next stream step instead of holding them until their TTL."""
+    is over its bound) leaves them unclaimed; the refusal takes them back (``withdraw``), or,
+    with a connector that cannot, the sender drops them at its next stream step instead of
+    holding them until their TTL."""
     caplog.set_level(logging.CRITICAL, logger="omnikv.transfer.receive")
     sender = make_manager("sender", stream_kv=True)
     receiver = make_manager("receiver", max_header_bytes=64, recv_timeout=2.0)
+    conn = _connector(sender)
+    if not withdraws:
+        conn.withdraw = lambda *_: False  # type: ignore[method-assign]
     caches, ids = _caches(), [0, 1, 2]
     _decode_steps(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32")
     assert _finish(sender, "r1", ids, 2 * BS + 1, caches, "torch.float32").ok
     assert receiver.receive_kv_cache_result("r1").status is ReceiveStatus.CORRUPT
     assert sender.wait_delivered("r1", 5).status is SendStatus.REFUSED
-    conn = _connector(sender)
-    assert any("#c" in k for k in conn.pending_keys())  # not taken, not yet dropped
-    sender.stream_kv_blocks("r2", _entry([5, 6], 1), caches, BS, "torch.float32")
+    # withdrawn with the refusal, or not taken and not yet dropped
+    assert any("#c" in k for k in conn.pending_keys()) is not withdraws, conn.pending_keys()
+    _step(sender, "r2", _entry([5, 6], 1), caches, BS, "torch.float32")
     assert not any("r1#c" in k for k in conn.pending_keys()), conn.pending_keys()
 
 
@@ -522,7 +540,7 @@ def test_a_streaming_receiver_takes_the_chunks_before_the_tail_is_sent(
     t.start()
     try:
         for step in range(1, seq_len + 1):
-            streamed.stream_kv_blocks("r1", _entry(ids, step), caches, BS, "torch.float32")
+            _step(streamed, "r1", _entry(ids, step), caches, BS, "torch.float32")
             # every chunk published so far is taken before the next step (the tail is not sent)
             assert _until(lambda: conn.pending_keys() == []), conn.pending_keys()
         assert streamed.get_send_result("r1") is None  # not finished: nothing but chunks moved
@@ -566,9 +584,9 @@ def test_a_streaming_receiver_retakes_chunks_of_a_stream_restarted_after_it_took
     t = threading.Thread(target=lambda: got.update(r=receiver.receive_kv_cache_result("r1")))
     t.start()
     try:
-        sender.stream_kv_blocks("r1", _entry([1, 2, 3], 2 * BS), caches, BS, "torch.float32")
+        _step(sender, "r1", _entry([1, 2, 3], 2 * BS), caches, BS, "torch.float32")
         assert _until(lambda: conn.pending_keys() == []), conn.pending_keys()  # taken ahead
-        p = sender.stream_kv_blocks("r1", _entry([8, 9, 10], 2 * BS), caches, BS, "torch.float32")
+        p = _step(sender, "r1", _entry([8, 9, 10], 2 * BS), caches, BS, "torch.float32")
         assert (p.shipped, p.chunks) == (2 * BS, 1)  # restarted: a new chunk 0
         res = _finish(sender, "r1", [8, 9, 10], 2 * BS + 1, caches, "torch.float32")
         assert res.ok and any("#c0" in k for k in res.keys)
@@ -665,9 +683,7 @@ def test_on_chunk_gets_each_chunk_in_order_and_the_result_holds_only_the_tail(
     t.start()
     try:
         for step in range(1, seq_len + 1):
-            streamed.stream_kv_blocks(
-                "r1", _entry(ids, step), caches, BS, "torch.bfloat16", seal=_seal
-            )
+            _step(streamed, "r1", _entry(ids, step), caches, BS, "torch.bfloat16", seal=_seal)
         if ahead:  # handed over while the request still decodes
             assert _until(lambda: len(taker.chunks) == seq_len // BS), taker.chunks
         assert _finish(streamed, "r1", ids, seq_len, caches, "torch.bfloat16").ok
@@ -901,7 +917,8 @@ g = torch.Generator().manual_seed(1)
 caches = [torch.randn((2, 12, 4, 2, 8), generator=g).to(torch.bfloat16) for _ in range(2)]
 ids = [5, 3, 8, 1, 0]
 for t in range(1, seq_len + 1):
-    p = mgr.stream_kv_blocks("r1", {"block_ids": ids, "seq_len": t}, caches, 4, "bfloat16")
+    mgr.stream_kv_blocks("r1", {"block_ids": ids, "seq_len": t}, caches, 4, "bfloat16")
+    p = mgr.wait_kv_stream("r1", 30.0)
 h = mgr.connector.health()
 print("streamed", p.chunks, h["published"], flush=True)
 if mode == "abort":

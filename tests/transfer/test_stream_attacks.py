@@ -9,7 +9,8 @@ A sending stage runs in its own process (:mod:`support.stage_sender`, ``stream_k
   the payload of ``V#c0_x`` nor a chunk of a request whose key ends in ``V``'s.
 * Every verdict is kept until its send settles (issue 39 item 4): a consumer that refuses a
   stream before its finish (an aborted early hand-off) makes the finish ``refused`` at once;
-  nothing of the request stays published.
+  nothing of the request stays published. A refusal that comes after the finish makes the send
+  ``refused`` and takes the untaken tail back within a second (not at its TTL).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def test_aborting_a_stream_removes_only_its_own_chunks(
     with stage_receiver(namespace, 10.0, stream_kv=True) as mgr:
         _assert_kv(mgr, "V#c0_x", 5.0, 10)
         _assert_kv(mgr, suffixed, 3.0, SEQ_LEN)
-    assert sender.ask("pending") == ("pending", [])
+    # the receiver's verdicts reach the producer on its listener thread, after the receives
+    until(lambda: sender.ask("pending") == ("pending", []), 5.0, "both payloads taken back")
 
 
 def test_a_request_id_in_the_chunk_key_space_is_refused_by_both_sides(
@@ -153,3 +155,38 @@ def test_a_stream_refused_before_its_finish_settles_the_send_at_once(
         assert "r1#c" in (reason or ""), reason
         assert sender.ask("wait", "r1", 0.0) == ("status", "refused")
         assert sender.ask("pending") == ("pending", [])
+
+
+def test_a_stream_refused_after_its_finish_takes_its_tail_back_at_once(
+    senders: list[SenderProc], namespace: str
+) -> None:
+    """A consumer took both chunks of ``r2`` while the request still decoded and refuses
+    chunk 1 only after the producer's finish published the tail (an early hand-off aborted
+    late; the consumer here is a bare connector, so the order is exact). Within a second the
+    producer's send says ``refused`` and the tail, which nobody took, is gone from its pool.
+    Before ``withdraw`` it stayed published until ``buffer_ttl_seconds``."""
+    from omnikv.connectors.delivery import Verdict
+    from omnikv.connectors.shm.connector import SharedMemoryConnector
+
+    sender = _start(senders, namespace)
+    sender.ask("ship", "r2", IDS, 8, 2.0)  # chunk 0: block 0
+    sender.ask("ship", "r2", IDS, 16, 2.0)  # chunk 1: block 1
+    chunks = sorted(sender.ask("pending")[1])
+    assert len(chunks) == 2 and all("#c" in k for k in chunks), chunks
+    with SharedMemoryConnector({"namespace": namespace}) as consumer:
+        taken = [
+            consumer.wait("stage1", "stage2", k, deadline=time.monotonic() + 10.0) for k in chunks
+        ]
+        assert all(buf is not None for buf in taken)
+        assert _finish(sender, "r2", 2.0) == ("sent", None)
+        (tail,) = sender.ask("pending")[1]
+        assert "#c" not in tail, tail
+        consumer.acknowledge("stage1", "stage2", chunks[0], Verdict.DELIVERED)
+        t0 = time.monotonic()
+        consumer.acknowledge("stage1", "stage2", chunks[1], Verdict.REFUSED, "consumer aborted")
+        assert sender.ask("wait", "r2", 1.0) == ("status", "refused")
+        until(lambda: sender.ask("pending") == ("pending", []), 1.0, "the tail taken back")
+        assert time.monotonic() - t0 < 1.0
+        for buf in taken:
+            assert buf is not None
+            buf.release()

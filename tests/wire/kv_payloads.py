@@ -117,6 +117,10 @@ FIELD_CASES = [
         "byte order",
     ),
     ("bad checksum field", {"ck": "md5:zz"}, "malformed checksum"),
+    ("unknown data check", {"dc": "md5:" + "0" * 33}, "data check of an unknown form"),
+    ("short data check", {"dc": "xxh3:00"}, "data check of an unknown form"),
+    ("data check not str", {"dc": 7}, "Expected `str \\| null`, got `int`"),
+    ("wrong data check", {"dc": "xxh3:" + "0" * 32}, "data check mismatch"),
 ]
 
 

@@ -121,17 +121,17 @@ def test_mixed_shapes_dtypes_and_gaps_round_trip() -> None:
         assert_same(data, decode_kv(raw, copy=True).to_seed_dict())
 
 
-def test_checksum_detects_corruption_and_is_optional() -> None:
+def test_data_check_detects_corruption_and_can_be_left_out() -> None:
     data = sample()
-    raw = bytearray(data.to_bytes(checksum=True))
+    raw = bytearray(data.to_bytes())  # the data check is written by default
     decode(raw)
     raw[-3] ^= 0x40
-    with pytest.raises(DecodeError, match="checksum mismatch"):
+    with pytest.raises(DecodeError, match="data check mismatch"):
         decode(raw)
     decode(raw, verify=False)  # explicitly skipped
-    plain = bytearray(data.to_bytes())
+    plain = bytearray(data.to_bytes(checksum=False))
     plain[-3] ^= 0x40
-    decode(plain)  # no checksum requested: corruption of data bytes is not detectable
+    decode(plain)  # no check written: corruption of data bytes is not detectable
 
 
 def test_decode_kv_is_typed_and_builds_the_seed_dict() -> None:
@@ -261,10 +261,10 @@ def test_array_decode_refuses_malformed_header_fields(
         decode_kv(as_array(field_case(label, changes)))
 
 
-def test_array_decode_checks_the_checksum() -> None:
+def test_array_decode_checks_the_data_check() -> None:
     data = sample(layers=2)
-    raw = bytearray(data.to_bytes(checksum=True))
+    raw = bytearray(data.to_bytes())
     assert decode_kv(as_array(bytes(raw))).num_layers == 2
     raw[-1] ^= 0xFF
-    with pytest.raises(DecodeError, match="checksum"):
+    with pytest.raises(DecodeError, match="data check"):
         decode_kv(as_array(bytes(raw)))

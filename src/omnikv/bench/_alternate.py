@@ -31,12 +31,15 @@ import torch
 
 from omnikv.bench.common import (
     MODELS,
+    ChannelError,
     JsonChannel,
     Stats,
     describe_payload,
     realistic_payload,
     reap,
     serve_commands,
+    spawn_bench_child,
+    write_json,
 )
 from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.pool import HostPool
@@ -59,10 +62,13 @@ __all__ = [
     "encode_check",
     "omni_wait",
     "pool_size",
+    "print_verdict_head",
     "reap",
+    "run_against_sender",
     "serve",
     "spawn_sender",
     "tokens_of",
+    "write_report",
 ]
 
 logger = logging.getLogger(__name__)
@@ -239,31 +245,8 @@ def spawn_sender(
 ) -> tuple[subprocess.Popen[bytes], JsonChannel]:
     """Start ``omnikv bench <bench> --role sender`` (this process's environment, ``extra``
     options) with one end of a socketpair passed by fd."""
-    parent, child = socket.socketpair()
-    cmd = [
-        sys.executable,
-        "-m",
-        "omnikv.cli",
-        "bench",
-        bench,
-        "--role",
-        "sender",
-        "--fd",
-        str(child.fileno()),
-        "--model",
-        args.model,
-        "--tokens",
-        str(tokens),
-        *extra,
-    ]
-    try:
-        proc = subprocess.Popen(cmd, pass_fds=[child.fileno()], env=dict(os.environ))
-    except BaseException:
-        parent.close()
-        raise
-    finally:
-        child.close()
-    return proc, JsonChannel(parent)
+    options = ["--model", args.model, "--tokens", str(tokens), *extra]
+    return spawn_bench_child(bench, "sender", options)
 
 
 # -- the receiver (this process) -------------------------------------------------------------------
@@ -338,6 +321,78 @@ def encode_check(args: argparse.Namespace, tokens: int) -> Check:
     finally:
         enc.close()
     return Check(n, expected, payload.layer_blocks)
+
+
+_R = TypeVar("_R")
+
+
+def run_against_sender(
+    bench: str,
+    args: argparse.Namespace,
+    tokens: int,
+    cases: Callable[[JsonChannel, Check], _R],
+    extra: Sequence[str] = (),
+) -> tuple[Check, _R] | None:
+    """The receiver's side of a run: encode the payload here (:func:`encode_check`), start the
+    sender child (:func:`spawn_sender` with ``extra``), see that it encoded the same bytes, run
+    ``cases(chan, check)`` against it and reap it whatever happens (``stop``, bounded wait,
+    SIGKILL by PID). The check and what ``cases`` returned, or ``None`` once ``FAIL`` and the
+    reason are printed (a local round trip that differs, a step that failed)."""
+    try:
+        check = encode_check(args, tokens)
+    except BenchError as exc:
+        print(f"FAIL  {exc}")
+        return None
+    proc, chan = spawn_sender(bench, args, tokens, extra)
+    try:
+        ready = chan.expect("ready", SETUP_TIMEOUT_S)
+        if int(ready[2]) != check.crc or int(ready[3]) != check.n:
+            raise BenchError("the sender encoded different bytes from the same seed")
+        return check, cases(chan, check)
+    except (BenchError, ChannelError) as exc:
+        error = str(exc)
+    finally:
+        reap(proc, chan)
+    print(f"FAIL  {error}")
+    return None
+
+
+def print_verdict_head(n: int) -> None:
+    """The verdict's first lines: the target, and a note when the payload of ``n`` bytes is
+    not the size the target is defined at."""
+    print(f"\nVerdict (target: omnikv >= {TARGET} x raw throughput at {TARGET_MIB} MiB)")
+    if round(n / MIB) != TARGET_MIB:
+        print(f"  note: {n / MIB:.0f} MiB payload; the target is defined at {TARGET_MIB} MiB")
+
+
+def write_report(
+    bench: str,
+    args: argparse.Namespace,
+    check: Check,
+    verified: bool,
+    stats: Mapping[str, Stats],
+    **fields: Any,
+) -> None:
+    """Write the run's JSON file (``--json``; nothing without it): the run's shape, the
+    benchmark's own ``fields`` (ratios, targets), every figure with its samples and what the
+    data check found."""
+    write_json(
+        args.json,
+        {
+            "bench": bench,
+            "model": args.model,
+            "nbytes": check.n,
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+            **fields,
+            "results": {k: {**s.as_dict(), "samples_s": s.samples} for k, s in stats.items()},
+            "target": TARGET,
+            "verified": verified,
+            "samples_checked": check.checked,
+            "samples_decoded": check.decoded,
+            "failures": check.failures,
+        },
+    )
 
 
 def omni_wait(conn: Any, key: str, check: Check, label: str, full: bool) -> float:

@@ -155,6 +155,10 @@ class LoopResult:
     wall_s: float = 0.0
     #: rid -> when it entered a slot (monotonic)
     admitted: dict[str, float] = field(default_factory=dict)
+    #: rid -> when its receive began: the fifo call, the admission offer (monotonic)
+    asked: dict[str, float] = field(default_factory=dict)
+    #: rid -> why it failed (status and reason, as the receive reported them)
+    failures: dict[str, str] = field(default_factory=dict)
     waits_s: list[float] = field(default_factory=list)
     bad: list[str] = field(default_factory=list)
 
@@ -169,6 +173,12 @@ class LoopResult:
     @property
     def throughput(self) -> float:
         return self.completed / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _failed(result: Any, p: Planned, out: LoopResult) -> None:
+    """Count ``p`` as failed with the receive's own account of why."""
+    out.failed += 1
+    out.failures[p.rid] = f"{result.status.value}: {result.reason} (waited {result.waited_s:.2f} s)"
 
 
 def _check(result: Any, p: Planned, out: LoopResult) -> bool:
@@ -208,6 +218,7 @@ def run_loop(
             key = arrivals.pop(0)
             if adm is not None:
                 t_api = time.monotonic()
+                out.asked[by_key[key].rid] = t_api
                 adm.offer(key)
                 in_api += time.monotonic() - t_api
             else:
@@ -216,6 +227,7 @@ def run_loop(
             while queue and len(running) < slots:
                 key = queue.pop(0)
                 t_api = time.monotonic()
+                out.asked[by_key[key].rid] = t_api
                 res = mgr.receive_kv_cache_result(key, quiet=True)
                 in_api += time.monotonic() - t_api
                 if res.ok and _check(res, by_key[key], out):
@@ -223,7 +235,7 @@ def run_loop(
                     out.admitted[by_key[key].rid] = time.monotonic()
                     held[key] = res
                 else:
-                    out.failed += 1
+                    _failed(res, by_key[key], out)
                     pending -= 1
         else:
             t_api = time.monotonic()
@@ -240,7 +252,7 @@ def run_loop(
                     out.admitted[by_key[key].rid] = time.monotonic()
                     held[key] = res
                 elif res is not None:
-                    out.failed += 1
+                    _failed(res, by_key[key], out)
                     pending -= 1
         out.max_api_s = max(out.max_api_s, in_api)
         if running:
@@ -354,6 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     mgr.close()
                 if got.bad:
                     raise SystemExit(f"verification failed for {got.bad[:5]}")
+                for rid in got.failures:  # a sent one that failed: when it came, seen from the ask
+                    if rid in published and rid in got.asked:
+                        late = published[rid] - got.asked[rid]
+                        got.failures[rid] += f"; published {late:+.2f} s from the ask"
                 got.waits_s = [
                     max(0.0, t - published[rid])
                     for rid, t in got.admitted.items()
@@ -398,6 +414,10 @@ def _report(
         for f, a in zip(results["fifo"], results["admission"], strict=True)
         if f.throughput > 0
     ]
+    for mode, rows in results.items():
+        for i, r in enumerate(rows):
+            for rid, why in r.failures.items():
+                print(f"{mode} round {i}: {rid} failed: {why}")
     print(
         f"\nthroughput admission / fifo = {ratio:.2f} x (median; per round "
         f"{', '.join(f'{x:.2f}' for x in ratios)}); stalled steps with admission = {stalled}"
@@ -413,6 +433,7 @@ def _report(
         ns.json,
         {
             "bench": "admission",
+            "never_sent": [p.rid for p in plan if p.at_s is None],
             "ratio": ratio,
             "admission_stalled_steps": stalled,
             "rounds": {
@@ -427,6 +448,7 @@ def _report(
                         "wait_p99_s": r.wait_p50_p99[1],
                         "completed": r.completed,
                         "failed": r.failed,
+                        "failures": r.failures,
                     }
                     for r in rows
                 ]

@@ -10,6 +10,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -157,6 +158,26 @@ class Stats:
             "nbytes": self.nbytes,
             "runs": len(self.samples),
         }
+
+
+def spawn_bench_child(
+    bench: str, role: str, options: Sequence[str]
+) -> tuple[subprocess.Popen[bytes], JsonChannel]:
+    """Start ``omnikv bench <bench> --role <role> --fd N <options>`` with this process's
+    environment, ``N`` one end of a socketpair passed by fd; the other end as its
+    :class:`JsonChannel`. Called by the benchmarks that drive child processes (fanout, the
+    alternating sender of mooncake and nixl); neither end is left open if the start fails."""
+    parent, child = socket.socketpair()
+    cmd = [sys.executable, "-m", "omnikv.cli", "bench", bench, "--role", role]
+    cmd += ["--fd", str(child.fileno()), *options]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=[child.fileno()])
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return proc, JsonChannel(parent)
 
 
 def measure(

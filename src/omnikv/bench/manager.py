@@ -6,9 +6,12 @@ blocked in ``receive_kv_cache_for_request`` for that request. A sample is the ti
 call to the moment the receiver holds the decoded KV, on ``CLOCK_MONOTONIC`` (one clock per node).
 The sender calls as soon as the receiver said it is waiting, as ``bench shm`` does (``--gap-ms``
 idles first); both processes freeze their start-up heap once set up, as vLLM's engine core does
-(``--no-gc-freeze`` does not); ``--poll-us N`` sets the receiver connector's ``poll_us``. Per
+(``--no-gc-freeze`` does not); ``--poll-us N`` sets the receiver connector's ``poll_us``;
+``--torch-threads N`` torch's intra-op threads in both processes (1 by default). Per
 case it also prints the medians of the phases (the sender's call: extract, encode + put; the
-receiver's call after its wait) and the CPU time per request of each process.
+receiver's call after its wait) and each process's CPU time per steady-state request (every
+thread, from each one's CPU clock; the receiver's data checks excluded), with its ratio to the
+CPU time of one memcpy of the payload (target for 224 MiB: at most 1.3 x on each side).
 
 Cases, each on a *fresh* pair of managers (new namespace, new connectors), so the first request
 is a real first request (pool creation, connection, mapping):
@@ -45,9 +48,11 @@ import argparse
 import cProfile
 import gc
 import io
+import math
 import os
 import pstats
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -75,10 +80,33 @@ class _Phases:
     extract_ms: list[float] = field(default_factory=list)  # sender: plan and gather set-up
     encode_put_ms: list[float] = field(default_factory=list)  # sender: pack into the pool + put
     after_wait_ms: list[float] = field(default_factory=list)  # receiver: its call after the wait
+    #: each process's CPU clock (every thread, s; the receiver's less its data checks) when a
+    #: sample ended: the difference over the steady samples is their CPU
+    tx_cpu_s: list[float] = field(default_factory=list)
+    rx_cpu_s: list[float] = field(default_factory=list)
 
     def clear(self) -> None:
-        for samples in (self.send_call_s, self.extract_ms, self.encode_put_ms, self.after_wait_ms):
+        for samples in (
+            self.send_call_s,
+            self.extract_ms,
+            self.encode_put_ms,
+            self.after_wait_ms,
+            self.tx_cpu_s,
+            self.rx_cpu_s,
+        ):
             samples.clear()
+
+    def cpu_per_request(self, skip: int) -> tuple[float, float]:
+        """(sender, receiver) CPU seconds per sample after the first ``skip`` samples: each
+        process's CPU clock from the end of sample ``skip - 1`` to the end of the last one,
+        every thread (the background ones too), the receiver's data checks excluded."""
+        n = len(self.tx_cpu_s) - skip
+        if skip < 1 or n < 1:
+            return float("nan"), float("nan")
+        return (
+            (self.tx_cpu_s[-1] - self.tx_cpu_s[skip - 1]) / n,
+            (self.rx_cpu_s[-1] - self.rx_cpu_s[skip - 1]) / n,
+        )
 
     def summary(self, skip: int) -> str:
         def med(xs: list[float], scale: float = 1.0) -> float:
@@ -190,6 +218,7 @@ def _receiver(fd: int, efd: int) -> int:
     caches: list[torch.Tensor] = []
     shape = SHAPES["64KiB"]
     prof: cProfile.Profile | None = None
+    checks_cpu = 0.0  # CPU spent verifying received data (the bench's, not the receive's)
     chan.send("ready")
     while True:
         msg = chan.recv()
@@ -223,11 +252,14 @@ def _receiver(fd: int, efd: int) -> int:
             t = time.monotonic()
             if prof is not None:
                 prof.disable()
+            c0 = time.process_time()
             ok = _verify(data, caches, shape) if msg[2] else data is not None
+            checks_cpu += time.process_time() - c0
             del data
             result = mgr.get_receive_result(msg[1])
             timings = dict(getattr(result, "timings_ms", None) or {})
-            chan.send(t, ok, _after_wait_ms(timings, t - t_call), t_call, timings)
+            cpu = time.process_time() - checks_cpu
+            chan.send(t, ok, _after_wait_ms(timings, t - t_call), t_call, timings, cpu)
     if mgr is not None:
         mgr.close()
     return 0
@@ -236,14 +268,9 @@ def _receiver(fd: int, efd: int) -> int:
 def _idle_cpu_s(mgr: Any, seconds: float) -> list[float]:
     """A receiver waiting ``seconds`` for KV that never comes: (wall s, CPU s of this whole
     process, every thread) over that wait, which ends at its deadline as a ``timeout``."""
-    wall0, cpu0 = time.monotonic(), _own_cpu_s()
+    wall0, cpu0 = time.monotonic(), time.process_time()  # ns resolution, not clock ticks
     mgr.receive_kv_cache_result(f"never-{uuid.uuid4().hex[:8]}", deadline=wall0 + seconds)
-    return [time.monotonic() - wall0, _own_cpu_s() - cpu0]
-
-
-def _own_cpu_s() -> float:
-    own = os.times()
-    return own.user + own.system
+    return [time.monotonic() - wall0, time.process_time() - cpu0]
 
 
 def _settle_heap(freeze: bool) -> None:
@@ -258,15 +285,6 @@ def _after_wait_ms(timings: dict[str, float], call_s: float) -> float:
     """How long the receiver's call ran after its connector wait ended (decode, the seed's dict,
     bookkeeping): the call's duration minus the wait in the receive result's phase timings."""
     return call_s * 1e3 - float(timings.get("wait_ms", 0.0))
-
-
-def _cpu_s(child_pid: int) -> tuple[float, float]:
-    """CPU seconds used so far (user + system, every thread) by this process and the child."""
-    own = os.times()
-    with open(f"/proc/{child_pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    child = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return own.user + own.system, child
 
 
 def _stats_text(prof: cProfile.Profile | None, top: int = 18) -> str:
@@ -351,6 +369,7 @@ def _run_case(
     finally:
         mgr.close()
     print(f"{shape.name}, medians: {_PHASES.summary(1 + args.warmup)}")
+    mem["tx_cpu_s"], mem["rx_cpu_s"] = _PHASES.cpu_per_request(1 + args.warmup)
     return first, Stats(f"{shape.name}, steady", samples, shape.nbytes), mem, failures
 
 
@@ -377,8 +396,10 @@ def _one(
     timings = sent.timings_ms if sent is not None else {}
     _PHASES.extract_ms.append(float(timings.get("extract_ms", "nan")))
     _PHASES.encode_put_ms.append(float(timings.get("encode_put_ms", "nan")))
-    t_got, ok, after_wait_ms, _t_call, _timings = chan.recv()
+    t_got, ok, after_wait_ms, _t_call, _timings, rx_cpu = chan.recv()
     _PHASES.after_wait_ms.append(float(after_wait_ms))
+    _PHASES.tx_cpu_s.append(time.process_time())
+    _PHASES.rx_cpu_s.append(float(rx_cpu))
     return t0, float(t_got), bool(ok)
 
 
@@ -438,7 +459,7 @@ def _waiting_sample(
     _send(mgr, caches, shape, rid)
     sent = mgr.get_send_result(rid)
     tx = sent.timings_ms if sent is not None else {}
-    t_got, ok, after_wait_ms, t_call, rx = chan.recv()
+    t_got, ok, after_wait_ms, t_call, rx, _cpu = chan.recv()
     # the sender's phases start a little after t0, so the put ends no earlier than this: the
     # wake-up phase below is an upper bound (by that little), the put phase a lower one
     t_put = t0 + (float(tx.get("extract_ms", 0.0)) + float(tx.get("encode_put_ms", 0.0))) / 1e3
@@ -545,16 +566,20 @@ def _send(mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str) -> None:
     )
 
 
-def _memcpy(nbytes: int, iters: int) -> Stats:
+def _memcpy(nbytes: int, iters: int) -> tuple[Stats, float]:
+    """``iters`` copies of ``nbytes`` between pre-faulted buffers (one thread): their wall
+    times and the median CPU time of one copy (seconds)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.ones(nbytes, dtype=torch.uint8)
-    samples = []
+    samples, cpu = [], []
     for i in range(iters + 2):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         dst.copy_(src)
+        t1, c1 = time.perf_counter(), time.process_time()
         if i >= 2:
-            samples.append(time.perf_counter() - t0)
-    return Stats(f"memcpy {nbytes / MIB:.3g} MiB", samples, nbytes)
+            samples.append(t1 - t0)
+            cpu.append(c1 - c0)
+    return Stats(f"memcpy {nbytes / MIB:.3g} MiB", samples, nbytes), statistics.median(cpu)
 
 
 def _profile_small(args: argparse.Namespace, chan: JsonChannel) -> tuple[str, str]:
@@ -642,6 +667,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=10.0,
         help="measure an idle waiting receiver's CPU over this many seconds (0: skip)",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads in both processes (default 1; a stage runs with more:"
+        " then whatever torch copies runs on its thread pool)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile 64 KiB requests")
     parser.add_argument("--json", help="write results to this file")
     parser.add_argument(
@@ -656,7 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--efd", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv or []))
     require_plot(parser, args.plot)
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, args.torch_threads))
     if args.role == "receiver":
         return _receiver(args.fd, args.efd)
     parent, child = socket.socketpair()
@@ -673,13 +705,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(child.fileno()),
         "--efd",
         str(efd),
+        "--torch-threads",
+        str(args.torch_threads),
     ]
     proc = subprocess.Popen(cmd, pass_fds=[child.fileno(), efd])
     child.close()
     chan = JsonChannel(parent)
     try:
         chan.expect("ready")
-        return _sender(args, chan, proc.pid, efd)
+        return _sender(args, chan, efd)
     finally:
         reap(proc, chan)
         os.close(efd)
@@ -693,6 +727,24 @@ def _gaps(text: str) -> tuple[float, ...]:
     if not gaps or any(not 0 <= g <= 10_000 for g in gaps):
         raise argparse.ArgumentTypeError(f"gaps must be 0..10000 ms, got {text!r}")
     return gaps
+
+
+#: Most CPU a side may spend per 224 MiB request, as a multiple of one memcpy's CPU time.
+CPU_PER_MEMCPY = 1.3
+
+
+def _print_cpu(key: str, mem: dict[str, float], memcpy_cpu_s: float) -> tuple[float, float]:
+    """Print each side's CPU per steady-state request of case ``key`` and its ratio to the CPU
+    time of one memcpy of the payload's size; returns the (sender, receiver) ratios."""
+    tx, rx = mem["tx_cpu_s"], mem["rx_cpu_s"]
+    ratios = (tx / memcpy_cpu_s, rx / memcpy_cpu_s) if memcpy_cpu_s > 0 else (math.nan,) * 2
+    print(
+        f"{SHAPES[key].name}: CPU per steady-state request (every thread; the bench's data"
+        f" checks excluded): sender {tx * 1e3:.3f} ms ({ratios[0]:.2f} x memcpy's CPU),"
+        f" receiver {rx * 1e3:.3f} ms ({ratios[1]:.2f} x); one memcpy of the payload"
+        f" {memcpy_cpu_s * 1e3:.3f} ms of CPU"
+    )
+    return ratios
 
 
 def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) -> None:
@@ -712,7 +764,7 @@ def _print_case(key: str, first: float, steady: Stats, mem: dict[str, float]) ->
     )
 
 
-def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int, efd: int) -> int:
+def _sender(args: argparse.Namespace, chan: JsonChannel, efd: int) -> int:
     cases = [("64KiB", args.small_iters)] + ([] if args.skip_large else [("224MiB", args.iters)])
     rows: list[Stats] = []
     memcpys: list[Stats] = []  # and the steady state of the same cases: the plot's rows
@@ -721,16 +773,11 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int, efd: in
     failures: list[str] = []
     targets: list[tuple[str, float, bool]] = []
     for key, iters in cases:
-        cpu0 = _cpu_s(child_pid)
         first, steady, mem, fails = _run_case(args, chan, key, iters)
-        cpu1, n = _cpu_s(child_pid), 1 + args.warmup + iters
-        print(
-            f"{SHAPES[key].name}: CPU per request (every thread, bench overhead included):"
-            f" sender {(cpu1[0] - cpu0[0]) / n * 1e6:.0f} us,"
-            f" receiver {(cpu1[1] - cpu0[1]) / n * 1e6:.0f} us"
-        )
         failures += fails
-        memcpy = _memcpy(SHAPES[key].nbytes, min(iters, 50))
+        memcpy, memcpy_cpu = _memcpy(SHAPES[key].nbytes, min(iters, 50))
+        ratios = _print_cpu(key, mem, memcpy_cpu)
+        mem["memcpy_cpu_s"] = memcpy_cpu
         rows += [memcpy, steady]
         memcpys.append(memcpy)
         steadies.append(steady)
@@ -749,6 +796,15 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, child_pid: int, efd: in
                 first - steady.median <= 0.05,
             )
         )
+        if key == "224MiB":
+            for side, ratio in zip(("sender", "receiver"), ratios, strict=True):
+                targets.append(
+                    (
+                        f"224 MiB {side} CPU <= {CPU_PER_MEMCPY} x memcpy's (x)",
+                        ratio,
+                        ratio <= CPU_PER_MEMCPY,
+                    )
+                )
         if key == "64KiB":
             targets.append(
                 ("64 KiB p50 <= 0.5 ms (ms)", steady.median * 1e3, steady.median <= 0.5e-3)

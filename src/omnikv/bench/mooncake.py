@@ -78,27 +78,25 @@ from omnikv.bench._alternate import (
     SETUP_TIMEOUT_S,
     STAGES,
     TARGET,
-    TARGET_MIB,
     BenchError,
     Check,
     Rounds,
     Source,
     TransportSamples,
     add_common_args,
-    encode_check,
     omni_wait,
     pool_size,
-    reap,
+    print_verdict_head,
+    run_against_sender,
     serve,
-    spawn_sender,
     tokens_of,
+    write_report,
 )
 from omnikv.bench.common import (
     ChannelError,
     JsonChannel,
     Stats,
     print_table,
-    write_json,
 )
 from omnikv.bench.mooncake_master import HOST, MooncakeMaster, free_ports
 from omnikv.connectors.mooncake_te.engine import unavailable_reason
@@ -518,36 +516,23 @@ def _memcpy(n: int, rounds: int, warmup: int) -> Stats:
 
 
 def _run(args: argparse.Namespace, tokens: int) -> int:
-    """The receiver's side of a run: encode, memcpy ceiling, the child, the cases, the report.
+    """The receiver's side of a run (:func:`run_against_sender`): the memcpy ceiling, the
+    cases, the report. Called by :func:`main`; returns the exit code."""
 
-    Called by :func:`main`; the sender child is reaped (``stop``, bounded wait, SIGKILL by PID)
-    whatever happens. Returns the exit code.
-    """
-    try:
-        check = encode_check(args, tokens)
-    except BenchError as exc:
-        print(f"FAIL  {exc}")
-        return 1
-    n, expected = check.n, check.crc
-    results: dict[str, Stats] = {"memcpy": _memcpy(n, args.warmup + args.repeat, args.warmup)}
-    proc, chan = spawn_sender("mooncake", args, tokens, ("--threads", str(args.threads)))
-    ctx = _Ctx(chan, n, check, int(args.warmup), int(args.repeat), args.store_placement)
-    error = ""
-    try:
-        ready = chan.expect("ready", SETUP_TIMEOUT_S)
-        if int(ready[2]) != expected or int(ready[3]) != n:
-            raise BenchError("the sender encoded different bytes from the same seed")
+    def cases(chan: JsonChannel, check: Check) -> tuple[_Ctx, dict[str, Stats]]:
+        n = check.n
+        results = {"memcpy": _memcpy(n, args.warmup + args.repeat, args.warmup)}
+        ctx = _Ctx(chan, n, check, int(args.warmup), int(args.repeat), args.store_placement)
         if args.only in (None, "te"):
             results.update(_te_case(ctx))
         if args.only in (None, "store"):
             results.update(_store_case(ctx))
-    except (BenchError, ChannelError) as exc:
-        error = str(exc)
-    finally:
-        reap(proc, chan)
-    if error:
-        print(f"FAIL  {error}")
+        return ctx, results
+
+    done = run_against_sender("mooncake", args, tokens, cases, ("--threads", str(args.threads)))
+    if done is None:
         return 1
+    _, (ctx, results) = done
     return _report(args, ctx, results)
 
 
@@ -587,31 +572,20 @@ def _report(args: argparse.Namespace, ctx: _Ctx, r: dict[str, Stats]) -> int:
                 f"(writer memcpy {r['st_writer'].median * 1e3:.1f} ms not counted)",
             )
         )
-    print(f"\nVerdict (target: omnikv >= {TARGET} x raw throughput at {TARGET_MIB} MiB)")
-    if round(n / MIB) != TARGET_MIB:
-        print(f"  note: {size} payload; the target is defined at {TARGET_MIB} MiB")
+    print_verdict_head(n)
     for label, ratio, extra in verdicts:
         print(f"  {'PASS' if ratio >= TARGET else 'MISS'}  {label}: {ratio:.2f} x {extra}")
     verified = check.summary()
-    write_json(
-        args.json,
-        {
-            "bench": "mooncake",
-            "model": args.model,
-            "nbytes": n,
-            "repeat": args.repeat,
-            "warmup": args.warmup,
-            "store_placement": ctx.store_placement,
-            "placement": ctx.placement,
-            "results": {k: {**s.as_dict(), "samples_s": s.samples} for k, s in r.items()},
-            "ratios": ratios,
-            "target": TARGET,
-            "targets_met": all(v >= TARGET for v in ratios.values()),
-            "verified": verified,
-            "samples_checked": check.checked,
-            "samples_decoded": check.decoded,
-            "failures": check.failures,
-        },
+    write_report(
+        "mooncake",
+        args,
+        check,
+        verified,
+        r,
+        store_placement=ctx.store_placement,
+        placement=ctx.placement,
+        ratios=ratios,
+        targets_met=all(v >= TARGET for v in ratios.values()),
     )
     return 0 if verified else 1
 

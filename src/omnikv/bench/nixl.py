@@ -47,30 +47,27 @@ from omnikv.bench._alternate import (
     MIB,
     SETUP_TIMEOUT_S,
     TARGET,
-    TARGET_MIB,
     BenchError,
     Check,
     Rounds,
     Source,
     TransportSamples,
     add_common_args,
-    encode_check,
     pool_size,
-    reap,
+    print_verdict_head,
+    run_against_sender,
     serve,
-    spawn_sender,
     tokens_of,
+    write_report,
 )
 from omnikv.bench.common import (
-    ChannelError,
     JsonChannel,
     Stats,
     print_table,
-    write_json,
 )
 from omnikv.bench.mooncake_master import free_ports
 from omnikv.connectors.nixl.agent import import_nixl, ucx_defaults, unavailable_reason
-from omnikv.connectors.nixl.receiver import POLL_CAP_S, POLL_FIRST_S
+from omnikv.connectors.nixl.receiving import POLL_CAP_S, POLL_FIRST_S
 from omnikv.connectors.pool import HostPool
 
 __all__ = ["main"]
@@ -234,26 +231,11 @@ def _case(chan: JsonChannel, check: Check, args: Any) -> _Results:
 
 
 def _run(args: argparse.Namespace, tokens: int) -> int:
-    """The receiver's side of a run; the sender child is reaped whatever happens."""
-    try:
-        check = encode_check(args, tokens)
-    except BenchError as exc:
-        print(f"FAIL  {exc}")
+    """The receiver's side of a run (:func:`run_against_sender`) and its report."""
+    done = run_against_sender("nixl", args, tokens, lambda chan, check: _case(chan, check, args))
+    if done is None:
         return 1
-    proc, chan = spawn_sender("nixl", args, tokens)
-    error = ""
-    try:
-        ready = chan.expect("ready", SETUP_TIMEOUT_S)
-        if int(ready[2]) != check.crc or int(ready[3]) != check.n:
-            raise BenchError("the sender encoded different bytes from the same seed")
-        results = _case(chan, check, args)
-    except (BenchError, ChannelError) as exc:
-        error = str(exc)
-    finally:
-        reap(proc, chan)
-    if error:
-        print(f"FAIL  {error}")
-        return 1
+    check, results = done
     return _report(args, check, results)
 
 
@@ -265,9 +247,7 @@ def _report(args: argparse.Namespace, check: Check, r: _Results) -> int:
     print_table([r.raw, o.wait, o.e2e, o.writer], baseline=r.raw, title=f"NIXL, {size}")
     ratio = r.raw.median / o.wait.median
     ratio_e2e = r.raw.median / o.e2e.median
-    print(f"\nVerdict (target: omnikv >= {TARGET} x raw throughput at {TARGET_MIB} MiB)")
-    if round(n / MIB) != TARGET_MIB:
-        print(f"  note: {size} payload; the target is defined at {TARGET_MIB} MiB")
+    print_verdict_head(n)
     verdict = "PASS" if ratio >= TARGET else "MISS"
     print(
         f"  {verdict}  NIXL: omnikv wait vs raw READ: {ratio:.2f} x "
@@ -275,23 +255,14 @@ def _report(args: argparse.Namespace, check: Check, r: _Results) -> int:
     )
     verified = check.summary()
     stats = {"raw": r.raw, "wait": o.wait, "e2e": o.e2e, "writer": o.writer}
-    write_json(
-        args.json,
-        {
-            "bench": "nixl",
-            "model": args.model,
-            "nbytes": n,
-            "repeat": args.repeat,
-            "warmup": args.warmup,
-            "results": {k: {**s.as_dict(), "samples_s": s.samples} for k, s in stats.items()},
-            "ratios": {"nixl": ratio, "nixl_e2e": ratio_e2e},
-            "target": TARGET,
-            "target_met": ratio >= TARGET,
-            "verified": verified,
-            "samples_checked": check.checked,
-            "samples_decoded": check.decoded,
-            "failures": check.failures,
-        },
+    write_report(
+        "nixl",
+        args,
+        check,
+        verified,
+        stats,
+        ratios={"nixl": ratio, "nixl_e2e": ratio_e2e},
+        target_met=ratio >= TARGET,
     )
     return 0 if verified else 1
 

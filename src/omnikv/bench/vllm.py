@@ -15,6 +15,13 @@ saved with ``save_pretrained``; no hub), connected by SharedMemoryConnector:
 
 The first token of both paths is compared (they must agree). Times come from ``CLOCK_MONOTONIC``,
 one clock for every process of the node. Control messages are JSON lines over pipes (no pickle).
+
+**Per-step breakdown** of the transfer: the engines log the connector's DEBUG lines to a file
+(through vLLM's ``VLLM_LOGGING_CONFIG_PATH``), whose hand-off timelines (the consumer's
+scheduler: admitted, load in a step's metadata, load reported, scheduled; its worker: load
+handed to a thread, ended, reported, with the receive's phases; the producer's worker: send
+handed to a thread, begun, ended) give, per round, the time from each step of the hand-off to
+the next. The table prints each step's median and spread over the rounds.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import json
 import os
 import queue
 import random
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -214,11 +224,19 @@ class EngineProcess:
 
 
 def start_engines(
-    argvs: Sequence[Sequence[str]], logs: Sequence[Path], *, timeout: float, in_process: bool
+    argvs: Sequence[Sequence[str]],
+    logs: Sequence[Path],
+    *,
+    timeout: float,
+    in_process: bool,
+    envs: Sequence[Mapping[str, str] | None] | None = None,
 ) -> list[EngineProcess]:
-    """Start engines in parallel; all ready, or all stopped and the error raised."""
+    """Start engines in parallel (``envs``: each one's extra environment); all ready, or all
+    stopped and the error raised."""
+    extra = list(envs) if envs is not None else [None] * len(argvs)
     engines = [
-        EngineProcess(a, log=p, in_process=in_process) for a, p in zip(argvs, logs, strict=True)
+        EngineProcess(a, log=p, in_process=in_process, env=e)
+        for a, p, e in zip(argvs, logs, extra, strict=True)
     ]
     try:
         deadline = time.monotonic() + timeout
@@ -363,11 +381,176 @@ def serve(cfg: dict[str, Any], extra_ops: dict[str, Op] | None = None) -> None:
             _reply({"error": f"{type(exc).__name__}: {exc}"})
 
 
+# -- the per-step breakdown ------------------------------------------------------------------------
+#: The steps of a hand-off, in order: (name, what happens in it). Each is timed from the end of
+#: the one before; "finish" is the producer's ``generate`` returning.
+STEPS = (
+    ("router hop", "the consumer's generate is called with the producer's parameters"),
+    ("admission", "vLLM's front end hands the request over; the scheduler admits it"),
+    ("to the worker", "admission to the load leaving in that step's metadata"),
+    ("load start", "metadata to the worker's start_load_kv (the step's hand-over)"),
+    ("load: payload wait", "the load thread waits for the payload (the producer's send)"),
+    ("load: decode+check", "the receive decodes and checks it"),
+    ("load: write", "the checked KV is written into the request's blocks"),
+    ("load: other", "thread hand-over and GIL waits inside the load"),
+    ("load reported", "the load's end to the worker's get_finished reporting it"),
+    ("to the scheduler", "the report reaching the scheduler (update_connector_output)"),
+    ("scheduled", "the scheduler schedules the request's last token (the next step)"),
+    ("first token", "forward pass, sampler and output back to generate's caller"),
+)
+#: The producer's side, timed from its finish: the send handed to a thread, and its length.
+PRODUCER_STEPS = (
+    ("send handed over", "to the send's thread taking it, at the producer's next step"),
+    ("send", "the send itself: gather, code, put into shared memory"),
+)
+#: Beside the steps: the load thread's CPU time during the write (the rest of the write's
+#: time it waited for a core or the GIL).
+WRITE_CPU = "load: write, thread CPU"
+_TIMELINE = re.compile(
+    r"OmniKVConnector: (hand-off|load|send) timeline of request (\S+) \(transfer (\S+)\): (.*)$"
+)
+_WRITTEN = re.compile(
+    r"OmniKVConnector: KV of (\S+) written in ([\d.]+) ms "
+    r"(?:\(([\d.]+) ms of the load thread's CPU)?.*phases (\{.*\})"
+)
+_PHASE = re.compile(r"'(\w+)_ms': ([-\d.e]+)")
+
+
+def trace_logging_config(path: Path) -> dict[str, Any]:
+    """vLLM's logging configuration (``VLLM_LOGGING_CONFIG_PATH``) for an engine whose
+    connector's DEBUG lines go to ``path``: vLLM's and omnikv's INFO lines still go to stderr."""
+    plain = {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}
+    stderr = {"class": "logging.StreamHandler", "formatter": "plain", "level": "INFO"}
+    trace = {"class": "logging.FileHandler", "filename": str(path), "formatter": "message"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": plain, "message": {"format": "%(message)s"}},
+        "handlers": {"stderr": {**stderr, "stream": "ext://sys.stderr"}, "trace": trace},
+        "loggers": {
+            "vllm": {"handlers": ["stderr"], "level": "INFO", "propagate": False},
+            "omnikv.integrations.vllm": {
+                "handlers": ["stderr", "trace"],
+                "level": "DEBUG",
+                "propagate": False,
+            },
+        },
+    }
+
+
+def read_timelines(text: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Transfer id -> kind (``hand-off``, ``load``, ``send``, ``written``) -> event -> value,
+    from the connector's DEBUG lines (monotonic seconds; ``written``: milliseconds)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for line in text.splitlines():
+        match = _TIMELINE.search(line)
+        if match is not None:
+            kind, _, tid, rest = match.groups()
+            pairs = (item.split("=", 1) for item in rest.split())
+            out.setdefault(tid, {})[kind] = {k: float(v) for k, v in pairs}
+            continue
+        match = _WRITTEN.search(line)
+        if match is not None:
+            tid, write, cpu, phases_text = match.groups()
+            phases = {k: float(v) for k, v in _PHASE.findall(phases_text)}
+            written = {"write": float(write), **phases}
+            if cpu is not None:
+                written["write_cpu"] = float(cpu)
+            out.setdefault(tid, {})["written"] = written
+    return out
+
+
+def breakdown(
+    finish: float, called: float, first_token: float, timeline: Mapping[str, Mapping[str, float]]
+) -> dict[str, float] | None:
+    """One round's step durations in seconds (:data:`STEPS`, then :data:`PRODUCER_STEPS`), from
+    the producer's ``finish``, the consumer's ``generate`` ``called`` and returning
+    (``first_token``) and the transfer's timelines; ``None`` when one of them is missing (the
+    load failed, or the engines did not log)."""
+    hand, load, send = timeline.get("hand-off"), timeline.get("load"), timeline.get("send")
+    written = timeline.get("written", {})
+    if hand is None or load is None or send is None or not hand.get("ok"):
+        return None
+    try:
+        load_s = load["end"] - load["submitted"]
+        wait = written.get("wait", 0.0) / 1e3
+        check = sum(v for k, v in written.items() if k not in ("wait", "write", "write_cpu")) / 1e3
+        write = written.get("write", 0.0) / 1e3
+        marks = [
+            called - finish,
+            hand["admitted"] - called,
+            hand["to_worker"] - hand["admitted"],
+            load["submitted"] - hand["to_worker"],
+            wait,
+            check,
+            write,
+            load_s - wait - check - write,
+            load["reported"] - load["end"],
+            hand["reported"] - load["reported"],
+            hand["scheduled"] - hand["reported"],
+            first_token - hand["scheduled"],
+        ]
+        producer = [send["submitted"] - finish, send["end"] - send["start"]]
+    except KeyError:
+        return None
+    names = [name for name, _ in (*STEPS, *PRODUCER_STEPS)]
+    steps = dict(zip(names, [*marks, *producer], strict=True))
+    if "write_cpu" in written:  # beside the steps, not one of them
+        steps[WRITE_CPU] = written["write_cpu"] / 1e3
+    return steps
+
+
+def _print_breakdown(rounds: Sequence[Mapping[str, float]], transfer: Stats) -> None:
+    names = [name for name, _ in (*STEPS, *PRODUCER_STEPS)]
+    what = dict((*STEPS, *PRODUCER_STEPS))
+    print(f"per-step breakdown of the transfer ({len(rounds)} rounds; ms, median (min..max)):")
+    for i, name in enumerate(names):
+        if i == len(STEPS):
+            print("  producer, from its generate returning (< 0: the send began before):")
+        values = [r[name] * 1e3 for r in rounds]
+        spread = f"({min(values):6.2f}..{max(values):6.2f})"
+        print(f"  {name:<20} {statistics.median(values):7.2f} {spread}  {what[name]}")
+    cpu = [r[WRITE_CPU] * 1e3 for r in rounds if WRITE_CPU in r]
+    if cpu:
+        print(
+            f"  {'(write: thread CPU)':<20} {statistics.median(cpu):7.2f} "
+            f"({min(cpu):6.2f}..{max(cpu):6.2f})  the load thread's CPU time in the write"
+        )
+    total = statistics.median(sum(r[n] for n in names[: len(STEPS)]) for r in rounds) * 1e3
+    print(f"  {'sum of the steps':<20} {total:7.2f}  (transfer median {transfer.median * 1e3:.2f})")
+
+
 # -- the benchmark ---------------------------------------------------------------------------------
+@dataclass
+class _Traces:
+    """The engines' DEBUG files (producer, consumer), read as they grow."""
+
+    paths: tuple[Path, Path]
+    read: list[int] = field(default_factory=lambda: [0, 0])
+
+    def take(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Timelines logged since the last call."""
+        text = []
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path) as f:
+                    f.seek(self.read[i])
+                    text.append(f.read())
+                    self.read[i] = f.tell()
+            except OSError:
+                continue
+        merged: dict[str, dict[str, dict[str, float]]] = {}
+        for part in text:
+            for tid, kinds in read_timelines(part).items():
+                merged.setdefault(tid, {}).update(kinds)
+        return merged
+
+
 def _one_round(
-    producer: EngineProcess, consumer: EngineProcess, prompt: list[int]
-) -> tuple[float, float, bool]:
-    """(transfer seconds, recompute seconds, first tokens agree) for one prompt."""
+    producer: EngineProcess, consumer: EngineProcess, prompt: list[int], traces: _Traces | None
+) -> tuple[float, float, bool, dict[str, float] | None]:
+    """(transfer seconds, recompute seconds, first tokens agree, the transfer's per-step
+    breakdown or ``None``) for one prompt."""
     sent = producer.call(
         "generate", prompts=[prompt], max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}]
     )
@@ -376,26 +559,39 @@ def _one_round(
     ref = consumer.call("generate", prompts=[prompt], max_tokens=1)
     transfer = got["t_end"] - sent["t_end"]
     recompute = ref["t_end"] - ref["t_start"]
-    return transfer, recompute, got["outputs"][0]["tokens"] == ref["outputs"][0]["tokens"]
+    steps = None
+    if traces is not None and isinstance(params, dict):
+        timeline = traces.take().get(str(params.get("omnikv_transfer_id")), {})
+        steps = breakdown(sent["t_end"], got["t_start"], got["t_end"], timeline)
+    same = got["outputs"][0]["tokens"] == ref["outputs"][0]["tokens"]
+    return transfer, recompute, same, steps
 
 
 def _bench_size(
-    producer: EngineProcess, consumer: EngineProcess, tokens: int, repeat: int
-) -> tuple[Stats, Stats, int]:
+    producer: EngineProcess,
+    consumer: EngineProcess,
+    tokens: int,
+    repeat: int,
+    traces: _Traces | None = None,
+) -> tuple[Stats, Stats, int, list[dict[str, float]]]:
     rnd = random.Random(tokens)
     samples: tuple[list[float], list[float]] = ([], [])
+    rounds: list[dict[str, float]] = []
     mismatches = 0
     for i in range(repeat + 1):  # the first round warms both engines up
         prompt = [rnd.randrange(4, 500) for _ in range(tokens)]
-        transfer, recompute, same = _one_round(producer, consumer, prompt)
+        transfer, recompute, same, steps = _one_round(producer, consumer, prompt, traces)
         mismatches += not same
         if i:
             samples[0].append(transfer)
             samples[1].append(recompute)
+            if steps is not None:
+                rounds.append(steps)
     return (
         Stats(f"{tokens} tok: transfer (finish -> 1st token)", samples[0]),
         Stats(f"{tokens} tok: recompute prefill (1st token)", samples[1]),
         mismatches,
+        rounds,
     )
 
 
@@ -418,6 +614,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "OmniKVConnector (kv_load_failure_policy fail): NixlConnector, ExampleConnector, "
         "MooncakeConnector, OffloadingConnector, LMCacheConnectorV1, or all",
     )
+    p.add_argument(
+        "--no-breakdown",
+        dest="breakdown",
+        action="store_false",
+        help="do not log the connector's DEBUG timelines nor print the per-step breakdown",
+    )
     p.add_argument("--start-timeout", type=float, default=900.0, help="engine start (s)")
     p.add_argument("--round-timeout", type=float, default=120.0, help="per engine call (s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
@@ -438,7 +640,7 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     sizes = [int(t) for t in ns.tokens.split(",") if t]
     model = build_tiny_llama(workdir / "model", ns.dtype)
     namespace = f"omnikv-bench-vllm-{os.getpid()}"
-    argvs, logs = [], []
+    argvs, logs, envs, paths = [], [], [], []
     for role in ("kv_producer", "kv_consumer"):
         cfg = {
             "model": str(model),
@@ -449,19 +651,33 @@ def _run(ns: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         }
         argvs.append([sys.executable, "-m", "omnikv.bench.vllm", "serve", json.dumps(cfg)])
         logs.append(workdir / f"{role}.log")
-    producer, consumer = start_engines(argvs, logs, timeout=900, in_process=False)
+        paths.append(workdir / f"{role}.trace")
+        log_config = workdir / f"{role}.logging.json"
+        log_config.write_text(json.dumps(trace_logging_config(paths[-1])))
+        envs.append({"VLLM_LOGGING_CONFIG_PATH": str(log_config)} if ns.breakdown else None)
+    producer, consumer = start_engines(argvs, logs, timeout=900, in_process=False, envs=envs)
+    traces = _Traces((paths[0], paths[1])) if ns.breakdown else None
     results: dict[str, Any] = {"dtype": ns.dtype, "repeat": ns.repeat, "cases": []}
     try:
         for tokens in sizes:
-            transfer, recompute, mismatches = _bench_size(producer, consumer, tokens, ns.repeat)
+            transfer, recompute, mismatches, rounds = _bench_size(
+                producer, consumer, tokens, ns.repeat, traces
+            )
             # layers x (K, V) x tokens x KV heads x head size x element size
             mib = 2 * 2 * tokens * 4 * 64 * (2 if ns.dtype == "bfloat16" else 4) / (1 << 20)
             title = f"{tokens} tokens ({mib:.1f} MiB of KV)"
             print_table([transfer, recompute], baseline=recompute, title=title)
             print(f"first tokens differing between the paths: {mismatches}")
+            ratio = transfer.median / recompute.median
+            print(f"transfer / recompute (medians): {ratio:.2f} (target at 1024 tokens: <= 0.5)")
+            if rounds:
+                _print_breakdown(rounds, transfer)
+            elif traces is not None:
+                print("per-step breakdown: no complete timeline was logged")
             results["cases"].append(
-                {"tokens": tokens, "kv_mib": mib, "mismatches": mismatches}
+                {"tokens": tokens, "kv_mib": mib, "mismatches": mismatches, "ratio": ratio}
                 | {"transfer": transfer.as_dict(), "recompute": recompute.as_dict()}
+                | {"steps": rounds}
             )
     finally:
         producer.stop()

@@ -19,21 +19,31 @@ returning, as ``bench vllm``'s *transfer*. Then OmniKV's consumer prefills the p
 hand-off loaded are vLLM's own count of tokens taken from the connector
 (``vllm:prompt_tokens_by_source{source="external_kv_transfer"}`` before and after; -1 where
 vLLM does not report it). Control messages are JSON lines (no pickle).
+
+Every engine dies with the benchmark, however it ends (:class:`EngineGroups`): each engine
+process leads a process group of its own, which its vLLM engine-core process joins; the
+benchmark stops them on its way out (an exception, SIGINT, SIGTERM or SIGHUP included), and a
+small reaper process kills every group still listed when the benchmark's end of its pipe closes
+(SIGKILL of the benchmark included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import re
+import signal
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from omnikv.bench.common import Stats, print_table
 from omnikv.bench.vllm import EngineProcess, build_tiny_llama, shm_omni_kv_config
@@ -43,6 +53,7 @@ __all__ = [
     "OMNIKV",
     "TRANSPORTS",
     "Contender",
+    "EngineGroups",
     "failure_reason",
     "parse_against",
     "run_against",
@@ -77,8 +88,116 @@ START_PARALLEL = 3
 _ERROR_LINE = re.compile(
     r"(?:^|[\s\]])((?:[A-Za-z_][\w.]*)?(?:Error|Exception)): (.*)|(\bSIG(?:ILL|SEGV|BUS|ABRT)\b.*)"
 )
+#: What vLLM logs when an engine cannot start (the root cause is logged before it).
+_START_FAILED = ("Worker failed with error", "Engine core initialization failed")
+#: How often a starting engine's log is read for :data:`_START_FAILED` (s).
+START_POLL_S = 1.0
 #: Wrappers that only point at the root cause logged before them.
 _GENERIC = ("Engine core initialization failed", "See root cause above")
+#: The reaper's program: process group ids on its input, one a line (``-N`` forgets group N);
+#: when the input ends (the benchmark closed it or died), SIGKILL to every group still listed.
+_REAPER = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    n = int(line)
+    groups.add(n) if n > 0 else groups.discard(-n)
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+#: The signals that end the benchmark through its ``finally`` (engines stopped) rather than
+#: at once; SIGINT already does (KeyboardInterrupt).
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class EngineGroups:
+    """The process groups of every engine the benchmark starts, and their reaper.
+
+    :meth:`popen` (the ``popen`` of :class:`~omnikv.bench.vllm.EngineProcess`) starts an engine
+    in a new session, so that the engine and the processes it starts (vLLM's engine core) share
+    a process group whose id is the engine's PID, and lists the group with the reaper: a child
+    process in a session of its own (a terminal's Ctrl-C does not reach it) that SIGKILLs every
+    listed group when its input pipe closes, which happens when the benchmark exits, however
+    (the pipe's write end is close-on-exec, so no engine holds it). :meth:`kill` ends one
+    group and forgets it; :meth:`close` ends the rest and the reaper. Used by :func:`run_against`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: set[int] = set()
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-c", _REAPER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+
+    def _tell(self, line: str) -> None:
+        assert self._reaper.stdin is not None
+        with contextlib.suppress(OSError, ValueError):  # a reaper gone: nothing to tell
+            self._reaper.stdin.write(line + "\n")
+            self._reaper.stdin.flush()
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
+        """``subprocess.Popen(argv, **kwargs)`` in a new session, its group listed."""
+        proc: subprocess.Popen[str] = subprocess.Popen(list(argv), start_new_session=True, **kwargs)
+        with self._lock:
+            self._groups.add(proc.pid)
+            self._tell(str(proc.pid))
+        return proc
+
+    @property
+    def groups(self) -> set[int]:
+        """The process group ids listed now."""
+        with self._lock:
+            return set(self._groups)
+
+    def kill(self, pgid: int) -> None:
+        """SIGKILL what is left of group ``pgid`` (nothing, after a clean stop) and forget it."""
+        with self._lock:
+            if pgid not in self._groups:
+                return
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, signal.SIGKILL)
+            self._groups.discard(pgid)
+            self._tell(str(-pgid))
+
+    def close(self) -> None:
+        """Kill every group still listed, then end the reaper (bounded waits)."""
+        for pgid in self.groups:
+            self.kill(pgid)
+        assert self._reaper.stdin is not None
+        with contextlib.suppress(OSError):
+            self._reaper.stdin.close()
+        try:
+            self._reaper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()
+            self._reaper.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def _ending_signals_raise() -> Iterator[None]:
+    """While inside: SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread
+    (as SIGINT raises KeyboardInterrupt), so that the ``finally`` stopping the engines runs;
+    the previous handlers come back on the way out. Outside the main thread: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, _raise) for sig in _ENDING_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def parse_against(text: str) -> list[str]:
@@ -131,6 +250,7 @@ class Contender:
     """One connector's engine pair and what its hand-offs gave."""
 
     name: str
+    groups: EngineGroups
     producer: EngineProcess | None = None
     consumer: EngineProcess | None = None
     reason: str | None = None  # why it does not (or no longer) run
@@ -144,9 +264,11 @@ class Contender:
         return self.producer is not None and self.consumer is not None and self.reason is None
 
     def stop(self) -> None:
+        """Stop both engines (a ``quit``, then a kill), then whatever is left of their groups."""
         for engine in (self.producer, self.consumer):
             if engine is not None:
                 engine.stop(timeout=20)
+                self.groups.kill(engine.proc.pid)
         self.producer = self.consumer = None
 
     def as_dict(self, tokens: int) -> dict[str, Any]:
@@ -189,10 +311,10 @@ def _start(c: Contender, base: dict[str, Any], workdir: Path, timeout: float) ->
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
                 }
             cfg = {k: v for k, v in base.items() if k != "namespace"} | {"kv_transfer_config": ktc}
-            engines.append(EngineProcess(_argv(cfg), log=log, env=env))
+            engines.append(EngineProcess(_argv(cfg), log=log, env=env, popen=c.groups.popen))
         deadline = time.monotonic() + timeout
         for e in engines:
-            e.next_reply(max(1.0, deadline - time.monotonic()))
+            _wait_started(e, logs, deadline)
         warm = [random.Random(7).randrange(4, 500) for _ in range(40)]
         for e in engines:
             e.call("generate", timeout=300, prompts=[warm], max_tokens=1)
@@ -200,9 +322,49 @@ def _start(c: Contender, base: dict[str, Any], workdir: Path, timeout: float) ->
     except (RuntimeError, TimeoutError, OSError) as exc:
         for e in engines:
             e.stop(timeout=10)
-        texts = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
+            c.groups.kill(e.proc.pid)
+        texts = [_log_text(log) for log in logs]
+        # the engine that logged its failed start names the root cause (the other may only
+        # show what its hang or shutdown raised)
+        texts.sort(key=lambda t: not _logged_failed_start(t))
         found = [failure_reason(t) for t in texts if _has_error(t)]
         c.reason = found[0] if found else f"{type(exc).__name__}: {exc}"[:300]
+
+
+class _Replies(Protocol):
+    """What :func:`_wait_started` needs of an engine (:class:`EngineProcess` has it)."""
+
+    def next_reply(self, timeout: float) -> dict[str, Any]: ...
+
+
+def _wait_started(engine: _Replies, logs: Sequence[Path], deadline: float) -> None:
+    """Wait for ``engine``'s first reply (its engine is up) until ``deadline``, looking at the
+    contender's engine ``logs`` every :data:`START_POLL_S`: once vLLM logged in any of them
+    that an engine cannot start (:data:`_START_FAILED`), raise at once instead of waiting out
+    the deadline (the contender cannot run without both). An engine whose worker failed may
+    hang instead of exiting (its engine core waiting for the worker process, which waits in
+    turn), so a failed start is read from the logs rather than awaited."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            engine.next_reply(max(0.1, min(START_POLL_S, left)))
+            return
+        except TimeoutError:
+            if left <= START_POLL_S:
+                raise
+        for log in logs:
+            if _logged_failed_start(_log_text(log)):
+                raise RuntimeError(f"{log.stem}: the engine logged that it cannot start")
+
+
+def _log_text(log: Path) -> str:
+    """An engine's log so far ("" before the engine wrote it)."""
+    return log.read_text(errors="replace") if log.exists() else ""
+
+
+def _logged_failed_start(text: str) -> bool:
+    """Whether an engine's log says vLLM gave up starting it (:data:`_START_FAILED`)."""
+    return any(marker in text for marker in _START_FAILED)
 
 
 def _has_error(text: str) -> bool:
@@ -270,7 +432,9 @@ def _round(
 def run_against(ns: argparse.Namespace, workdir: Path, names: Sequence[str]) -> dict[str, Any]:
     """``bench vllm --against``'s run: start OmniKV's and each named connector's engines, then
     per prompt length one warm-up round and ``ns.repeat`` measured ones; print and return the
-    results. Every engine is stopped before it returns."""
+    results. Every engine is stopped before it returns or raises (SIGTERM and SIGHUP raise
+    ``SystemExit`` meanwhile), and killed with its group by :class:`EngineGroups` if the
+    benchmark dies first."""
     sizes = [int(t) for t in ns.tokens.split(",") if t]
     max_len = max(sizes) + 64
     model = build_tiny_llama(workdir / "model", ns.dtype)
@@ -283,38 +447,61 @@ def run_against(ns: argparse.Namespace, workdir: Path, names: Sequence[str]) -> 
         "log_stats": True,  # vLLM's count of prompt tokens taken from the connector
         "namespace": f"omnikv-bench-vllm-against-{id(ns):x}-{int(time.time())}",
     }
-    contenders = [Contender(OMNIKV), *(Contender(n) for n in names)]
+    groups = EngineGroups()
+    contenders = [Contender(OMNIKV, groups), *(Contender(n, groups) for n in names)]
     results: dict[str, Any] = {"dtype": ns.dtype, "repeat": ns.repeat, "cases": []}
-    try:
-        with ThreadPoolExecutor(max_workers=START_PARALLEL) as pool:
-            list(pool.map(lambda c: _start(c, base, workdir, ns.start_timeout), contenders))
-        if not contenders[0].running:
-            raise RuntimeError(f"OmniKVConnector's engines did not start: {contenders[0].reason}")
-        for c in contenders:
-            if not c.running:
-                print(f"{c.name}: did not start: {c.reason}")
-        for tokens in sizes:
+    with _ending_signals_raise():
+        try:
+            _start_all(contenders, base, workdir, ns.start_timeout)
+            if not contenders[0].running:
+                raise RuntimeError(
+                    f"OmniKVConnector's engines did not start: {contenders[0].reason}"
+                )
             for c in contenders:
-                c.samples, c.loaded, c.mismatches, c.failures = [], [], 0, []
-            rnd = random.Random(tokens)
-            recompute: list[float] = []
-            for i in range(ns.repeat + 1):  # round 0 warms every path up
-                prompt = [rnd.randrange(4, 500) for _ in range(tokens)]
-                seconds = _round(contenders, prompt, i, i > 0, ns.round_timeout)
-                if i:
-                    recompute.append(seconds)
-            _report(contenders, tokens, recompute)
-            results["cases"].append(
-                {"tokens": tokens, "recompute": Stats("recompute", recompute).as_dict()}
-                | {"contenders": [c.as_dict(tokens) for c in contenders]}
-            )
-    finally:
-        stoppers = [threading.Thread(target=c.stop) for c in contenders]
-        for t in stoppers:
-            t.start()
-        for t in stoppers:
-            t.join()
+                if not c.running:
+                    print(f"{c.name}: did not start: {c.reason}")
+            for tokens in sizes:
+                results["cases"].append(_run_size(contenders, tokens, ns))
+        finally:
+            stoppers = [threading.Thread(target=c.stop) for c in contenders]
+            for t in stoppers:
+                t.start()
+            for t in stoppers:
+                t.join()
+            groups.close()  # engines still starting, and what a stopped one left behind
     return results
+
+
+def _start_all(
+    contenders: Sequence[Contender], base: dict[str, Any], workdir: Path, timeout: float
+) -> None:
+    """Start the contenders, :data:`START_PARALLEL` at a time. On the way out by an exception
+    (a signal's included) it does not wait for the starts under way: their engines are killed
+    by the caller's :meth:`EngineGroups.close`, which ends those starts."""
+    pool = ThreadPoolExecutor(max_workers=START_PARALLEL)
+    try:
+        list(pool.map(lambda c: _start(c, base, workdir, timeout), contenders))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_size(
+    contenders: Sequence[Contender], tokens: int, ns: argparse.Namespace
+) -> dict[str, Any]:
+    """One prompt length: a warm-up round and ``ns.repeat`` measured ones, reported."""
+    for c in contenders:
+        c.samples, c.loaded, c.mismatches, c.failures = [], [], 0, []
+    rnd = random.Random(tokens)
+    recompute: list[float] = []
+    for i in range(ns.repeat + 1):  # round 0 warms every path up
+        prompt = [rnd.randrange(4, 500) for _ in range(tokens)]
+        seconds = _round(contenders, prompt, i, i > 0, ns.round_timeout)
+        if i:
+            recompute.append(seconds)
+    _report(contenders, tokens, recompute)
+    return {"tokens": tokens, "recompute": Stats("recompute", recompute).as_dict()} | {
+        "contenders": [c.as_dict(tokens) for c in contenders]
+    }
 
 
 def _report(contenders: Sequence[Contender], tokens: int, recompute: list[float]) -> None:

@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
@@ -90,6 +90,7 @@ __all__ = [
     "get_result",
     "matches_request",
     "notify_incoming",
+    "polling",
     "takes_host_arrays",
 ]
 
@@ -138,6 +139,25 @@ def takes_host_arrays(write: Writer) -> bool:
 # Bounded polling for transports that cannot notify: start fine, back off to a small cap.
 _POLL_FIRST_S = 0.0005
 _POLL_CAP_S = 0.01
+
+
+def polling(deadline: float) -> Iterator[None]:
+    """The looks of a receive that polls: one at once, then one after each sleep of a fine,
+    bounded back-off (0.5 ms doubling to 10 ms, each cut to the time left), the last at
+    ``deadline``; ends once a look finds the deadline passed.
+
+    Used as ``for _ in polling(deadline): <look; return what it found>`` by the default
+    :meth:`OmniConnectorBase.wait` and by transports that cannot be notified (the Mooncake
+    Store's ``wait``); the loop's end is the miss.
+    """
+    step = _POLL_FIRST_S
+    while True:
+        yield
+        left = remaining(deadline)
+        if left <= 0:
+            return
+        time.sleep(min(step, left))
+        step = min(step * 2, _POLL_CAP_S)
 
 
 _CPU = torch.device("cpu")
@@ -569,6 +589,11 @@ class OmniConnectorBase(ABC):
     #: payload's size when the payload's bytes start to move to this node (a pull granted, an
     #: object found), before they have arrived (see :func:`notify_incoming`).
     reports_incoming: ClassVar[bool] = False
+    #: Senders on this connector give payloads a data check unless ``payload_checksum`` says
+    #: otherwise: the bytes cross a link between nodes, and hashing them costs a small share of
+    #: moving them. Shared memory and in-process connectors leave it off by default (their
+    #: receive is a zero-copy view, where the check would be a whole extra pass).
+    checks_data: ClassVar[bool] = False
     #: :meth:`wait` takes the keyword ``abort`` (a ``threading.Event``): it looks at it at
     #: least every :data:`ABORT_POLL_S` while nothing has arrived and then returns ``None``
     #: (consuming nothing), while a transfer already granted runs to ``deadline``. A receive
@@ -664,16 +689,11 @@ class OmniConnectorBase(ABC):
         back-off (0.5 ms doubling to 10 ms), each sleep cut to the time left; notifying
         transports override it.
         """
-        step = _POLL_FIRST_S
-        while True:
+        for _ in polling(deadline):
             result = self.get(from_stage, to_stage, get_key, metadata)
             if result is not None:
                 return as_managed(result[0])
-            left = remaining(deadline)
-            if left <= 0:
-                return None
-            time.sleep(min(step, left))
-            step = min(step * 2, _POLL_CAP_S)
+        return None
 
     def get_with_deadline(
         self,
@@ -757,6 +777,21 @@ class OmniConnectorBase(ABC):
         ``unknown`` (the transport cannot tell without taking it).
         """
         return KeyProbe(KeyState.UNKNOWN, detail=f"{type(self).__name__} cannot probe")
+
+    def withdraw(self, from_stage: str, to_stage: str, put_key: str) -> bool:
+        """Take back the payload this connector published with ``put(from_stage, to_stage,
+        put_key, ...)`` while no receiver has taken it: it is offered no more, its memory is
+        free again and no verdict is reported for it.
+
+        Called by the transfer edge for the keys nobody took of a send that was refused or
+        expired (an early hand-off's tail when its receiver refused a chunk after the finish),
+        also on the delivery listener's thread: it never reports a verdict, never waits for
+        a peer and never raises. Touches only what this connector published, never another
+        process's or connector's keys. True when the payload was removed; False when there
+        was none (never published here, taken, expired, removed already) or the transport
+        cannot take one key back (the default, and connectors written against the reference).
+        """
+        return False
 
     def flush(self, timeout: float | None = None) -> list[str]:
         """Wait up to ``timeout`` seconds for published payloads to be consumed; returns the

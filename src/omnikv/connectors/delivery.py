@@ -13,7 +13,9 @@ turns reports into the send results' ``delivered`` / ``refused`` / ``expired``.
 
 :class:`DeliveryNotices` is the sending connector's side of that: a listener slot, one report per
 key and publication, and the watch on payloads taken but not yet acknowledged. Every connector
-that acknowledges uses it, so the rules are the same everywhere.
+that acknowledges uses it, so the rules are the same everywhere; the transports (shared memory,
+the pull connectors, the Store) use it through :class:`~omnikv.connectors.verdict_book.VerdictBook`,
+which adds who took each publication and which verdict may settle it.
 
 Verdicts from outside the process are hostile input like any other: a transport bounds the key
 and reason it accepts (:data:`MAX_KEY_CHARS`, :data:`MAX_REASON_CHARS`) and reports a verdict

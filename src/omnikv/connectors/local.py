@@ -45,7 +45,6 @@ from omnikv.connectors.base import (
     SlotRelease,
     Writer,
     fill_slot,
-    get_result,
     matches_request,
 )
 from omnikv.connectors.counters import Counters
@@ -181,7 +180,8 @@ class LocalConnector(OmniConnectorBase):
         *,
         deadline: float,
     ) -> PutResult:
-        """``write`` fills a pool slot; waits for space until ``deadline`` (PoolExhaustedError)."""
+        """``write`` fills a slot of the namespace's pool; the payload replaces one put under
+        the same key and not yet taken."""
         self._check_open()
         pool = self._store.pool
         offset = fill_slot(pool, nbytes, write, deadline)
@@ -221,15 +221,9 @@ class LocalConnector(OmniConnectorBase):
         get_key: str,
         metadata: dict[str, Any] | None = None,
     ) -> GetResult | None:
-        """Take the payload if present (consume-once): ``(ManagedBuffer, size)`` or ``(obj, n)``."""
-        self._check_open()
-        key = self._make_key(get_key, from_stage, to_stage)
-        with self._store.cond:
-            buf = self._take(key)
-        if buf is None:
-            self._counters.add("misses")
-            return None
-        return get_result(buf)
+        """Take the payload if present (consume-once; one look of :meth:`wait`):
+        ``(ManagedBuffer, size)`` or ``(obj, n)``."""
+        return self.get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=0.0)
 
     def wait(
         self,
@@ -284,6 +278,21 @@ class LocalConnector(OmniConnectorBase):
         for item in dropped:
             self._store.pool.allocator.free(item.offset)
             item.notices.forget(item.put_key)
+
+    def withdraw(self, from_stage: str, to_stage: str, put_key: str) -> bool:
+        """Remove the payload this connector put under ``put_key`` while nobody took it
+        (:meth:`~omnikv.connectors.base.OmniConnectorBase.withdraw`); a payload another
+        connector of the namespace put is left alone."""
+        key = self._make_key(put_key, from_stage, to_stage)
+        with self._store.cond:
+            item = self._store.items.get(key)
+            if item is None or item.notices is not self._notices:
+                return False
+            del self._store.items[key]
+            self._store.cond.notify_all()  # flush() waits for the namespace to empty
+        self._store.pool.allocator.free(item.offset)
+        item.notices.forget(item.put_key)
+        return True
 
     def acknowledge(
         self,

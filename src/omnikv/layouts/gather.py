@@ -20,17 +20,35 @@ from omnikv.layouts.cache import LayerCache, PreparedBlocks
 from omnikv.layouts.specs import ACCEPTED, PackedLayout, layer_spec, read_layer_kv
 from omnikv.wire.encode import host_bits
 
-__all__ = ["BlockGather", "BlockIndex", "plan_request_kv"]
+__all__ = ["BlockGather", "BlockIndex", "block_runs", "plan_request_kv"]
+
+
+def block_runs(ids: Sequence[int], limit: int | None = None) -> list[tuple[int, int, int]] | None:
+    """``ids`` as runs of consecutive ids, ``(position, first id, length)`` each, in order;
+    ``None`` as soon as there are more than ``limit`` runs (never without a ``limit``). Used
+    where a copy per run beats one indexed copy: :meth:`BlockIndex.runs` (the sender's numpy
+    gather from a strided cache) and :func:`omnikv.layouts.scatter.scatter_tokens`."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((pos, block, 1))
+            if limit is not None and len(runs) > limit:
+                return None
+    return runs
 
 
 class BlockIndex:
     """A request's full blocks, prepared once and shared by every layer's :class:`BlockGather`.
 
     A run of consecutive ids (the common case for a fresh cache) is read with one slice; any
-    other order with ``index_select`` over an index tensor made once per device.
+    other order with ``index_select`` over an index tensor made once per device, or (numpy,
+    from a strided cache) one slice per run of consecutive ids (:meth:`runs`).
     """
 
-    __slots__ = ("_array", "_tensors", "ids", "start")
+    __slots__ = ("_array", "_runs", "_tensors", "ids", "start")
 
     def __init__(self, ids: tuple[int, ...]) -> None:
         self.ids = ids
@@ -39,12 +57,20 @@ class BlockIndex:
         self.start: int | None = first if ids == tuple(range(first, first + len(ids))) else None
         self._tensors: dict[torch.device, torch.Tensor] = {}
         self._array: np.ndarray | None = None
+        self._runs: tuple[tuple[int, int, int], ...] | None = None
 
     def array(self) -> np.ndarray:
         """The ids as an ``int64`` numpy array (made on first use)."""
         if self._array is None:
             self._array = np.array(self.ids, dtype=np.int64)
         return self._array
+
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """The ids as runs of consecutive ids, ``(position, first id, length)`` each, in order
+        (made on first use)."""
+        if self._runs is None:
+            self._runs = tuple(block_runs(self.ids) or ())
+        return self._runs
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         """The ids as a ``long`` tensor on ``device`` (made on first use)."""
@@ -140,7 +166,8 @@ class BlockGather:
         """:meth:`write_into` through numpy for host blocks: ``dst`` is the destination viewed as
         same-size integers (:func:`omnikv.wire.encode.host_bits`), ``[seq_len, ...]`` or flat.
         ``False`` (nothing written) when the blocks are not on the host. Called by
-        ``pack_into``. When the tokens are one range of ``flat`` (:meth:`flat_range`; a fresh
+        ``pack_into``. Reads only the request's blocks, whatever the cache's strides. When the
+        tokens are one range of ``flat`` (:meth:`flat_range`; a fresh
         cache's common case), they go in with one copy, whatever the block count."""
         if self._write_range(dst):
             return True
@@ -156,8 +183,13 @@ class BlockGather:
             out = (dst if not rest else dst[: full * bs]).reshape(full, bs, *src.shape[2:])
             if index.start is not None:
                 np.copyto(out, src[index.start : index.start + full], casting="no")
-            else:
+            elif src.flags.c_contiguous:
                 np.take(src, index.array(), axis=0, out=out)
+            else:
+                # numpy's take makes a contiguous copy of a strided source first: the whole
+                # cache (e.g. K and V interleaved in vLLM's CPU layout), for a few blocks
+                for at, first, n in index.runs():
+                    np.copyto(out[at : at + n], src[first : first + n], casting="no")
         if rest:
             np.copyto(dst[full * bs :], src[self.block_ids[full], :rest], casting="no")
         return True

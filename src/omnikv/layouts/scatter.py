@@ -7,8 +7,14 @@ from collections.abc import Sequence
 import torch
 
 from omnikv.errors import ExtractionError, KVMismatchError
+from omnikv.layouts.gather import block_runs
 
 __all__ = ["scatter_tokens"]
+
+#: Whole blocks whose ids run in at most this many runs of consecutive ids are written one
+#: slice copy per run; more fragmented ones in one ``index_copy_`` (which costs about as much
+#: as a copy per block, and copies element by element even where rows are contiguous).
+MAX_RUN_COPIES = 8
 
 
 def _check_scatter_fit(blocks: torch.Tensor, src: torch.Tensor) -> None:
@@ -58,8 +64,9 @@ def scatter_tokens(
     bad = [b for b in ids if b < 0 or b >= int(blocks.shape[0])]
     if bad:
         raise ExtractionError(f"scatter: block ids {bad[:8]} outside a cache of {blocks.shape[0]}")
-    # A partial first block, the full blocks in one copy, a partial last block: few operations,
-    # so that a load thread is not held up once per block by an engine loop that keeps the GIL.
+    # A partial first block, the full blocks in one copy per run of consecutive ids (or one
+    # index_copy_), a partial last block: few operations, so that a load thread is not held up
+    # once per block by an engine loop that keeps the GIL.
     src = src.to(blocks.device)  # before the first write: nothing is written when this raises
     pos, i = 0, 0
     lo = start % bs
@@ -69,10 +76,20 @@ def scatter_tokens(
         i = 1
     full = (n - pos) // bs
     if full:
-        index = torch.tensor(ids[i : i + full], dtype=torch.long, device=blocks.device)
         body = src[pos : pos + full * bs].reshape(full, bs, *src.shape[1:])
-        blocks.index_copy_(0, index, body)
+        _write_blocks(blocks, ids[i : i + full], body)
         pos += full * bs
         i += full
     if pos < n:
         blocks[ids[i], : n - pos].copy_(src[pos:])
+
+
+def _write_blocks(blocks: torch.Tensor, ids: list[int], body: torch.Tensor) -> None:
+    """``body[j]`` into block ``ids[j]`` of ``blocks`` for every ``j`` (ids checked)."""
+    runs = block_runs(ids, MAX_RUN_COPIES)
+    if runs is None:
+        index = torch.tensor(ids, dtype=torch.long, device=blocks.device)
+        blocks.index_copy_(0, index, body)
+        return
+    for at, first, length in runs:
+        blocks[first : first + length].copy_(body[at : at + length])

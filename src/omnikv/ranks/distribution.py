@@ -12,6 +12,13 @@ receiving stage, after the leader pulled (or failed to pull) the request's KV. G
   so a dead or hung leader makes its followers return ``None`` instead of hanging;
 * tensors travel as one packed ``uint8`` buffer per message (:mod:`omnikv.wire.frames`), metadata
   as msgpack; no pickle, no ``*_object_list``.
+
+Node-shared reads (``shared_readers`` in the receiving stage's ``connector_config``, equal to its
+world size, without TP): the sender published each payload once for that many readers of the
+node (:mod:`omnikv.connectors.shm.shared`), so every rank takes it from the connector itself (a
+zero-copy view of the one copy) instead of the leader broadcasting it; the ranks then agree on
+success as pure TP ranks do (all have the KV, or none counts it). Another value, or a stage
+with TP, keeps the leader -> followers path (with a WARNING, once).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 
 from omnikv.config import OmniKVCacheConfig
 from omnikv.deadline import deadline_after
-from omnikv.errors import DistributionError
+from omnikv.errors import ConfigError, DistributionError
 from omnikv.ranks.collectives import GroupLink, agree, request_key
 from omnikv.ranks.context import ParallelContext, TopoConfig, build_topo_config
 from omnikv.topology.placement import RankInfo
@@ -37,6 +44,7 @@ from omnikv.transfer.requests import (
     move_to_device,
     request_id_of,
 )
+from omnikv.values import parse_int
 from omnikv.wire.frames import Frame, decode_frame
 
 __all__ = [
@@ -45,6 +53,7 @@ __all__ = [
     "build_cfg_rank_payloads",
     "discover_cfg_branch_roles",
     "distribute",
+    "shared_readers",
     "tp_agree",
 ]
 
@@ -347,6 +356,7 @@ class StageRanks:
     ) -> None:
         self.context, self.tp, self.config = context, tp, config
         self._topo: TopoConfig | None = None
+        self._warned_shared = False
 
     @property
     def topo(self) -> TopoConfig:
@@ -403,15 +413,62 @@ class StageRanks:
         their leader skipped. ``received_counts``: a leader that received has the KV even when
         its followers got nothing.
         """
-        rank = StageReceive(fetches=not self.topo.is_follower)
+        shared = self.reads_shared()
+        rank = StageReceive(fetches=shared or not self.topo.is_follower)
         try:
             yield rank
         except Exception:
-            self._share(req, target_device, received=False, received_counts=received_counts)
+            if shared:
+                self._agree_world(req, received=False)
+            else:
+                self._share(req, target_device, received=False, received_counts=received_counts)
             raise
+        if shared:
+            rank.has_kv = self._agree_world(req, received=rank.received)
+            return
         rank.has_kv = self._share(
             req, target_device, received=rank.received, received_counts=received_counts
         )
+
+    def reads_shared(self) -> bool:
+        """Whether every rank of this stage takes the request's payload from the connector
+        itself (node-shared reads, module docstring): ``shared_readers`` in the connector
+        config equals the world size of a stage without TP. A value that does not fit the
+        stage is logged once (WARNING) and the leader -> followers path is kept."""
+        readers = shared_readers(self.config)
+        if readers <= 1:
+            return False
+        topo = self.topo
+        if not topo.tp_active and topo.world is not None and topo.world_size == readers:
+            return True
+        if not self._warned_shared:
+            self._warned_shared = True
+            logger.warning(
+                "shared_readers is %d but this receiving stage has %d rank(s)%s: its leader"
+                " receives and distributes the KV; each payload keeps %d unread claim(s) at"
+                " its sender until their TTL",
+                readers,
+                topo.world_size,
+                " with TP" if topo.tp_active else "",
+                max(0, readers - 1),
+            )
+        return False
+
+    def _agree_world(self, req: Any, *, received: bool) -> bool:
+        """Node-shared reads: every rank fetched its own; all of them have the KV, or none
+        counts it (one bounded ``all_reduce``; a broken group is False)."""
+        topo = self.topo
+        assert topo.world is not None
+        try:
+            agreed = agree(
+                GroupLink("world", topo.world, topo.context),
+                ok=received,
+                key=request_key(request_id_of(req)),
+                deadline=self._deadline(),
+            )
+        except DistributionError:
+            return False
+        return agreed.ok
 
     def _share(
         self,
@@ -443,6 +500,17 @@ class StageReceive:
     fetches: bool
     received: bool = False
     has_kv: bool = False
+
+
+def shared_readers(config: OmniKVCacheConfig) -> int:
+    """``connector_config["shared_readers"]`` (1 when absent or not a valid count: the
+    connector refuses an invalid one when it is built)."""
+    conn = config.connector_config
+    value = conn.get("shared_readers") if isinstance(conn, Mapping) else None
+    try:
+        return parse_int("shared_readers", value, 1, minimum=1)
+    except ConfigError:
+        return 1
 
 
 def _on_host(device: torch.device | str | None) -> torch.device | str:

@@ -63,7 +63,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -75,7 +75,7 @@ from omnikv.deadline import deadline_after, remaining
 from omnikv.transfer.receive import ReceiveFn, ReceiveResult, ReceiveStatus
 from omnikv.transfer.requests import checked_companions
 
-__all__ = ["KVAdmission", "ProbeFn", "Readiness", "RequestReadiness"]
+__all__ = ["KVAdmission", "ProbeFn", "Readiness", "RequestReadiness", "receive_by_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,20 @@ class ProbeFn(Protocol):
     def __call__(
         self, request_id: str, *, sender_info: dict[str, Any] | None = ..., timeout: float = ...
     ) -> KeyProbe: ...
+
+
+def receive_by_id(run: Callable[[str], ReceiveResult]) -> ReceiveFn:
+    """An admission's receive that hands each request id to ``run`` and nothing else: for a
+    receiver that keeps each request's deadline, abort and checks itself (the vLLM worker's
+    loads, offered under their own deadlines); the admission's other arguments (its deadline,
+    abort, ``on_arrival``) are not used. Whatever ``run`` returns or raises is the receive's."""
+
+    def receive(
+        request_id: str, target_device: torch.device | None = None, **_: Any
+    ) -> ReceiveResult:
+        return run(request_id)
+
+    return receive
 
 
 class Readiness(str, Enum):
@@ -276,8 +290,8 @@ class KVAdmission:
                     self._tracked[one] = entry
                     self._fresh.append((one, entry, target_device, sender_info))
                     started.append(one)
-            if started:
-                self._work.notify_all()
+            if started:  # a thread per offer: waking every idle one costs each a GIL turn
+                self._work.notify(len(started))
         return started
 
     def _serve(self, looker: bool) -> None:

@@ -10,6 +10,11 @@ as one was refused, ``expired`` as soon as one expired (and none was refused). T
 ``get_send_result`` shows the latest status; ``wait`` blocks (bounded) until a request's
 verdict is in.
 
+A send decided ``refused`` or ``expired`` takes back the keys nobody took (``withdraw``, the
+edge's :meth:`~omnikv.connectors.base.OmniConnectorBase.withdraw` of the sending connector):
+an early hand-off whose receiver refused a chunk after the finish leaves no tail published
+until its TTL. A key that could not be taken back is listed for the streams to drop.
+
 Reports may arrive before ``settle`` (a fast receiver acknowledges while the sender is still
 putting the next key): ``expect`` registers the keys before the first put, so no report is lost.
 Memory is bounded: at most ``capacity`` requests are watched (the oldest are dropped first).
@@ -60,9 +65,12 @@ class DeliveryBook:
         self,
         record: Callable[[SendResult], object] | None = None,
         capacity: int = 4096,
+        withdraw: Callable[[str], bool] | None = None,
     ) -> None:
         #: Called once with each result when its verdict is decided (the edge's metrics).
         self.record = record
+        #: Takes back one untaken key of a refused or expired send; whether it went.
+        self.withdraw = withdraw
         self.capacity = capacity
         self._cond = threading.Condition()
         self._watches: OrderedDict[str, _Watch] = OrderedDict()
@@ -147,7 +155,10 @@ class DeliveryBook:
                 return result
             watch.result = result
             final = self._apply(watch)
-            self._cond.notify_all()
+            untaken = self._untaken(watch, final)
+            if not untaken:
+                self._cond.notify_all()
+        self._take_back(untaken)  # before waiters see the verdict: what it frees is free
         if final is not None and self.record is not None:
             self.record(final)
         return final or result
@@ -171,12 +182,42 @@ class DeliveryBook:
             watch.verdicts[report.key] = report
             if watch.result is not None:
                 changed = self._apply(watch)
-            if changed is not None and changed.status is not SendStatus.DELIVERED:
-                self._unsettled.extend(sorted(k for k in watch.keys if k not in watch.verdicts))
-                del self._unsettled[:-_MAX_UNSETTLED]
-            self._cond.notify_all()
+            untaken = self._untaken(watch, changed)
+            if not untaken:
+                self._cond.notify_all()
+        self._take_back(untaken)  # before waiters see the verdict: what it frees is free
         if changed is not None and self.record is not None:
             self.record(changed)
+
+    @staticmethod
+    def _untaken(watch: _Watch, decided: SendResult | None) -> list[str]:
+        """(lock held) The keys without a verdict of a send just decided ``refused`` or
+        ``expired``: nobody will take them."""
+        if decided is None or decided.status is SendStatus.DELIVERED:
+            return []
+        return sorted(k for k in watch.keys if k not in watch.verdicts)
+
+    def _take_back(self, keys: list[str]) -> None:
+        """Withdraw ``keys`` from the sending connector (lock not held); those it could not
+        take back are listed for :meth:`take_unsettled`; then the waiters wake."""
+        if not keys:
+            return
+        left = keys
+        if self.withdraw is not None:
+            left = [k for k in keys if not self._withdrawn(k)]
+            logger.debug("took back %d untaken key(s)", len(keys) - len(left))
+        with self._cond:
+            self._unsettled.extend(left)
+            del self._unsettled[:-_MAX_UNSETTLED]
+            self._cond.notify_all()
+
+    def _withdrawn(self, key: str) -> bool:
+        assert self.withdraw is not None
+        try:
+            return bool(self.withdraw(key))
+        except Exception:  # a connector's failure: the key is left to the streams and the TTL
+            logger.exception("withdrawing %s failed", key)
+            return False
 
     def wait(self, request_id: str, timeout: float | None) -> SendResult | None:
         """Block until ``request_id``'s verdict is in or ``timeout`` s passed (``None``: no

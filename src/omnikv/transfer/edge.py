@@ -51,7 +51,7 @@ from omnikv.transfer.received import ReceivedChunk, ReceivedKV
 from omnikv.transfer.results import ReceiveResult, SendResult, StreamProgress
 from omnikv.transfer.send import KVSender
 from omnikv.transfer.sessions import SessionGuard
-from omnikv.transfer.stream.sending import KVStreams, Seal, ShippedChunk
+from omnikv.transfer.stream.sending import KVStreams, Seal, ShippedChunk, StepListener
 
 __all__ = ["DEFAULT_PROBE_TIMEOUT_S", "KVCaches", "TransferEdge"]
 
@@ -85,8 +85,9 @@ class TransferEdge:
     the stage sends or receives at all (else every result is ``not_configured``).
     ``async_prefetch`` turns the prefetcher on (for a stage that receives). ``on_verdict`` is
     told each send's result once the receiver's verdict decides it (``delivered``,
-    ``refused``, ``expired``). Thread-safe as its parts are: sends and stream steps from the
-    model runner's thread, receives from any.
+    ``refused``, ``expired``); ``on_stream_step`` each stream step's outcome (on the stream
+    worker's thread: it must only note it). Thread-safe as its parts are: sends and stream
+    steps from the model runner's thread, receives from any.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class TransferEdge:
         configured: bool = True,
         async_prefetch: bool = False,
         on_verdict: Callable[[SendResult], object] | None = None,
+        on_stream_step: StepListener | None = None,
     ) -> None:
         self.config, self.options, self.placement = config, options, placement
         self.connector = connector
@@ -107,7 +109,7 @@ class TransferEdge:
         self.metrics = TransferMetrics()
         self._log = TransferLog(self.metrics)
         self._on_verdict = on_verdict
-        self._deliveries = DeliveryBook(self._delivered)
+        self._deliveries = DeliveryBook(self._delivered, withdraw=self._withdraw)
         self._hooks = TransferHooks()
         self._sender = KVSender(
             stages=placement.send_stages,
@@ -127,8 +129,11 @@ class TransferEdge:
             enabled=receives,
             configured=configured,
         )
+        # (a stage that only receives assembles streams in its receiver: no stream worker)
         self._streams = (
-            KVStreams(self._sender, deliveries=self._deliveries) if options.stream_kv else None
+            KVStreams(self._sender, deliveries=self._deliveries, on_step=on_stream_step)
+            if options.stream_kv and sends
+            else None
         )
         self._prefetch_on = bool(async_prefetch) and receives
         self._prefetch = KVPrefetcher(self.receive, config=config)
@@ -142,6 +147,16 @@ class TransferEdge:
         self._log.delivered(result)
         if self._on_verdict is not None:
             self._on_verdict(result)
+
+    def _withdraw(self, key: str) -> bool:
+        """The delivery book takes back a key nobody took of a refused or expired send: the
+        sending connector's ``withdraw`` on this edge's stages (any thread; the book catches
+        and logs a failure)."""
+        conn = self.connector.current
+        from_stage, to_stage = self._sender.stages
+        if conn is None or from_stage is None or to_stage is None:
+            return False
+        return conn.withdraw(from_stage, to_stage, key)
 
     # -- settings -----------------------------------------------------------------------------
     @property
@@ -217,25 +232,48 @@ class TransferEdge:
         layers: tuple[int, int] | None = None,
     ) -> StreamProgress:
         """Ship the full blocks of a request still decoding as one chunk (``stream_kv``; see
-        :mod:`omnikv.transfer.stream.sending`): synchronous and short, never raises for the
+        :mod:`omnikv.transfer.stream.sending`): the step is handed to the stream worker and
+        this returns at once (the copy, seal and put run behind it); never raises for the
         request's failure. ``seal`` puts each chunk's own metadata in its header; ``layers``
-        (``(first, stop)``) ships one layer group. Without ``stream_kv``: nothing, and the
-        progress says so."""
+        (``(first, stop)``) ships one layer group. The caller keeps the request's blocks until
+        its :meth:`send` or :meth:`abort_stream` returned. Without ``stream_kv``, or on a stage
+        that does not send: nothing, and the progress says so."""
         rid = str(request_id)
         if self._streams is None:
-            return StreamProgress(rid, reason="stream_kv is off")
+            return StreamProgress(rid, reason=self._no_streams())
         args = (entry, caches.layers, caches.block_size, caches.cache_dtype, caches.resolver)
         return self._streams.ship(rid, *args, seal=seal, layers=layers)
 
+    def wait_stream(self, request_id: str, timeout: float | None = None) -> StreamProgress:
+        """Wait up to ``timeout`` s (``None``: no limit) until the stream steps of
+        ``request_id`` handed over so far ran; its progress then (what they published, why
+        not; ``pending`` > 0 at the timeout). Without ``stream_kv`` (or sends): at once, saying
+        so."""
+        rid = str(request_id)
+        if self._streams is None:
+            return StreamProgress(rid, reason=self._no_streams())
+        return self._streams.wait(rid, timeout)
+
+    def _no_streams(self) -> str:
+        """Why this edge has no streams (for a stream call's progress)."""
+        return "stream_kv is off" if not self.options.stream_kv else "this stage sends no KV"
+
+    def wait_streams(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s (``None``: no limit) until no stream step of any request
+        is queued or running (True at once without ``stream_kv``); False at the timeout."""
+        return True if self._streams is None else self._streams.wait_all(timeout)
+
     def shipped_chunks(self, request_id: str) -> list[ShippedChunk]:
         """The chunks ``request_id``'s open stream shipped, in order (what its finish's tail
-        manifest will list); empty without ``stream_kv`` or an open stream."""
+        manifest will list: its steps still queued are dropped, the tail takes their blocks);
+        empty without ``stream_kv`` or an open stream."""
         return [] if self._streams is None else self._streams.shipped_chunks(str(request_id))
 
     def abort_stream(self, request_id: str) -> int:
         """Drop what ``request_id``'s stream shipped (a request aborted or preempted before
-        its finish): its chunks leave the connector, nothing else does. How many chunk keys
-        went (0 without a stream)."""
+        its finish): its queued steps are dropped, a running one waited for, its chunks leave
+        the connector, nothing else does; its blocks are free to reuse once this returns. How
+        many chunk keys went (0 without a stream)."""
         return 0 if self._streams is None else self._streams.abort(str(request_id))
 
     def send_result(self, request_id: str) -> SendResult | None:

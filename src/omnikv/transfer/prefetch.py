@@ -284,7 +284,8 @@ class KVPrefetcher:
     def start_jobs(self, jobs: Any, target_device: torch.device | str | None = None) -> None:
         """:meth:`start` every job of ``jobs`` (see :func:`iter_prefetch_jobs`); never blocks.
 
-        Called by the manager's ``start_prefetch`` (when prefetch is on, never on FOLLOWERs).
+        Called by the manager's ``start_prefetch`` (when prefetch is on; on FOLLOWERs only when
+        every rank reads the KV itself, ``shared_readers``).
         """
         for job in iter_prefetch_jobs(jobs):
             self.start(job.request_id, job.kv_sender_info, target_device)
@@ -391,38 +392,25 @@ class KVPrefetcher:
 
     # -- worker -------------------------------------------------------------------------------
     def _receive_prefetch(
-        self,
-        request_id: str,
-        target_device: torch.device | None = None,
-        *,
-        sender_info: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        abort: threading.Event | None = None,
-        quiet: bool = False,
-        on_arrival: Callable[[int], object] | None = None,
-        check: Callable[[ReceivedKV], str | None] | None = None,
+        self, request_id: str, target_device: torch.device | None = None, **options: Any
     ) -> ReceiveResult:
         """The receive the tracker runs for each prefetch, on the ``kv-prefetch`` thread.
 
-        Calls the edge's receive as the prefetch always has (``sender_info``, ``deadline``,
-        ``abort``; a ``cuda`` target through the pinned stager on a side stream), with the
-        tracker's ``on_arrival`` (so :meth:`readiness` shows ``pending`` once the payload is
-        taken) and ``check`` (the tracker never sets one). The tracker's ``quiet`` is not
-        passed on: a prefetch miss is logged as any receive's. Never raises: a consume error
-        is kept for ``consume`` to raise (the result says ``corrupt``), an unexpected error becomes
-        ``unavailable`` (``consume`` falls back to a synchronous receive).
+        Calls the edge's receive as the prefetch always has, with the tracker's ``options``
+        (``sender_info``, ``deadline``, ``abort``, and ``on_arrival``, so that
+        :meth:`readiness` shows ``pending`` once the payload is taken) but its ``quiet``: a
+        prefetch miss is logged as any receive's; a ``cuda`` target through the pinned stager
+        on a side stream. Never raises: a consume error is kept for ``consume`` to raise (the
+        result says ``corrupt``), an unexpected error becomes ``unavailable`` (``consume``
+        falls back to a synchronous receive).
         """
         rid, device = request_id, target_device
         with self._lock:
             prefetch = self._prefetches.get(rid)  # None only once shutdown forgot it
-        checked: dict[str, Any] = {} if check is None else {"check": check}
-        if on_arrival is not None:
-            checked["on_arrival"] = on_arrival
+        passed = {k: v for k, v in options.items() if k != "quiet"}
 
         def receive(to: torch.device | None) -> ReceiveResult:
-            return self._receive(
-                rid, to, sender_info=sender_info, deadline=deadline, abort=abort, **checked
-            )
+            return self._receive(rid, to, **passed)
 
         t0 = time.monotonic()
         try:

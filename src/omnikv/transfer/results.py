@@ -102,9 +102,12 @@ class ReceiveResult:
 
 @dataclass(frozen=True)
 class StreamProgress:
-    """What one ``stream_kv_blocks`` call did for a request: ``shipped`` tokens in
-    ``chunks`` chunks so far, ``new`` of them by this call (``nbytes`` published for them);
-    ``reason`` says why it shipped nothing or stopped the stream (``None``: nothing to say)."""
+    """Where a request's stream stands after a ``stream_kv_blocks`` call (or a step run by the
+    stream worker): ``shipped`` tokens published in ``chunks`` chunks so far; ``new`` tokens
+    (``nbytes`` bytes) published since the previous progress handed out for the request (a
+    step's own, for a step's outcome); ``reason`` says why nothing went or the stream stopped
+    (the call's own refusal, else the latest completed step's; ``None``: nothing to say);
+    ``pending``: the request's steps still queued or running."""
 
     request_id: str
     shipped: int = 0
@@ -112,3 +115,4 @@ class StreamProgress:
     new: int = 0
     reason: str | None = None
     nbytes: int = 0
+    pending: int = 0

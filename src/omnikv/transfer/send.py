@@ -594,6 +594,15 @@ class KVSender:
         )
         return payloads, keys, [] if tail is None else tail.chunk_keys
 
+    def _data_check(self) -> bool:
+        """Whether this sender's payloads carry the data check: ``payload_checksum`` when set,
+        else what the connector's kind calls for (:attr:`OmniConnectorBase.checks_data`)."""
+        forced = self.options.payload_checksum
+        if forced is not None:
+            return forced
+        connector = self.connector.get()
+        return connector is not None and type(connector).checks_data
+
     def _payloads(
         self,
         transfer_id: str,
@@ -615,7 +624,7 @@ class KVSender:
         keys_src: Sequence[BlockGather | torch.Tensor | None] = keys_g
         values_src: Sequence[BlockGather | torch.Tensor | None] = values_g
         extra: dict[str, Any] = {
-            "checksum": self.options.payload_checksum,
+            "checksum": self._data_check(),
             "stamp": self.stamps.next(),
             "stream": stream,
         }

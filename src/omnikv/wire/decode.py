@@ -28,8 +28,11 @@ manifest) decodes like any payload and says so in :attr:`DecodedKV.stream`; asse
 pieces is the receiver's (:mod:`omnikv.transfer.stream`). A reader that predates version 3
 refuses such a piece, so a tail is never taken for a whole request's KV.
 
-A payload that carries ``ck`` has its data checksum verified (unless ``verify=False``); it
-detects corruption, not tampering.
+A payload that carries the data check ``dc`` (omnikv's writers, by default), or the crc32
+``ck`` of older writers, has it verified against the data section before any view is made
+(unless ``verify=False``): a mismatch, or a check of a form this reader does not know, is a
+:class:`~omnikv.errors.DecodeError` (the receiver's ``corrupt``). It detects corruption, not
+tampering.
 
 A stage receives the same layout request after request, so the spans of a validated layout are
 kept in a bounded table (:func:`span_cache_info`), keyed by everything their validation read.
@@ -54,6 +57,8 @@ from omnikv.wire.format import (
     CACHES,
     CHECKSUM_PLACEHOLDER,
     CHECKSUM_PREFIX,
+    DATA_CHECK_PLACEHOLDER,
+    DATA_CHECK_PREFIX,
     DEFAULT_MAX_HEADER_BYTES,
     DTYPE_ALLOWLIST,
     HEADER_DECODER,
@@ -70,6 +75,7 @@ from omnikv.wire.format import (
     StreamMark,
     TensorDesc,
     crc32,
+    data_check,
 )
 from omnikv.wire.views import (
     HostViewer,
@@ -155,9 +161,10 @@ def decode_kv(
     ``buffer``: bytes, bytearray, memoryview, mmap, ndarray, or a 1-D ``uint8`` tensor on any
     device (the header is then read with two small device-to-host copies). With ``copy=False``
     the tensors are views of ``buffer``; with ``copy=True`` each has fresh memory of its own (in
-    all at most the data section) and ``buffer`` may be reused at once. ``verify`` checks the data
-    checksum when the payload carries one. Every malformed input raises :class:`DecodeError`
-    before anything proportional to a claimed size is allocated.
+    all at most the data section) and ``buffer`` may be reused at once. ``verify`` checks the
+    data check (``dc``, or an older writer's ``ck``) when the payload carries one. Every
+    malformed input raises :class:`DecodeError` before anything proportional to a claimed size
+    is allocated.
     """
     if (
         not copy
@@ -177,7 +184,7 @@ def decode_kv(
     data = t[4 + hlen : 4 + hlen + data_len]
     spans, _run = _spans_and_run(header, data_len)
     if verify:
-        _verify_checksum(header.ck, data)
+        _verify_checks(header, data)
     tensors = copy_out(data, spans) if copy else Viewer(data).views(spans)
     return _assemble(header, spans, tensors)
 
@@ -196,7 +203,7 @@ def _decode_array(array: np.ndarray, verify: bool, max_header_bytes: int) -> Dec
     data = array[4 + hlen : 4 + hlen + data_len]
     spans, run = _spans_and_run(header, data_len)
     if verify:
-        _verify_checksum(header.ck, data)
+        _verify_checks(header, data)
     tensors = HostViewer(data).views(spans, run)
     return _assemble(header, spans, tensors)
 
@@ -299,9 +306,23 @@ def _check_header(header: Header, available: int) -> int:
     return header.dl
 
 
-def _verify_checksum(ck: str | None, data: torch.Tensor | np.ndarray) -> None:
-    if ck is None:
-        return
+def _verify_checks(header: Header, data: torch.Tensor | np.ndarray) -> None:
+    """The data section against each check the header carries (``dc``, an older ``ck``)."""
+    if header.dc is not None:
+        _verify_data_check(header.dc, data)
+    if header.ck is not None:
+        _verify_checksum(header.ck, data)
+
+
+def _verify_data_check(dc: str, data: torch.Tensor | np.ndarray) -> None:
+    if not dc.startswith(DATA_CHECK_PREFIX) or len(dc) != len(DATA_CHECK_PLACEHOLDER):
+        raise _fail(f"data check of an unknown form {dc!r:.40} (this reader knows xxh3)")
+    got = data_check(data)
+    if got != dc:
+        raise _fail(f"data check mismatch: header says {dc[5:]}, data has {got[5:]}")
+
+
+def _verify_checksum(ck: str, data: torch.Tensor | np.ndarray) -> None:
     if not ck.startswith(CHECKSUM_PREFIX) or len(ck) != len(CHECKSUM_PLACEHOLDER):
         raise _fail(f"malformed checksum field {ck!r:.40}")
     try:

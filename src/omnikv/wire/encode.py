@@ -13,9 +13,11 @@ Where the tensors go depends only on their dtypes and shapes, and a stage sends 
 request after request, so each distinct layout (slots and the encoded ``td``) is made once and
 kept in a bounded table (:func:`layout_cache_info`).
 
-The checksum (``ck``, :func:`omnikv.wire.format.crc32`) costs one extra pass over the data, so
-it is written only when asked for (``checksum=True``, or connector config
-``payload_checksum: true``).
+Every payload carries the data check (``dc``, :func:`omnikv.wire.format.data_check`) unless
+asked not to (``checksum=False``, or connector config ``payload_checksum: false``). Into host
+memory it is computed in the same pass as the copy: each tensor's bytes are hashed right after
+they are written, while they are still in the CPU's caches; into device memory the data
+section is copied to host once more for it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ import numpy as np
 import torch
 
 from omnikv.errors import EncodeError
-from omnikv.wire.codec import CODEC_FORMAT_VERSION, Coded
+from omnikv.wire.codec import CODEC_FORMAT_VERSION, Coded, decode_rows
 from omnikv.wire.format import (
     ALIGN,
     BITS_NP,
     BITS_TORCH,
     CACHES,
-    CHECKSUM_PLACEHOLDER,
-    CHECKSUM_PREFIX,
+    DATA_CHECK_PLACEHOLDER,
+    DATA_CHECK_PREFIX,
     DEFAULT_MAX_HEADER_BYTES,
     DTYPE_ALLOWLIST,
     DTYPE_TO_NAME,
@@ -48,9 +50,11 @@ from omnikv.wire.format import (
     LARGE_TENSOR_BYTES,
     PAGE,
     STREAM_FORMAT_VERSION,
-    crc32,
+    data_check,
+    data_hasher,
     encode_header,
 )
+from omnikv.wire.mac import PayloadSeal, find_seals, tensor_bytes
 from omnikv.wire.views import as_byte_tensor, strides
 
 if TYPE_CHECKING:
@@ -161,6 +165,10 @@ class PackedPayload:
     :class:`~omnikv.wire.format.Stamp` fields) goes into the header as ``ss``; ``stream`` (the
     :class:`~omnikv.wire.format.StreamMark` fields of a streamed send's piece) as ``sm``, which
     makes it format version :data:`~omnikv.wire.format.STREAM_FORMAT_VERSION` (codec or not).
+    ``checksum`` (default) gives the payload its data check (``dc``), which every omnikv
+    reader verifies and readers of the reference format ignore. A
+    :class:`~omnikv.wire.mac.PayloadSeal` in ``metadata`` (at most one) is the KV MAC of the
+    tensors written: computed in the same pass and written in its place.
 
     A plan is itself the writer a connector's ``put_packed`` takes: called with a tensor, or
     (:meth:`write_host`, the :class:`omnikv.connectors.base.HostArrayWriter` protocol) with a
@@ -176,13 +184,18 @@ class PackedPayload:
         block_ids: Sequence[int] = (),
         metadata: Mapping[str, Any] | None = None,
         *,
-        checksum: bool = False,
+        checksum: bool = True,
         coded: Coded | None = None,
         stamp: Mapping[str, Any] | None = None,
         stream: Mapping[str, Any] | None = None,
     ) -> None:
         num_layers = len(key_cache)
         self._checksum = checksum
+        self._coded = coded
+        seals = find_seals(metadata) if metadata else []
+        if len(seals) > 1:
+            raise EncodeError(f"a payload carries at most one MAC seal, got {len(seals)}")
+        self._seal: PayloadSeal | None = seals[0] if seals else None
         self._sources: list[TensorLike | None] = [*key_cache, *value_cache]
         layout = _layout(num_layers, self._sources)
         self._slots = layout.slots
@@ -198,16 +211,28 @@ class PackedPayload:
             "bo": sys.byteorder,
             "dl": cursor,
         }
-        if checksum:
-            header["ck"] = CHECKSUM_PLACEHOLDER
         if stamp is not None:  # the sender's session, epoch and sequence (wire.format.Stamp)
             header["ss"] = dict(stamp)
         if coded is not None:  # the sources are coded rows (omnikv.wire.codec.encode_rows)
             header.update(v=CODEC_FORMAT_VERSION, cx=coded.codec, od=coded.original_dtype)
         if stream is not None:  # a piece of a streamed send: readers that predate it refuse it
             header.update(v=STREAM_FORMAT_VERSION, sm=dict(stream))
-        # the layout's descriptors are encoded once per layout, then spliced in as the last key
-        raw = encode_header(header)[:-1] + b',"td":' + layout.td_json + b"}"
+        # the layout's descriptors are encoded once per layout, then spliced in as the last key;
+        # the data check's placeholder just before them, where it is filled in (no other key's
+        # text, metadata included, can be taken for it)
+        raw = encode_header(header)[:-1]
+        self._check_at = -1
+        if checksum:
+            raw += b',"dc":"'
+            self._check_at = 4 + len(raw)
+            raw += DATA_CHECK_PLACEHOLDER.encode("ascii") + b'"'
+        raw += b',"td":' + layout.td_json + b"}"
+        self._seal_at = -1
+        if self._seal is not None:
+            mark = self._seal.placeholder.encode("ascii")
+            if raw.count(mark) != 1:  # pragma: no cover - 128 random bits
+                raise EncodeError("the MAC seal's placeholder is not once in the header")
+            self._seal_at = 4 + raw.index(mark)
         if len(raw) > DEFAULT_MAX_HEADER_BYTES:
             raise EncodeError(
                 f"header of {len(raw)} bytes exceeds {DEFAULT_MAX_HEADER_BYTES} (what receivers "
@@ -220,15 +245,17 @@ class PackedPayload:
 
     @property
     def header_bytes(self) -> bytes:
-        """The 4-byte length plus the padded JSON header (without checksum filled in)."""
+        """The 4-byte length plus the padded JSON header (without the data check filled in)."""
         return HEADER_LENGTH.pack(len(self._header)) + self._header
 
     def pack_into(self, buf: Any, offset: int = 0) -> int:
         """Write the payload into ``buf`` at ``offset``; return the bytes written (``nbytes``).
 
         ``buf`` is a 1-D ``uint8`` tensor (host or device) or any writable buffer. Each tensor is
-        copied once, straight into its slot; padding gaps are zeroed so checksums are stable.
-        Raises ``ValueError`` if ``buf`` is too small.
+        copied once, straight into its slot; padding gaps are zeroed so the data check is
+        stable. Into host memory the check hashes each slot right after writing it (one pass
+        over memory); into device memory the data section is copied to host for it. Raises
+        ``ValueError`` if ``buf`` is too small.
         """
         if _is_byte_array(buf):  # a host slot handed over as numpy: no torch call at all
             self._check_room(buf.size, offset)
@@ -251,7 +278,16 @@ class PackedPayload:
             if slot.nbytes:
                 _write_tensor(slot, src, data, typed)
             prev_end = slot.offset + slot.nbytes
-        _copy_bytes_in(region, self._final_header(data))
+        check = data_check(data) if self._checksum else None
+        mac = None
+        if self._seal is not None:  # a device buffer: hashed from a host copy of the data
+            host_data = data.cpu().numpy()
+            stream = self._seal.stream()
+            for slot, src in zip(self._slots, self._sources, strict=True):
+                if src is not None:
+                    self._seal_slot(stream, slot, host_data)
+            mac = stream.mac()
+        _copy_bytes_in(region, self._final_header(check, mac))
         return self.nbytes
 
     def _check_room(self, size: int, offset: int) -> None:
@@ -264,7 +300,9 @@ class PackedPayload:
         """:meth:`pack_into` for host memory (``array``; ``out``: the same memory as a tensor,
         when the caller gave one): small tensors through numpy (a fraction of torch's per-call
         overhead, which is what a small payload's send time is made of), large ones, and any
-        slot numpy cannot take, through torch."""
+        slot numpy cannot take, through torch. With the data check, each slot (and the zeroed
+        gap before it) is hashed right after it is written, while it is still in the CPU's
+        caches."""
         whole = array[offset : offset + self.nbytes]
         host = whole[self.data_start :]
         # slots are ALIGN-aligned within the data section, so its start decides for every
@@ -272,6 +310,8 @@ class PackedPayload:
         aligned = host.__array_interface__["data"][0] % 8 == 0
         data: torch.Tensor | None = None
         typed: _TypedBases | None = None
+        hasher = data_hasher() if self._checksum else None
+        stream = self._seal.stream() if self._seal is not None else None
         prev_end = 0
         for slot, src in zip(self._slots, self._sources, strict=True):
             if src is None:
@@ -287,20 +327,43 @@ class PackedPayload:
                     typed = _TypedBases(data)
                 assert typed is not None
                 _write_tensor(slot, src, data, typed)
-            prev_end = slot.offset + slot.nbytes
-        header = self._final_header(host)
+            end = slot.offset + slot.nbytes
+            if hasher is not None and end > prev_end:
+                hasher.update(host[prev_end:end].data)
+            if stream is not None:
+                self._seal_slot(stream, slot, host)
+            prev_end = end
+        check = None
+        if hasher is not None:
+            if prev_end < self.data_nbytes:  # pragma: no cover - slots end the data section
+                hasher.update(host[prev_end : self.data_nbytes].data)
+            check = DATA_CHECK_PREFIX + str(hasher.hexdigest())
+        header = self._final_header(check, None if stream is None else stream.mac())
         whole[: len(header)] = np.frombuffer(header, dtype=np.uint8)
 
-    def _final_header(self, data: torch.Tensor | np.ndarray) -> bytes:
-        """The length-prefixed header, with the checksum of ``data`` (written) when asked."""
+    def _seal_slot(self, stream: Any, slot: _Slot, host: np.ndarray) -> None:
+        """Feed the seal's MAC one written tensor: its bytes in the host data section ``host``,
+        or, coded, the tensor the receiver decodes from them."""
+        raw = host[slot.offset : slot.offset + slot.nbytes]
+        dtype = DTYPE_ALLOWLIST[slot.dtype_name]
+        if self._coded is None:
+            stream.tensor(dtype, slot.shape, raw.data)
+            return
+        coded = torch.from_numpy(raw).view(dtype).view(slot.shape)
+        plain = decode_rows(coded, self._coded.codec, DTYPE_ALLOWLIST[self._coded.original_dtype])
+        stream.tensor(plain.dtype, plain.shape, tensor_bytes(plain))
+
+    def _final_header(self, check: str | None, mac: str | None) -> bytes:
+        """The length-prefixed header, with the data check ``check`` (the data section's
+        :func:`~omnikv.wire.format.data_check`) and the seal's ``mac`` in their placeholders'
+        places when asked (the seal then records its value)."""
         header = self.header_bytes
-        if self._checksum:
-            crc = crc32(data)
-            header = header.replace(
-                CHECKSUM_PLACEHOLDER.encode("ascii"),
-                f"{CHECKSUM_PREFIX}{crc:08x}".encode("ascii"),
-                1,
-            )
+        for at, text in ((self._check_at, check), (self._seal_at, mac)):
+            if text is not None:
+                header = header[:at] + text.encode("ascii") + header[at + len(text) :]
+        if mac is not None:
+            assert self._seal is not None
+            self._seal.settle(mac)
         return header
 
     def __call__(self, dst: Any) -> int:

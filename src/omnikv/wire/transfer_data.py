@@ -53,29 +53,31 @@ class KVCacheTransferData:
             values += [None] * (len(keys) - len(values))
         return keys, values[: max(len(keys), len(values))]
 
-    def plan(self, *, checksum: bool = False) -> PackedPayload:
-        """The encoding plan (header and offsets) for this payload."""
+    def plan(self, *, checksum: bool = True) -> PackedPayload:
+        """The encoding plan (header and offsets) for this payload; ``checksum`` (default)
+        gives it the data check (header ``dc``) that readers verify."""
         keys, values = self._caches()
         return PackedPayload(
             self.request_id, keys, values, self.block_ids, self.metadata, checksum=checksum
         )
 
-    def packed_size(self, *, checksum: bool = False) -> int:
+    def packed_size(self, *, checksum: bool = True) -> int:
         """Exact number of bytes :meth:`pack_into` writes."""
         return self.plan(checksum=checksum).nbytes
 
-    def pack_into(self, buf: Any, offset: int = 0, *, checksum: bool = False) -> int:
+    def pack_into(self, buf: Any, offset: int = 0, *, checksum: bool = True) -> int:
         """Encode into ``buf`` (1-D uint8 tensor or writable buffer) at ``offset``; one copy."""
         return self.plan(checksum=checksum).pack_into(buf, offset)
 
-    def to_bytes(self, *, checksum: bool = False) -> bytes:
+    def to_bytes(self, *, checksum: bool = True) -> bytes:
         """The packed format as ``bytes``."""
         return self.plan(checksum=checksum).to_bytes()
 
     def to_gpu_tensor(self) -> torch.Tensor:
         """The packed format as a 1-D uint8 tensor on the device of the first device tensor.
 
-        Raises ``RuntimeError`` when no tensor lives on a device (use :meth:`to_bytes`).
+        Raises ``RuntimeError`` when no tensor lives on a device (use :meth:`to_bytes`). The
+        payload carries no data check: hashing device memory would copy it all to host.
         """
         device = None
         for t in _iter_tensors(self.layer_blocks):
@@ -84,7 +86,7 @@ class KVCacheTransferData:
                 break
         if device is None:
             raise RuntimeError("No device tensors found, use to_bytes() instead")
-        plan = self.plan()
+        plan = self.plan(checksum=False)
         out = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
         plan.pack_into(out)
         return out

@@ -26,6 +26,7 @@ from support.mooncake_peers import (
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.slow,
+    pytest.mark.timeout(200),  # above the scenario's own bound (150 s) and its report
     pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason())),
 ]
 

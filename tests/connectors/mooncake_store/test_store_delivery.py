@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from omnikv.connectors.delivery import MAX_REASON_CHARS, Verdict
-from omnikv.connectors.mooncake_store.acks import (
+from omnikv.connectors.mooncake_store.protocol import (
     MAX_RECORD_BYTES,
     ack_key,
     encode_record,
@@ -193,6 +193,13 @@ def scenario_verdicts() -> dict[str, Any]:
         lone.close()
         res["n1_close_s"] = time.monotonic() - t0
         res["n1_dropped"] = lone.health()["ack_records_dropped"]
+        # withdrawn by the client that put it: removed, no verdict; another client cannot
+        w1 = send(sender, "w1")
+        put_key = w1.rsplit("@", 1)[0]
+        res["w1_other"] = other.withdraw(*STAGES, put_key)
+        res["w1"] = [conn.withdraw(*STAGES, put_key), conn.withdraw(*STAGES, put_key)]
+        res["w1_there"] = raw.is_exist(w1)
+        res["w1_result"] = sender.get_send_result("w1").status.value
         # expired: the receiver took it and was killed before its verdict (last: the killed
         # client's segment stays listed until its lease ends, and puts placed there fail)
         key = send(sender, "k1").rsplit("@", 1)[0]
@@ -222,6 +229,7 @@ def verdicts() -> dict[str, Any]:
 
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.timeout(290)  # above the scenario's own bound (240 s) and its report
 @pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason()))
 class TestStoreVerdicts:
     def test_a_payload_accepted_in_another_process_is_delivered(
@@ -263,6 +271,12 @@ class TestStoreVerdicts:
         assert receiver["acks_sent"] == 3 and receiver["ack_failures"] == 0
         assert verdicts["left"] == []
         assert verdicts["threads"] == []
+
+    def test_a_client_withdraws_its_own_untaken_object_and_no_other(
+        self, verdicts: dict[str, Any]
+    ) -> None:
+        assert verdicts["w1_other"] is False and verdicts["w1"] == [True, False]
+        assert verdicts["w1_there"] == 0 and verdicts["w1_result"] == "sent"
 
     def test_a_verdict_nobody_reads_is_removed_by_its_writer_at_close(
         self, verdicts: dict[str, Any]

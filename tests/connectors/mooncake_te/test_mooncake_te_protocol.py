@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from omnikv.connectors.mooncake_te.protocol import SCHEMA, TEConfig
-from omnikv.connectors.mooncake_te.sender import (
+from omnikv.connectors.mooncake_te.config import TEConfig
+from omnikv.connectors.mooncake_te.protocol import SCHEMA
+from omnikv.connectors.mooncake_te.sending import (
     MAX_SESSION_RESPELLINGS,
     SessionNames,
     respell_session,

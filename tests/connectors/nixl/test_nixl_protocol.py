@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from omnikv.connectors.nixl.protocol import NixlSettings
+from omnikv.connectors.nixl.config import NixlSettings
 from omnikv.connectors.pull.connector import transfer_budget_s
 from omnikv.errors import ConfigError
 

@@ -14,9 +14,11 @@ receiver's host.
   it, or claims and aborts in a loop, no longer holds it: it is freed at its TTL (counted from
   the put, across re-leases) or after ``max_leases_per_entry`` leases, and reported.
 * Hello flood (no secret): 4,300 ``hello`` messages, each on a new connection, 100 of them kept
-  open (80 from one address, past its cap of 64), sent after the genuine NIXL receiver opened
-  its channel; that channel is never evicted and the receiver is served on it within a deadline
-  shorter than its silence timeout; the closed connections take their channels with them.
+  open (80 from one address, past its cap of 64: each of the last 16 takes the slot of that
+  address's oldest channel that was never granted anything), sent after the genuine NIXL
+  receiver opened its channel and was granted a lease on it; that channel is never evicted and
+  the receiver is served on it within a deadline shorter than its silence timeout; the closed
+  connections take their channels with them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from support.mooncake_peers import (
 )
 from support.pull_engine import ask, serve_sender, start_sender
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+# above the scenarios' own bounds (at most 150 s) and their reports
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(200)]
 
 MiB = 1 << 20
 SECRET = "s3cret"
@@ -76,7 +79,7 @@ def nixl_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    side_log = logging.getLogger("omnikv.connectors.nixl.sender")
+    side_log = logging.getLogger("omnikv.connectors.nixl.sending")
     side_log.addHandler(Keep(logging.WARNING))
     side_log.setLevel(logging.WARNING)
 
@@ -185,7 +188,9 @@ def scenario_connection_flood() -> dict[str, Any]:
         )
         try:
             res["put_during"] = list(ask(in_q, out_q, "put", "k1", MiB, 1, 5.0))
-            res["wait_s"], res["served"] = _receive(recv, "k1", pattern(MiB, 1), 10.0)
+            # the sender still accepts and drops the flood while the receiver says hello: on a
+            # loaded host that takes seconds
+            res["wait_s"], res["served"] = _receive(recv, "k1", pattern(MiB, 1), 20.0)
             res["fds_during"] = ask(in_q, out_q, "fds")[1]
             # the idle connections are dropped by the handshake timeout
             res["closed_by_sender"] = closed_by_peer(attack, HANDSHAKE_S + 5.0)
@@ -218,9 +223,9 @@ def test_the_flood_reached_the_sender(connection_flood: dict[str, Any]) -> None:
 def test_a_genuine_receiver_is_served_during_a_connection_flood(
     connection_flood: dict[str, Any],
 ) -> None:
-    assert connection_flood["put_during"][:2] == ["put", True], connection_flood
-    assert connection_flood["served"] is True, connection_flood
-    assert connection_flood["wait_s"] < 10.0
+    assert connection_flood["put_during"][:2] == ["put", True], repr(connection_flood)
+    assert connection_flood["served"] is True, repr(connection_flood)
+    assert connection_flood["wait_s"] < 20.0
 
 
 def test_the_sender_keeps_descriptors_in_reserve(connection_flood: dict[str, Any]) -> None:
@@ -247,35 +252,58 @@ PER_PEER = 64
 CHURN_ADDRESSES = [a for a in FLOOD_ADDRESSES if a != "127.0.0.2"]
 
 
+WAVE = 100  # churned hellos in flight at once: 10 per address, far below every cap
+
+
 def hello_flood(endpoint: tuple[str, int], count: int) -> tuple[int, list[Any]]:
     """Say ``hello`` ``count`` times, each on a new connection: the first ``KEPT_*`` ones kept
-    open, the rest closed after the welcome (from the flood addresses in turn). Returns how
-    many were welcomed and the connections kept."""
+    open (one after the other: which of 127.0.0.2's are evicted depends on their order), the
+    rest closed after the welcome, from the other flood addresses in turn, ``WAVE`` at a time
+    (all sent, then all replies read: a loaded host schedules the sender once per wave, not
+    once per hello). Returns how many were welcomed and the connections kept."""
     from omnikv.connectors.nixl.protocol import MAX_MESSAGE_BYTES, SCHEMA
     from omnikv.connectors.pull.client import Link
     from omnikv.connectors.pull.control import ControlCodec
 
     codec = ControlCodec(SCHEMA, None, max_message_bytes=MAX_MESSAGE_BYTES)
-    welcomed, kept = 0, []
-    for i in range(count):
-        if i < KEPT_ONE_ADDRESS:
-            source = "127.0.0.2"
-        elif i < KEPT_ONE_ADDRESS + KEPT_RECEIVER_ADDRESS:
-            source = "127.0.0.1"
-        else:  # the others, 127.0.0.2 excepted (its cap is full of channels)
-            source = CHURN_ADDRESSES[i % len(CHURN_ADDRESSES)]
+
+    def say_hello(i: int, source: str) -> tuple[Any, bytes] | None:
         try:
-            sock = socket.create_connection(endpoint, timeout=2.0, source_address=(source, 0))
+            sock = socket.create_connection(endpoint, timeout=5.0, source_address=(source, 0))
         except OSError:
-            continue
+            return None
         link = Link(sock, MAX_MESSAGE_BYTES)
         nonce, frames = codec.encode({"op": "hello", "peer": {"agent": f"flood-{i}"}})
-        reply = link.recv(2.0) if link.send(frames) else None
-        welcomed += reply is not None and codec.decode_reply(reply)["re"] == nonce
-        if i < KEPT_ONE_ADDRESS + KEPT_RECEIVER_ADDRESS and reply is not None:
-            kept.append(link)
-        else:
+        if not link.send(frames):
             link.close()
+            return None
+        return link, nonce
+
+    def welcomed_on(said: tuple[Any, bytes]) -> bool:
+        reply = said[0].recv(10.0)
+        return reply is not None and codec.decode_reply(reply)["re"] == said[1]
+
+    welcomed, kept = 0, []
+    kept_count = KEPT_ONE_ADDRESS + KEPT_RECEIVER_ADDRESS
+    for i in range(kept_count):
+        said = say_hello(i, "127.0.0.2" if i < KEPT_ONE_ADDRESS else "127.0.0.1")
+        if said is None:
+            continue
+        if welcomed_on(said):
+            welcomed += 1
+            kept.append(said[0])
+        else:
+            said[0].close()
+    # the others, 127.0.0.2 excepted (its cap is full of channels)
+    for first in range(kept_count, count, WAVE):
+        wave = [
+            say_hello(i, CHURN_ADDRESSES[i % len(CHURN_ADDRESSES)])
+            for i in range(first, min(first + WAVE, count))
+        ]
+        for said in wave:
+            if said is not None:
+                welcomed += welcomed_on(said)
+                said[0].close()
     return welcomed, kept
 
 
@@ -323,8 +351,9 @@ def hello_flood_run() -> dict[str, Any]:
 
 def test_the_hellos_reached_the_sender(hello_flood_run: dict[str, Any]) -> None:
     assert hello_flood_run["first_served"] is True
-    # all but those past the per-peer cap of 127.0.0.2 were welcomed
-    assert hello_flood_run["welcomed"] == HELLOS - (KEPT_ONE_ADDRESS - PER_PEER), hello_flood_run
+    # all were welcomed: past the per-peer cap of 127.0.0.2 a hello takes the slot of that
+    # address's oldest channel never granted anything (strangers cannot hold the slots)
+    assert hello_flood_run["welcomed"] == HELLOS, hello_flood_run
 
 
 def test_a_live_channel_is_never_evicted_by_new_ones(hello_flood_run: dict[str, Any]) -> None:
@@ -336,10 +365,12 @@ def test_channels_go_with_their_connections_and_are_bounded_per_peer(
     hello_flood_run: dict[str, Any],
 ) -> None:
     h = hello_flood_run["health"]
-    assert hello_flood_run["kept"] == PER_PEER + KEPT_RECEIVER_ADDRESS, hello_flood_run
-    # the kept channels and the receiver's; the 4,200 closed ones are gone with their connections
+    assert hello_flood_run["kept"] == KEPT_ONE_ADDRESS + KEPT_RECEIVER_ADDRESS, hello_flood_run
+    # the kept channels still open and the receiver's; the 4,200 closed ones are gone with their
+    # connections, and 127.0.0.2's oldest 16 were evicted by its newer ones, never refused
     assert h["channels"] == PER_PEER + KEPT_RECEIVER_ADDRESS + 1, h
-    assert h["refused_connections"] == KEPT_ONE_ADDRESS - PER_PEER, h
+    assert h["evicted_connections"] == KEPT_ONE_ADDRESS - PER_PEER, h
+    assert h["refused_connections"] == 0, h
 
 
 # -- scenario: NIXL leases that never end (item 3) ------------------------------------------------

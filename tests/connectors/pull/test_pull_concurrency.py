@@ -23,7 +23,8 @@ from support.mooncake_peers import (
 )
 from support.pull_engine import ask, serve_sender, start_sender
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+# above the scenarios' own bounds (at most 240 s) and their reports
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(290)]
 
 KiB = 1 << 10
 RECEIVES = 70

@@ -119,6 +119,8 @@ def manager_sender(omni_kv: dict[str, Any], out_q: Any, in_q: Any) -> None:
                 out_q.put(result(mgr.wait_delivered(cmd[1], timeout=cmd[2])))
             elif cmd[0] == "health":
                 out_q.put(("health", mgr.connector.health()))
+            elif cmd[0] == "withdraw":
+                out_q.put(("withdrew", mgr.connector.withdraw("0", "1", cmd[1])))
             elif cmd[0] == "close":
                 health = mgr.connector.health()
                 mgr.close()
@@ -128,10 +130,14 @@ def manager_sender(omni_kv: dict[str, Any], out_q: Any, in_q: Any) -> None:
             out_q.put(("error", type(exc).__name__, str(exc)))
 
 
-def pull_then_hang(engine: str, cfg: dict[str, Any], key: str, meta: Any, out_q: Any) -> None:
-    """A receiver that pulls ``key`` (connector level, no verdict) and then waits to be
-    killed: what a receiver that dies between its pull and its verdict leaves behind."""
+def pull_then_hang(engine: str, cfg: dict[str, Any], key_q: Any, meta: Any, out_q: Any) -> None:
+    """A receiver that pulls the key it is handed on ``key_q`` once ready (connector level, no
+    verdict) and then waits to be killed: what a receiver that dies between its pull and its
+    verdict leaves behind. It starts before the put, so a slow start on a loaded host cannot
+    outlast the entry's short TTL."""
     conn = _connector(engine, cfg)
+    out_q.put(("ready",))
+    key = key_q.get(timeout=90)
     buf = conn.wait("0", "1", key, deadline=time.monotonic() + 20, metadata=meta)
     out_q.put(("pulled", None if buf is None else buf.size))
     time.sleep(3600)  # killed by the scenario (SIGKILL) long before
@@ -217,17 +223,26 @@ def scenario_delivery(engine: str) -> dict[str, Any]:
         conn.acknowledge("0", "1", key, Verdict.REFUSED, "genuine says no", metadata=meta)
         res["forged_taken_then"] = ask("wait", "forge2", 10.0)[1:3]
 
-        # 5. never taken: expired at the TTL
+        # 5. taken back by its sender before anyone came: gone, no verdict; a pulled one stays
+        key = ask("send", "withdrawn")[3][0]
+        res["withdrawn"] = [ask("withdraw", key)[1], ask("withdraw", key)[1]]
+        buf = conn.wait("0", "1", key, deadline=time.monotonic() + 1.0, metadata=meta)
+        res["withdrawn_missed"] = buf is None
+        res["withdrawn_result"] = ask("result", "withdrawn")[1]
+        res["withdraw_taken"] = ask("withdraw", ask("result", "forge2")[3][0])[1]
+
+        # 6. never taken: expired at the TTL
         ask("send", "lost")
         t0 = time.monotonic()
         res["ttl"] = ask("wait", "lost", TTL_S * 3)[1:3]
         res["ttl_s"] = time.monotonic() - t0
 
-        # 6. receiver killed between its pull and its verdict: expired within ack_timeout_s
-        key = ask("send", "killed")[3][0]
-        kq = queue()
-        victim = spawn(pull_then_hang, engine, direct_cfg, key, meta, kq)
+        # 7. receiver killed between its pull and its verdict: expired within ack_timeout_s
+        kq, key_q = queue(), queue()
+        victim = spawn(pull_then_hang, engine, direct_cfg, key_q, meta, kq)
         with peers(victim, timeout=1):
+            assert kq.get(timeout=90) == ("ready",)
+            key_q.put(ask("send", "killed")[3][0])
             res["victim_pulled"] = kq.get(timeout=90)
             t_pull = time.monotonic()
             assert victim.pid is not None
@@ -296,6 +311,17 @@ def test_a_failed_check_refuses_with_its_reason(delivery: dict[str, Any]) -> Non
     assert status == "refused" and "binding mismatch" in reason, delivery
     status, reason = delivery["refused"]
     assert status == "refused" and "binding mismatch" in reason, delivery
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sender_takes_back_an_untaken_payload_and_only_that(delivery: dict[str, Any]) -> None:
+    """``withdraw``: True once, then False; the receiver misses it; no verdict is reported
+    (the send stays ``sent``); a payload already pulled is not withdrawn."""
+    assert delivery["withdrawn"] == [True, False], delivery
+    assert delivery["withdrawn_missed"] and delivery["withdrawn_result"] == "sent", delivery
+    assert delivery["withdraw_taken"] is False, delivery
 
 
 @pytest.mark.engine
@@ -400,7 +426,7 @@ def test_the_schema_accepts_every_verdict_and_the_nixl_schema_too() -> None:
         assert msg["verdict"] == v.value
     from omnikv.connectors.nixl.protocol import SCHEMA as NIXL_SCHEMA
 
-    assert "verdict" in NIXL_SCHEMA.request_ops() and "verdict" in NIXL_SCHEMA.checks
+    assert "verdict" in NIXL_SCHEMA.request_structs() and "verdict" in NIXL_SCHEMA.checks
 
 
 def test_the_receiver_clips_the_reason_and_refuses_an_overlong_key() -> None:

@@ -13,6 +13,10 @@ control client there too.
 * Claiming names where no engine answers: 300 pulls naming 300 ``host:port`` (nothing
   listening). Before, each one added an entry to the sender's session table for good; now only
   a successful write is remembered, so the table does not grow.
+* Holding the channel slots: a stranger on the receiver's address says hello on all 64
+  per-peer slots and keeps them open. Before, every connection of a genuine receiver was then
+  refused until its deadline; now it takes the slot of the stranger's oldest channel, and once
+  granted a pull its channel is never evicted by the stranger's next 64 connections.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from support.mooncake_peers import (
 )
 from support.pull_engine import ask, serve_sender, start_sender
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+# above the scenarios' own bounds (at most 300 s) and their reports
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(350)]
 
 KiB, MiB = 1 << 10, 1 << 20
 STRANGERS = 70
@@ -155,6 +160,94 @@ def test_claims_of_names_nobody_answers_spend_nothing(strangers: dict[str, Any])
     assert strangers["fake_outcomes"] == ["error"], strangers
     assert strangers["names_after_fakes"] == 1, strangers
     assert strangers["after_fakes"] is True, strangers
+
+
+# -- strangers cannot hold the per-peer channel slots (issue 39 item 2) ----------------------------
+SLOTS = 64  # max_connections_per_peer's default
+
+
+def _stranger_channels(endpoint: tuple[str, int], n: int, peer: dict[str, Any]) -> list[Any]:
+    """``n`` connections from this process, each greeted with ``hello``: the links welcomed
+    (held open by the caller)."""
+    import socket
+
+    from omnikv.connectors.mooncake_te.protocol import SCHEMA
+    from omnikv.connectors.pull.client import Link
+    from omnikv.connectors.pull.control import ControlCodec
+
+    codec = ControlCodec(SCHEMA, None)
+    held = []
+    for _ in range(n):
+        try:  # a refused connection is reset by the server
+            link = Link(socket.create_connection(endpoint, timeout=5), codec.max_message_bytes)
+        except OSError:
+            continue
+        link.send(codec.encode({"op": "hello", "peer": {**peer, "inc": os.urandom(16)}})[1])
+        reply = link.recv(5.0)
+        if reply is not None and codec.decode_reply(reply)["op"] == "welcome":
+            held.append(link)
+        else:
+            link.close()
+    return held
+
+
+def _timed_receive(recv: Any, key: str, want: Any) -> tuple[bool | str, float]:
+    t0 = time.monotonic()
+    return _receive(recv, key, want), time.monotonic() - t0
+
+
+def scenario_slots() -> dict[str, Any]:
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    (zport,) = free_ports(1)
+    endpoint = ("127.0.0.1", zport)
+    cfg = {"host": "127.0.0.1", "protocol": "tcp", "memory_pool_size": 16 * MiB}
+    proc, out_q, in_q = start_sender(te_sender, {**cfg, "role": "sender", "zmq_port": zport})
+    res: dict[str, Any] = {}
+    held: list[Any] = []
+    fake = {"sess": "127.0.0.1:1", "base": 1 << 20, "len": 1 << 20}
+    with peers(proc):
+        recv = MooncakeTransferEngineConnector({**cfg, "role": "receiver"})
+        recv.update_sender_info(*endpoint)
+        hellos: list[int] = []
+        recv.control_client.observe_sends(
+            lambda frames: (
+                hellos.append(1)
+                if msgpack.unpackb(frames[0], raw=False).get("op") == "hello"
+                else None
+            )
+        )
+        try:
+            # a stranger on the receiver's address holds every slot with a channel
+            held += _stranger_channels(endpoint, SLOTS, fake)
+            res["stranger_channels"] = len(held)
+            res["channels_before"] = ask(in_q, out_q, "health")[1]["channels"]
+            ask(in_q, out_q, "put", "k1", MiB, 1, 5.0)
+            res["first"], res["first_s"] = _timed_receive(recv, "k1", pattern(MiB, 1))
+            # the stranger comes back for the slots: the genuine receiver's channel stays
+            held += _stranger_channels(endpoint, SLOTS, fake)
+            ask(in_q, out_q, "put", "k2", MiB, 2, 5.0)
+            res["second"], res["second_s"] = _timed_receive(recv, "k2", pattern(MiB, 2))
+            res["hellos"] = len(hellos)
+            health = ask(in_q, out_q, "health")[1]
+            res["evicted"] = health["evicted_connections"]
+            res["refused"] = health["refused_connections"]
+        finally:
+            for link in held:
+                link.close()
+            recv.close()
+        ask(in_q, out_q, "close")
+    return res
+
+
+def test_strangers_cannot_hold_the_channels_a_genuine_receiver_needs() -> None:
+    res = mooncake_scenario(__file__, "scenario_slots", timeout=300)
+    assert res["stranger_channels"] == SLOTS and res["channels_before"] == SLOTS, res
+    # before: every connection of the genuine receiver was refused until its deadline (15 s)
+    assert res["first"] is True and res["first_s"] < 5.0, res
+    assert res["second"] is True and res["second_s"] < 5.0, res
+    assert res["hellos"] == 1, res  # its channel was never evicted
+    assert res["evicted"] >= SLOTS + 1 and res["refused"] == 0, res
 
 
 # -- NIXL counts what it rejects (issue 39 item 9; docs/security.md promises ``rejected``) -------

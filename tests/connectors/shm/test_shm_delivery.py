@@ -90,6 +90,9 @@ def sender_main(conn: Connection, namespace: str, extra: dict[str, Any]) -> None
         elif cmd[0] == "health":
             connector = mgr.connector
             conn.send(("health", None if connector is None else connector.health()))
+        elif cmd[0] == "withdraw":
+            connector = mgr.connector
+            conn.send(("withdrew", connector is not None and connector.withdraw("0", "1", cmd[1])))
     mgr.close()
 
 
@@ -222,6 +225,32 @@ def test_a_payload_nobody_takes_expires_by_its_ttl(
     assert time.monotonic() - t0 < 5.0
     h = sender.health()
     assert (h["ttl_reaped"], h["acks_expired"], h["pool_free_bytes"]) == (1, 1, POOL)
+
+
+@pytest.mark.timeout(90)
+def test_a_sender_withdraws_its_own_untaken_payload_and_no_other(
+    stages: list[SenderStage], receiver: OmniKVTransferManager, namespace: str
+) -> None:
+    """``withdraw`` removes what this connector published and nobody took (once: then
+    False), reports no verdict for it and frees its slot; another process's connector cannot
+    withdraw it, and a payload a reader holds is not withdrawn."""
+    sender = SenderStage(namespace)
+    stages.append(sender)
+    (kept,) = sender.send_kv("kept")
+    (gone,) = sender.send_kv("gone")
+    assert receiver.connector is not None
+    assert receiver.connector.withdraw("0", "1", kept) is False  # not this process's
+    assert sender.call("withdraw", gone) == ("withdrew", True)
+    assert sender.call("withdraw", gone) == ("withdrew", False)
+    assert sender.wait_delivered("gone", 0.05) == ("sent", None)  # no verdict reported
+    miss = receiver.receive_kv_cache_result("gone", deadline=time.monotonic() + 0.5)
+    assert miss.status is ReceiveStatus.TIMEOUT, miss
+    reader = receiver.connector.wait("0", "1", kept, deadline=time.monotonic() + 10.0)
+    assert reader is not None
+    assert sender.call("withdraw", kept) == ("withdrew", False)  # a reader holds it
+    reader.release()
+    h = sender.health()
+    assert (h["published"], h["acks_expired"], h["awaiting_verdicts"]) == (0, 0, 1), h
 
 
 def _take_and_hold(peers: list[Peer], namespace: str, keys: list[str]) -> Peer:

@@ -74,12 +74,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.wait(10)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["return", "close"])
 def test_an_exiting_sender_lingers_until_its_payloads_are_consumed(
     namespace: str, mode: str
 ) -> None:
-    proc = _start_sender(namespace, 30.0, mode)
+    # A linger far longer than an exit takes on a loaded host: leaving once consumed and
+    # leaving at the linger's end stay apart however slow the interpreter's exit is.
+    proc = _start_sender(namespace, 60.0, mode)
     try:
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(1.0)  # done with main (or close() called), lingering for its reader
@@ -90,8 +92,8 @@ def test_an_exiting_sender_lingers_until_its_payloads_are_consumed(
                 assert got is not None and got.to_bytes() == key.encode() * 1000
                 got.release()
             t0 = time.monotonic()
-            assert proc.wait(20) == 0
-            assert time.monotonic() - t0 < 10  # it left once consumed, not after 30 s
+            assert proc.wait(50) == 0
+            assert time.monotonic() - t0 < 30  # it left once consumed, not after 60 s
         finally:
             rx.close()
         assert proc.stderr is not None

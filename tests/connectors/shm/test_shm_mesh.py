@@ -33,6 +33,7 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(

@@ -22,6 +22,7 @@ MIB = 1 << 20
 
 
 # -- the allocator -------------------------------------------------------------------------------
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 def test_alloc_waits_for_a_free_until_its_deadline_then_raises() -> None:
     a = BufferAllocator(4 * PAGE)
     off, size = a.alloc(4 * PAGE)

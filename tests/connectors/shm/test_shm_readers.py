@@ -429,6 +429,7 @@ def test_poll_us_zero_sleeps_at_once(namespace: str, monkeypatch: pytest.MonkeyP
 
 
 # -- the I/O thread after a leader leaves ------------------------------------------------------
+@pytest.mark.timing
 def test_a_receiving_stage_does_not_wake_its_io_thread_per_request(
     pair: tuple[SharedMemoryConnector, SharedMemoryConnector],
 ) -> None:

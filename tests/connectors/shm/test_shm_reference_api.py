@@ -124,7 +124,8 @@ def test_small_payloads_travel_inline_in_the_put_metadata(namespace: str) -> Non
         text=True,
         env={**os.environ, "PYTHONPATH": _SRC},
     )
-    connector = _shm_connector(namespace=namespace)
+    # the sender's answer to a get can take longer than the default 0.1 s on a loaded host
+    connector = _shm_connector(namespace=namespace, get_timeout_s=2.0)
     try:
         assert proc.stdout is not None and proc.stdin is not None
         puts = {}

@@ -202,6 +202,7 @@ def test_expiry_does_not_wait_for_the_timer_thread(
     assert tx.health()["ttl_reaped"] == 4
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_reader_holding_a_payload_past_its_ttl_keeps_its_bytes(
@@ -252,6 +253,7 @@ def test_readers_racing_expiry_get_their_bytes_or_a_clean_miss(
 
 
 # -- a full pool -----------------------------------------------------------------------------
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 @pytest.mark.slow
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("ttl", [300, 0])
@@ -317,6 +319,7 @@ def test_a_pool_full_of_fresh_payloads_makes_a_put_wait_for_a_reader(
     assert (h["put_pool_full"], h["put_timeouts"]) == (0, 0)
 
 
+@pytest.mark.timing  # a bound of 0.5 s or less past a deadline: run alone, after the lanes
 @pytest.mark.timeout(40)
 def test_a_full_pool_serves_the_newest_hand_off(
     make_sender: Callable[..., SharedMemoryConnector], caplog: pytest.LogCaptureFixture

@@ -27,6 +27,7 @@ from test_shm_peer import Peer, peer_pool, start_peer
 from omnikv.connectors import ConnectorSpec, OmniConnectorFactory
 from omnikv.connectors.shm.connector import SharedMemoryConnector
 from omnikv.connectors.shm.wakeup import MAX_WAITERS, Wakeups
+from support.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -236,3 +237,25 @@ def test_a_stage_that_is_no_number_has_no_wakeups_and_never_raises(stage: Any) -
         w.notify(stage)
     finally:
         w.close()
+
+
+def test_a_put_taken_at_once_by_a_blocking_wait_wakes_nobody(make: Any) -> None:
+    """A payload that a reader's blocking wait took as it was put leaves nothing for a look to
+    find: the put sends no wakeup (one that a polling stage would answer with a look for
+    nothing). A put that nobody took still wakes it."""
+    receiver, sender = make(stage_id=1), make()
+    generation = receiver.get_wakeup_generation()
+    assert generation is not None
+    got: list[Any] = []
+    taker = threading.Thread(
+        target=lambda: got.append(receiver.wait("0", "1", "r1", deadline=time.monotonic() + 10.0))
+    )
+    taker.start()
+    until(lambda: sender.health()["waiting_receivers"] == 1, what="the reader's want")
+    assert sender.put("0", "1", "r1", b"payload")[0]
+    taker.join(timeout=10.0)
+    assert got and got[0] is not None  # the blocking wait took it
+    got[0].release()
+    assert receiver.wait_for_change(generation, timeout=0.3) is False
+    assert sender.put("0", "1", "r2", b"left for a look")[0]
+    assert receiver.wait_for_change(generation, timeout=5.0) is True

@@ -15,36 +15,64 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _sealed_kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _sealed_kv(tokens: int, layers: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(tokens, 2, 4, generator=g), torch.randn(tokens, 2, 4, generator=g))]
+    return [
+        (torch.randn(tokens, 2, 4, generator=g), torch.randn(tokens, 2, 4, generator=g))
+        for _ in range(layers)
+    ]
 
 
-def test_the_kv_mac_is_hmac_sha256_over_key_start_shapes_and_bytes() -> None:
-    """``kv_mac``'s construction is pinned (producer and consumer of two omnikv builds must
-    agree): HMAC-SHA256 under the key derived from the secret (BLAKE2b-256 personalised
-    ``omnikv-key-v1``), its domain first, then length-prefixed key,
-    start, first layer and each tensor's dtype and shape before its bytes, truncated to 32
-    hex. Every input it covers changes it."""
-    import hashlib
-    import hmac
+_KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _field(value: bytes) -> bytes:
+    return len(value).to_bytes(8, "little") + value
+
+
+def _message(domain: bytes, key: str, start: int, kv: _KV, *, wire_order: bool = True) -> bytes:
+    """The MAC's message: every K then every V (v4: the payload's wire order), or each layer's
+    K then V (v3)."""
     import json
 
-    from omnikv.integrations.vllm.binding import KV_MAC_DOMAIN, kv_mac
+    msg = domain + _field(key.encode()) + _field(str(start).encode()) + _field(b"0")
+    order = [k for k, _ in kv] + [v for _, v in kv] if wire_order else [t for p in kv for t in p]
+    for t in order:
+        msg += _field(json.dumps([str(t.dtype), list(t.shape)]).encode())
+        msg += t.contiguous().view(torch.uint8).numpy().tobytes()
+    return msg
+
+
+def _v3_mac(
+    secret: bytes, key: str, kv: list[tuple[torch.Tensor, torch.Tensor]], start: int
+) -> str:
+    """The construction of omnikv-kv-v3 (the version before), as its producers computed it and
+    its consumers checked it: bare hex of HMAC-SHA256 under BLAKE2b(secret, ``omnikv-key-v1``)."""
+    import hashlib
+    import hmac
+
+    derived = hashlib.blake2b(secret, digest_size=32, person=b"omnikv-key-v1").digest()
+    msg = _message(b"omnikv-kv-v3\x00", key, start, kv, wire_order=False)
+    return hmac.new(derived, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def test_the_kv_mac_is_keyed_blake3_over_key_start_shapes_and_bytes() -> None:
+    """``kv_mac``'s construction is pinned (producer and consumer of two omnikv builds must
+    agree): ``omnikv-kv-v4:`` then 32 hex of BLAKE3 keyed with the key BLAKE3 derives from the
+    secret under its context, over its domain, then length-prefixed key, start, first layer
+    and each tensor's dtype and shape before its bytes, every K then every V (the payload's
+    wire order, in which the encoder computes it). Every input it covers changes it."""
+    import blake3
+
+    from omnikv.integrations.vllm.binding import kv_mac
+    from omnikv.wire.mac import KV_MAC_KEY_CONTEXT
 
     secret, key = b"s3cret", "tid.binding"
-    kv = _sealed_kv(6)
-
-    def field(value: bytes) -> bytes:
-        return len(value).to_bytes(8, "little") + value
-
-    msg = KV_MAC_DOMAIN + field(key.encode()) + field(b"3") + field(b"0")
-    for k, v in kv:
-        for t in (k, v):
-            msg += field(json.dumps([str(t.dtype), list(t.shape)]).encode())
-            msg += t.contiguous().view(torch.uint8).numpy().tobytes()
-    derived = hashlib.blake2b(secret, digest_size=32, person=b"omnikv-key-v1").digest()
-    want = hmac.new(derived, msg, hashlib.sha256).hexdigest()[:32]
+    kv = _sealed_kv(6, layers=2)
+    derived = blake3.blake3(secret, derive_key_context=KV_MAC_KEY_CONTEXT).digest()
+    assert KV_MAC_KEY_CONTEXT == "omnikv 2026-12-07 vLLM connector KV MAC v4"
+    msg = _message(b"omnikv-kv-v4\x00", key, 3, kv)
+    want = "omnikv-kv-v4:" + blake3.blake3(msg, key=derived).hexdigest(length=16)
     assert kv_mac(secret, key, kv, 3) == want
     flipped = [(k.clone(), v.clone()) for k, v in kv]
     flipped[0][1].view(torch.uint8)[-1] ^= 1  # one bit of the last V byte
@@ -58,6 +86,38 @@ def test_the_kv_mac_is_hmac_sha256_over_key_start_shapes_and_bytes() -> None:
         kv_mac(secret, key, [(k.to(torch.float64), v.to(torch.float64)) for k, v in kv], 3),
     }
     assert want not in others and len(others) == 7
+
+
+def test_a_mac_of_another_construction_is_refused_both_ways() -> None:
+    """Versioned on the wire: a consumer of this version refuses an older producer's MAC (the
+    v3 HMAC-SHA256 hex, even computed right) by its construction, before hashing, and checks
+    no unknown version; an older consumer, checking the v3 construction, finds this
+    version's MAC unequal to its own (its load fails, vLLM recomputes). Neither is ever
+    taken for the other."""
+    import hmac
+
+    from omnikv.integrations.vllm.binding import (
+        check_sealed_ranges,
+        kv_mac,
+        kv_mac_matches,
+        kv_mac_refusal,
+    )
+
+    secret, key = b"s3cret", "tid.binding"
+    kv = _sealed_kv(6)
+    old = _v3_mac(secret, key, kv, 0)
+    why = kv_mac_refusal(old, secret, key, kv)
+    assert why is not None and "omnikv-kv-v3" in why and "omnikv-kv-v4" in why, why
+    assert not kv_mac_matches(old, secret, key, kv)
+    for other in ("omnikv-kv-v5:" + old, "omnikv-kv-v3:" + old, "", ":" + old):
+        assert "construction" in (kv_mac_refusal(other, secret, key, kv) or ""), other
+    assert kv_mac_refusal(None, secret, key, kv) == "the payload carries no MAC"
+    why = check_sealed_ranges(secret, key, kv, [[0, 6, old]])
+    assert why is not None and "omnikv-kv-v3" in why, why
+    # the other direction: what a v3 consumer compares (its own MAC of the same tokens)
+    new = kv_mac(secret, key, kv)
+    assert kv_mac_refusal(new, secret, key, kv) is None
+    assert not hmac.compare_digest(new, old) and len(new) != len(old)
 
 
 def test_sealed_ranges_check_each_piece_and_refuse_hostile_lists() -> None:

@@ -54,8 +54,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         models[dtype] = build_tiny_llama(root / f"model-{dtype}", dtype)
         ns = f"{namespace}-{dtype}"
         for role in ("kv_producer", "kv_consumer"):
-            slow = "SlowSharedMemoryConnector" if role == "kv_producer" else "SharedMemoryConnector"
-            omni = shm_omni_kv_config(ns, role, recv_timeout=4.0, connector=slow)
+            held = "HeldSharedMemoryConnector" if role == "kv_producer" else "SharedMemoryConnector"
+            omni = shm_omni_kv_config(ns, role, recv_timeout=4.0, connector=held)
             configs.append(
                 {
                     "model": str(models[dtype]),
@@ -170,9 +170,12 @@ def test_a_producer_that_streams_its_prefill_hands_off_the_same_kv(
     assert _tokens(got) == _tokens(reference)
     assert after_c.get("loads_ok", 0) - before_c.get("loads_ok", 0) == len(prompts)
     assert after_c.get("loads_fallback", 0) == before_c.get("loads_fallback", 0)
-    # every prompt of more than one block shipped chunks ahead of its finish
+    # chunks shipped ahead of the finishes. How many depends on the stream worker keeping up
+    # with the forward passes: a step still queued when a newer one of its request comes is
+    # replaced by it, one still queued at the finish goes with the finish (on a loaded host,
+    # as few as one per prompt shipped); test_vllm_worker counts them step by step.
     streamed = after_p.get("chunks_streamed", 0) - before_p.get("chunks_streamed", 0)
-    assert streamed >= 2 * len(prompts), (before_p, after_p)
+    assert streamed >= 1, (before_p, after_p)
     # each of them a layer group, shipped from the forward pass's save_kv_layer
     groups = after_p.get("layer_groups_streamed", 0) - before_p.get("layer_groups_streamed", 0)
     assert groups == streamed, (before_p, after_p)
@@ -227,7 +230,10 @@ def test_consumer_decodes_from_the_producers_kv(setup: dict[str, Any], dtype: st
 def test_producer_keeps_serving_while_a_send_is_in_flight(setup: dict[str, Any]) -> None:
     producer, consumer = setup["pairs"]["float32"]
     prompt_a, prompt_b = _prompts(2, (61, 50))
-    producer.call("set_delay", seconds=4.0)
+    # A's put waits until the test releases it (120 s at most): B's 24 tokens are served while
+    # A's send cannot end, whatever the host's load; an engine that waited for the send would
+    # return only once the hold's bound let the put through
+    producer.call("hold", seconds=120.0)
     try:
         out = producer.call(
             "generate",
@@ -235,14 +241,15 @@ def test_producer_keeps_serving_while_a_send_is_in_flight(setup: dict[str, Any])
             max_tokens=[1, 24],
             kv_transfer_params=[{"do_remote_decode": True}, None],
         )
+        params = out["outputs"][0]["kv_transfer_params"]
+        tid = params["omnikv_transfer_id"]
+        in_flight = producer.call("record", transfer_id=tid)["record"]
     finally:
-        producer.call("set_delay", seconds=0.0)
-    params = out["outputs"][0]["kv_transfer_params"]
+        producer.call("release")
     assert len(out["outputs"][1]["tokens"]) == 24
-    (record,) = producer.call("pump", transfer_ids=[params["omnikv_transfer_id"]])["records"]
-    assert record["ok"]
-    # B was served to the end while A's send (>= 4 s) was still in flight.
-    assert record["start"] < out["t_end"] < record["end"]
+    assert "end" not in (in_flight or {}), in_flight  # B ended while A's send was held
+    (record,) = producer.call("pump", transfer_ids=[tid])["records"]
+    assert record["ok"] and record["end"] > out["t_end"]
     got = consumer.call("generate", prompts=[prompt_a], max_tokens=8, kv_transfer_params=[params])
     reference = consumer.call("generate", prompts=[prompt_a], max_tokens=8)
     assert _tokens(got) == _tokens(reference)

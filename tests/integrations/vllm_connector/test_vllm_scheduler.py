@@ -37,6 +37,7 @@ def test_transfer_ids_are_fresh_and_unguessable(edge: Any) -> None:
     halves.step(edge.producer, {f"r{i}" for i in range(50)})
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(
     "change",
     [
@@ -177,6 +178,7 @@ def test_n_greater_than_one_loads_once_and_shares(edge: Any) -> None:
     assert "loads_failed" not in edge.consumer.worker.stats()
 
 
+@pytest.mark.timing
 def test_a_load_queued_past_its_deadline_fails_without_waiting(edge: Any) -> None:
     """The deadline counts from admission, on the scheduler's clock: a load whose
     ``recv_timeout`` passed before its step's metadata left fails at once on the worker."""

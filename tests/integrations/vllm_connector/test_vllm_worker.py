@@ -221,8 +221,20 @@ def test_with_a_secret_ids_and_payloads_are_authenticated(secure: Any) -> None:
     assert results.finished_recving == {"c1"} and not results.failed_recving
 
 
-def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> None:
-    """Someone who can write into the namespace but lacks the secret cannot inject KV."""
+@pytest.mark.parametrize(
+    ("mac", "why"),
+    [
+        ("omnikv-kv-v4:" + "0" * 32, "the MAC does not match"),
+        ("0" * 32, "omnikv-kv-v3"),  # an older producer's construction (bare HMAC-SHA256 hex)
+    ],
+    ids=["forged", "older-construction"],
+)
+def test_with_a_secret_forged_kv_under_the_right_key_is_refused(
+    secure: Any, mac: str, why: str
+) -> None:
+    """Someone who can write into the namespace but lacks the secret cannot inject KV; a MAC
+    of an older construction is refused by its name, before any byte is hashed (the load
+    fails and vLLM recomputes)."""
     from omnikv.config import config_from_dict, options_from_dict
     from omnikv.manager import OmniKVTransferManager
 
@@ -247,7 +259,7 @@ def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> 
                     "seq_len": len(PROMPT),
                     "custom_metadata": {
                         "omnikv_binding": params["omnikv_binding"],
-                        "omnikv_mac": "0" * 32,
+                        "omnikv_mac": mac,
                     },
                 }
             },
@@ -263,7 +275,7 @@ def test_with_a_secret_forged_kv_under_the_right_key_is_refused(secure: Any) -> 
         assert "MAC" in (verdict.reason or "")
     assert results.failed_recving == {"c1"}
     reason = secure.consumer.worker.transfer_record(params["omnikv_transfer_id"])["reason"]
-    assert "MAC" in reason
+    assert "MAC" in reason and why in reason, reason
     assert not any(t.any() for t in secure.consumer.caches.values())
 
 
@@ -316,20 +328,32 @@ def test_transfer_threads_are_not_pinned_to_the_engines_core(namespace: str) -> 
     assert report["others"] and "0" not in report["others"]  # no thread left on the pinned core
 
 
-def test_a_streaming_producer_ships_blocks_during_chunked_prefill(edge: Any) -> None:
-    """vLLM's call sequence for a prompt prefilled in two chunks (4 then 6 tokens, blocks of
-    4): each chunk's full blocks ship after its forward pass, the finish sends the partial
-    block and the manifest under the same transfer id; the consumer writes the same tokens."""
-    conn = edge.conn
-    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn, "stream_kv": True}
+def _streaming_producer(edge: Any, rid: str, blocks: list[int], tokens: int) -> tuple[Any, Any]:
+    """A ``stream_kv`` producer over the edge's connector (random KV in its cache) whose
+    ``do_remote_decode`` request ``rid`` holds ``blocks``, after the step that computed its first
+    ``tokens`` prompt tokens: ``(producer, request)``."""
+    omni = {
+        "omni_from_stage": 0,
+        "omni_to_stage": 1,
+        "connector_config": edge.conn,
+        "stream_kv": True,
+    }
     producer = halves.pair("kv_producer", omni)
     edge.made.append(producer)
     for t in producer.caches.values():
         t.copy_(torch.randn_like(t))
-    request = halves.make_request("s1", {"do_remote_decode": True})
-    producer.sched.update_state_after_alloc(request, halves.allocated([3, 5, 1]), 0)
-    new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
-    halves.step_with(producer, halves.output([new], [], {"s1": 4}), set())
+    request = halves.make_request(rid, {"do_remote_decode": True})
+    producer.sched.update_state_after_alloc(request, halves.allocated(blocks), 0)
+    new = SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=0)
+    halves.step_with(producer, halves.output([new], [], {rid: tokens}), set())
+    return producer, request
+
+
+def test_a_streaming_producer_ships_blocks_during_chunked_prefill(edge: Any) -> None:
+    """vLLM's call sequence for a prompt prefilled in two chunks (4 then 6 tokens, blocks of
+    4): each chunk's full blocks ship after its forward pass, the finish sends the partial
+    block and the manifest under the same transfer id; the consumer writes the same tokens."""
+    producer, request = _streaming_producer(edge, "s1", [3, 5, 1], 4)
     assert producer.worker.stats()["chunks_streamed"] == 1  # block 3, after the first chunk
     halves.step_with(producer, halves.output([], [("s1", 4, None)], {"s1": 6}), set())
     assert producer.worker.stats()["chunks_streamed"] == 2  # block 5; block 1 is partial
@@ -349,13 +373,7 @@ def test_a_streaming_producer_ships_blocks_during_chunked_prefill(edge: Any) -> 
 
 def test_a_streamed_request_that_is_aborted_leaves_no_chunk(edge: Any) -> None:
     conn = edge.conn
-    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": conn, "stream_kv": True}
-    producer = halves.pair("kv_producer", omni)
-    edge.made.append(producer)
-    request = halves.make_request("s2", {"do_remote_decode": True})
-    producer.sched.update_state_after_alloc(request, halves.allocated([0, 1, 2]), 0)
-    new = SimpleNamespace(req_id="s2", block_ids=([0, 1, 2],), num_computed_tokens=0)
-    halves.step_with(producer, halves.output([new], [], {"s2": 8}), set())
+    producer, request = _streaming_producer(edge, "s2", [0, 1, 2], 8)
     assert producer.worker.stats()["chunks_streamed"] == 1
     from omnikv.connectors.local import LocalConnector
 
@@ -368,6 +386,46 @@ def test_a_streamed_request_that_is_aborted_leaves_no_chunk(edge: Any) -> None:
         assert probe.pending_keys() == []
     finally:
         probe.close()
+
+
+def test_a_preempted_streaming_request_drops_its_chunks_before_its_blocks_are_reused(
+    edge: Any,
+) -> None:
+    """vLLM frees a preempted request's blocks in the schedule that preempts it and may give
+    them to another request's forward pass in that same step, while the stream worker could
+    still hold a step that reads them: the step naming the request preempted drops its stream
+    before the forward pass, and the resumed request streams afresh from its new blocks (the
+    consumer gets the resumed blocks' tokens, never the reused ones)."""
+    from omnikv.connectors.local import LocalConnector
+
+    conn = edge.conn
+    producer, request = _streaming_producer(edge, "s3", [3, 5, 1], 4)
+    probe = LocalConnector(conn)
+    try:
+        assert any("#c0" in k for k in probe.pending_keys())
+        preempting = halves.output([], [], {})
+        preempting.preempted_req_ids = {"s3"}
+        meta = producer.sched.build_connector_meta(preempting)
+        assert len(meta.stream_aborts) == 1
+        producer.worker.bind_connector_metadata(meta)  # before the step's forward pass
+        assert probe.pending_keys() == []  # nothing of the old blocks is left to take
+        producer.worker.clear_connector_metadata()
+    finally:
+        probe.close()
+    for layer in producer.caches.values():  # another request's forward pass reuses them
+        layer[[3, 5, 1]] = 7.0
+    resumed = halves.output([], [("s3", 0, [2, 6, 4])], {"s3": 10})
+    resumed.scheduled_cached_reqs.resumed_req_ids = {"s3"}
+    halves.step_with(producer, resumed, set())
+    request.num_computed_tokens = len(PROMPT)
+    delay, params = producer.sched.request_finished(request, [2, 6, 4])
+    assert delay and params is not None
+    assert halves.step_with(producer, halves.output([], [], {}), {"s3"}).finished_sending == {"s3"}
+    load = halves.load(edge.consumer, dict(params), "c3", [6, 2, 7])
+    assert load.finished_recving == {"c3"} and not load.failed_recving
+    got = halves.tokens(edge.consumer.worker, [6, 2, 7])
+    want = halves.tokens(producer.worker, [2, 6, 4])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_an_early_hand_off_loads_what_the_producer_streams_under_the_routers_id(
@@ -433,8 +491,10 @@ def test_a_forged_chunk_ends_an_early_load_at_once(edge: Any) -> None:
             halves.forged_caches(),
             BS,
             "float32",
-            seal=lambda start, stop, ids: {"omnikv_mac": "0" * 32},
+            seal=lambda start, stop, ids: {"omnikv_mac": "omnikv-kv-v4:" + "0" * 32},
         )
+        assert progress.reason is None, progress
+        progress = attacker.wait_kv_stream(halves.payload_key_for(tid, to_consumer), 10.0)
         assert progress.new == 2 * BS
         worker = pair.consumer.worker
         assert worker.wait_transfers(10.0)
@@ -622,7 +682,8 @@ def test_a_chunk_of_a_stream_of_other_layers_is_refused_before_any_write(edge: A
                     seal=seal,
                     layers=span,
                 )
-                assert progress.nbytes > 0
+                assert progress.reason is None, progress
+                assert publisher.wait_kv_stream(key, 10.0).nbytes > 0
             if layers == 2:  # the engine's two layers: each group is checked and written
                 deadline = time.monotonic() + 10
                 while worker.stats().get("chunks_loaded", 0) < 2:
@@ -688,6 +749,7 @@ def test_layer_groups_ship_from_save_kv_layer_and_the_consumer_writes_each_at_on
     assert worker.stats()["chunks_loaded"] == chunks
 
 
+@pytest.mark.timing
 def test_an_idle_step_waits_briefly_for_loads_in_flight(edge: Any) -> None:
     """vLLM steps without pause while requests wait for remote KV; a step that schedules no
     tokens while a load runs waits up to ``idle_step_wait_s`` (the load threads get the GIL),
@@ -720,3 +782,145 @@ def test_an_idle_step_waits_briefly_for_loads_in_flight(edge: Any) -> None:
     halves.start_early_load(consumer, to_consumer, "c1", [6, 2, 7])  # its KV never comes
     assert step(0) >= 0.09  # idle while a load runs: paced
     assert step(64) < 0.09  # a step with work never waits
+
+
+@pytest.mark.timing
+def test_an_idle_step_waits_for_a_load_writing_its_payload_and_reports_it(edge: Any) -> None:
+    """A load whose payload arrived checks and writes bytes that are here: an idle step whose
+    ``idle_step_wait_s`` ends while it writes waits for it once more (at most as long again),
+    and reports it, rather than leaving it to the next step."""
+    params = halves.send(edge.producer, [3, 5, 1])
+    consumer = halves.pair("kv_consumer", edge.consumer_omni, idle_step_wait_s=0.1)
+    edge.made.append(consumer)
+    side = consumer.worker._worker
+    gate, extended = threading.Event(), threading.Event()
+    write = side._write
+
+    def gated_write(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(10)  # opened once the step waits past its idle_step_wait_s
+        return write(*args, **kwargs)
+
+    class _Watched(threading.Condition):
+        def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+            extended.set()
+            return super().wait_for(predicate, timeout)
+
+    side._write = gated_write
+    side._transfer_ended = _Watched(side._lock)
+
+    def open_gate() -> None:
+        extended.wait(10)
+        gate.set()
+
+    opener = threading.Thread(target=open_gate)
+    opener.start()
+    try:
+        request = halves.make_request("c1", params)
+        assert consumer.sched.get_num_new_matched_tokens(request, 0) == (len(PROMPT), True)
+        consumer.sched.update_state_after_alloc(request, halves.allocated([6, 2, 7]), len(PROMPT))
+        out = halves.output([], [], {})
+        out.total_num_scheduled_tokens = 0  # the admitting step computes nothing
+        consumer.worker.bind_connector_metadata(consumer.sched.build_connector_meta(out))
+        consumer.worker.start_load_kv(None)
+        consumer.worker.wait_for_save()
+        results = consumer.worker.get_transfer_results(set())
+        consumer.worker.clear_connector_metadata()
+    finally:
+        gate.set()
+        opener.join(10)
+    assert extended.is_set()  # it waited past idle_step_wait_s, for the load writing
+    assert results.finished_recving == {"c1"} and not results.failed_recving
+    got = halves.tokens(consumer.worker, [6, 2, 7])
+    want = halves.tokens(edge.producer.worker, [3, 5, 1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.timing  # bounds of 90 ms on an idle step: run alone, after the lanes
+def test_an_idle_step_waits_for_a_send_in_flight_and_reports_it_at_once(
+    edge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer keeps stepping while its sends run (``has_pending_push_work``); a step that
+    schedules no tokens then waits up to ``idle_step_wait_s`` (the send threads get the GIL),
+    and a send that ends within the wait is reported by that step, not the next. A step with
+    work never waits."""
+    omni = {"omni_from_stage": 0, "omni_to_stage": 1, "connector_config": edge.conn}
+    producer = halves.pair("kv_producer", omni, idle_step_wait_s=0.1)
+    edge.made.append(producer)
+    side = producer.worker._worker
+    gate = threading.Event()
+    send = side.edge.send
+
+    def held_send(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(10)
+        return send(*args, **kwargs)
+
+    monkeypatch.setattr(side.edge, "send", held_send)
+    request = halves.make_request("p7", {"do_remote_decode": True}, computed=len(PROMPT))
+    producer.sched.request_finished(request, [3, 5, 1])
+
+    def step(scheduled: int, finished: set[str]) -> tuple[Any, float]:
+        out = halves.output([], [], {})
+        out.total_num_scheduled_tokens = scheduled
+        producer.worker.bind_connector_metadata(producer.sched.build_connector_meta(out))
+        producer.worker.start_load_kv(None)
+        producer.worker.wait_for_save()
+        t0 = time.monotonic()
+        results = producer.worker.get_transfer_results(finished)
+        producer.worker.clear_connector_metadata()
+        return results, time.monotonic() - t0
+
+    results, took = step(64, {"p7"})  # the send starts; a step with work does not wait
+    assert took < 0.09 and not results.finished_sending
+    results, took = step(0, set())  # idle while the send is held: paced
+    assert took >= 0.09 and not results.finished_sending
+    gate.set()  # the send goes on now: it ends within this step's wait, which reports it
+    results, took = step(0, set())
+    assert results.finished_sending == {"p7"}
+    assert took < 0.09
+
+
+def test_the_producers_stream_step_returns_before_its_chunk_is_sealed_and_put(
+    edge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait_for_save`` only hands the step's chunk to the edge's stream worker: with the
+    chunk's MAC held there, the runner's call has returned and nothing is published yet; once
+    the MAC is done the chunk goes out, and the early hand-off ends with the producer's
+    tokens as before."""
+    from omnikv.integrations.vllm import early_handoff_params
+    from omnikv.wire.mac import PayloadSeal
+
+    pair = halves.early_edge(edge)
+    tid = halves.router_id(pair.conn)
+    to_producer, to_consumer = early_handoff_params(tid, len(PROMPT))
+    halves.start_early_load(pair.consumer, to_consumer, "c1", [6, 2, 7])
+    producer = pair.producer
+    for t in producer.caches.values():
+        t.copy_(torch.randn_like(t))
+    gate, sealed_on = threading.Event(), []
+    mac = PayloadSeal.stream  # the encoder starts the chunk's MAC as it writes the chunk
+
+    def held(self: Any, *args: Any, **kw: Any) -> Any:
+        sealed_on.append(threading.current_thread().name)
+        assert gate.wait(10.0), "the test never let the MAC go on"
+        return mac(self, *args, **kw)
+
+    monkeypatch.setattr(PayloadSeal, "stream", held)
+    request = halves.make_request("s1", to_producer)
+    producer.sched.update_state_after_alloc(request, halves.allocated([3, 5, 1]), 0)
+    new = SimpleNamespace(req_id="s1", block_ids=([3, 5, 1],), num_computed_tokens=0)
+    worker = producer.worker
+    worker.bind_connector_metadata(
+        producer.sched.build_connector_meta(halves.output([new], [], {"s1": 4}))
+    )
+    worker.start_load_kv(None)
+    worker.wait_for_save()  # returns with the chunk's MAC held on the stream worker
+    assert sealed_on in ([], ["omnikv-stream-send"]) and not gate.is_set()
+    assert worker.stats().get("chunks_streamed", 0) == 0
+    gate.set()
+    assert worker.wait_transfers(10.0)
+    assert sealed_on == ["omnikv-stream-send"] and worker.stats()["chunks_streamed"] == 1
+    producer.sched.update_connector_output(worker.get_transfer_results(set()))
+    worker.clear_connector_metadata()
+    halves.step_with(producer, halves.output([], [("s1", 4, None)], {"s1": 6}), set())
+    halves.finish_early_hand_off(producer, request, tid, pair.consumer)
+    assert pair.consumer.worker.stats()["chunks_loaded"] == 2

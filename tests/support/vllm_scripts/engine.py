@@ -6,31 +6,40 @@ is reachable through vLLM's ``get_kv_transfer_group()``. Extra commands: ``pump`
 while sends are in flight: a server's engine loop does this by itself, ``has_pending_push_work``),
 ``stats`` (the worker's counts), ``scheduler_stats`` (the scheduler half's: admission refusals),
 ``record``, ``layout`` (the cache layout the worker reads), ``dump`` (a transfer's tokens as
-float32 .npz), ``set_delay`` (a delay before every put of ``SlowSharedMemoryConnector``).
+float32 .npz), ``hold`` / ``release`` (every put of ``HeldSharedMemoryConnector`` waits until
+released, or ``seconds`` at most).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from typing import Any
 
 
-class _Slow:
-    delay_s = 0.0
+class _Hold:
+    """The gate every put of ``HeldSharedMemoryConnector`` passes (open unless held)."""
+
+    gate = threading.Event()
+    bound_s = 0.0
 
 
-def _register_slow_connector() -> None:
+_Hold.gate.set()
+
+
+def _register_held_connector() -> None:
     from omnikv.connectors.factory import OmniConnectorFactory
     from omnikv.connectors.shm.connector import SharedMemoryConnector
 
-    class SlowSharedMemoryConnector(SharedMemoryConnector):
+    class HeldSharedMemoryConnector(SharedMemoryConnector):
         def put_packed(self, *args: Any, **kwargs: Any) -> Any:
-            time.sleep(_Slow.delay_s)  # a slow transport, for the "engine keeps serving" test
+            # a transport that takes as long as the test says: the "engine keeps serving" test
+            _Hold.gate.wait(_Hold.bound_s)
             return super().put_packed(*args, **kwargs)
 
-    OmniConnectorFactory.register_connector("SlowSharedMemoryConnector", SlowSharedMemoryConnector)
+    OmniConnectorFactory.register_connector("HeldSharedMemoryConnector", HeldSharedMemoryConnector)
 
 
 def _connector() -> Any:
@@ -75,15 +84,23 @@ def op_scheduler_stats(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"stats": core.scheduler.connector.stats()}
 
 
-def op_set_delay(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    _Slow.delay_s = float(cmd["seconds"])
-    return {"delay_s": _Slow.delay_s}
+def op_hold(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """From now on every put waits until ``release`` (``seconds`` at most)."""
+    _Hold.bound_s = float(cmd["seconds"])
+    _Hold.gate.clear()
+    return {"held": True}
+
+
+def op_release(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    _Hold.gate.set()
+    return {"held": False}
 
 
 OPS = {
     "pump": op_pump,
     "dump": op_dump,
-    "set_delay": op_set_delay,
+    "hold": op_hold,
+    "release": op_release,
     "scheduler_stats": op_scheduler_stats,
     "stats": lambda llm, cmd: {"stats": _connector().stats()},
     "layout": lambda llm, cmd: {"layout": _connector().kv_layout},
@@ -94,5 +111,5 @@ OPS = {
 if __name__ == "__main__":
     from omnikv.bench.vllm import serve
 
-    _register_slow_connector()
+    _register_held_connector()
     serve(json.loads(sys.argv[1]), extra_ops=OPS)

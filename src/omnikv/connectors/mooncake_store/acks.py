@@ -1,12 +1,13 @@
-"""Delivery verdicts through a Mooncake Store: records, the sender's watch, the receiver's copies.
+"""Delivery verdicts through a Mooncake Store: the sender's watch, the receiver's records.
 
 A receiver that took the payload stored under ``key`` stores its verdict as a small JSON record
-under ``key + ".ack"`` (:func:`encode_record`). The sending client watches the keys it published
-(:class:`VerdictWatch`): one background thread asks the master, in one ``batch_is_exist``, which
-of its open keys have a record and which payloads are gone (taken), reads and removes each
-record, and reports it through :class:`~omnikv.connectors.delivery.DeliveryNotices`. Records are
-hostile input: bounded in size, parsed as JSON (never pickle), the verdict one of the three
-values and naming the key it answers, the reason clipped; anything else is dropped and counted.
+under ``key + ".ack"`` (the format: :mod:`omnikv.connectors.mooncake_store.protocol`). The
+sending client watches the keys it published (:class:`VerdictWatch`): one background thread
+asks the master, in one ``batch_is_exist``, which of its open keys have a record and which
+payloads are gone (taken), reads and removes each record, and reports it through the
+connector's :class:`~omnikv.connectors.verdict_book.VerdictBook`. Records are hostile input
+(:func:`~omnikv.connectors.mooncake_store.protocol.parse_record`); a malformed one is dropped
+and counted.
 
 The receiver keeps the keys of the records it wrote (:class:`WrittenRecords`) so they cannot
 leak: records unread after ``buffer_ttl_seconds`` are removed as the sender's payloads are, and
@@ -17,12 +18,10 @@ at its close the receiver waits up to ``ack_linger_s`` for its sender to read th
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omnikv._logging import RateLimitedLog
@@ -30,31 +29,22 @@ from omnikv.connectors.boundary import ErrorMap
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
     MAX_KEY_CHARS,
-    MAX_REASON_CHARS,
-    DeliveryNotices,
     Verdict,
-    clip_reason,
 )
+from omnikv.connectors.mooncake_store.protocol import (
+    MAX_RECORD_BYTES,
+    ack_key,
+    encode_record,
+    parse_record,
+)
+from omnikv.connectors.verdict_book import VerdictBook
 from omnikv.errors import ConnectorError
 
-__all__ = [
-    "ACK_SUFFIX",
-    "MAX_RECORD_BYTES",
-    "VerdictWatch",
-    "WrittenRecords",
-    "ack_key",
-    "encode_record",
-    "parse_record",
-]
+__all__ = ["VerdictWatch", "WrittenRecords"]
 
 logger = logging.getLogger(__name__)
 _outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
-#: What a payload key is followed by to name its verdict record.
-ACK_SUFFIX = ".ack"
-#: Largest verdict record read: a key of ``MAX_KEY_CHARS`` and a reason of ``MAX_REASON_CHARS``,
-#: JSON-escaped at 6 bytes a character, fit with room to spare.
-MAX_RECORD_BYTES = 6 * (MAX_KEY_CHARS + MAX_REASON_CHARS) + 256
 #: The watch's poll interval: this after a change, doubling while nothing changes, up to the cap.
 POLL_MIN_S = 0.02
 POLL_MAX_S = 0.2
@@ -62,38 +52,6 @@ POLL_MAX_S = 0.2
 _PUT_ATTEMPTS = 3
 #: Most keys named in one ``batch_is_exist`` / ``batch_remove``.
 _BATCH = 4096
-_VERDICTS = {v.value: v for v in Verdict}
-
-
-def ack_key(key: str) -> str:
-    """The store key of the verdict record for the payload stored under ``key``."""
-    return key + ACK_SUFFIX
-
-
-def encode_record(key: str, verdict: Verdict, reason: str | None) -> bytes:
-    """The record body a receiver stores: ``{"key", "verdict", "reason"}`` as ASCII JSON."""
-    body = {"key": key, "verdict": Verdict(verdict).value, "reason": clip_reason(reason)}
-    return json.dumps(body, separators=(",", ":")).encode("ascii")
-
-
-def parse_record(body: bytes, key: str) -> tuple[Verdict, str | None] | None:
-    """``(verdict, reason)`` from a record read for ``key``; ``None`` when it is malformed (too
-    large, not JSON, not an object naming ``key``, an unknown verdict or a reason that is not a
-    string). The reason comes back clipped to :data:`MAX_REASON_CHARS`. Never raises."""
-    if len(body) > MAX_RECORD_BYTES:
-        return None
-    try:
-        obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or obj.get("key") != key:
-        return None
-    name = obj.get("verdict")
-    verdict = _VERDICTS.get(name) if isinstance(name, str) else None
-    reason = obj.get("reason")
-    if verdict is None or not (reason is None or isinstance(reason, str)):
-        return None
-    return verdict, clip_reason(reason)
 
 
 def _exists(errors: ErrorMap, store: Any, keys: list[str]) -> list[int] | None:
@@ -140,14 +98,15 @@ class StoreOwner(Protocol):
         """The payload under ``key`` is gone from the store: another client took it."""
 
 
-@dataclass
-class _Watched:
-    put_key: str
-    taken: bool = False
+#: The taker of every payload the Store watch finds gone (the store does not say who took it;
+#: the record under the payload's key is the verdict, whoever wrote it).
+_STORE_TAKER = "store"
 
 
 class VerdictWatch:
-    """The sending client's watch on the verdict records of the payloads it published.
+    """The sending client's watch on the verdict records of the payloads it published: how
+    verdicts reach the connector's :class:`~omnikv.connectors.verdict_book.VerdictBook`
+    through the store.
 
     :meth:`published` is called by ``put_packed`` after each successful put (a no-op unless a
     delivery listener is installed); the first one starts the watch thread, which polls while
@@ -163,16 +122,17 @@ class VerdictWatch:
     def __init__(
         self,
         owner: StoreOwner,
-        notices: DeliveryNotices,
+        book: VerdictBook,
         counters: Counters,
         errors: ErrorMap,
     ) -> None:
-        self.notices = notices
+        self.book = book
+        self.notices = book.notices
         self._owner = weakref.ref(owner)
         self._counters = counters
         self._errors = errors
         self._lock = threading.Lock()
-        self._watch: dict[str, _Watched] = {}
+        self._ended: list[str] = []  # keys expired by the ack sweep: their records go
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,11 +141,10 @@ class VerdictWatch:
     def published(self, key: str, put_key: str) -> None:
         """Watch ``key`` (the store key; ``put_key`` as given to the put, which the report
         names) for a verdict. Called by the sender after a successful put."""
-        if not self.notices.listening or self._stop.is_set():
+        if not self.book.listening or self._stop.is_set():
             return
-        self.notices.published(put_key)
+        self.book.published(key, put_key)
         with self._lock:
-            self._watch[key] = _Watched(put_key)
             thread = None
             if self._thread is None:
                 thread = self._thread = threading.Thread(
@@ -197,28 +156,23 @@ class VerdictWatch:
 
     def expired_by_ttl(self, key: str, ttl_s: float) -> None:
         """The owner's TTL sweep removed ``key`` unconsumed: report it ``expired``."""
-        with self._lock:
-            watched = self._watch.pop(key, None)
         why = f"removed from the store unconsumed after {ttl_s:g} s (buffer_ttl_seconds TTL)"
-        if watched is not None and self.notices.report(watched.put_key, Verdict.EXPIRED, why):
-            self._counters.add("acks_expired")
+        self.book.expired(key, why)
 
     def forget(self, key: str) -> None:
-        """``key`` was removed on purpose (``cleanup``): no verdict is due for it."""
-        with self._lock:
-            watched = self._watch.pop(key, None)
-        if watched is not None:
-            self.notices.forget(watched.put_key)
+        """``key`` was removed on purpose (``cleanup``, ``withdraw``): no verdict is due."""
+        self.book.forget(key)
 
     def sweep(self) -> None:
-        """Expire the taken keys whose ``ack_timeout_s`` ran out (counted ``acks_expired``)."""
-        expired = self.notices.sweep()
-        if expired:
-            self._counters.add("acks_expired", expired)
+        """Expire the taken keys whose ``ack_timeout_s`` ran out (counted ``acks_expired``);
+        their records are removed by the next poll."""
+        ended = self.book.sweep()
+        if ended:
+            with self._lock:
+                self._ended.extend(ended)
 
     def watched(self) -> int:
-        with self._lock:
-            return len(self._watch)
+        return len(self.book)
 
     def close(self, store: Any | None, timeout_s: float = 10.0) -> None:
         """Stop and join the thread, stop watching, and remove the records of the keys still
@@ -228,16 +182,13 @@ class VerdictWatch:
         self._wake.set()
         with self._lock:
             thread = self._thread
-            left = list(self._watch.items())
-            self._watch.clear()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
             if thread.is_alive():
                 logger.warning("the verdict watch did not stop within %.0f s", timeout_s)
-        for _key, watched in left:
-            self.notices.forget(watched.put_key)
+        left = self.book.clear()
         if store is not None and left:
-            _remove(self._errors, store, [ack_key(k) for k, _ in left])
+            _remove(self._errors, store, [ack_key(k) for k in left])
 
     # -- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -253,15 +204,13 @@ class VerdictWatch:
             except Exception:  # the watch must outlive any one failure
                 logger.exception("verdict poll failed")
             del owner  # hold the connector only while polling
-            with self._lock:
-                idle = not self._watch
-            if idle:
+            if not len(self.book):
                 self._wake.wait()
                 self._wake.clear()
                 interval = POLL_MIN_S
                 continue
             interval = POLL_MIN_S if changed else min(interval * 2, POLL_MAX_S)
-            due = self.notices.next_due() - time.monotonic()
+            due = self.book.next_due() - time.monotonic()
             self._stop.wait(max(0.001, min(interval, due)))
 
     def poll(self, owner: StoreOwner) -> bool:
@@ -272,37 +221,34 @@ class VerdictWatch:
             return False
         self.sweep()
         with self._lock:
-            done = [k for k, w in self._watch.items() if not self.notices.is_open(w.put_key)]
-            for k in done:
-                del self._watch[k]
-            items = list(self._watch.items())
-        if done:  # expired or dropped: a record arriving for them would be read by nobody
+            done, self._ended = self._ended, []
+        if done:  # expired: a record arriving for them would be read by nobody
             _remove(self._errors, store, [ack_key(k) for k in done])
+        items = self.book.publications()
         if not items:
             return bool(done)
-        records = [ack_key(k) for k, _ in items]
-        untaken = [k for k, w in items if not w.taken]
+        records = [ack_key(k) for k, _, _ in items]
+        untaken = [k for k, _, taken in items if not taken]
         found = _exists(self._errors, store, records + untaken)
         if found is None:
             return bool(done)
         payload_there = dict(zip(untaken, found[len(records) :], strict=True))
         changed = bool(done)
-        for (key, watched), has_record in zip(items, found[: len(records)], strict=True):
-            gone = not watched.taken and payload_there[key] == 0
+        for (key, pub, taken), has_record in zip(items, found[: len(records)], strict=True):
+            gone = not taken and payload_there[key] == 0
             if gone:
                 owner.consumed_elsewhere(key)
             if has_record == 1:
                 changed = True
-                self._read(store, key, watched)
+                self._read(store, key, pub)
             elif gone:
                 changed = True
-                watched.taken = True
-                self.notices.taken(watched.put_key)
+                self.book.taken(key, _STORE_TAKER, pub=pub)
         return changed
 
-    def _read(self, store: Any, key: str, watched: _Watched) -> None:
-        """Read, remove and report the record of ``key``; a malformed one is dropped, counted
-        and the key stays watched."""
+    def _read(self, store: Any, key: str, pub: int) -> None:
+        """Read, remove and report the record of publication ``pub`` of ``key``; a malformed
+        one is dropped, counted and the key stays watched."""
         rkey = ack_key(key)
         try:
             with self._errors.translate(f"read of verdict record {rkey}"):
@@ -323,11 +269,7 @@ class VerdictWatch:
                 logger.debug("verdict record %s could not be read; removed", rkey)
             return
         verdict, reason = parsed
-        with self._lock:
-            if self._watch.get(key) is watched:
-                del self._watch[key]
-        if self.notices.report(watched.put_key, verdict, reason):
-            self._counters.add(f"acks_{verdict.value}")
+        self.book.resolve(key, verdict, reason, pub=pub)
 
 
 class WrittenRecords:

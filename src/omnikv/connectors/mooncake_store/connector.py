@@ -8,7 +8,8 @@ can write). After a successful get the object is removed from the store (``remov
 default true) so the store does not fill up. ``wait`` polls with a bounded back-off until its
 deadline. ``close`` unregisters the pool, closes the store client and unmaps the pool.
 
-Delivery verdicts (:mod:`omnikv.connectors.delivery`, the records in :mod:`.acks`): a receiver's
+Delivery verdicts (:mod:`omnikv.connectors.delivery`; the record format in :mod:`.protocol`,
+the watch and the records written in :mod:`.acks`): a receiver's
 ``acknowledge`` stores ``{"key", "verdict", "reason"}`` as JSON under ``"{key}.ack"`` (one small
 ``put``). A sender with a delivery listener watches each key it published from one background
 thread: while any key is open it polls the master (one ``batch_is_exist`` over the open keys'
@@ -45,15 +46,14 @@ from omnikv.connectors.base import (
     SlotRelease,
     Writer,
     fill_slot,
-    get_result,
     matches_request,
     notify_incoming,
+    polling,
 )
 from omnikv.connectors.boundary import CodeRule, ErrorMap, ErrorRule
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
     DeliveryListener,
-    DeliveryNotices,
     Verdict,
 )
 from omnikv.connectors.mooncake_store.acks import VerdictWatch, WrittenRecords
@@ -65,6 +65,7 @@ from omnikv.connectors.mooncake_te.engine import (
     set_tcp_connection_pool,
 )
 from omnikv.connectors.pool import HostPool
+from omnikv.connectors.verdict_book import VerdictBook
 from omnikv.errors import (
     ConfigError,
     ConnectorClosedError,
@@ -165,6 +166,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
+    checks_data: ClassVar[bool] = True
     takes_abort: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap] = STORE_ERRORS
 
@@ -212,8 +214,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 "acks_malformed",
             )
         )
-        self._notices = DeliveryNotices(cfg.ack_timeout_s)
-        self._verdicts = VerdictWatch(self, self._notices, self._counters, STORE_ERRORS)
+        self._book = VerdictBook(cfg.ack_timeout_s, self._counters)
+        self._verdicts = VerdictWatch(self, self._book, self._counters, STORE_ERRORS)
         self._records = WrittenRecords(self._counters, STORE_ERRORS, self.max_tracked_keys)
         self._replicate_cls = replicate_cls
         self._rcfg = self._placement(
@@ -293,11 +295,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         *,
         deadline: float,
     ) -> PutResult:
-        """Sender hot path: ``write`` fills a registered slot, ``put_from`` stores it.
-
-        Waits for pool space until ``deadline`` (``PoolExhaustedError`` then); a failed
-        ``put_from`` raises ``ConnectorUnavailableError``. The slot is freed before returning.
-        """
+        """``write`` fills a slot of the registered pool and ``put_from`` stores it; the slot is
+        free again when this returns (the store holds its own copy). A failed ``put_from``
+        raises ``ConnectorUnavailableError``."""
         store, pool = self._live()
         offset = fill_slot(pool, nbytes, write, deadline)
         key = self._make_key(put_key, from_stage, to_stage)
@@ -414,18 +414,14 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
         ``None`` when absent or on error (logged). Consumes it (removal: ``remove_after_get``).
         """
-        key = self._make_key(get_key, from_stage, to_stage)
         if self._closed:
             raise ConnectorClosedError("MooncakeStoreConnector is closed")
-        try:
-            buf = self._take(key, 0.0)
+        try:  # one look of wait
+            return self.get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=0.0)
         except ConnectorError as exc:
+            key = self._make_key(get_key, from_stage, to_stage)
             _outsider.error("get of %s failed: %s", key, exc)
             return None
-        if buf is None:
-            self._counters.add("misses")
-            return None
-        return get_result(buf)
 
     def wait(
         self,
@@ -438,7 +434,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         on_incoming: Callable[[int], object] | None = None,
         abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
-        """Poll the store (0.5 ms doubling to 10 ms) until the object is there or ``deadline``.
+        """Poll the store (:func:`~omnikv.connectors.base.polling`) until the object is there.
 
         ``on_incoming`` is called with the object's size once it is found, before it is read;
         a set ``abort`` ends the wait with ``None`` between polls (a read that started runs
@@ -449,8 +445,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         its put), instead of retrying reads that each block the engine for about a second.
         """
         key = self._make_key(get_key, from_stage, to_stage)
-        step = 0.0005
-        while True:
+        for _ in polling(deadline):
             if self._closed:
                 raise ConnectorClosedError("MooncakeStoreConnector is closed")
             if abort is not None and abort.is_set():
@@ -458,12 +453,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
             buf = self._take(key, deadline, on_incoming)
             if buf is not None:
                 return buf
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._counters.add("misses")
-                return None
-            time.sleep(min(step, left))
-            step = min(step * 2, 0.01)
+        self._counters.add("misses")
+        return None
 
     def probe(
         self,
@@ -588,6 +579,34 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 self._counters.add("removed")
                 self._verdicts.forget(k)
 
+    def withdraw(self, from_stage: str, to_stage: str, put_key: str) -> bool:
+        """Remove the object this client stored under ``put_key`` and has not seen consumed
+        (:meth:`~omnikv.connectors.base.OmniConnectorBase.withdraw`); no verdict is reported
+        for it. The ``remove`` is forced, as ``cleanup``'s: the store grants a lease to every
+        existence check, this client's own verdict watch included, so an unforced one fails
+        on an object nobody reads; a reader that found the object a moment before gets a
+        failed read (withdraw is for objects whose send was decided, that nobody should take).
+        An object another client stored is never named here (only this client's puts are)."""
+        key = self._make_key(put_key, from_stage, to_stage)
+        with self._lock:
+            put_at = self._put_keys.pop(key, None)
+        store = self.live_store()
+        if put_at is None or store is None:
+            return False
+        try:
+            with STORE_ERRORS.translate(f"withdraw of {key}"):
+                rc = int(store.remove(key, True))
+        except ConnectorError as exc:
+            logger.debug("withdraw of %s failed: %s", key, exc)
+            rc = -1
+        if rc != 0:  # gone already (taken), or the store could not be asked: the TTL decides
+            with self._lock:
+                self._put_keys.setdefault(key, put_at)
+            return False
+        self._counters.add("removed")
+        self._verdicts.forget(key)
+        return True
+
     def acknowledge(
         self,
         from_stage: str,
@@ -598,13 +617,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         *,
         metadata: dict[str, Any] | None = None,
     ) -> None:
-        """Store the verdict on the payload taken under ``get_key`` for its sender to read.
-
-        Called by the receiver once per payload it took, after its checks. One small ``put``
-        (bounded by the store client's own RPC timeouts); never raises: a record that cannot be
-        stored is logged and counted ``ack_failures``, and the sender then reports ``expired``
-        after its ``ack_timeout_s``.
-        """
+        """Store the verdict on the payload taken under ``get_key`` for its sender to read: one
+        small ``put`` (bounded by the store client's own RPC timeouts) into the sender's segment
+        when known. A record that cannot be stored is counted ``ack_failures``."""
         store = self.live_store()
         key = self._make_key(get_key, from_stage, to_stage)
         if store is None:
@@ -614,9 +629,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self.reap_expired()  # a receiver puts nothing: its unread records age out here
 
     def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
-        """Report each payload put from now on once to ``listener`` (delivered, refused or
-        expired; see the module docstring). Called by the sender's owner before its puts."""
-        self._notices.set_listener(listener)
+        """Report each payload put from now on once to ``listener`` (see the module
+        docstring)."""
+        self._book.set_listener(listener)
 
     def health(self) -> dict[str, Any]:
         """Status, endpoints, pool use and counters (after a TTL sweep when one is due, and the

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from omnikv.connectors.boundary import ErrorMap
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.config import TEConfig
 from omnikv.connectors.mooncake_te.engine import (
     TE_ERRORS,
     import_mooncake_engine,
@@ -38,9 +39,9 @@ from omnikv.connectors.mooncake_te.engine import (
     set_tcp_bind_address,
     set_tcp_connection_pool,
 )
-from omnikv.connectors.mooncake_te.protocol import COUNTER_NAMES, SCHEMA, TEConfig
-from omnikv.connectors.mooncake_te.receiver import ReceiverSide
-from omnikv.connectors.mooncake_te.sender import SenderSide
+from omnikv.connectors.mooncake_te.protocol import COUNTER_NAMES, SCHEMA
+from omnikv.connectors.mooncake_te.receiving import ReceiverSide
+from omnikv.connectors.mooncake_te.sending import SenderSide
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.connector import PullConnector
 from omnikv.connectors.pull.control import ControlCodec
@@ -70,6 +71,8 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     address), ``zmq_port``, ``role`` (``"sender"`` binds the control socket; ``"receiver"`` binds
     nothing), ``protocol`` (``"tcp"``), ``device_name`` (``""``), ``memory_pool_size`` (bytes,
     default 1 GiB), ``memory_pool_device`` (``"cpu"``), ``buffer_ttl_seconds`` (300),
+    ``unclaimed_grace_seconds`` (10: a put into a full pool frees entries unpulled this long,
+    oldest first),
     ``ack_timeout_s`` (60: a payload pulled without a verdict for this long is reported
     ``expired``), ``auth_secret`` (shared by all peers; without it anyone who reaches the port
     can pull),
@@ -82,7 +85,7 @@ class MooncakeTransferEngineConnector(PullConnector[SenderSide, ReceiverSide]):
     ``metadata_cache`` (false: Mooncake caches each peer's segment description by host:port;
     ``MC_DISABLE_METACACHE`` in the environment wins; a receiver that comes back on an earlier
     one's host:port is written to under a new spelling of it, see
-    :mod:`~omnikv.connectors.mooncake_te.sender`), and the
+    :mod:`~omnikv.connectors.mooncake_te.sending`), and the
     control port's admission limits: ``max_connections`` (1024, lowered to half the file
     descriptors left at start), ``max_connections_per_peer`` (64, per IP address),
     ``handshake_timeout_seconds`` (5: a connection must say a valid hello within it),

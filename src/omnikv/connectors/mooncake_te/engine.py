@@ -118,6 +118,6 @@ def set_metadata_cache(enabled: bool) -> None:
     afresh when the engine opens its segment, and no measurable time is lost per transfer. It
     does not cover segments the engine already opened: those are kept by name for as long as
     the engine lives (the Transfer Engine connector gives a returning name a new spelling; see
-    :mod:`omnikv.connectors.mooncake_te.sender`).
+    :mod:`omnikv.connectors.mooncake_te.sending`).
     """
     _engine_env("MC_DISABLE_METACACHE", "0" if enabled else "1", "metadata_cache")

@@ -1,4 +1,4 @@
-"""What both sides of the Transfer Engine connector agree on: messages, limits, configuration.
+"""What both sides of the Transfer Engine connector agree on: messages, limits, counters.
 
 Control messages ride on :mod:`omnikv.connectors.pull.control` (envelope, HMAC, nonces, replay
 window, channels). A receiver's ``hello`` declares its engine session, a random token of the
@@ -14,19 +14,12 @@ quarantined slots), ``peek`` (a probe: the size of a key that could be pulled no
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
-from omnikv.connectors.pull.connector import (
-    PEEK_REPLIES,
-    PEEK_REQUESTS,
-    PULL_COUNTER_NAMES,
-    PullSettings,
-)
-from omnikv.connectors.pull.control import Schema
+import msgspec
+
+from omnikv.connectors.pull.connector import PEEK_REPLIES, PEEK_REQUESTS, PULL_COUNTER_NAMES
+from omnikv.connectors.pull.control import Schema, Str, UInt
 from omnikv.connectors.pull.verdicts import VERDICT_CHECKS, VERDICT_REQUESTS
-from omnikv.values import parse_bool, parse_choice, parse_int
 
 __all__ = [
     "COUNTER_NAMES",
@@ -34,7 +27,6 @@ __all__ = [
     "LONG_POLL_CAP_S",
     "SCHEMA",
     "XFER_HISTORY",
-    "TEConfig",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,56 +36,72 @@ LONG_POLL_CAP_S = 5.0
 INCARNATION_BYTES = 16
 XFER_HISTORY = 4096
 
+
+class Query(msgspec.Struct):
+    """``query``: the size of ``key``, held up to ``wait_ms`` until it is published."""
+
+    key: Str
+    wait_ms: UInt
+
+
+class Pull(msgspec.Struct):
+    """``pull``: write ``key``'s entry into ``[dst, dst + cap)`` of the requester's pool, as
+    transfer ``xid``, within ``budget_ms``."""
+
+    key: Str
+    dst: UInt
+    cap: UInt
+    xid: Str
+    budget_ms: UInt
+
+
+class Status(msgspec.Struct):
+    """``status``: what became of transfer ``xid`` (a quarantined slot's question)."""
+
+    xid: Str
+
+
+class Info(msgspec.Struct):
+    """``info``: the answer to ``query``."""
+
+    found: bool
+    size: UInt
+
+
+class Done(msgspec.Struct):
+    """``done``: a ``pull`` wrote ``size`` bytes."""
+
+    size: UInt
+
+
+class XState(msgspec.Struct):
+    """``xstate``: the answer to ``status`` (inflight / done / failed / unknown)."""
+
+    state: Str
+
+
+class Hello(msgspec.Struct):
+    """A receiver's self-description: its engine session, its connector's random token and
+    the address range of its registered receive pool."""
+
+    sess: Str
+    inc: bytes
+    base: UInt
+    len: UInt
+
+
 SCHEMA = Schema(
     requests={
-        "query": {"key": str, "wait_ms": int},
-        "pull": {"key": str, "dst": int, "cap": int, "xid": str, "budget_ms": int},
-        "status": {"xid": str},
+        "query": Query,
+        "pull": Pull,
+        "status": Status,
         **VERDICT_REQUESTS,
         **PEEK_REQUESTS,
     },
-    replies={
-        "info": {"found": bool, "size": int},
-        "done": {"size": int},
-        "xstate": {"state": str},
-        **PEEK_REPLIES,
-    },
-    hello={"sess": str, "inc": bytes, "base": int, "len": int},
+    replies={"info": Info, "done": Done, "xstate": XState, **PEEK_REPLIES},
+    hello=Hello,
     checks=VERDICT_CHECKS,
 )
-
-
-@dataclass(frozen=True)
-class TEConfig(PullSettings):
-    """The connector's configuration, parsed and validated once (``ConfigError`` naming the key):
-    the pull connectors' keys (:class:`~omnikv.connectors.pull.connector.PullSettings`) and
-    ``protocol``
-    ("tcp"), ``device_name`` (""), ``workers`` (4), ``memory_pool_device`` ("cpu" only),
-    ``tcp_connection_pool`` and ``metadata_cache`` (false: see
-    :func:`~omnikv.connectors.mooncake_te.engine.set_tcp_connection_pool` and
-    :func:`~omnikv.connectors.mooncake_te.engine.set_metadata_cache`)."""
-
-    protocol: str
-    device_name: str
-    workers: int
-    tcp_connection_pool: bool
-    metadata_cache: bool
-
-    @classmethod
-    def parse(cls, config: Mapping[str, Any] | None) -> TEConfig:
-        cfg = dict(config or {})
-        # device pools are not supported yet: "cpu" is the one choice
-        parse_choice("memory_pool_device", cfg.get("memory_pool_device"), "cpu", ("cpu",))
-        return cls(
-            **PullSettings.common(cfg),
-            protocol=str(cfg.get("protocol", "tcp")),
-            device_name=str(cfg.get("device_name", "") or ""),
-            workers=parse_int("workers", cfg.get("workers"), 4),
-            tcp_connection_pool=parse_bool(
-                "tcp_connection_pool", cfg.get("tcp_connection_pool"), False
-            ),
-            metadata_cache=parse_bool("metadata_cache", cfg.get("metadata_cache"), False),
-        )
 
 
 #: The events the two sides count (:class:`~omnikv.connectors.counters.Counters`).

@@ -19,8 +19,8 @@ How a payload moves:
 Failures: a sender that answered before and falls silent for ``peer_timeout_seconds`` is
 :class:`~omnikv.errors.PeerGoneError`; a receive slot whose READ may still run when the receiver
 gives up is quarantined until NIXL reports it finished (then it is a late arrival for the next
-``wait`` of that key) or cancelled. See :mod:`~omnikv.connectors.nixl.sender` and
-:mod:`~omnikv.connectors.nixl.receiver` for the two sides; the role is chosen once, here.
+``wait`` of that key) or cancelled. See :mod:`~omnikv.connectors.nixl.sending` and
+:mod:`~omnikv.connectors.nixl.receiving` for the two sides; the role is chosen once, here.
 
 Delivery verdicts (``acknowledges``; :mod:`omnikv.connectors.pull.verdicts`): after its checks
 the receiver's ``acknowledge`` sends a ``verdict`` message to the sender it READ from, on the
@@ -50,14 +50,10 @@ from typing import Any, ClassVar
 from omnikv.connectors.boundary import ErrorMap
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent, import_nixl
-from omnikv.connectors.nixl.protocol import (
-    COUNTER_NAMES,
-    MAX_MESSAGE_BYTES,
-    SCHEMA,
-    NixlSettings,
-)
-from omnikv.connectors.nixl.receiver import NixlReceiverSide
-from omnikv.connectors.nixl.sender import NixlSenderSide
+from omnikv.connectors.nixl.config import NixlSettings
+from omnikv.connectors.nixl.protocol import COUNTER_NAMES, MAX_MESSAGE_BYTES, SCHEMA
+from omnikv.connectors.nixl.receiving import NixlReceiverSide
+from omnikv.connectors.nixl.sending import NixlSenderSide
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import ControlClient
 from omnikv.connectors.pull.connector import PullConnector
@@ -82,10 +78,12 @@ class NixlConnector(PullConnector[NixlSenderSide, NixlReceiverSide]):
     for the Transfer Engine connector), ``zmq_port``, ``role``
     (``"sender"`` binds the control socket; ``"receiver"`` binds nothing), ``backends``
     (``["UCX"]``), ``memory_pool_size`` (bytes or "512MB", default 1 GiB),
-    ``buffer_ttl_seconds`` (300), ``ack_timeout_s`` (60: a payload READ without a verdict
-    for this long is reported ``expired``), ``auth_secret``, ``sender_host`` / ``sender_zmq_port``
-    (receivers' default sender), ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds``
-    (60), ``close_timeout_seconds`` (30), ``auth_window_seconds`` (30: the replay window),
+    ``buffer_ttl_seconds`` (300), ``unclaimed_grace_seconds`` (10: a put into a full pool
+    frees entries unleased this long, oldest first), ``ack_timeout_s`` (60: a payload READ
+    without a verdict for this long is reported ``expired``), ``auth_secret``,
+    ``sender_host`` / ``sender_zmq_port`` (receivers' default sender),
+    ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60), ``close_timeout_seconds``
+    (30), ``auth_window_seconds`` (30: the replay window),
     ``put_timeout_s`` (0: the reference-shaped ``put`` tries once), ``max_leases_per_entry``
     (8: a sender drops an entry leased that often without a completed READ; its
     ``buffer_ttl_seconds`` counts from the put across re-leases), and the control port's

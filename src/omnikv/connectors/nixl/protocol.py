@@ -1,4 +1,4 @@
-"""The NIXL connector's control protocol, settings and counters (no NIXL import here).
+"""The NIXL connector's control protocol and counters (no NIXL import here).
 
 Messages (on :mod:`omnikv.connectors.pull.control`, which adds the envelope, ``hello`` /
 ``welcome``, ``ping`` / ``pong`` and ``error``, the MAC and the replay protection):
@@ -25,48 +25,76 @@ notification ``xid``; the sender frees the entry when that notification arrives 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+import msgspec
 
-from omnikv.connectors.pull.connector import (
-    PEEK_REPLIES,
-    PEEK_REQUESTS,
-    PULL_COUNTER_NAMES,
-    PullSettings,
-)
-from omnikv.connectors.pull.control import Schema
+from omnikv.connectors.pull.connector import PEEK_REPLIES, PEEK_REQUESTS, PULL_COUNTER_NAMES
+from omnikv.connectors.pull.control import Schema, Str, UInt
 from omnikv.connectors.pull.verdicts import VERDICT_CHECKS, VERDICT_REQUESTS
-from omnikv.errors import ConfigError
-from omnikv.values import parse_int
 
 __all__ = [
     "COUNTER_NAMES",
     "LONG_POLL_CAP_S",
     "MAX_MESSAGE_BYTES",
     "SCHEMA",
-    "NixlSettings",
 ]
 
 #: Agent metadata grows with the NICs and backends of a host; 64 KiB bounds it generously.
 MAX_MESSAGE_BYTES = 64 << 10
 LONG_POLL_CAP_S = 5.0
-MAX_BACKENDS = 8
+
+
+class Meta(msgspec.Struct):
+    """``meta``: the sender agent's metadata, please."""
+
+
+class Claim(msgspec.Struct):
+    """``claim``: lease ``key`` to transfer ``xid`` for ``budget_ms``, held up to ``wait_ms``
+    until it is there."""
+
+    key: Str
+    wait_ms: UInt
+    xid: Str
+    budget_ms: UInt
+
+
+class Abort(msgspec.Struct):
+    """``abort``: the lease of ``xid`` ends now (the receiver will not read)."""
+
+    xid: Str
+
+
+class AgentMD(msgspec.Struct):
+    """``agentmd``: the sender agent's metadata and name (the answer to ``meta``)."""
+
+    md: bytes
+    agent: Str
+
+
+class Grant(msgspec.Struct):
+    """``grant``: the answer to ``claim``: where to READ ``size`` bytes, from which agent."""
+
+    found: bool
+    size: UInt
+    addr: UInt
+    agent: Str
+
+
+class Hello(msgspec.Struct):
+    """A receiver's self-description: its NIXL agent's name."""
+
+    agent: Str
+
 
 SCHEMA = Schema(
     requests={
-        "meta": {},
-        "claim": {"key": str, "wait_ms": int, "xid": str, "budget_ms": int},
-        "abort": {"xid": str},
+        "meta": Meta,
+        "claim": Claim,
+        "abort": Abort,
         **VERDICT_REQUESTS,
         **PEEK_REQUESTS,
     },
-    replies={
-        "agentmd": {"md": bytes, "agent": str},
-        "grant": {"found": bool, "size": int, "addr": int, "agent": str},
-        **PEEK_REPLIES,
-    },
-    hello={"agent": str},
+    replies={"agentmd": AgentMD, "grant": Grant, **PEEK_REPLIES},
+    hello=Hello,
     checks=VERDICT_CHECKS,
 )
 
@@ -81,31 +109,3 @@ COUNTER_NAMES = (
     "aborted",
     "foreign_notifications",
 )
-
-
-def _backends(value: Any) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not items or len(items) > MAX_BACKENDS:
-        raise ConfigError(f"backends must be a non-empty list of NIXL backend names, got {value!r}")
-    if not all(isinstance(b, str) and b.isalnum() for b in items):
-        raise ConfigError(f"backends must be NIXL backend names such as 'UCX', got {value!r}")
-    return tuple(items)
-
-
-@dataclass(frozen=True)
-class NixlSettings(PullSettings):
-    """The NIXL connector's configuration, checked once (``ConfigError`` names the key): the
-    pull connectors' keys (:class:`~omnikv.connectors.pull.connector.PullSettings`), ``backends``
-    (``["UCX"]``) and ``max_leases_per_entry`` (8: how often a sender leases one entry before
-    it drops it unconsumed)."""
-
-    backends: tuple[str, ...]
-    max_leases: int
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> NixlSettings:
-        return cls(
-            **PullSettings.common(cfg),
-            backends=_backends(cfg.get("backends", ["UCX"])),
-            max_leases=parse_int("max_leases_per_entry", cfg.get("max_leases_per_entry"), 8),
-        )

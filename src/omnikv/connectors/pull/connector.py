@@ -17,7 +17,9 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+import msgspec
 
 from omnikv._logging import RateLimitedLog
 from omnikv.connectors.base import (
@@ -38,8 +40,16 @@ from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import DEFAULT_ACK_TIMEOUT_S, DeliveryListener, Verdict
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import ControlClient
-from omnikv.connectors.pull.control import DEFAULT_WINDOW_S, Endpoint, ServerLimits
+from omnikv.connectors.pull.control import (
+    DEFAULT_WINDOW_S,
+    Endpoint,
+    ServerLimits,
+    Spec,
+    Str,
+    UInt,
+)
 from omnikv.connectors.pull.host import resolve_host
+from omnikv.connectors.pull.room import DEFAULT_UNCLAIMED_GRACE_S, PoolRoom
 from omnikv.connectors.pull.verdicts import VERDICT_COUNTER_NAMES, SentVerdicts, verdict_message
 from omnikv.deadline import remaining
 from omnikv.errors import (
@@ -75,6 +85,9 @@ __all__ = [
     "transfer_budget_s",
 ]
 
+if TYPE_CHECKING:
+    from omnikv.connectors.pull.receiving import PullReceiver
+
 logger = logging.getLogger(__name__)
 _outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
@@ -88,6 +101,7 @@ PULL_COUNTER_NAMES = (
     "get_bytes",
     "misses",
     "ttl_reaped",
+    "grace_evicted",
     "quarantine_events",
     "quarantine_freed",
     "late_arrivals",
@@ -100,8 +114,23 @@ PULL_COUNTER_NAMES = (
 #: -> ``held`` {``found``, ``size``}. Answered at once from the sender's table; claims, leases
 #: and counts nothing. Every pull connector's schema includes these.
 PEEK_OP = "peek"
-PEEK_REQUESTS: dict[str, dict[str, type]] = {PEEK_OP: {"key": str}}
-PEEK_REPLIES: dict[str, dict[str, type]] = {"held": {"found": bool, "size": int}}
+
+
+class Peek(msgspec.Struct):
+    """``peek``: could ``key`` be claimed now?"""
+
+    key: Str
+
+
+class Held(msgspec.Struct):
+    """``held``: the answer to ``peek``."""
+
+    found: bool
+    size: UInt
+
+
+PEEK_REQUESTS: dict[str, Spec] = {PEEK_OP: Peek}
+PEEK_REPLIES: dict[str, Spec] = {"held": Held}
 
 
 def peek_answer(size: int | None) -> dict[str, Any]:
@@ -143,6 +172,7 @@ class PullSettings:
     zmq_port: int | None
     pool_size: int
     ttl_s: float
+    unclaimed_grace_s: float
     ack_timeout_s: float
     peer_timeout_s: float
     quarantine_dead_s: float
@@ -159,6 +189,9 @@ class PullSettings:
 
         ``role`` ("sender" binds ``zmq_port``, required then; "receiver" binds nothing),
         ``host``, ``memory_pool_size`` (1 GiB), ``buffer_ttl_seconds`` (300),
+        ``unclaimed_grace_seconds`` (10: a put that finds the pool full frees payloads
+        published this long ago that no receiver is pulling, oldest first:
+        :mod:`omnikv.connectors.pull.room`),
         ``ack_timeout_s`` (:data:`~omnikv.connectors.delivery.DEFAULT_ACK_TIMEOUT_S`: a payload
         taken without a verdict for this long is reported ``expired``),
         ``peer_timeout_seconds`` (5), ``quarantine_dead_seconds`` (60),
@@ -192,6 +225,11 @@ class PullSettings:
             "zmq_port": zmq_port,
             "pool_size": parse_size("memory_pool_size", cfg.get("memory_pool_size"), 1 << 30),
             "ttl_s": seconds("buffer_ttl_seconds", 300.0),
+            "unclaimed_grace_s": parse_number(
+                "unclaimed_grace_seconds",
+                cfg.get("unclaimed_grace_seconds"),
+                DEFAULT_UNCLAIMED_GRACE_S,
+            ),
             "ack_timeout_s": parse_positive(
                 "ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S
             ),
@@ -289,14 +327,22 @@ class LateArrivals:
 class SendingSide(Protocol):
     """The sender half of a pull connector (``role="sender"``)."""
 
-    def put_packed(
-        self, key: str, nbytes: int, write: Writer, deadline: float, put_key: str
-    ) -> dict[str, Any]:
-        """Fill a pool slot with ``write`` (space waited for until ``deadline``), publish it
-        under ``key`` (watched for its verdict as ``put_key``); the metadata a receiver needs."""
+    @property
+    def room(self) -> PoolRoom[Any]:
+        """Where a put's slot is reserved (waiting until its deadline, a full pool first
+        freeing entries unclaimed past ``unclaimed_grace_seconds``) and filled."""
+        ...
+
+    def publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+        """Publish the slot at ``offset`` (filled through :attr:`room`) under ``key``, watched
+        for its verdict as ``put_key``; the metadata a receiver needs."""
         ...
 
     def cleanup(self, request_id: str) -> None: ...
+
+    def withdraw(self, key: str) -> bool:
+        """Drop ``key``'s entry unless a receiver has it (pulled, leased); whether it went."""
+        ...
 
     def pending_keys(self) -> list[str]: ...
 
@@ -306,30 +352,14 @@ class SendingSide(Protocol):
 
 
 class ReceivingSide(Protocol):
-    """The receiver half of a pull connector."""
+    """The receiver half of a pull connector: the backend (ask, transfer) of its
+    :class:`~omnikv.connectors.pull.receiving.PullReceiver`, which the connector receives
+    through (``wait``, ``take``, ``held``, ``cleanup``)."""
 
-    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
-        """One attempt without holding (the reference-shaped ``get``); ``None`` if absent."""
+    @property
+    def core(self) -> PullReceiver[Any]:
+        """The wait loop, quarantine and late arrivals this side is the backend of."""
         ...
-
-    def wait(
-        self,
-        key: str,
-        endpoint: Endpoint,
-        deadline: float,
-        on_incoming: Callable[[int], object] | None = None,
-        abort: threading.Event | None = None,
-    ) -> ManagedBuffer | None:
-        """Long-poll and fetch ``key``; ``None`` at ``deadline`` (nothing consumed).
-        ``on_incoming`` is told the size once the transfer is granted, before it runs; once
-        ``abort`` is set, ``None`` within :data:`ABORT_POLL_S` unless a transfer runs."""
-        ...
-
-    def held(self, key: str) -> int | None:
-        """The size of ``key`` when it is here already (a late arrival), else ``None``."""
-        ...
-
-    def cleanup(self, request_id: str) -> None: ...
 
     @property
     def client(self) -> ControlClient:
@@ -368,6 +398,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
 
     acknowledges: ClassVar[bool] = True
     reports_incoming: ClassVar[bool] = True
+    checks_data: ClassVar[bool] = True
     takes_abort: ClassVar[bool] = True
     error_map: ClassVar[ErrorMap]
     _verdicts: SentVerdicts | None = None
@@ -403,16 +434,15 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         *,
         deadline: float,
     ) -> PutResult:
-        """Sender hot path: ``write`` encodes straight into a registered pool slot.
-
-        Waits for pool space until ``deadline`` (absolute monotonic) and then raises
-        :class:`~omnikv.errors.PoolExhaustedError`; if ``write`` raises, the slot is freed and
-        nothing is published.
-        """
+        """``write`` fills a slot of the sending side's registered pool (its
+        :attr:`~SendingSide.room`: a full pool first frees entries unclaimed past
+        ``unclaimed_grace_seconds``), which the side then publishes for a receiver to pull. A
+        connector without ``role="sender"`` refuses (``ConnectorError``)."""
         side = self._sending_side()
         key = self._make_key(put_key, from_stage, to_stage)
         try:
-            return True, nbytes, side.put_packed(key, nbytes, write, deadline, put_key)
+            offset = side.room.fill(key, nbytes, write, deadline)
+            return True, nbytes, side.publish(key, offset, nbytes, put_key)
         except ConnectorError:
             self._counters.add("put_failures")
             raise
@@ -474,7 +504,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         key = self._make_key(get_key, from_stage, to_stage)
         try:
             with self.error_map.translate(f"get of {key}"):
-                buf = side.take(key, sender_endpoint(metadata, self._default_sender))
+                buf = side.core.take(key, sender_endpoint(metadata, self._default_sender))
         except ConnectorError as exc:
             _outsider.error("get of %s failed: %s", key, exc)
             return None
@@ -491,12 +521,11 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         on_incoming: Callable[[int], object] | None = None,
         abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
-        """Block until the payload is in hand or ``deadline`` passes (then ``None``), or
-        until ``abort`` is set while nothing has been granted (``takes_abort``).
-
-        Returns a :class:`ManagedBuffer` over the receiver's registered slot (release it).
-        Long-polls the sender (no sleep loop); ``on_incoming`` is called with the payload's
-        size once the sender granted the transfer, before the bytes move. Raises
+        """Long-poll the sender (no sleep loop) and fetch into a slot of the receiver's
+        registered pool, through the receiving side's
+        :class:`~omnikv.connectors.pull.receiving.PullReceiver`; a set ``abort`` ends the wait
+        while nothing has been granted. ``on_incoming`` is called with the payload's size once
+        the sender granted the transfer, before the bytes move. Raises
         ``PeerGoneError`` when the sender falls silent mid-transfer, ``PoolExhaustedError``
         when no receive slot frees up before the deadline, ``ConnectorUnavailableError`` for a
         failed transfer or a missing endpoint.
@@ -505,7 +534,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         key = self._make_key(get_key, from_stage, to_stage)
         with self.error_map.translate(f"wait for {key}"):
             endpoint = sender_endpoint(metadata, self._default_sender)
-            return side.wait(key, endpoint, deadline, on_incoming, abort)
+            return side.core.wait(key, endpoint, deadline, on_incoming, abort)
 
     def probe(
         self,
@@ -526,7 +555,7 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         try:
             side = self._receiving_side()
             key = self._make_key(get_key, from_stage, to_stage)
-            size = side.held(key)
+            size = side.core.held(key)
             if size is not None:
                 return KeyProbe(KeyState.READY, size)
             endpoint = sender_endpoint(metadata, self._default_sender)
@@ -564,13 +593,9 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         metadata: dict[str, Any] | None = None,
     ) -> None:
         """Send ``verdict`` on the payload taken under ``get_key`` to the sender it came from
-        (``metadata``'s endpoint, as for that ``wait``, else the default sender).
-
-        Called by the receiver once per payload it took, after its checks. One message on this
-        thread's control channel to that sender (opened if needed, within the peer timeout);
-        no answer is awaited. Never raises: a verdict that cannot be sent is logged, and the
-        sender reports ``expired`` after its ``ack_timeout_s``.
-        """
+        (``metadata``'s endpoint, as for that ``wait``, else the default sender): one message on
+        this thread's control channel to that sender (opened if needed, within the peer
+        timeout); no answer is awaited."""
         key = self._make_key(get_key, from_stage, to_stage)
         try:
             side = self._receiving_side()
@@ -611,7 +636,15 @@ class PullConnector(OmniConnectorBase, Generic[_S, _R]):
         if self._sender is not None:
             self._sender.cleanup(target)
         if self._receiver is not None:
-            self._receiver.cleanup(target)
+            self._receiver.core.cleanup(target)
+
+    def withdraw(self, from_stage: str, to_stage: str, put_key: str) -> bool:
+        """Drop the entry this sender published under ``put_key`` while no receiver has it
+        (:meth:`~omnikv.connectors.base.OmniConnectorBase.withdraw`); a receiver-only
+        connector has none."""
+        if self._sender is None or self._closed:
+            return False
+        return self._sender.withdraw(self._make_key(put_key, from_stage, to_stage))
 
     def pending_keys(self) -> list[str]:
         """Keys published by this sender and not yet consumed (tests, diagnostics)."""

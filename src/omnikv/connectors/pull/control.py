@@ -14,8 +14,11 @@ share a secret, an HMAC-SHA256 of the body. Every body carries ``v`` (protocol v
 ``re``, the nonce of the request they answer. The MAC covers the whole body, so nonce and
 timestamp are authenticated with the rest. Bodies are bounded (``max_message_bytes``, 4 KiB
 unless the engine asks for more: a larger header closes the connection before anything is
-buffered), MAC-checked before they are parsed, parsed with msgpack limits, then checked against
-the schema (types, non-negative ints, bounded strings), all before anything else looks at them.
+buffered), MAC-checked before they are parsed, then decoded by msgspec into the op's typed
+Struct (:class:`Schema`: field types, non-negative ints, strings of at most
+:data:`MAX_STR_CHARS`, 16-byte nonces, no unknown field), all before anything else looks at them.
+The Structs list the envelope after the op's own fields, so the bytes are those of a msgpack map
+in that order (the format of earlier versions, unchanged).
 
 Channels. A client opens one connection per thread and server and first sends ``hello`` with its
 self-description (``peer``: for the Transfer Engine its session and the address range of its
@@ -28,8 +31,10 @@ outside the memory its requester declared.
 Admission (:class:`ServerLimits`). The server caps connections in total and per peer address,
 drops a connection that has not completed its ``hello`` within the handshake timeout or that
 sent anything invalid before it, closes channels idle past the idle timeout, and turns on TCP
-keepalive (the heartbeat) so a vanished peer's connection goes too. New connections never evict
-a channel: past a cap they evict the oldest connection still without a channel, or are refused.
+keepalive (the heartbeat) so a vanished peer's connection goes too. Past a cap a new connection
+evicts the oldest connection still without a channel, else the oldest channel its engine never
+vouched for (granted nothing only a genuine peer gets), or is refused: a channel that was granted
+a pull, a lease or a published key's size is never evicted by new connections.
 
 Replay protection (with a secret). The server (and the client, for replies) rejects a timestamp
 more than ``window_s`` (default 30 s) away from its own clock and a nonce it has already accepted
@@ -44,8 +49,12 @@ the count); nothing is answered to them.
 
 Using it (an engine connector)::
 
-    SCHEMA = Schema(requests={"query": {"key": str, "wait_ms": int}, ...},
-                    replies={"info": {"found": bool, "size": int}, ...},
+    class Query(msgspec.Struct):                                 # one op's fields, typed
+        key: Str
+        wait_ms: UInt
+
+    SCHEMA = Schema(requests={"query": Query, ...},
+                    replies={"info": {"found": bool, "size": int}, ...},  # the short form
                     hello={"agent": str, "md": bytes})          # what a receiver declares
     codec = ControlCodec(SCHEMA, secret, window_s=30.0, max_message_bytes=64 << 10)
     # sender: handler(req) runs on the listener thread; answer from any thread
@@ -74,9 +83,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
-import msgpack
+import msgspec
 
 from omnikv.connectors.boundary import ErrorMap, ErrorRule
 from omnikv.errors import ConnectorUnavailableError, ProtocolError
@@ -95,6 +104,9 @@ __all__ = [
     "Request",
     "Schema",
     "ServerLimits",
+    "Spec",
+    "Str",
+    "UInt",
     "pack_message",
     "set_keepalive",
 ]
@@ -119,15 +131,94 @@ MAX_REPLAY_ENTRIES = 1 << 17
 #: Header of every message on a connection: body length, MAC length (0 or ``MAC_BYTES``).
 FRAME_HEADER = struct.Struct("!IH")
 
-Fields = Mapping[str, type | tuple[type, ...]]
+#: A string field of a control message (at most :data:`MAX_STR_CHARS` characters).
+Str = Annotated[str, msgspec.Meta(max_length=MAX_STR_CHARS)]
+#: An integer field of a control message (non-negative).
+UInt = Annotated[int, msgspec.Meta(ge=0)]
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+
+#: One op's fields: a ``msgspec.Struct`` class (its fields, in order, with their types and
+#: limits) or, in the short form, a mapping of field names to ``str`` / ``int`` / ``bool`` /
+#: ``bytes`` / ``float`` (read as :data:`Str`, :data:`UInt` and the others as they are).
+Fields = Mapping[str, type]
+Spec = Fields | type[msgspec.Struct]
 #: A further check of one op's message, after its fields' types: raises ``ProtocolError``.
 Check = Callable[[Mapping[str, Any]], None]
 Endpoint = tuple[str, int]
 
-# Messages every engine shares; an engine's Schema adds its own.
-_BASE_REQUESTS: dict[str, Fields] = {"hello": {"peer": dict}, "ping": {}}
-_BASE_REPLIES: dict[str, Fields] = {"welcome": {"tok": bytes}, "pong": {}, "error": {"reason": str}}
-_ENVELOPE: Fields = {"n": bytes, "ts": float}
+
+class Welcome(msgspec.Struct):
+    tok: bytes
+
+
+class Failure(msgspec.Struct):
+    reason: Str
+
+
+class _Empty(msgspec.Struct):
+    pass
+
+
+# Messages every engine shares; an engine's Schema adds its own (``hello``'s ``peer`` is the
+# engine's hello Struct).
+_BASE_REQUESTS: dict[str, Spec] = {"ping": _Empty}
+_BASE_REPLIES: dict[str, Spec] = {"welcome": Welcome, "pong": _Empty, "error": Failure}
+_SHORT = {str: Str, int: UInt}
+_Token = Annotated[bytes, msgspec.Meta(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
+#: A request on a channel carries the channel's token (``tok``) after its own fields.
+_CHANNEL: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+    ("tok", Union[_Token, None], None),  # noqa: UP007 - a runtime type expression
+]
+_ENVELOPE: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+    ("v", Literal[PROTOCOL_VERSION]),
+    ("n", _Nonce),
+    ("ts", float),
+    ("re", Union[_Nonce, None], None),  # noqa: UP007 - a runtime type expression
+]
+
+
+def _fields(spec: Spec) -> list[tuple[str, Any] | tuple[str, Any, Any]]:
+    """``spec``'s fields as ``defstruct`` takes them, in order."""
+    if isinstance(spec, type) and issubclass(spec, msgspec.Struct):
+        out: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+        for f in msgspec.structs.fields(spec):
+            out.append((f.name, f.type) if f.required else (f.name, f.type, f.default))
+        return out
+    return [(name, _SHORT.get(kind, kind)) for name, kind in spec.items()]
+
+
+def _wire_struct(
+    op: str, spec: Spec, *, request: bool, peer: type[msgspec.Struct] | None = None
+) -> type[msgspec.Struct]:
+    """The Struct of ``op`` on the wire: a map tagged ``op``, the op's fields, the channel
+    token (a request's ``tok``), then the envelope (``v``, ``n``, ``ts``, ``re`` when it
+    answers a request)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = (
+        _fields(spec) if peer is None else [("peer", peer)]
+    )
+    return msgspec.defstruct(
+        f"Wire_{op}",
+        fields + (_CHANNEL if request else []) + _ENVELOPE,
+        tag_field="op",
+        tag=op,
+        kw_only=True,
+        omit_defaults=True,
+        forbid_unknown_fields=True,
+    )
+
+
+def _as_dict(obj: msgspec.Struct) -> dict[str, Any]:
+    """A decoded message as the engines read it: ``op``, its fields and the envelope (``re``
+    only on a reply, ``tok`` only when sent; ``peer`` as a mapping)."""
+    info = msgspec.inspect.type_info(type(obj))
+    assert isinstance(info, msgspec.inspect.StructType)
+    out: dict[str, Any] = {"op": info.tag}
+    for name in obj.__struct_fields__:
+        value = getattr(obj, name)
+        if name in ("re", "tok") and value is None:
+            continue
+        out[name] = msgspec.structs.asdict(value) if isinstance(value, msgspec.Struct) else value
+    return out
 
 
 @dataclass(frozen=True)
@@ -135,67 +226,34 @@ class Schema:
     """The messages of one engine's control protocol.
 
     ``requests`` (client to server) and ``replies`` (server to client) map an op to its fields
-    and their types (``str``, ``int`` (non-negative), ``bool``, ``bytes``, ``float``, ``dict``);
-    ``hello`` gives the fields of the client's self-description. ``hello``/``welcome``,
-    ``ping``/``pong`` and ``error`` are added by the control plane itself. ``checks`` (optional)
-    maps an op to a further check of its message (value ranges, tighter bounds), run by the
-    codec after the types: a message that fails it is rejected like a malformed one.
+    (:data:`Spec`: a ``msgspec.Struct`` with the types and limits of its fields, or the short
+    form); ``hello`` gives the fields of the client's self-description (``peer``).
+    ``hello``/``welcome``, ``ping``/``pong`` and ``error`` are added by the control plane
+    itself. ``checks`` (optional) maps an op to a further check of its message (value ranges,
+    tighter bounds), run by the codec after the types: a message that fails it is rejected
+    like a malformed one.
     """
 
-    requests: Mapping[str, Fields]
-    replies: Mapping[str, Fields]
-    hello: Fields
+    requests: Mapping[str, Spec]
+    replies: Mapping[str, Spec]
+    hello: Spec
     checks: Mapping[str, Check] = field(default_factory=dict)
 
-    def request_ops(self) -> dict[str, Fields]:
-        return {**_BASE_REQUESTS, **self.requests}
+    def request_structs(self) -> dict[str, type[msgspec.Struct]]:
+        """Every request op's wire Struct (``hello`` and ``ping`` included)."""
+        peer = msgspec.defstruct("Peer", _fields(self.hello), forbid_unknown_fields=True)
+        ops = {
+            op: _wire_struct(op, spec, request=True)
+            for op, spec in {**_BASE_REQUESTS, **self.requests}.items()
+        }
+        return {"hello": _wire_struct("hello", {}, request=True, peer=peer), **ops}
 
-    def reply_ops(self) -> dict[str, Fields]:
-        return {**_BASE_REPLIES, **self.replies}
-
-
-def _check_field(op: str, name: str, value: Any, kind: type | tuple[type, ...]) -> None:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        got = type(value).__name__
-        raise ProtocolError(f"{op}: field {name!r} must be {kind}, got {got}")
-    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-        raise ProtocolError(f"{op}: field {name!r} must be >= 0")
-    if isinstance(value, str) and len(value) > MAX_STR_CHARS:
-        raise ProtocolError(f"{op}: field {name!r} longer than {MAX_STR_CHARS}")
-
-
-def _check_fields(op: str, msg: Mapping[str, Any], fields: Fields) -> None:
-    for name, kind in fields.items():
-        _check_field(op, name, msg.get(name), kind)
-
-
-def validate(
-    msg: Any,
-    ops: Mapping[str, Fields],
-    hello: Fields,
-    checks: Mapping[str, Check] | None = None,
-) -> dict[str, Any]:
-    """Check a decoded body against the envelope, the op's fields and its ``checks`` entry;
-    returns it or raises ``ProtocolError``."""
-    if not isinstance(msg, dict):
-        raise ProtocolError("control message is not a map")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r}")
-    op = msg.get("op")
-    if not isinstance(op, str) or op not in ops:
-        raise ProtocolError(f"unexpected op {op!r}")
-    _check_fields(op, msg, _ENVELOPE)
-    if len(msg["n"]) != NONCE_BYTES:
-        raise ProtocolError(f"nonce must be {NONCE_BYTES} bytes")
-    if "re" in msg and not (isinstance(msg["re"], bytes) and len(msg["re"]) == NONCE_BYTES):
-        raise ProtocolError("malformed reply reference")
-    _check_fields(op, msg, ops[op])
-    if op == "hello":
-        _check_fields("hello.peer", msg["peer"], hello)
-    check = None if checks is None else checks.get(op)
-    if check is not None:
-        check(msg)
-    return msg
+    def reply_structs(self) -> dict[str, type[msgspec.Struct]]:
+        """Every reply op's wire Struct (``welcome``, ``pong`` and ``error`` included)."""
+        return {
+            op: _wire_struct(op, spec, request=False)
+            for op, spec in {**_BASE_REPLIES, **self.replies}.items()
+        }
 
 
 class ReplayGuard:
@@ -250,8 +308,11 @@ class ControlCodec:
         self._secret = secret or None
         self._guard = ReplayGuard(window_s)
         self.max_message_bytes = max_message_bytes
-        self._requests = schema.request_ops()
-        self._replies = schema.reply_ops()
+        self._requests = schema.request_structs()
+        self._replies = schema.reply_structs()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._request_decoder = _decoder(self._requests)
+        self._reply_decoder = _decoder(self._replies)
 
     @property
     def authenticated(self) -> bool:
@@ -264,23 +325,38 @@ class ControlCodec:
     def encode(
         self, msg: Mapping[str, Any], reply_to: bytes | None = None
     ) -> tuple[bytes, list[bytes]]:
-        """``(nonce, frames)`` for ``msg`` with a fresh nonce and the current time."""
+        """``(nonce, frames)`` for ``msg`` with a fresh nonce and the current time.
+
+        Encoded through its op's Struct (the bytes of a msgpack map: the op, its fields in
+        the Struct's order, the token, the envelope). A message that does not fit its Struct
+        (an unknown op, a missing or extra field) is encoded as the map it is, in its own
+        order, as earlier versions did: the receiving side refuses it (tests forge with it)."""
         nonce = os.urandom(NONCE_BYTES)
-        body_map = {**msg, "v": PROTOCOL_VERSION, "n": nonce, "ts": time.time()}
+        envelope: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": nonce, "ts": time.time()}
         if reply_to is not None:
-            body_map["re"] = reply_to
-        body: bytes = msgpack.packb(body_map, use_bin_type=True)
+            envelope["re"] = reply_to
+        first, then = (
+            (self._replies, self._requests) if reply_to else (self._requests, self._replies)
+        )
+        wire = first.get(msg.get("op", "")) or then.get(msg.get("op", ""))
+        fields = {k: v for k, v in msg.items() if k != "op"}
+        try:
+            if wire is None:
+                raise TypeError(f"unknown op {msg.get('op')!r}")
+            body = self._encoder.encode(wire(**fields, **envelope))
+        except TypeError:
+            body = self._encoder.encode({**msg, **envelope})
         if len(body) > self.max_message_bytes:
             raise ValueError(f"control message of {len(body)} bytes over {self.max_message_bytes}")
         return nonce, [body] if self._secret is None else [body, self._mac(body)]
 
     def decode_request(self, frames: list[bytes]) -> dict[str, Any]:
-        return self._decode(frames, self._requests)
+        return self._decode(frames, self._request_decoder)
 
     def decode_reply(self, frames: list[bytes]) -> dict[str, Any]:
-        return self._decode(frames, self._replies)
+        return self._decode(frames, self._reply_decoder)
 
-    def _decode(self, frames: list[bytes], ops: Mapping[str, Fields]) -> dict[str, Any]:
+    def _decode(self, frames: list[bytes], decoder: msgspec.msgpack.Decoder[Any]) -> dict[str, Any]:
         if not frames or len(frames[0]) > self.max_message_bytes:
             raise ProtocolError("empty or oversized control message")
         body = frames[0]
@@ -291,30 +367,22 @@ class ControlCodec:
                 raise ProtocolError("bad control message signature")
         elif len(frames) != 1:
             raise ProtocolError("unexpected extra frames")
-        limit = self.max_message_bytes
         try:
-            raw = msgpack.unpackb(
-                body,
-                raw=False,
-                strict_map_key=True,
-                max_bin_len=limit,
-                max_str_len=limit,
-                max_array_len=256,
-                max_map_len=64,
-                max_ext_len=0,
-            )
-        except (
-            ValueError,
-            TypeError,
-            msgpack.ExtraData,
-            msgpack.FormatError,
-            msgpack.StackError,
-        ) as exc:
-            raise ProtocolError(f"undecodable control message: {exc}") from exc
-        msg = validate(raw, ops, self.schema.hello, self.schema.checks)
+            msg = _as_dict(decoder.decode(body))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"invalid control message: {exc}") from exc
+        check = self.schema.checks.get(msg["op"])
+        if check is not None:
+            check(msg)
         if self._secret is not None:
             self._guard.check(msg["n"], msg["ts"])
         return msg
+
+
+def _decoder(structs: Mapping[str, type[msgspec.Struct]]) -> msgspec.msgpack.Decoder[Any]:
+    """One decoder for a tagged union of ``structs`` (by ``op``)."""
+    kinds = tuple(structs.values())
+    return msgspec.msgpack.Decoder(Union[kinds])  # type: ignore[valid-type]  # noqa: UP007
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -410,8 +478,11 @@ class ServerLimits:
     * ``heartbeat_s`` (``heartbeat_seconds``, 10): TCP keepalive of every connection.
 
     Past a cap, a new connection evicts the oldest connection that has no channel yet (of that
-    peer for the per-peer cap) or, when there is none, is refused: live channels are never
-    evicted by new connections.
+    peer for the per-peer cap), else the oldest channel its engine never vouched for
+    (:meth:`~omnikv.connectors.pull.server.ControlServer.vouch`: granted nothing only a genuine
+    peer gets), or, when there is none, is refused: channels that were granted something are
+    never evicted by new connections, and strangers (who can say hello without a secret) cannot
+    hold the slots a genuine peer needs.
     """
 
     max_connections: int = 1024

@@ -7,7 +7,10 @@ What happens to a connection:
 1. accepted (always at once: the listen queue never holds a genuine peer hostage), then
    admitted against :class:`~omnikv.connectors.pull.control.ServerLimits`: past the per-peer or the
    total cap it evicts the oldest connection of that peer (or of anyone) that has no channel
-   yet, or is closed when there is none;
+   yet, else the oldest channel that was never vouched for (:meth:`ControlServer.vouch`: the
+   engine granted it something only a genuine peer gets, such as a pull of a published key),
+   or is closed when there is none: so strangers, who can say ``hello`` without a secret, cannot
+   hold the slots genuine peers need;
 2. it has ``handshake_timeout_s`` to send a valid ``hello``; a message that fails validation
    before that closes it (an unauthenticated peer gets one try);
 3. after ``welcome`` it is a channel: its requests reach the engine's handler; invalid ones are
@@ -128,6 +131,7 @@ class _Conn:
     out: bytearray = field(default_factory=bytearray)
     channel: _Channel | None = None
     writing: bool = False
+    vouched: bool = False  # the engine granted this channel something (never evicted)
 
 
 class _Admission:
@@ -135,7 +139,8 @@ class _Admission:
 
     ``pending`` holds connections without a channel in accept order (the handshake timer's and
     the evictions' order); ``channels`` holds the rest in order of last traffic (the idle
-    timer's order).
+    timer's order). A new connection past a cap evicts the oldest pending connection, else the
+    oldest channel not vouched for (of that peer for the per-peer cap), else is refused.
     """
 
     def __init__(self, limits: ServerLimits, max_total: int) -> None:
@@ -159,9 +164,13 @@ class _Admission:
         peer = self.by_peer.get(addr)
         if peer is not None and len(peer) >= self.limits.max_connections_per_peer:
             oldest = next((c for c in peer.values() if c.channel is None), None)
+            if oldest is None:
+                oldest = next((c for c in peer.values() if not c.vouched), None)
             return oldest, oldest is not None
         if len(self) >= self.max_total:
             oldest = next(iter(self.pending.values()), None)
+            if oldest is None:
+                oldest = next((c for c in self.channels.values() if not c.vouched), None)
             return oldest, oldest is not None
         return None, True
 
@@ -304,6 +313,14 @@ class ControlServer:
 
     def answer(self, req: Request, msg: Mapping[str, Any]) -> None:
         self.reply(req.ident, req.nonce, msg)
+
+    def vouch(self, ident: bytes) -> None:
+        """The engine granted the channel ``ident`` (a :class:`Request`'s) something only a
+        genuine peer gets (a pull or lease of a published key, the size of one): a new
+        connection never evicts it from now on (any thread; a flag set on the connection)."""
+        conn = self._admission.channels.get(ident)
+        if conn is not None:
+            conn.vouched = True
 
     def has_channel(self, ident: bytes) -> bool:
         """Whether the connection ``ident`` (a :class:`Request`'s) still holds its channel

@@ -11,8 +11,8 @@ What the two pull connectors share to carry a receiver's verdict
   (:data:`~omnikv.connectors.delivery.MAX_KEY_CHARS`), the reason
   (:data:`~omnikv.connectors.delivery.MAX_REASON_CHARS`) and the verdict's value before any
   handler sees the message. Nothing is answered to it: the receiver sends and goes on.
-* :class:`SentVerdicts`: the sending connector's watch of what it published, on top of
-  :class:`~omnikv.connectors.delivery.DeliveryNotices`. A publication is watched from the put;
+* :class:`SentVerdicts`: the sending connector's side of the verdict book
+  (:class:`~omnikv.connectors.verdict_book.VerdictBook`). A publication is watched from the put;
   it is *taken* by one peer (the Transfer Engine: the pull that wrote it; NIXL: the agent whose
   READ completion freed it), and only that peer's verdict is accepted, once. A verdict from any
   other peer, for a key not taken, or a second one changes nothing and is counted
@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -43,13 +40,12 @@ from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
     MAX_KEY_CHARS,
     MAX_REASON_CHARS,
-    MAX_WATCHED,
     DeliveryListener,
-    DeliveryNotices,
     Verdict,
     clip_reason,
 )
 from omnikv.connectors.pull.control import Check, Fields
+from omnikv.connectors.verdict_book import VERDICT_COUNTERS, VerdictBook
 from omnikv.errors import ProtocolError
 
 __all__ = [
@@ -72,7 +68,7 @@ _VALUES = frozenset(v.value for v in Verdict)
 #: The counters a sending pull connector keeps for verdicts: reports by kind (``expired``
 #: includes the TTL's and the ``ack_timeout_s`` watch's) and verdict messages that changed
 #: nothing (not from the peer that took the key, for a key not taken, or a repeat).
-VERDICT_COUNTER_NAMES = ("acks_delivered", "acks_refused", "acks_expired", "acks_ignored")
+VERDICT_COUNTER_NAMES = VERDICT_COUNTERS
 
 
 def check_verdict(msg: Mapping[str, Any]) -> None:
@@ -109,137 +105,64 @@ def peer_identity(peer: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(packed).digest()
 
 
-@dataclass
-class _Watch:
-    put_key: str
-    pub: int
-    taker: bytes | None = None
-    due: float = float("inf")
-    early: tuple[bytes, Verdict, str | None] | None = None
-
-
 class SentVerdicts:
-    """The sending pull connector's verdict bookkeeping (thread-safe), keyed by transport key.
+    """The sending pull connector's side of the verdict book
+    (:class:`~omnikv.connectors.verdict_book.VerdictBook`, keyed by transport key; a taker is
+    a peer's :func:`peer_identity`): what the sender sides call, in their own terms.
 
     Called by the sending side: :meth:`published` when an entry becomes visible (returns the
     publication's number, which the entry keeps), :meth:`taken` when a peer consumed it,
-    :meth:`expired` when its TTL dropped it, :meth:`forget` when its owner did
-    (``cleanup``); and by the control thread: :meth:`receive` for each ``verdict`` message,
-    :meth:`sweep` from its timer. Events about an older publication of a key (replaced by a
-    newer put) change nothing. Reports go to the listener of :attr:`notices` with the key as
-    it was given to ``put``; at most :data:`~omnikv.connectors.delivery.MAX_WATCHED` keys are
-    watched (the notices drop the oldest, and so does this map on its next sweep).
+    :meth:`expired` when its TTL dropped it, :meth:`forget` when its owner did (``cleanup``,
+    ``withdraw``); and by the control thread: :meth:`receive` for each ``verdict`` message,
+    :meth:`sweep` from its timer. Events about an older publication of a key change nothing.
     """
 
     def __init__(self, ack_timeout_s: float, counters: Counters) -> None:
-        self.notices = DeliveryNotices(ack_timeout_s)
-        self._counters = counters
-        self._lock = threading.Lock()
-        self._watch: OrderedDict[str, _Watch] = OrderedDict()
-        self._next_pub = 0
-        self._next_due = float("inf")  # no taken key is due before this
+        self.book = VerdictBook(ack_timeout_s, counters)
+        self.notices = self.book.notices
 
     def set_listener(self, listener: DeliveryListener | None) -> None:
-        self.notices.set_listener(listener)
+        self.book.set_listener(listener)
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._watch)
+        return len(self.book)
 
     # -- the sending side ---------------------------------------------------------------------
     def published(self, key: str, put_key: str) -> int:
         """Watch ``key`` (published as ``put_key``) from now on; its publication number."""
-        self.notices.published(put_key)
-        with self._lock:
-            self._next_pub += 1
-            self._watch[key] = _Watch(put_key, self._next_pub)
-            self._watch.move_to_end(key)
-            while len(self._watch) > MAX_WATCHED:
-                self._watch.popitem(last=False)
-            return self._next_pub
+        return self.book.published(key, put_key)
 
     def taken(self, key: str, pub: int, taker: bytes) -> None:
         """Publication ``pub`` of ``key`` was consumed by the peer ``taker``: its verdict is
         awaited (``ack_timeout_s``); one it sent early (:meth:`receive`) is reported now."""
-        now = time.monotonic()
-        with self._lock:
-            watch = self._watch.get(key)
-            if watch is None or watch.pub != pub or watch.taker is not None:
-                return
-            watch.taker = taker
-            watch.due = now + self.notices.ack_timeout_s
-            self._next_due = min(self._next_due, watch.due)
-            early, watch.early = watch.early, None
-            self.notices.taken(watch.put_key, now)
-            if early is not None and early[0] == taker:
-                del self._watch[key]
-            else:
-                early = None
-        if early is not None:
-            self._report(watch.put_key, early[1], early[2])
+        self.book.taken(key, taker, pub=pub)
 
     def expired(self, key: str, pub: int, why: str) -> None:
         """Publication ``pub`` of ``key`` was dropped unconsumed: report it ``expired``."""
-        with self._lock:
-            watch = self._watch.get(key)
-            if watch is None or watch.pub != pub:
-                return
-            del self._watch[key]
-        self._report(watch.put_key, Verdict.EXPIRED, why)
+        self.book.expired(key, why, pub=pub)
 
     def forget(self, key: str, pub: int) -> None:
         """Publication ``pub`` of ``key`` was dropped by its owner: no verdict is reported."""
-        with self._lock:
-            watch = self._watch.get(key)
-            if watch is None or watch.pub != pub:
-                return
-            del self._watch[key]
-        self.notices.forget(watch.put_key)
+        self.book.forget(key, pub=pub)
 
     # -- the control thread -------------------------------------------------------------------
     def receive(
         self, key: str, peer: bytes, verdict: str, reason: str, *, early_ok: bool = False
     ) -> bool:
-        """A ``verdict`` message from ``peer`` (:func:`peer_identity`) about ``key``; whether it
-        counted. It counts when ``peer`` took the key's current publication and gave no verdict
-        yet; with ``early_ok`` (the sending side vouches that ``peer`` holds the key's lease and
-        its completion may still be on its way) it is kept, one per publication, until
-        :meth:`taken` names the same peer. Anything else is ignored and counted."""
-        text = reason or None
-        with self._lock:
-            watch = self._watch.get(key)
-            accepted = watch is not None and watch.taker == peer
-            kept = watch is not None and watch.taker is None and early_ok and watch.early is None
-            if accepted:
-                del self._watch[key]
-            elif kept:
-                assert watch is not None
-                watch.early = (peer, Verdict(verdict), text)
-        if accepted:
-            assert watch is not None
-            self._report(watch.put_key, Verdict(verdict), text)
-        elif not kept:
-            self._counters.add("acks_ignored")
-            _outsider.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
-        return accepted or kept
+        """A checked ``verdict`` message from ``peer`` (:func:`peer_identity`) about ``key``;
+        whether it counted (:meth:`VerdictBook.settle
+        <omnikv.connectors.verdict_book.VerdictBook.settle>`: from the key's taker, or kept
+        with ``early_ok`` when the sending side vouches that ``peer`` holds the key's lease).
+        Anything else is ignored, counted and logged (rate-limited)."""
+        if self.book.settle(key, peer, Verdict(verdict), reason or None, early_ok=early_ok):
+            return True
+        _outsider.warning("ignored a %s verdict for %.200s: not from its taker", verdict, key)
+        return False
 
     def sweep(self, now: float | None = None) -> float:
         """Expire the taken keys whose verdict is overdue (reported ``expired``, counted); the
         seconds until the next one falls due (``inf``: none). Cheap until then: the control
         thread calls it on every turn."""
         now = time.monotonic() if now is None else now
-        with self._lock:
-            if now < self._next_due:
-                return self._next_due - now
-            due = [k for k, w in self._watch.items() if w.due <= now]
-            for k in due:
-                del self._watch[k]
-            self._next_due = min((w.due for w in self._watch.values()), default=float("inf"))
-            left = self._next_due - now
-        if due:
-            self._counters.add("acks_expired", self.notices.sweep(now))
-        return left
-
-    def _report(self, put_key: str, verdict: Verdict, reason: object) -> None:
-        if self.notices.report(put_key, verdict, reason):
-            self._counters.add(f"acks_{verdict.value}")
+        self.book.sweep(now)
+        return self.book.next_due() - now

@@ -36,18 +36,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from omnikv._logging import RateLimitedLog
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.delivery import (
-    MAX_KEY_CHARS,
-    MAX_REASON_CHARS,
-    DeliveryNotices,
     Verdict,
     clip_reason,
 )
+from omnikv.connectors.verdict_book import VerdictBook
 
 if TYPE_CHECKING:
     from omnikv.connectors.shm.mesh import Link, Mesh
@@ -55,11 +53,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ACK_FLAG",
     "COUNTER_NAMES",
-    "MAX_AWAITING",
     "MAX_TAKEN",
     "SentVerdicts",
     "TakenPayloads",
-    "parse_verdict",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,8 +63,6 @@ _outsider = RateLimitedLog(logger)  # lines a peer, client or forger can cause
 
 #: The trailing argument of an ``offer`` whose sender takes verdicts.
 ACK_FLAG = "ack"
-#: Most payloads a sender watches as taken and not yet acknowledged (the oldest are forgotten).
-MAX_AWAITING = 65536
 #: Most taken payloads a receiver remembers for their acknowledgement (the oldest forgotten).
 MAX_TAKEN = 65536
 #: The events counted for verdicts (in the connector's :class:`Counters`): verdicts received
@@ -84,165 +78,90 @@ COUNTER_NAMES = (
     "acks_sent",
     "ack_failures",
 )
-_VERDICTS = {v.value: v for v in Verdict}
-_COUNTER = {
-    Verdict.DELIVERED: "acks_delivered",
-    Verdict.REFUSED: "acks_refused",
-    Verdict.EXPIRED: "acks_expired",
-}
-
-
-def parse_verdict(args: list[Any]) -> tuple[int, str, Verdict, str | None]:
-    """The checked arguments of a ``verdict`` message (after its name): ``(token, key, verdict,
-    reason)``. Called by the message dispatch (``protocol``) for every verdict a peer sends;
-    raises ``ValueError`` (the mesh then drops that peer, counted as ``peers_dropped``) unless
-    the token is a non-negative int, the key a non-empty string of at most
-    :data:`~omnikv.connectors.delivery.MAX_KEY_CHARS` characters, the verdict one of
-    :class:`~omnikv.connectors.delivery.Verdict`'s values and the reason absent, ``None`` or a
-    string of at most :data:`~omnikv.connectors.delivery.MAX_REASON_CHARS` characters."""
-    if len(args) < 3:
-        raise ValueError("malformed 'verdict' message")
-    token, key, value = args[0], args[1], args[2]
-    reason = args[3] if len(args) > 3 else None
-    if type(token) is not int or token < 0:
-        raise ValueError("malformed 'verdict' message: token")
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
-        raise ValueError("malformed 'verdict' message: key")
-    if not isinstance(value, str) or value not in _VERDICTS:
-        raise ValueError("malformed 'verdict' message: verdict")
-    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
-        raise ValueError("malformed 'verdict' message: reason")
-    return token, key, _VERDICTS[value], reason
-
-
-@dataclass(frozen=True)
-class _Awaiting:
-    """A payload offered to ``link`` as ``token`` and not yet acknowledged; ``label`` is the key
-    its put was given (what the notices report)."""
-
-    label: str
-    link: Link
-    token: int
 
 
 class SentVerdicts:
-    """The sending side's verdicts (see the module docstring); thread-safe, one lock, never held
-    while reporting.
+    """The sending side's verdicts (see the module docstring): the mesh's terms on the
+    connector's :class:`~omnikv.connectors.verdict_book.VerdictBook` (keyed by transport key;
+    a taker is the ``(link, token)`` of the offer that took the payload).
 
     Owned by the connector and shared with its :class:`~omnikv.connectors.shm.store.SendStore`,
     which calls :meth:`published`, :meth:`taken`, :meth:`returned`, :meth:`expired` and
     :meth:`forget` (never with its own lock held) and asks :meth:`next_due` for its timer; the
     message dispatch calls :meth:`on_verdict`, the connector :meth:`link_gone` and
-    :meth:`sweep`. Reports go to ``notices`` (its listener: the sender's owner), once per key
-    and publication.
+    :meth:`sweep`. Reports go to the book's listener (the sender's owner), once per key and
+    publication.
     """
 
-    def __init__(self, notices: DeliveryNotices, counters: Counters) -> None:
-        self.notices = notices
-        self._counters = counters
-        self._lock = threading.Lock()
-        # transport key -> the offer that took it, oldest first
-        self._awaiting: OrderedDict[str, _Awaiting] = OrderedDict()
+    def __init__(self, book: VerdictBook) -> None:
+        self.book = book
+        self.notices = book.notices
 
     @property
     def ack_timeout_s(self) -> float:
-        return self.notices.ack_timeout_s
+        return self.book.ack_timeout_s
 
     def published(self, key: str, label: str) -> None:
         """A put of ``label`` (transport key ``key``) is about to be offered or published: its
         verdict is due from now on; a verdict still owed for an earlier put of the key is no
         longer accepted (that publication was superseded)."""
-        with self._lock:
-            self._awaiting.pop(key, None)
-        self.notices.published(label)
+        self.book.published(key, label)
 
     def taken(self, key: str, label: str, link: Link, token: int) -> None:
         """The payload of ``key`` is being offered to ``link`` as ``token``: only that link may
         give its verdict from now on, and the ``ack_timeout_s`` watch starts."""
-        with self._lock:
-            self._awaiting[key] = _Awaiting(label, link, token)
-            self._awaiting.move_to_end(key)
-            while len(self._awaiting) > MAX_AWAITING:
-                old, _ = self._awaiting.popitem(last=False)
-                _outsider.warning(
-                    "no verdict kept for %s: more than %d payloads taken and unacknowledged",
-                    old,
-                    MAX_AWAITING,
-                )
-        self.notices.taken(label)
+        self.book.taken(key, (link, token))
 
     def returned(self, key: str, link: Link, token: int) -> None:
         """The offer ``token`` of ``key`` to ``link`` did not go out, or the reader gave it back
         unused: the payload is unclaimed again (no verdict from that reader is accepted, and
         its ``ack_timeout_s`` watch stops)."""
-        with self._lock:
-            took = self._awaiting.get(key)
-            if took is None or took.link is not link or took.token != token:
-                return
-            del self._awaiting[key]
-        if self.notices.is_open(took.label):
-            self.notices.published(took.label)
+        self.book.returned(key, (link, token))
 
     def expired(self, label: str, reason: str) -> None:
         """The payload put as ``label`` ended without a verdict (its TTL): report ``expired``."""
-        if self.notices.report(label, Verdict.EXPIRED, reason):
-            self._counters.add("acks_expired")
+        self.book.expired_label(label, reason)
 
     def forget(self, labels: list[str]) -> None:
-        """``cleanup`` dropped these unconsumed payloads: no verdict will be reported for them."""
+        """``cleanup`` or ``withdraw`` dropped these unconsumed payloads: no verdict will be
+        reported for them."""
         for label in labels:
-            self.notices.forget(label)
+            self.book.forget_label(label)
 
     def on_verdict(
         self, link: Link, token: int, key: str, verdict: Verdict, reason: str | None
     ) -> bool:
-        """A checked verdict from ``link`` (:func:`parse_verdict`): reported when ``link`` took
+        """A checked verdict from ``link`` (``protocol.VerdictMsg``): reported when ``link`` took
         ``key`` as ``token`` and has not given its verdict yet; otherwise ignored, counted as
         ``acks_ignored`` and logged at DEBUG. Whether it was taken."""
-        with self._lock:
-            took = self._awaiting.get(key)
-            ok = took is not None and took.link is link and took.token == token
-            if ok:
-                del self._awaiting[key]
-        if not ok or took is None:
-            self._counters.add("acks_ignored")
-            logger.debug("ignored a %s verdict for %s from %s", verdict.value, key, link)
-            return False
-        self._counters.add(_COUNTER[verdict])
-        self.notices.report(took.label, verdict, reason)
-        return True
+        if self.book.settle(key, (link, token), verdict, reason):
+            return True
+        logger.debug("ignored a %s verdict for %s from %s", verdict.value, key, link)
+        return False
 
     def link_gone(self, link: Link) -> None:
         """``link``'s peer is gone: what it took and did not acknowledge is ``expired``."""
-        with self._lock:
-            gone = [k for k, took in self._awaiting.items() if took.link is link]
-            labels = [self._awaiting.pop(k).label for k in gone]
         why = (
             f"the receiver that took it ({link.peer}, pid {link.pid}) went away before its verdict"
         )
-        for label in labels:
-            self.expired(label, why)
+        self.book.expire_taken_by(lambda taker: _link_of(taker) is link, why)
 
     def sweep(self) -> int:
         """Expire what was taken and not acknowledged within ``ack_timeout_s``; how many.
         Called by the store's timer thread when :meth:`next_due` passes, and by ``health()``."""
-        n = self.notices.sweep()
-        if n:
-            self._counters.add("acks_expired", n)
-            with self._lock:
-                done = [k for k, t in self._awaiting.items() if not self.notices.is_open(t.label)]
-                for k in done:
-                    del self._awaiting[k]
-        return n
+        return len(self.book.sweep())
 
     def next_due(self) -> float:
-        """When the next ``ack_timeout_s`` watch runs out (monotonic; ``inf``: none)."""
-        return self.notices.next_due()
+        """No ``ack_timeout_s`` watch runs out before this (monotonic; ``inf``: none)."""
+        return self.book.next_due()
 
     def awaiting(self) -> int:
         """How many payloads were taken and wait for their verdict (``health()``)."""
-        with self._lock:
-            return len(self._awaiting)
+        return self.book.awaiting()
+
+
+def _link_of(taker: Hashable) -> Any:
+    return taker[0] if isinstance(taker, tuple) else None
 
 
 class TakenPayloads:

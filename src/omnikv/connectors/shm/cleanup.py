@@ -96,14 +96,14 @@ class Cleanups:
             logger.debug("cleanup dropped %s", label)
         return len(labels)
 
-    def on_cleanup(self, link: Link, args: list[Any]) -> None:
-        """A peer's ``cleanup(pattern[, id, mode])`` (``pattern`` checked to be a string): drop,
-        and answer when it asked with an id. Without a known mode: the request rule. An empty
-        prefix drops nothing (``cleanup_prefix`` refuses one; it would name every payload)."""
-        mode = args[2] if len(args) > 2 and args[2] in MODES else "request"
-        dropped = self.drop_here(args[0], mode) if args[0] or mode != "prefix" else 0
-        if len(args) > 1 and type(args[1]) is int and args[1] >= 0:
-            self._mesh.send(link, [["cleaned", args[1], dropped]])
+    def on_cleanup(self, link: Link, pattern: str, ask_id: int | None, mode: Any) -> None:
+        """A peer's ``cleanup(pattern[, id, mode])`` (checked by ``protocol``): drop, and answer
+        when it asked with an id. Without a known mode: the request rule. An empty prefix
+        drops nothing (``cleanup_prefix`` refuses one; it would name every payload)."""
+        rule = mode if isinstance(mode, str) and mode in MODES else "request"
+        dropped = self.drop_here(pattern, rule) if pattern or rule != "prefix" else 0
+        if ask_id is not None:
+            self._mesh.send(link, [["cleaned", ask_id, dropped]])
 
     def on_cleaned(self, link: Link, ask_id: int, dropped: int) -> None:
         """A peer's answer to one of our cleanups."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv.connectors.delivery import DEFAULT_ACK_TIMEOUT_S
+from omnikv.connectors.shm.shared import MAX_SHARED_READERS
 from omnikv.errors import ConfigError
 from omnikv.values import (
     parse_bool,
@@ -38,6 +39,7 @@ __all__ = [
     "parse_namespace",
     "parse_prefault",
     "parse_role",
+    "parse_shared_readers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ _KNOWN_CONFIG = frozenset(
         "kv_bytes_per_token",
         "max_model_len",
         "ack_timeout_s",
+        "shared_readers",
         "stage_id",
         "extra",
     }
@@ -148,6 +151,15 @@ def _parse_poll_us(value: Any) -> int:
     return out
 
 
+def parse_shared_readers(value: Any) -> int:
+    """``shared_readers``: 1 to :data:`~omnikv.connectors.shm.shared.MAX_SHARED_READERS`
+    (``None``: 1, each payload for one reader)."""
+    out = parse_int("shared_readers", value, 1, minimum=1)
+    if out > MAX_SHARED_READERS:
+        raise ConfigError(f"shared_readers must be <= {MAX_SHARED_READERS}, got {out}")
+    return out
+
+
 def parse_role(value: Any) -> str | None:
     """``role``: ``"sender"``, ``"receiver"`` or absent (``None``: not known)."""
     return None if value is None else parse_choice("role", value, "", ROLES)
@@ -178,6 +190,8 @@ class ShmConfig:
     max_model_len: int = 0
     # a payload taken and not acknowledged this long after its offer is reported expired
     ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S
+    # every payload put here is published for this many readers of the node (``shared``)
+    shared_readers: int = 1
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | None) -> ShmConfig:
@@ -229,6 +243,7 @@ class ShmConfig:
             ack_timeout_s=parse_number(
                 "ack_timeout_s", cfg.get("ack_timeout_s"), DEFAULT_ACK_TIMEOUT_S
             ),
+            shared_readers=parse_shared_readers(cfg.get("shared_readers")),
         )
 
     @property

@@ -136,6 +136,13 @@ key                         default      meaning
                                          many seconds after its offer is reported ``expired``
                                          (a number >= 0; a reader that goes away first makes it
                                          ``expired`` at once)
+``shared_readers``          1            every payload put here is for this many readers of the
+                                         node (1-64; the ranks of a receiving stage that each
+                                         need the whole KV, the receiving stage's world size
+                                         without TP): written once, each reader's take maps the
+                                         same slot (:meth:`put_shared`); give the same value to
+                                         the receiving stage's connector_config, whose ranks then
+                                         each read it instead of a leader broadcasting it
 ``poll_us``                 1000         a blocking wait polls its sockets this many microseconds
                                          before it sleeps (0-100000; 0: never), yielding the CPU
                                          between polls: lower latency for payloads that come soon
@@ -150,7 +157,8 @@ key                         default      meaning
 
 Arrival wakeups (the reference's 0.32 API; ``wakeup``): ``get_wakeup_generation()`` and
 ``wait_for_change(generation, *, timeout)`` let a stage that polls block until a put to its
-stage instead of sleeping; ``VLLM_OMNI_SHM_WAKEUP=0`` turns them off.
+stage instead of sleeping; ``VLLM_OMNI_SHM_WAKEUP=0`` turns them off. A put that a reader's
+blocking wait took at once wakes nobody: nothing is left for a look to find.
 """
 
 from __future__ import annotations
@@ -178,7 +186,7 @@ from omnikv.connectors.base import (
     Writer,
 )
 from omnikv.connectors.counters import Counters
-from omnikv.connectors.delivery import DeliveryListener, DeliveryNotices, Verdict
+from omnikv.connectors.delivery import DeliveryListener, Verdict
 from omnikv.connectors.shm import codec
 from omnikv.connectors.shm.acks import COUNTER_NAMES as ACK_COUNTERS
 from omnikv.connectors.shm.acks import SentVerdicts, TakenPayloads
@@ -192,10 +200,12 @@ from omnikv.connectors.shm.protocol import Dispatcher
 from omnikv.connectors.shm.recv import COUNTER_NAMES as RECV_COUNTERS
 from omnikv.connectors.shm.recv import Offer, RecvSide
 from omnikv.connectors.shm.registry import SenderRecord
+from omnikv.connectors.shm.shared import Share, check_readers
 from omnikv.connectors.shm.store import COUNTER_NAMES as SEND_COUNTERS
 from omnikv.connectors.shm.store import Entry, Lifetime, SendStore
 from omnikv.connectors.shm.wakeup import Wakeups
 from omnikv.connectors.shm.wire import namespace_prefix, transport_key
+from omnikv.connectors.verdict_book import VerdictBook
 from omnikv.errors import (
     ConnectorClosedError,
     ConnectorError,
@@ -288,7 +298,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._counters,
             poll_s=self.config.poll_us / 1e6,
         )
-        self._verdicts = SentVerdicts(DeliveryNotices(self.config.ack_timeout_s), self._counters)
+        self._verdicts = SentVerdicts(VerdictBook(self.config.ack_timeout_s, self._counters))
         self._taken = TakenPayloads(self._mesh, self._counters)
         self._store = SendStore(
             self.config.pool_size,
@@ -394,8 +404,19 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._mesh.leadership.note_sending()
 
     def _put(
-        self, key: str, label: str, nbytes: int, write: Writer, kind: str, deadline: float
-    ) -> PutResult:
+        self,
+        key: str,
+        label: str,
+        nbytes: int,
+        write: Writer,
+        kind: str,
+        deadline: float,
+        *,
+        share: Share | None = None,
+    ) -> tuple[PutResult, bool]:
+        """Write and publish one payload (``share``: for several readers, see
+        :meth:`put_shared`): the put's result, and whether it was offered to a reader waiting
+        for it (then nothing is left for a wakeup to find)."""
         self._check_open()
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -408,10 +429,13 @@ class SharedMemoryConnector(OmniConnectorBase):
             except ConnectorError:
                 self._store.count_failure()
                 raise
-            entry = Entry(key, label, offset, nbytes, kind)
+            if share is None and self.config.shared_readers > 1:
+                share = Share(self.config.shared_readers)
+            entry = Entry(key, label, offset, nbytes, kind, share=share)
             self._store.write_slot(entry, write)
-            self._pump()
-            self._store.publish(entry)
+            if not self._store.wanted(key):  # its reader's want may be unread yet
+                self._pump()
+            offered = self._store.publish(entry)
         if self._record is not None:
             self._record.touch()
         elif not self._sending:
@@ -419,7 +443,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         logger.debug(
             "SharedMemoryConnector put %s (%d bytes at %d of %d)", key, nbytes, offset, alloc.total
         )
-        return True, nbytes, {"key": key, "size": nbytes, "shm": {"name": key, "size": nbytes}}
+        meta = {"key": key, "size": nbytes, "shm": {"name": key, "size": nbytes}}
+        return (True, nbytes, meta), offered
 
     def _pump(self) -> None:
         """Before a publish: a want that reached us while we wrote is answered by this put, not
@@ -453,8 +478,9 @@ class SharedMemoryConnector(OmniConnectorBase):
                     return True, len(small), {"inline_bytes": small, "size": len(small)}
             kind, nbytes, write = codec.prepare(data, small)
             deadline = time.monotonic() + self.put_timeout_s
-            result = self._put(key, put_key, nbytes, write, kind, deadline)
-            self._wakeups.notify(to_stage)
+            result, offered = self._put(key, put_key, nbytes, write, kind, deadline)
+            if not offered:  # a reader that took it at once leaves nothing to look for
+                self._wakeups.notify(to_stage)
             return result
         except (OmniKVError, ValueError, TypeError, OverflowError) as exc:
             logger.warning("SharedMemoryConnector put of %r failed: %s", put_key, exc)
@@ -479,8 +505,45 @@ class SharedMemoryConnector(OmniConnectorBase):
         raises, the slot is freed, nothing is published and the exception propagates.
         """
         key = transport_key(put_key, from_stage, to_stage)
-        result = self._put(key, put_key, int(nbytes), write, codec.KIND_RAW, deadline)
-        self._wakeups.notify(to_stage)
+        result, offered = self._put(key, put_key, int(nbytes), write, codec.KIND_RAW, deadline)
+        if not offered:  # a reader that took it at once leaves nothing to look for
+            self._wakeups.notify(to_stage)
+        return result
+
+    def put_shared(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        nbytes: int,
+        write: Writer,
+        *,
+        readers: int,
+        deadline: float = math.inf,
+    ) -> PutResult:
+        """:meth:`put_packed` of one payload that ``readers`` receivers of this node each
+        need whole (CFG branches, sequence-parallel ranks): written into the pool once, and
+        each of the first ``readers`` takes of ``put_key`` (``get`` / ``wait`` / the managers'
+        receive, unchanged) maps the same slot zero-copy (``shared``).
+
+        Called by a sender whose receiving stage has several ranks that read one payload.
+        The slot goes back to the pool once every reader that took it released it (or went
+        away) and the claims left are gone: all taken, or the TTL (``buffer_ttl_seconds``),
+        grace, ``cleanup`` or close dropped the payload unclaimed, so readers that never come
+        hold nothing past the TTL. ``readers`` is 1 to
+        :data:`~omnikv.connectors.shm.shared.MAX_SHARED_READERS` (``ValueError`` otherwise);
+        a take beyond them misses. Counted once in ``puts`` / ``put_bytes``, and as
+        ``shared_puts``; each reader's offer as ``shared_claims``. Its delivery verdict is
+        reported once: ``expired`` when claims were left at its TTL, else the verdict of the
+        reader that took its last claim (``shared``). Raises as :meth:`put_packed` does.
+        """
+        share = Share(check_readers(readers))
+        key = transport_key(put_key, from_stage, to_stage)
+        result, offered = self._put(
+            key, put_key, int(nbytes), write, codec.KIND_RAW, deadline, share=share
+        )
+        if not offered:  # claims are left: a reader that looks finds it
+            self._wakeups.notify(to_stage)
         return result
 
     # -- arrival wakeups (the reference's 0.32 API; see ``wakeup``) ----------------------------
@@ -550,13 +613,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         deadline: float,
         metadata: dict[str, Any] | None = None,
     ) -> ManagedBuffer | None:
-        """Block until a peer (or this connector) offers ``get_key`` or ``deadline`` passes.
-
-        Woken by the sender's offer message (no polling). Returns a zero-copy
-        :class:`ManagedBuffer` of the payload's bytes (the caller releases it), or ``None`` at
-        the deadline (nothing consumed) or if closed meanwhile. Raises :class:`PeerGoneError`
-        when a sender connected during the wait went away and nothing arrived.
-        """
+        """Wait for a peer's (or this connector's) offer of ``get_key``, woken by its offer
+        message (no polling): a zero-copy view of the payload's bytes, or ``None`` also once
+        closed meanwhile. Raises :class:`PeerGoneError` when a sender connected during the wait
+        went away and nothing arrived."""
         inline = codec.inline_payload(metadata)
         if inline is not None:
             self._check_open()
@@ -601,7 +661,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             return None
         wait_s = min(PROBE_S, self.config.get_timeout_s)
         answers = self._recv.probe(key, time.monotonic() + wait_s)
-        return self._watch.explain(key, self._mesh.links(local=False), answers)
+        return self._watch.explain(key, self._mesh.links(local=False), answers, waited_s=wait_s)
 
     def probe(
         self,
@@ -664,6 +724,18 @@ class SharedMemoryConnector(OmniConnectorBase):
             return 0
         return self._cleanups.run(prefix, "prefix", self.config.get_timeout_s)
 
+    def withdraw(self, from_stage: str, to_stage: str, put_key: str) -> bool:
+        """Drop the payload put here under ``put_key`` while no reader has it (published, not
+        offered; :meth:`~omnikv.connectors.base.OmniConnectorBase.withdraw`); no verdict is
+        reported for it. Only this connector's pool is touched, never a peer's."""
+        if self._closed:
+            return False
+        try:
+            key = transport_key(put_key, from_stage, to_stage)
+        except ValueError:
+            return False
+        return bool(self._store.drop_matching(lambda k: k == key))
+
     # -- delivery verdicts ---------------------------------------------------------------------
     def acknowledge(
         self,
@@ -675,14 +747,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         *,
         metadata: dict[str, Any] | None = None,
     ) -> None:
-        """Send ``verdict`` on the payload taken under ``get_key`` (``metadata``: the one given
-        to that ``wait``) to the peer that offered it, over the mesh link it came on (``acks``).
-
-        Called by the receiver once per payload it took, after its checks. Never raises and
-        never blocks longer than one small control message's send; a verdict that cannot be
-        carried (not taken here, inline, the sender gone) is logged and its sender reports the
-        payload ``expired`` from its own watch. A second verdict on one payload is not sent.
-        """
+        """Send ``verdict`` on the payload taken under ``get_key`` to the peer that offered it,
+        over the mesh link it came on (``acks``): at most one small control message's send.
+        Nothing is sent for a payload that travelled inline, not taken here, or acknowledged
+        already; a verdict its sender's link cannot carry is counted ``ack_failures``."""
         try:
             if self._closed or codec.inline_payload(metadata) is not None:
                 return
@@ -695,8 +763,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def set_delivery_listener(self, listener: DeliveryListener | None) -> None:
         """Report each payload put here from now on to ``listener`` once: ``delivered`` /
         ``refused`` from its reader's verdict, ``expired`` on its TTL, when its reader went away
-        before a verdict, or after ``ack_timeout_s`` without one (see the module docstring).
-        Called by the sender's owner before it puts; the listener runs on a connector thread."""
+        before a verdict, or after ``ack_timeout_s`` without one (see the module docstring)."""
         self._verdicts.notices.set_listener(listener)
 
     # -- lifetime -----------------------------------------------------------------------------

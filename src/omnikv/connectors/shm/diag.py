@@ -96,10 +96,16 @@ class SenderWatch:
             with self._lock:
                 self._lost.append(_Lost(link.peer, link.pid, time.monotonic()))
 
-    def explain(self, key: str, links: list[Link], answers: list[tuple[Link, Any]]) -> MissReport:
+    def explain(
+        self, key: str, links: list[Link], answers: list[tuple[Link, Any]], *, waited_s: float
+    ) -> MissReport:
         """The report for a wait for ``key`` that found nothing: ``links`` are the connected
-        peers, ``answers`` the probe's (link, answer) pairs. Never raises."""
+        peers, ``answers`` the probe's (link, answer) pairs, gathered for ``waited_s``. A peer
+        of ``links`` that did not answer by then is named as such: what it holds is unknown,
+        never reported as nothing. Never raises."""
         held = [(link, *probe_answer(info)) for link, info in answers]
+        answered = {link for link, _info in answers}
+        silent = [link for link in links if link not in answered]
         live = {link.peer for link in links if link.sender}
         live |= {link.peer for link, n, _k, _h in held if n and not link.local}
         records = scan(self.prefix, skip=self.instance)
@@ -114,7 +120,13 @@ class SenderWatch:
             parts.append("gone: " + ", ".join(gone))
         elif not live:
             parts.append("none was seen there")
-        parts.append(_unconsumed(key, held))
+        parts.append(_unconsumed(key, held, bool(silent)))
+        if silent:
+            parts.append(
+                f"{len(silent)} of {len(links)} peer(s) did not answer within"
+                f" {waited_s * 1000:.0f} ms ({', '.join(f'pid {link.pid}' for link in silent)}):"
+                " what they hold is unknown"
+            )
         return MissReport("; ".join(parts), peer_gone=not live and bool(gone))
 
     def _gone(self, live: set[str], dead: dict[str, SenderSeen]) -> list[str]:
@@ -135,14 +147,19 @@ class SenderWatch:
         return out
 
 
-def _unconsumed(key: str, held: list[tuple[Link, int, list[str], bool]]) -> str:
-    """What the peers hold unconsumed: how many payloads, the newest keys, and whether ``key``
-    is among them (it arrived after the wait's deadline)."""
+def _unconsumed(key: str, held: list[tuple[Link, int, list[str], bool]], partial: bool) -> str:
+    """What the peers that answered hold unconsumed: how many payloads, the newest keys, and
+    whether ``key`` is among them (it arrived after the wait's deadline). ``partial``: some
+    peers did not answer, so "nothing" is said of those that did only."""
     total = sum(n for _link, n, _keys, _has in held)
     if any(has for *_rest, has in held):
         return f"{key} arrived after the deadline ({total} payload(s) unconsumed there)"
     if not total:
-        return "no payload is waiting there"
+        return (
+            "no payload is waiting at the peers that answered"
+            if partial
+            else "no payload is waiting there"
+        )
     keys = [k for _link, _n, ks, _has in held for k in ks][:MAX_KEYS_SHOWN]
     more = f" (+{total - len(keys)} more)" if total > len(keys) else ""
     return f"{total} payload(s) wait there unconsumed, not {key}: {', '.join(keys)}{more}"

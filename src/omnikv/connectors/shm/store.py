@@ -56,6 +56,8 @@ from omnikv.connectors.shm.acks import ACK_FLAG, SentVerdicts
 from omnikv.connectors.shm.config import DEFAULT_UNCLAIMED_GRACE_S
 from omnikv.connectors.shm.mesh import Link
 from omnikv.connectors.shm.pool import SenderPool
+from omnikv.connectors.shm.shared import COUNTER_NAMES as SHARED_COUNTERS
+from omnikv.connectors.shm.shared import Share, claim, drop_ref, unclaim
 from omnikv.deadline import remaining
 from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PoolExhaustedError
 
@@ -90,6 +92,7 @@ COUNTER_NAMES = (
     "ttl_reaped_bytes",
     "grace_evicted",
     "grace_evicted_bytes",
+    *SHARED_COUNTERS,
 )
 
 Send = Callable[[Link, list[list[Any]], "tuple[int, int, int] | None"], bool]
@@ -119,6 +122,8 @@ class Entry:
     evicting: bool = False
     sent: bool = False  # the offer to ``holder`` has left (until then it is not consumed)
     published_at: float = 0.0  # monotonic time of the put's publication (its age counts from it)
+    share: Share | None = None  # several readers' claims on this slot (``shared``)
+    acks: bool = True  # its offer asks for a verdict (a shared slot's: only its last claim's)
 
 
 class Unconsumed:
@@ -200,9 +205,18 @@ class Unconsumed:
             self._wake.notify()
         return old
 
-    def pop(self, key: str) -> Entry | None:
-        """A reader claims ``key`` (its want): the entry leaves and can no longer expire."""
-        return self._entries.pop(key, None)
+    def claim(self, key: str) -> Entry | None:
+        """A reader claims ``key`` (its want): the entry to offer it. An entry leaves (and can
+        no longer expire) with its last claim; a shared one with claims left stays published
+        and the reader gets a copy on the same slot (:func:`~omnikv.connectors.shm.shared.claim`).
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        taken, stays = claim(entry)
+        if not stays:
+            del self._entries[key]
+        return taken
 
     def pop_matching(self, match: Callable[[str], bool]) -> list[Entry]:
         """``cleanup``: the entries whose transport key matches leave (the caller frees them)."""
@@ -239,7 +253,8 @@ class Unconsumed:
         gone = [e for e in self._entries.values() if self.expiry(e) <= now]
         for e in gone:
             del self._entries[e.key]
-            self._alloc.free(e.offset)
+            if drop_ref(e):  # a shared slot stays while readers hold it
+                self._alloc.free(e.offset)
             self._counters.add("ttl_reaped")
             self._counters.add("ttl_reaped_bytes", e.nbytes)
         self.first_expiry()
@@ -317,7 +332,8 @@ class Unconsumed:
             if fits() or now - entry.published_at < self.grace_s:
                 break
             del self._entries[entry.key]
-            self._alloc.free(entry.offset)
+            if drop_ref(entry):  # a shared slot stays while readers hold it
+                self._alloc.free(entry.offset)
             self._counters.add("grace_evicted")
             self._counters.add("grace_evicted_bytes", entry.nbytes)
             gone.append((entry, now - entry.published_at))
@@ -360,6 +376,8 @@ class Unconsumed:
         entries = self._entries.values()
         if not entries or slots_in_use != len(entries) or self.first_expiry() < deadline:
             return None
+        if any(e.share is not None and e.share.refs > 1 for e in entries):
+            return None  # readers hold a shared slot: their releases free it
         if self.grace_ends() < deadline:
             return None  # the oldest makes room for this put before its deadline
         youngest = max(e.published_at for e in entries)
@@ -605,23 +623,32 @@ class SendStore:
             )
 
     def free(self, entry: Entry) -> None:
-        """Return an entry's slot (``self._lock`` held)."""
-        if self.alloc is not None:
+        """Return an entry's slot (``self._lock`` held); a shared slot once no entry of its
+        readers references it."""
+        if self.alloc is not None and drop_ref(entry):
             self.alloc.free(entry.offset)
         self._changed.notify_all()
 
     # -- publishing ---------------------------------------------------------------------------
-    def publish(self, entry: Entry) -> None:
+    def wanted(self, key: str) -> bool:
+        """Whether a reader's blocking want for ``key`` is registered here now (a hint, read
+        without the lock: a want may come or go right after)."""
+        return key in self._wanters
+
+    def publish(self, entry: Entry) -> bool:
         """A put's written entry becomes visible: offered to a waiting reader or published (its
-        TTL runs from now)."""
+        TTL runs from now); whether it was offered (a reader has it: nothing is left to find)."""
         entry.published_at = time.monotonic()
+        if entry.share is not None:
+            self._counters.add("shared_puts")
         if self.verdicts is not None:  # before the offer: a verdict may follow it at once
             self.verdicts.published(entry.key, entry.label)
-        self.deliver(entry)
+        offered = self.deliver(entry)
         if self.pool is not None:  # after the write, so prefaulting ahead never competes with it
             self.pool.note_used(entry.offset + max(entry.nbytes, 1))
         self._counters.add("puts")
         self._counters.add("put_bytes", entry.nbytes)
+        return offered
 
     def _hold(self, entry: Entry, link: Link, wid: int) -> list[Any]:
         """Mark ``entry`` as offered to ``link`` (lock held); the offer message to send."""
@@ -632,19 +659,25 @@ class SendStore:
         entry.sent = False
         self._held[entry.token] = entry
         msg: list[Any] = ["offer", wid, entry.token, entry.offset, entry.nbytes, entry.kind]
-        if self.verdicts is not None:
+        if entry.share is not None:
+            self._counters.add("shared_claims")
+        # a shared slot's verdict is asked of the reader that takes its last claim
+        entry.acks = self.verdicts is not None and (entry.share is None or entry.share.claims < 1)
+        if entry.acks:
             msg.append(ACK_FLAG)  # the reader answers with its verdict (``acks``)
         return msg
 
-    def _next_target(self, entry: Entry) -> tuple[Link, list[Any]] | None:
-        """(lock held) Offer to the first live waiter, else publish (replacing) and ``None``."""
+    def _next_target(self, entry: Entry) -> tuple[Entry, Link, list[Any]] | None:
+        """(lock held) Offer to the first live waiter (``entry``, or a claim on its shared
+        slot), else publish (replacing) and ``None``."""
         queue = self._wanters.get(entry.key)
-        target: tuple[Link, list[Any]] | None = None
+        target: tuple[Entry, Link, list[Any]] | None = None
         while queue and target is None:
             link, wid = queue.pop(0)
             self._want_count[link] = self._want_count.get(link, 1) - 1
             if link.alive:
-                target = (link, self._hold(entry, link, wid))
+                taken, _more = claim(entry)
+                target = (taken, link, self._hold(taken, link, wid))
         if not queue:
             self._wanters.pop(entry.key, None)
         if target is None:
@@ -655,32 +688,39 @@ class SendStore:
                 self.free(old)
         return target
 
-    def deliver(self, entry: Entry) -> None:
-        """Offer ``entry`` to the first live waiter of its key, else publish it."""
+    def deliver(self, entry: Entry) -> bool:
+        """Offer ``entry`` to the first live waiter of its key, else publish it; whether it
+        was offered (a shared entry: to as many waiters as it has claims, and published with
+        the claims left; whether its last claim went)."""
         while True:
             with self._lock:
                 if self.closed:
-                    return
+                    return False
                 target = self._next_target(entry)
             if target is None:
-                return
-            link, offer = target
-            self._offering(entry, link, offer[2])
+                return False
+            taken, link, offer = target
+            self._offering(taken, link, offer[2])
             if self._send(link, [offer], self.pool_handle()):
-                self._offer_sent(entry)
-                return
-            self._take_back(entry, link, offer[2])
+                self._offer_sent(taken)
+                if taken is entry:
+                    return True
+                continue  # a claim on a shared slot went: the next waiter, or publish
+            self._take_back(taken, link, offer[2])
+            if taken is not entry:
+                with self._lock:
+                    unclaim(taken)
 
     def _offering(self, entry: Entry, link: Link, token: int) -> None:
         """(lock not held) The offer of ``entry`` to ``link`` as ``token`` is about to be
         sent: the verdict is awaited from that link (recorded before the send, so a verdict
         never overtakes it)."""
-        if self.verdicts is not None:
+        if self.verdicts is not None and entry.acks:
             self.verdicts.taken(entry.key, entry.label, link, token)
 
     def _take_back(self, entry: Entry, link: Link, token: int) -> None:
         """An offer could not be sent: the entry is ours again (lock not held)."""
-        if self.verdicts is not None:
+        if self.verdicts is not None and entry.acks:
             self.verdicts.returned(entry.key, link, token)
         with self._lock:
             if self._held.get(entry.token) is entry:
@@ -694,7 +734,7 @@ class SendStore:
         with self._lock:
             # what expired is gone before the key is looked up: a late want misses
             gone = self._published.reap(now)
-            entry = self._published.pop(key)
+            entry = self._published.claim(key)
             if entry is not None:
                 reply: list[Any] | None = self._hold(entry, link, wid)
             elif block:
@@ -719,7 +759,21 @@ class SendStore:
                 self._offer_sent(entry)
         elif entry is not None:
             self._take_back(entry, link, reply[2])
-            self.deliver(entry)
+            if not self._return_claim(entry):
+                self.deliver(entry)
+
+    def _return_claim(self, entry: Entry) -> bool:
+        """A claim on a shared slot comes back unused (its offer was not sent, or was
+        returned): whether it went back to the share's published entry (else the caller
+        publishes ``entry`` again: it carries the share's last claim)."""
+        if entry.share is None:
+            return False
+        with self._lock:
+            published = self._published.get(entry.key)
+            if published is None or published is entry or published.share is not entry.share:
+                return False
+            unclaim(entry)
+            return True
 
     def _offer_sent(self, entry: Entry) -> None:
         """The offer of ``entry`` left: it counts as consumed (flush); a put waiting for space
@@ -750,6 +804,13 @@ class SendStore:
                 return
             del self._held[token]
             entry.holder = None
+            published = self._published.get(entry.key)
+            same_share = published is not None and published.share is entry.share
+            if republish and entry.share is not None and same_share:  # the claim counts again
+                unclaim(entry)
+                self._counters.add("returns")
+                self._changed.notify_all()
+                return
             if not republish or entry.key in self._published:
                 # released, or returned after a newer put of the key (the newer one wins)
                 self._counters.add("releases")
@@ -759,7 +820,7 @@ class SendStore:
                 self._counters.add("returns")
         if not republish:
             return
-        if self.verdicts is not None:  # given back unused: unclaimed again
+        if self.verdicts is not None and entry.acks:  # given back unused: unclaimed again
             self.verdicts.returned(entry.key, link, token)
         self.deliver(entry)
 

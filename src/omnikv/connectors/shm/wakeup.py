@@ -8,7 +8,8 @@ spurious one a look, never data.
 
 How: each waiting connector binds a datagram socket in the Linux *abstract* namespace (no file,
 nothing left behind by a killed process) named ``omnikv-shm-wake/<uid>/<scope>/<stage>/<random>``;
-a ``put`` to stage ``S`` sends one byte to every such socket of ``S`` in its scope, listed from
+a ``put`` to stage ``S`` sends one byte to every such socket of ``S`` in its scope (unless a
+reader's blocking wait took the payload at once: nothing is then left to look for), listed from
 ``/proc/net/unix`` (at most every :data:`RESCAN_S`; the names found last are reused in between;
 at most :data:`MAX_WAITERS` per stage, so names bound by others cannot make a put unbounded).
 A waiter that binds its socket just after a sender listed is not woken by that sender's puts

@@ -26,10 +26,15 @@ until checked. Three things make a load safe to accept:
   never consumes it (check first, consume only what fits). A stolen id with another prompt,
   model, adapter or salt misses; it cannot destroy the victim's payload.
 
-With an ``auth_secret``, the producer also puts :func:`kv_mac` (HMAC-SHA256 over the key, the
+With an ``auth_secret``, the producer also puts :func:`kv_mac` (keyed BLAKE3 over the key, the
 first token and every layer's K/V bytes in wire order) in the payload's metadata and the
-consumer checks it before writing a byte into its cache. A streamed prefill is sealed piece by
-piece: each chunk carries the MAC of its own tokens, so a consumer can check and write it as
+consumer checks it before writing a byte into its cache. The MAC names its construction
+(``omnikv-kv-v4:<32 hex>``, :data:`KV_MAC_VERSION`): a consumer refuses a MAC of another
+construction (an older producer's bare HMAC-SHA256 hex, ``omnikv-kv-v3``) saying so, and an
+older consumer finds the new one unequal to its own; either way the load fails and vLLM
+recomputes the prefill, and no MAC is ever checked under a construction it was not made with
+(the construction: :mod:`omnikv.wire.mac`). A streamed prefill is sealed piece by piece: each
+chunk carries the MAC of its own tokens, so a consumer can check and write it as
 it arrives, and the finish carries the list of every piece's range and MAC
 (:func:`check_sealed_ranges`).
 """
@@ -49,9 +54,18 @@ import torch
 
 from omnikv.transfer.stream.manifest import pieces_out_of_order
 from omnikv.wire.format import MAX_STREAM_CHUNKS
+from omnikv.wire.mac import (
+    KV_MAC_DOMAIN,
+    KV_MAC_VERSION,
+    construction_refusal,
+    kv_mac,
+    mac_refusal,
+)
 
 __all__ = [
     "BINDING_HEX",
+    "KV_MAC_DOMAIN",
+    "KV_MAC_VERSION",
     "MAX_SEALED_RANGES",
     "MAX_TRANSFER_ID_CHARS",
     "PARAM_BINDING",
@@ -63,6 +77,7 @@ __all__ = [
     "is_router_id",
     "kv_mac",
     "kv_mac_matches",
+    "kv_mac_refusal",
     "model_fingerprint",
     "new_router_transfer_id",
     "new_transfer_id",
@@ -82,8 +97,6 @@ PARAM_BINDING = "omnikv_binding"
 MAX_SEALED_RANGES = MAX_STREAM_CHUNKS + 1
 #: Hex digits of a binding (128 bits).
 BINDING_HEX = 32
-#: The first bytes :func:`kv_mac` hashes (its domain: no other MAC of omnikv starts with them).
-KV_MAC_DOMAIN = b"omnikv-kv-v3\x00"
 #: Longest transfer id accepted from a client (longer ones are refused unread).
 MAX_TRANSFER_ID_CHARS = 96
 _ID_FORMAT = re.compile(r"okv1(r?)-([0-9a-f]{8})-([0-9a-f]{32})(?:-([0-9a-f]{32}))?")
@@ -260,43 +273,22 @@ def check_transfer_id(
     return None
 
 
-def _wire_bytes(t: torch.Tensor) -> bytes | memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat: np.ndarray = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return flat.data
-
-
-def kv_mac(
+def kv_mac_refusal(
+    expected: Any,
     secret: bytes,
     key: str,
     layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
     start: int = 0,
     first_layer: int = 0,
-) -> str:
-    """HMAC-SHA256, truncated to 32 hex, over ``key``, ``start``, ``first_layer`` and each
-    layer's K then V bytes, in wire order: the seal of the request's tokens
-    ``[start, start + n)`` (``n``: the tensors' first dimension, covered through their shapes)
-    of layers ``first_layer`` on (a layer group of a stream shipped layer by layer; 0 for
-    every layer).
-
-    The producer's worker computes it over the tokens it sends (a whole request, or one piece
-    of a streamed one); the consumer's worker over what it received, before writing into its
-    cache. Both see ``[tokens, heads, head_size]`` tensors of the cache dtype, so both hash
-    the same bytes. SHA-256 rather than BLAKE2b because it hashes the whole KV on both sides:
-    with the CPU's SHA extensions (x86 since Zen and Ice Lake, Arm v8.2) OpenSSL's SHA-256 is
-    about twice as fast as hashlib's BLAKE2b (``omnikv bench codec``).
-    """
-    h = hmac.new(_secret_key(secret), KV_MAC_DOMAIN, hashlib.sha256)
-    _field(h, key.encode())
-    _field(h, str(int(start)).encode())
-    _field(h, str(int(first_layer)).encode())
-    for k, v in layers:
-        for t in (k, v):
-            _field(h, json.dumps([str(t.dtype), list(t.shape)]).encode())
-            h.update(_wire_bytes(t))
-    return h.hexdigest()[:32]
+) -> str | None:
+    """Why ``expected`` (a MAC read from a payload) does not seal these tokens, or ``None``:
+    missing, of another construction than :data:`KV_MAC_VERSION` (checked before any byte is
+    hashed: an older producer's MAC is refused, never checked under this construction), or
+    not :func:`kv_mac` of them (constant-time comparison). Called by the consumer's worker."""
+    why = construction_refusal(expected)
+    if why is None:
+        why = mac_refusal(expected, kv_mac(secret, key, layers, start, first_layer))
+    return why
 
 
 def kv_mac_matches(
@@ -308,8 +300,8 @@ def kv_mac_matches(
     first_layer: int = 0,
 ) -> bool:
     """Whether ``expected`` (a MAC read from a payload) is :func:`kv_mac` of these tokens
-    (constant-time comparison)."""
-    return mac_matches(expected, kv_mac(secret, key, layers, start, first_layer))
+    (:func:`kv_mac_refusal` finds no reason)."""
+    return kv_mac_refusal(expected, secret, key, layers, start, first_layer) is None
 
 
 def mac_matches(expected: Any, actual: str) -> bool:
@@ -350,8 +342,9 @@ def check_sealed_ranges(
             continue
         lo, hi = start - offset, stop - offset
         piece = [(k[lo:hi], v[lo:hi]) for k, v in layers[first:end]]
-        if not kv_mac_matches(mac, secret, key, piece, start, first):
-            return f"the MAC of tokens [{start}, {stop}) does not match (forged or damaged KV)"
+        why = kv_mac_refusal(mac, secret, key, piece, start, first)
+        if why is not None:
+            return f"tokens [{start}, {stop}): {why}"
     return None
 
 

@@ -14,11 +14,16 @@ Keys:
   has not arrived by then waits out the rest of its deadline on one of ``max_waiting_loads``
   (64) other threads, so ids that never arrive cannot hold up loads whose KV is there. A load
   under a router's id (early hand-off) waits there from the start.
-* ``idle_step_wait_s`` (0.002): in an engine step that schedules no tokens while loads are in
-  flight, the worker waits up to this long for one to end before the step returns (0: never).
-  vLLM's engine loop steps without pause while requests wait for remote KV; on the worker's
-  thread that spin holds the GIL between steps, and the load threads checking and writing KV
-  in the same process wait for it. The wait gives them the CPU and ends as soon as a load ends.
+* ``idle_step_wait_s`` (0.002): in an engine step that schedules no tokens while sends or loads
+  are in flight, the worker waits up to this long for one to end before the step returns (0:
+  never). vLLM's engine loop steps without pause while requests wait for remote KV (a
+  consumer) or for their sends (a producer: ``has_pending_push_work``); on the worker's
+  thread that spin holds the GIL between steps, and the transfer threads coding, checking and
+  writing KV in the same process wait for it. The wait gives them the CPU and ends as soon as
+  a transfer ends, which that step then reports (not the next). A load whose payload has
+  arrived when the wait ends (it checks and writes bytes that are here) is waited for once
+  more, at most as long again: reported a step later, it would wait out vLLM's pause after
+  the idle step and a whole step more.
 * ``max_concurrent_sends`` (4): sends in flight at once on a producer worker.
 * ``stream_layer_groups`` (2 for a cache in host memory, 1 for one on a device): with
   ``stream_kv`` (in ``omni_kv_config``), how many layer groups a producer ships each step's

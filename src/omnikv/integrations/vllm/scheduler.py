@@ -23,6 +23,12 @@ transfer id (``n > 1``: vLLM copies the parameters to every child) load once: wh
 loads, the others are answered ``None`` (vLLM asks again next step) and, once it has loaded,
 they find its blocks in vLLM's prefix cache (with prefix caching off they recompute). Nothing
 here blocks or raises for a request's parameters.
+
+With DEBUG logging on, the consumer logs one line per hand-off when the request is scheduled
+after its load (``hand-off timeline of request ...``): when it was admitted, when its load left
+in a step's metadata, when the worker's report of the load's end came back and when the
+scheduler scheduled its remaining tokens (monotonic seconds; ``omnikv bench vllm`` reads them
+for its per-step breakdown).
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ SETTLED_KEPT = 65536
 STREAMS_KEPT = 65536
 #: Router ids a producer remembers as used (one offered again for another request is refused).
 ROUTER_IDS_KEPT = 65536
+#: Hand-off timelines kept at once (DEBUG only; each ends when its request is scheduled).
+TIMELINES_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,8 @@ class SchedulerSide:
         #: the engine's block size (a stream step is emitted per full block)
         self._block_size = int(block_size)
         self._router_ids: OrderedDict[str, str] = OrderedDict()  # router id -> its request
+        #: DEBUG only: consumer req id -> (transfer id, event -> monotonic time)
+        self._timelines: OrderedDict[str, tuple[str, dict[str, float]]] = OrderedDict()
 
     # -- consumer ---------------------------------------------------------------------------
     def _refuse(self, request: Any, why: str) -> None:
@@ -181,6 +191,10 @@ class SchedulerSide:
             self._clock() + self.recv_timeout,
         )
         self._admitted[request.request_id] = admitted
+        if logger.isEnabledFor(logging.DEBUG):
+            self._timelines[request.request_id] = (tid, {"admitted": self._clock()})
+            while len(self._timelines) > TIMELINES_KEPT:
+                self._timelines.popitem(last=False)
         return admitted
 
     def get_num_new_matched_tokens(
@@ -276,6 +290,19 @@ class SchedulerSide:
         ids = [int(b) for b in blocks.get_block_ids()[0]]
         self._streaming[rid] = _Streaming(tid, payload_key(tid, binding), binding, len(prompt), ids)
 
+    def _drop_preempted_streams(self, scheduler_output: Any) -> None:
+        """Called by :meth:`build_connector_meta` before the step's stream specs: a preempted
+        request's blocks are free from this step on (vLLM frees them in the schedule that
+        preempts it and may hand them to another request's forward pass in the same step),
+        while the stream worker may still hold a step that reads them. Its stream is dropped
+        in this step's metadata, which the worker applies before the forward pass; it starts
+        over from token 0 when the request resumes."""
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._streaming.get(rid)
+            if st is not None:
+                st.shipped_to = 0
+                self._stream_aborts.append(st.key)
+
     def _stream_specs(self, scheduler_output: Any) -> list[StreamSpec]:
         """This step's blocks to ship: for each streaming request scheduled now, its block ids
         and the prompt tokens whose KV this step's forward pass completes (emitted only when a
@@ -322,6 +349,7 @@ class SchedulerSide:
         the blocks are kept, and the ``kv_transfer_params`` for the client."""
         rid = request.request_id
         self._admitted.pop(rid, None)
+        self._timelines.pop(rid, None)
         if rid in self._load_of:  # aborted while its KV was loading: stop waiting for it
             self._cancels.append(rid)
         stream = self._streaming.pop(rid, None)
@@ -407,6 +435,9 @@ class SchedulerSide:
             dataclasses.replace(spec, remaining_s=max(0.0, deadline - now))
             for spec, deadline in self._loads
         ]
+        if self._timelines:
+            self._note_timelines(loads, scheduler_output, now)
+        self._drop_preempted_streams(scheduler_output)
         streams = self._stream_specs(scheduler_output)
         scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta = OmniKVConnectorMetadata(
@@ -427,6 +458,32 @@ class SchedulerSide:
         self._sending.difference_update(connector_output.finished_sending or ())
         for rid in connector_output.finished_recving or ():
             self._settle(rid, rid not in failed)
+            timeline = self._timelines.get(rid)
+            if timeline is not None:
+                timeline[1]["reported"] = self._clock()
+                timeline[1]["ok"] = float(rid not in failed)
+
+    def _note_timelines(self, loads: Sequence[LoadSpec], scheduler_output: Any, now: float) -> None:
+        """DEBUG: note the loads leaving in this step's metadata, and log the timeline of each
+        request with a reported load that this step schedules (then forgotten)."""
+        for spec in loads:
+            timeline = self._timelines.get(spec.req_id)
+            if timeline is not None:
+                timeline[1]["to_worker"] = now
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            rid = getattr(new, "req_id", None)
+            timeline = self._timelines.get(rid) if isinstance(rid, str) else None
+            if timeline is None or "reported" not in timeline[1]:
+                continue
+            assert isinstance(rid, str)
+            del self._timelines[rid]
+            tid, at = timeline
+            logger.debug(
+                "OmniKVConnector: hand-off timeline of request %s (transfer %s): %s",
+                rid,
+                tid,
+                " ".join(f"{k}={v:.6f}" for k, v in [*at.items(), ("scheduled", now)]),
+            )
 
     def has_pending_push_work(self) -> bool:
         """Sends queued or in flight (vLLM keeps stepping until they are done)."""

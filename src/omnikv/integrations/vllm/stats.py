@@ -13,7 +13,11 @@ Counts (cumulative in :meth:`TransferCounters.counts`, per interval in the stats
 ``loads_ok``, ``loads_failed`` (the request recomputes its prefill), ``loads_refused``
 (parameters refused at admission, never waited for), ``router_ids_refused`` (a producer given a
 transfer id it cannot use: not a router id of its own, or used already), ``tokens_loaded``,
-``bytes_loaded``; durations ``send_seconds`` and ``load_seconds``.
+``bytes_loaded``; durations ``send_seconds`` (a producer's send of a finished request's KV:
+gather, encode, put), ``load_seconds`` (a consumer's load: from its admission of the request to
+the KV written, the wait for the producer included) and ``handoff_seconds`` (per loaded request,
+the hand-off itself: from the producer beginning to send the finished request's KV to that KV
+written into the consumer's blocks, on the two hosts' wall clocks).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ COUNTS = (
     "tokens_loaded",
     "bytes_loaded",
 )
-DURATIONS = ("send_seconds", "load_seconds")
+DURATIONS = ("send_seconds", "load_seconds", "handoff_seconds")
 #: Durations kept per interval (vLLM reads them every few seconds; beyond this they are dropped).
 DURATIONS_KEPT = 8192
 #: Per-transfer records kept for :meth:`TransferCounters.get`.
@@ -158,7 +162,7 @@ _COUNTER_DOCS = {
     "sends_expired": "Prompt KV payloads nobody took in time, or taken without a verdict.",
     "bytes_sent": "Bytes of KV this producer sent through omnikv.",
     "chunks_streamed": "Chunks of prompt KV shipped while their request was prefilled.",
-    "layer_groups_streamed": "Of those chunks, layer groups shipped from save_kv_layer.",
+    "layer_groups_streamed": "Of those chunks, layer groups (runs of a step's layers).",
     "bytes_streamed": "Bytes of prompt KV shipped while their request was prefilled.",
     "chunks_loaded": "Streamed chunks checked and written into the cache as they arrived.",
     "loads_ok": "Prompt KV payloads this consumer loaded through omnikv.",
@@ -167,6 +171,13 @@ _COUNTER_DOCS = {
     "router_ids_refused": "Transfer ids offered to this producer that it could not use.",
     "tokens_loaded": "Prompt tokens whose KV this consumer loaded instead of computing.",
     "bytes_loaded": "Bytes of KV this consumer loaded through omnikv.",
+}
+_DURATION_DOCS = {
+    "send_seconds": "Duration of one omnikv send of a finished request's KV (gather, encode, put).",
+    "load_seconds": "Duration of one omnikv load, from the consumer's admission of the request "
+    "to its KV written (the wait for the producer included).",
+    "handoff_seconds": "Per loaded request: from the producer beginning to send the finished "
+    "request's KV to that KV written into this consumer's blocks (wall clocks of both hosts).",
 }
 _SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0]
 
@@ -189,11 +200,10 @@ class OmniKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 name=f"vllm:omnikv_{name}", documentation=doc, labelnames=labelnames
             )
             self._counters[name] = self._per_engine(metric)
-        for name in DURATIONS:
-            what = "send (extract, encode, put)" if name == "send_seconds" else "load"
+        for name, doc in _DURATION_DOCS.items():
             metric = self._histogram_cls(
                 name=f"vllm:omnikv_{name}",
-                documentation=f"Duration of one omnikv {what}, admission to end for loads.",
+                documentation=doc,
                 buckets=_SECONDS_BUCKETS,
                 labelnames=labelnames,
             )

@@ -22,8 +22,11 @@ Guarantees:
   ones whose deadline passed in the queue), so one slow or stuck transfer never serialises the
   others. Each load's deadline counts from its admission; a load still queued at its deadline
   fails at once, without waiting. The one wait on the runner's thread is in a step that computes
-  nothing while loads run (``idle_step_wait_s``, 2 ms by default, ended by the first load to
-  end): it paces vLLM's busy loop so that the load threads get the GIL.
+  nothing while sends or loads run (``idle_step_wait_s``, 2 ms by default, ended by the first
+  transfer to end): it paces vLLM's busy loop so that the transfer threads get the GIL, and a
+  transfer that ends within it is reported by that step. A load whose payload has arrived by
+  the end of that wait is waited for once more, at most as long again (twice
+  ``idle_step_wait_s`` in all).
 * **Loads that wait do not hold up loads that are ready.** A load waits at most
   ``load_first_wait_s`` on the first admission (``max_concurrent_loads`` threads); if its KV has
   not arrived by then (a never-issued id, a slow producer), it is offered to a second one
@@ -57,6 +60,7 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -71,7 +75,7 @@ from omnikv.config import config_from_dict, options_from_dict
 from omnikv.connectors.factory import LazyConnector
 from omnikv.errors import OmniKVError
 from omnikv.integrations.vllm._vllm import KVConnectorTransferResults
-from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, kv_mac_matches
+from omnikv.integrations.vllm.binding import check_sealed_ranges, kv_mac, kv_mac_refusal
 from omnikv.integrations.vllm.metadata import (
     LoadSpec,
     OmniKVConnectorMetadata,
@@ -83,14 +87,23 @@ from omnikv.integrations.vllm.stats import OmniKVConnectorStats, TransferCounter
 from omnikv.layouts.blocks import LayerBlocks, vllm_layer_blocks
 from omnikv.ranks.discovery import discover_tp
 from omnikv.topology.placement import StagePlacement
-from omnikv.transfer.admission import KVAdmission
+from omnikv.transfer.admission import KVAdmission, receive_by_id
 from omnikv.transfer.edge import KVCaches, TransferEdge
 from omnikv.transfer.received import ReceivedChunk, ReceivedKV
-from omnikv.transfer.results import ReceiveResult, ReceiveStatus, SendResult
+from omnikv.transfer.results import ReceiveResult, ReceiveStatus, SendResult, StreamProgress
 from omnikv.transfer.stream.sending import Seal
 from omnikv.wire.codec import round_trip
+from omnikv.wire.mac import PayloadSeal
 
-__all__ = ["META_BINDING", "META_MAC", "META_SEALED", "WorkerSide", "transfer_cpus"]
+__all__ = [
+    "META_BINDING",
+    "META_MAC",
+    "META_SEALED",
+    "META_SENT_AT",
+    "WorkerSide",
+    "handoff_seconds",
+    "transfer_cpus",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +112,12 @@ META_BINDING = "omnikv_binding"
 META_MAC = "omnikv_mac"
 #: A streamed request's finish: ``[start, stop, mac]`` of each chunk and of the tail.
 META_SEALED = "omnikv_sealed"
+#: The producer's wall clock (``time.time()``) as it began sending a finished request's KV:
+#: where the hand-off that the consumer's ``handoff_seconds`` measures starts.
+META_SENT_AT = "omnikv_sent_at"
+#: A hand-off is measured only within this many seconds either way of the consumer's clock (a
+#: value beyond is a wrong clock or a forged stamp, not a hand-off).
+HANDOFF_BOUND_S = 3600.0
 
 _T = TypeVar("_T")
 #: Failure warnings are logged at most once per this many seconds (each failure: DEBUG).
@@ -110,6 +129,21 @@ def _pairs(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V), for a MAC (the checks refused absent layers before)."""
     return [(k, v) for k, v in zip(keys, values, strict=True) if k is not None and v is not None]
+
+
+def handoff_seconds(sent_at: object, now: float) -> float | None:
+    """A loaded request's hand-off: from the producer's :data:`META_SENT_AT` (its wall clock as
+    it began sending the finished request's KV) to ``now`` (the consumer's wall clock, its KV
+    written). ``None`` for a stamp that is not a finite number within :data:`HANDOFF_BOUND_S`
+    of ``now`` (absent: a producer without it; else a wrong clock or a forgery); a stamp ahead
+    of ``now`` (two hosts' clocks apart) counts as 0. Called by the consumer's load path once
+    the payload passed its checks and was written."""
+    if isinstance(sent_at, bool) or not isinstance(sent_at, int | float):
+        return None
+    seconds = now - float(sent_at)
+    if not abs(seconds) <= HANDOFF_BOUND_S:  # NaN fails too
+        return None
+    return max(0.0, seconds)
 
 
 def _parse_cpu_list(text: str) -> set[int]:
@@ -237,10 +271,14 @@ class WorkerSide:
         self._warned = _RateLimitedWarning()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._load_ended = threading.Condition(self._lock)
+        #: notified when a send or load ends (an idle step's wait stops at it)
+        self._transfer_ended = threading.Condition(self._lock)
         #: the bound step computes nothing (runner thread only)
         self._idle_step = False
         self._running = 0
+        #: loads whose payload was taken (or is arriving) and not ended yet: their check and
+        #: write run on bytes that are here (req ids)
+        self._landing: set[str] = set()
         self._pending_loads: list[LoadSpec] = []
         self._sending: set[str] = set()
         self._released: set[str] = set()
@@ -252,6 +290,8 @@ class WorkerSide:
         # send key -> request id (the request's blocks stay held meanwhile when
         # free_blocks_on is "verdict")
         self._verdicts_due: dict[str, str] = {}
+        #: DEBUG only: request id -> transfer id of its send or load, until reported
+        self._traced: dict[str, str] = {}
         #: this step's stream specs (runner thread only: bind, then wait_for_save)
         self._streams_due: list[StreamSpec] = []
         #: with stream_layer_groups > 1: each layer's position, the groups of positions, and
@@ -264,8 +304,13 @@ class WorkerSide:
     def _open_edge(self, cfg: Mapping[str, Any]) -> tuple[TransferEdge, LazyConnector]:
         """This worker's transfer edge (``omni_kv_config`` ``cfg``) and the connector it
         owns; a sender's connector is made at once (its pool and listener exist before the
-        first send). Verdicts are pushed to :meth:`_on_verdict`."""
+        first send). Verdicts are pushed to :meth:`_on_verdict`. With ``auth_secret`` the
+        payloads carry the KV MAC, which the consumer checks over the same bytes, instead of
+        the data check (unless ``payload_checksum`` is set)."""
         config, options = config_from_dict(dict(cfg)), options_from_dict(dict(cfg))
+        conn = cfg.get("connector_config") or {}
+        if self.options.secret is not None and "payload_checksum" not in {*cfg, *conn}:
+            options = dataclasses.replace(options, payload_checksum=False)
         place = StagePlacement.of(config, discover_tp())
         lazy = LazyConnector.for_stage(
             config, place.topology.local_rank, retry_interval=options.connector_retry_interval
@@ -278,22 +323,25 @@ class WorkerSide:
             connector=lazy,
             configured=moves and bool((config.connector_config or {}).get("type")),
             on_verdict=self._on_verdict,
+            on_stream_step=self._on_stream_step,
         )
         if config.need_send_cache:
             lazy.get()
         return edge, lazy
 
     def _admissions(self) -> tuple[KVAdmission, KVAdmission]:
-        """The two admissions the loads run on (each thread of theirs runs :meth:`_load`)."""
+        """The two admissions the loads run on (each thread of theirs runs :meth:`_load`, as a
+        first wait or the rest of a deadline; the load keeps its own deadline, abort and
+        checks)."""
         timeout = self.edge.config.recv_timeout
         first = KVAdmission(
-            self._load_first,
+            receive_by_id(lambda key: self._load(key, first=True)),
             recv_timeout=timeout,
             max_receives=self.options.max_concurrent_loads,
             name="omnikv-vllm-load",
         )
         waiting = KVAdmission(
-            self._load_rest,
+            receive_by_id(lambda key: self._load(key, first=False)),
             recv_timeout=timeout,
             max_receives=self.options.max_waiting_loads,
             name="omnikv-vllm-wait",
@@ -332,6 +380,9 @@ class WorkerSide:
     # -- per step ---------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: OmniKVConnectorMetadata) -> None:
         """Start the step's sends, note its loads, cancel what is gone."""
+        if logger.isEnabledFor(logging.DEBUG) and len(self._traced) < 4096:
+            self._traced.update((s.req_id, s.transfer_id) for s in meta.sends)
+            self._traced.update((s.req_id, s.transfer_id) for s in meta.loads)
         with self._lock:
             self._sending.update(s.req_id for s in meta.sends)
             self._pending_loads.extend(meta.loads)
@@ -369,21 +420,23 @@ class WorkerSide:
                 return
             self._groups_shipped += 1
             for spec in self._streams_due:
-                if self._ship(spec, (first, end)):
-                    self.counters.add("layer_groups_streamed")
+                self._ship(spec, (first, end))
 
     def wait_for_save(self) -> None:
         """With ``stream_kv``: ship the blocks this step's forward pass
-        completed for producer requests still in prefill (one chunk per request and step, from
-        the engine's cache, before the runner goes on), so that at the request's finish only
-        its last blocks and the metadata move. With ``stream_layer_groups`` > 1 the step's
-        groups went from ``save_kv_layer`` as their layers were written; any not shipped yet
-        go now. Runs on the runner's thread: the chunks must be published before the finish's
-        tail, and the blocks must be read before the next step may touch them. With
-        ``auth_secret`` the chunk is sealed here too (its tokens gathered, coded and decoded
-        with a codec, and hashed: about half a millisecond per MiB), work the finish would
-        otherwise do for the whole KV. A packed layout (AMX tiles) is not
-        streamed: such a request is sent whole at its finish. Never raises."""
+        completed for producer requests still in prefill (one chunk per request and step), so
+        that at the request's finish only its last blocks and the metadata move. With
+        ``stream_layer_groups`` > 1 the step's groups went from ``save_kv_layer`` as their
+        layers were written; any not shipped yet go now. Runs on the runner's thread, which
+        only hands each step to the edge's stream worker: the copy out of the engine's cache,
+        the seal (with ``auth_secret``: the chunk's MAC, which the encoder hashes as it writes
+        its tokens, :class:`~omnikv.wire.mac.PayloadSeal`, work the finish would otherwise do
+        for the whole KV) and the put run there, in order, while the runner goes on. The
+        blocks stay the request's meanwhile: a full block is never written again, the finish
+        (its send) and a stream abort (``stream_aborts``, before the blocks can be reused)
+        each wait for a step of the request still running and drop those queued. A packed
+        layout (AMX tiles) is not streamed: such a request is sent whole at its finish. Never
+        raises."""
         due, self._streams_due = self._streams_due, []
         shipped, self._groups_shipped = self._groups_shipped, 0
         self._saved = set()
@@ -403,15 +456,19 @@ class WorkerSide:
             layer.copies_to_send for layer in self.layers.values()
         )
 
-    def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> bool:
+    def _ship(self, spec: StreamSpec, layers: tuple[int, int] | None) -> None:
         """One stream step of ``spec``: its newly full blocks, or (``layers``) one layer group
-        of them, as a chunk; whether a chunk was published. Never raises (the finish still
-        sends what was not shipped)."""
+        of them, handed to the edge's stream worker as a chunk (counted when published:
+        :meth:`_on_stream_step`). Never raises (the finish still sends what was not
+        shipped)."""
         t0 = time.monotonic()
         try:
-            sources = [layer.send_source(spec.block_ids) for layer in self.layers.values()]
-            views: list[Any] = [kv for kv, _ in sources]
-            entry = {"block_ids": list(sources[0][1]), "seq_len": spec.num_tokens}
+            # A streamed layout's views do not depend on the blocks (_streamable): the ids are
+            # read once, not once per layer, so that the runner's step stays short.
+            first, *rest = self.layers.values()
+            (k, v), ids = first.send_source(spec.block_ids)
+            views: list[Any] = [(k, v), *(layer.send_source(())[0] for layer in rest)]
+            entry = {"block_ids": list(ids), "seq_len": spec.num_tokens}
             progress = self.edge.ship(
                 spec.key,
                 entry,
@@ -421,23 +478,30 @@ class WorkerSide:
             )
         except Exception as exc:
             logger.debug("OmniKVConnector: stream step of %s failed: %s", spec.req_id, exc)
-            return False
-        if progress.nbytes:
-            self.counters.add("chunks_streamed")
-            self.counters.add("bytes_streamed", int(progress.nbytes))
+            return
         logger.debug(
-            "OmniKVConnector: stream step of %s: %d tokens, layers %s, %.1f ms",
+            "OmniKVConnector: stream step of %s: %d tokens, layers %s, handed over in %.2f ms%s",
             spec.req_id,
             spec.num_tokens,
             "all" if layers is None else list(layers),
             (time.monotonic() - t0) * 1e3,
+            "" if progress.reason is None else f" ({progress.reason})",
         )
-        return bool(progress.nbytes)
+
+    def _on_stream_step(self, progress: StreamProgress, layers: tuple[int, int] | None) -> None:
+        """A stream step ran on the edge's stream worker: count what it published."""
+        if progress.nbytes:
+            self.counters.add("chunks_streamed")
+            self.counters.add("bytes_streamed", int(progress.nbytes))
+            if layers is not None:
+                self.counters.add("layer_groups_streamed")
 
     def _sealer(self, key: str) -> Seal:
-        """The stream step's seal for ``key``: a chunk's MAC over its own tokens (what the
-        consumer decodes: coded and decoded again with a codec). The stream keeps it beside
-        the chunk's range for the finish (:meth:`_seal_finish`)."""
+        """The stream step's seal for ``key``: a chunk's MAC over its own tokens, computed by
+        the encoder from the one coding it makes (what the consumer decodes). The stream keeps
+        it beside the chunk's range for the finish (:meth:`_seal_finish`)."""
+        secret = self.options.secret
+        assert secret is not None
 
         def seal(
             start: int,
@@ -446,7 +510,7 @@ class WorkerSide:
             *,
             layers: tuple[int, int] | None = None,
         ) -> dict[str, Any]:
-            return {META_MAC: self._mac_of_tokens(key, block_ids, start, stop - start, layers)}
+            return {META_MAC: PayloadSeal(secret, key, start, 0 if layers is None else layers[0])}
 
         return seal
 
@@ -461,7 +525,8 @@ class WorkerSide:
         """The producer's MAC of request tokens ``[start, start + count)``, held from the first
         of ``block_ids`` on, of every layer or of ``layers`` (a layer group): over what the
         consumer decodes (coded and decoded again with a codec), not over what was coded.
-        Needs ``auth_secret``."""
+        Gathers the tokens a second time: only for a shipped chunk whose own MAC the finish
+        lacks (its encoder's seal has no one value). Needs ``auth_secret``."""
         secret = self.options.secret
         assert secret is not None
         first, end = (0, len(self.layers)) if layers is None else layers
@@ -529,25 +594,59 @@ class WorkerSide:
         done when its payload is staged in the connector (a copy: the blocks are no longer
         read), or, with ``free_blocks_on: verdict``, when the consumer's verdict is in
         (delivered, refused or expired: by ``buffer_ttl_seconds + ack_timeout_s`` at the
-        latest). In a step that computes nothing while loads run, first waits up to
-        ``idle_step_wait_s`` for one to end (see :mod:`.options`)."""
+        latest). In a step that computes nothing while sends or loads run and nothing is
+        ready to report, first waits up to ``idle_step_wait_s`` for one to end (see
+        :mod:`.options`): the transfer threads get the GIL meanwhile, and one that ends
+        within the wait is reported by this step rather than the next. If a load's payload
+        arrived by then (its check and write run on bytes that are here), the step waits up to
+        ``idle_step_wait_s`` more for a transfer to end."""
         self._expire_verdicts()
         self._reap_loads()
         with self._lock:
-            if self._idle_step and self._aborts and not (self._loaded or self._failed):
-                # an idle step while loads run: let their threads have the GIL for a moment
-                self._load_ended.wait(self.options.idle_step_wait_s)
-            self._idle_step = False
             self._released.update(r for r in finished_req_ids if r in self._sending)
+            if self._idle_step and self._running and not self._reportable():
+                # an idle step while transfers run: let their threads have the GIL
+                wait = self.options.idle_step_wait_s
+                self._transfer_ended.wait(wait)
+                if self._landing and not self._reportable():
+                    # a load past its payload wait checks and writes bytes that are here:
+                    # reported by this step rather than a whole idle step later
+                    self._transfer_ended.wait_for(self._reportable, wait)
+            self._idle_step = False
             sent = self._sent & self._released
             self._sent -= sent
             self._released -= sent
             self._sending -= sent
             loaded, failed = self._loaded, self._failed
             self._loaded, self._failed = set(), set()
+        if self._traced and (sent or loaded):
+            self._log_timelines(sent | loaded)
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=loaded, failed_recving=failed
         )
+
+    def _log_timelines(self, req_ids: Iterable[str]) -> None:
+        """DEBUG: for each send or load reported now, when it was handed to a thread
+        (``submitted``), began (a send's ``start``), ended, and this report (monotonic
+        seconds; ``omnikv bench vllm`` reads them for its per-step breakdown)."""
+        now = time.monotonic()
+        for rid in req_ids:
+            tid = self._traced.pop(rid, None)
+            record = None if tid is None else self.counters.get(tid)
+            if record is None:
+                continue
+            at = {k: record[k] for k in ("submitted", "start", "end") if k in record}
+            logger.debug(
+                "OmniKVConnector: %s timeline of request %s (transfer %s): %s",
+                "send" if "send_key" in record else "load",
+                rid,
+                tid,
+                " ".join(f"{k}={v:.6f}" for k, v in [*at.items(), ("reported", now)]),
+            )
+
+    def _reportable(self) -> bool:
+        """Whether a load ended or a released send is done (called with the lock held)."""
+        return bool(self._loaded or self._failed or self._sent & self._released)
 
     def transfer_record(self, transfer_id: str) -> dict[str, Any] | None:
         """What this worker did for a transfer; a sent one also says what became of it at the
@@ -593,14 +692,18 @@ class WorkerSide:
         return self.counters.take_interval()
 
     def _done(self) -> None:
-        """One submitted transfer ended (called with the lock held)."""
+        """One submitted transfer ended (called with the lock held): an idle step waiting
+        for it goes on."""
         self._running -= 1
+        self._transfer_ended.notify_all()
         if self._running == 0:
             self._idle.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
-        """Block until no send or load is in flight; False at ``timeout``."""
+        """Block until no send, load or stream step is in flight; False at ``timeout``."""
         end = time.monotonic() + timeout
+        if not self.edge.wait_streams(timeout):
+            return False
         for admission in (self._first, self._waiting):  # a first wait may move to waiting
             if admission is not None:
                 admission.wait(deadline=end)
@@ -658,6 +761,7 @@ class WorkerSide:
     def _put(self, spec: SendSpec) -> tuple[str | None, int]:
         layers = list(self.layers.values())
         metadata: dict[str, Any] = {META_BINDING: spec.binding, "source": "vllm"}
+        metadata[META_SENT_AT] = time.time()  # the hand-off's start (handoff_seconds)
         if self.options.secret is not None:
             metadata.update(self._seal_finish(spec))
         # What the sender gathers from: the cache's own views, or (packed layouts) a copy of
@@ -682,7 +786,11 @@ class WorkerSide:
         the seal of tokens ``[S, end)`` (``omnikv_sealed``): only the tail is hashed here,
         and a consumer that took the chunks as they came checks only the tail now. The chunks
         and their MACs are the stream's own record (what the tail's manifest lists); a chunk
-        whose MAC it lacks is hashed again from the blocks."""
+        whose MAC it lacks is hashed again from the blocks. The MAC of what this send carries
+        is a :class:`~omnikv.wire.mac.PayloadSeal`: the encoder computes it from the one
+        coding it makes of these tokens."""
+        secret = self.options.secret
+        assert secret is not None
         chunks = self.edge.shipped_chunks(spec.key)
         shipped = chunks[-1][1] if chunks else 0
         if shipped % self.block_size or not 0 < shipped <= spec.num_tokens:
@@ -690,50 +798,20 @@ class WorkerSide:
         ranges: list[list[Any]] = []
         for start, stop, meta, layers in chunks:
             mac = meta.get(META_MAC)
+            if isinstance(mac, PayloadSeal):
+                mac = mac.value
             if not isinstance(mac, str):
                 ids = spec.block_ids[start // self.block_size :]
                 mac = self._mac_of_tokens(spec.key, ids, start, stop - start, layers)
             ranges.append([start, stop, mac, *(layers or ())])
         if shipped == spec.num_tokens:  # the stream shipped every token: no tail to seal
             return {META_SEALED: ranges}
-        ids = spec.block_ids[shipped // self.block_size :]
-        mac = self._mac_of_tokens(spec.key, ids, shipped, spec.num_tokens - shipped)
+        mac = PayloadSeal(secret, spec.key, shipped)
         if not shipped:
             return {META_MAC: mac}
         return {META_SEALED: [*ranges, [shipped, spec.num_tokens, mac]]}
 
     # -- consumer ---------------------------------------------------------------------------
-    def _load_first(
-        self,
-        request_id: str,
-        target_device: torch.device | None = None,
-        *,
-        sender_info: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        abort: threading.Event | None = None,
-        quiet: bool = False,
-        on_arrival: Callable[[int], object] | None = None,
-        check: Callable[[ReceivedKV], str | None] | None = None,
-    ) -> ReceiveResult:
-        """The first admission's receive: a load's first wait (the load keeps its own
-        deadline, abort and checks)."""
-        return self._load(request_id, first=True)
-
-    def _load_rest(
-        self,
-        request_id: str,
-        target_device: torch.device | None = None,
-        *,
-        sender_info: dict[str, Any] | None = None,
-        deadline: float | None = None,
-        abort: threading.Event | None = None,
-        quiet: bool = False,
-        on_arrival: Callable[[int], object] | None = None,
-        check: Callable[[ReceivedKV], str | None] | None = None,
-    ) -> ReceiveResult:
-        """The waiting admission's receive: a load's wait until its deadline."""
-        return self._load(request_id, first=False)
-
     def _load(self, key: str, *, first: bool) -> ReceiveResult:
         """One attempt of the load offered under ``key``, on an admission's thread: the first
         (``first``) bounded by ``load_first_wait_s``, then, if nothing arrived, once more on
@@ -790,10 +868,10 @@ class WorkerSide:
             self.counters.add("loads_failed")
         with self._lock:
             self._aborts.pop(spec.req_id, None)
+            self._landing.discard(spec.req_id)
             self._loaded.add(spec.req_id)
             if not ok:
                 self._failed.add(spec.req_id)
-            self._load_ended.notify_all()
             self._done()
         if not ok:
             logger.debug(
@@ -826,8 +904,18 @@ class WorkerSide:
         def on_chunk(chunk: ReceivedChunk) -> str | None:
             return self._write_chunk(spec, chunk, written)
 
+        def landed(nbytes: int) -> None:
+            with self._lock:
+                self._landing.add(spec.req_id)
+
         result = self.edge.receive(
-            spec.key, deadline=until, abort=abort, quiet=True, check=check, on_chunk=on_chunk
+            spec.key,
+            deadline=until,
+            abort=abort,
+            quiet=True,
+            on_arrival=landed,
+            check=check,
+            on_chunk=on_chunk,
         )
         if result.status is ReceiveStatus.TIMEOUT and until < deadline and not abort.is_set():
             return None
@@ -836,13 +924,18 @@ class WorkerSide:
         if not result.ok or result.kv is None:
             return f"receive {result.status.value}: {result.reason}", 0
         kv = result.kv
-        t_write = time.monotonic()
+        t_write, cpu_write = time.monotonic(), time.thread_time()
         nbytes = written[0] + self._write(spec, kv.key_cache, kv.value_cache, kv.token_offset)
+        t_written, cpu_written = time.monotonic(), time.thread_time()
+        handoff = handoff_seconds(kv.metadata.get(META_SENT_AT), time.time())
+        if handoff is not None:
+            self.counters.observe("handoff_seconds", handoff)
         logger.debug(
-            "OmniKVConnector: KV of %s written in %.1f ms (%d tokens before it as they came; "
-            "receive phases %s)",
+            "OmniKVConnector: KV of %s written in %.2f ms (%.2f ms of the load thread's CPU; "
+            "%d tokens before it as they came; receive phases %s)",
             spec.transfer_id,
-            (time.monotonic() - t_write) * 1e3,
+            (t_written - t_write) * 1e3,
+            (cpu_written - cpu_write) * 1e3,
             kv.token_offset,
             result.timings_ms,
         )
@@ -886,8 +979,7 @@ class WorkerSide:
         if why is None and secret is not None:
             mac = chunk.metadata.get(META_MAC)
             pairs = _pairs(keys, values)
-            if not kv_mac_matches(mac, secret, spec.key, pairs, chunk.start, first):
-                why = "the MAC does not match (forged or damaged KV)"
+            why = kv_mac_refusal(mac, secret, spec.key, pairs, chunk.start, first)
         if why is not None:
             return f"chunk {chunk.index}: {why}"
         written[0] += self._write(spec, keys, values, chunk.start, first)
@@ -920,9 +1012,8 @@ class WorkerSide:
             )
         if offset:
             return "a streamed payload without its sealed ranges"
-        if not kv_mac_matches(meta.get(META_MAC), self.options.secret, spec.key, pairs):
-            return "the payload's MAC does not match (forged or damaged KV)"
-        return None
+        why = kv_mac_refusal(meta.get(META_MAC), self.options.secret, spec.key, pairs)
+        return None if why is None else f"the payload: {why}"
 
     def _check_tensors(
         self,

@@ -12,12 +12,30 @@ and the manifest (header ``sm``: the stream id, the chunk count, each chunk's to
 Every piece is format version 3, which a reader that predates streaming refuses (a clean
 ``corrupt``), so a tail is never taken for a whole request's KV.
 
-* a step is synchronous and short: it gathers only the newly full blocks (work the finish would
-  otherwise do), puts them with one attempt and a deadline of at most :data:`STEP_PUT_S`
-  (``send_timeout`` if shorter), and never raises for a request's failure. Synchronous, not on
-  a thread, because the chunks must be in the connector before the tail (the receiver trusts
-  that order), the gather reads the engine's cache while the runner holds it, and a step's
-  chunk is usually one block;
+* a step costs its caller almost nothing: :meth:`KVStreams.ship` checks the arguments,
+  copies the entry's block list, and hands the step to the edge's **stream worker** (one
+  thread, steps in the order they came), which gathers only the newly full blocks (work the
+  finish would otherwise do), seals, codes and puts them with one attempt and a deadline of at
+  most :data:`STEP_PUT_S` (``send_timeout`` if shorter), and never raises for a request's
+  failure. Nothing is copied on the caller's thread: the worker reads the blocks from the
+  cache itself, which is sound because a full block of a paged cache is never written again
+  while its request runs. The caller must therefore not change a full block, nor free or
+  reuse a request's blocks until its finish (:meth:`KVStreams.tail`, i.e. the send),
+  :meth:`KVStreams.abort` or :meth:`KVStreams.close` returned: each drops the request's steps
+  still queued and waits for one running, so after it nothing of the request is read or
+  published (for caches on a GPU the worker first waits for an event the step recorded on
+  the caller's stream). What a step published, or why not, reaches the request's next
+  progress (and ``on_step``): never lost;
+* back-pressure: a request's whole step still queued is replaced by its newer one (which
+  covers every block the older would have shipped), and at most ``max_queued``
+  (:data:`DEFAULT_MAX_QUEUED`) steps wait at once, every request's together. A new step
+  beyond that is refused at once (never blocking the caller; the progress says
+  ``back-pressure``) and its blocks go with a later step or the tail; a refused first layer
+  group refuses the step's later groups too. A queued step holds no copy (only the block
+  list and references to the cache), so the bound is on the work behind the step, not memory;
+  the connector's pool bounds the bytes published;
+* the finish supersedes a request's queued steps: its tail takes their blocks (and waits for
+  one running), so the manifest lists exactly what was published, in order;
 * a chunk that could not be published (no room in the pool within the step's deadline, a
   transport error) is dropped and its blocks go with a later chunk or the tail; after
   :data:`MAX_FAILED_STEPS` such steps in a row the stream ships no more (the tail takes the
@@ -43,10 +61,12 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
+
+import torch
 
 from omnikv._logging import RateLimitedLog
 from omnikv.config import RetryPolicy
@@ -60,11 +80,13 @@ from omnikv.transfer.stream.manifest import chunk_key, chunk_parts, reserved_key
 from omnikv.wire.format import MAX_STREAM_CHUNKS
 
 __all__ = [
+    "DEFAULT_MAX_QUEUED",
     "MAX_FAILED_STEPS",
     "STEP_PUT_S",
     "KVStreams",
     "Seal",
     "ShippedChunk",
+    "StepListener",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +98,9 @@ STEP_PUT_S = 0.25
 MAX_FAILED_STEPS = 3
 #: Streams open at once per sender (the oldest is aborted beyond it).
 DEFAULT_CAPACITY = 4096
+#: Steps waiting for the stream worker at once, every request's together (a new step beyond
+#: it is refused: its blocks go with a later step or the tail).
+DEFAULT_MAX_QUEUED = 64
 _ONE_ATTEMPT = RetryPolicy(attempts=1)
 
 
@@ -139,6 +164,66 @@ class _Stream:
         return any(c.layers is not None for c in self.chunks)
 
 
+class _Job(NamedTuple):
+    """One step handed to the worker: the request, copies of its entry and cache list (the
+    blocks are the caller's), the step's seal and layer group, and the caller's device work
+    to wait for (a CUDA event; ``None`` on the host)."""
+
+    rid: str
+    entry: dict[str, Any]
+    batch: SendBatch
+    seal: Seal | None
+    layers: tuple[int, int] | None
+    ready: Any
+
+
+@dataclass
+class _Done:
+    """What a request's completed steps published since its last progress (and the latest
+    reason one of them gave)."""
+
+    new: int = 0
+    nbytes: int = 0
+    reason: str | None = None
+
+
+#: Told each step's outcome and layer group (``None``: every layer), on the worker's thread.
+StepListener = Callable[[StreamProgress, tuple[int, int] | None], object]
+
+
+def _check_entry(entry: Any) -> tuple[list[int] | tuple[int, ...], int]:
+    """A step's ``entry``'s block ids and token count; raises :class:`SendRefused`."""
+    if not isinstance(entry, Mapping):
+        raise SendRefused(f"entry must be a dict, got {type(entry).__name__}")
+    block_ids, seq_len = entry.get("block_ids"), entry.get("seq_len")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise SendRefused(f"seq_len must be an int >= 0, got {seq_len!r:.40}")
+    if not isinstance(block_ids, list | tuple) or not all(type(b) is int for b in block_ids):
+        raise SendRefused("block_ids must be a list of ints")
+    return block_ids, seq_len
+
+
+def _entry_copy(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """``entry`` as the worker reads it: its own block list (the caller may reuse its list)."""
+    return {**entry, "block_ids": list(entry["block_ids"])}
+
+
+def _device_ready(layers: Sequence[Any]) -> Any:
+    """A CUDA event recorded on the caller's current stream when the caches live on a GPU
+    (the worker waits for it, so that it reads the blocks the caller's kernels wrote);
+    ``None`` for caches in host memory."""
+    for layer in layers:
+        parts = layer if isinstance(layer, list | tuple) else (layer,)
+        for t in parts:
+            if isinstance(t, torch.Tensor):
+                if not t.is_cuda:
+                    return None
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(t.device))
+                return event
+    return None
+
+
 class Seal(Protocol):
     """A stream step's caller's per-chunk metadata: called with the chunk's token range
     ``[start, stop)`` and its block ids before the chunk is made, and with ``layers`` (its
@@ -185,8 +270,11 @@ class KVStreams:
 
     Made and called by the transfer edge (:meth:`ship` per step, :meth:`tail` and
     :meth:`settle` at the finish, :meth:`abort`, :meth:`close`); calls down into ``sender``
-    and ``deliveries`` (the edge's, given here), never back. Thread-safe; steps of one request
-    are expected from one thread at a time (the runner's).
+    and ``deliveries`` (the edge's, given here), never back; ``on_step`` (optional) is told
+    each step's outcome and layer group on the worker's thread. Thread-safe; steps of one
+    request are expected from one thread at a time (the runner's). At most ``max_queued``
+    (default :data:`DEFAULT_MAX_QUEUED`) steps wait for the worker (see the module
+    docstring).
     """
 
     def __init__(
@@ -195,14 +283,35 @@ class KVStreams:
         *,
         deliveries: DeliveryBook | None = None,
         capacity: int = DEFAULT_CAPACITY,
+        max_queued: int | None = None,
+        on_step: StepListener | None = None,
     ) -> None:
         self.sender = sender
         self.deliveries = deliveries
         self.capacity = capacity
+        self.max_queued = max(1, int(DEFAULT_MAX_QUEUED if max_queued is None else max_queued))
+        self.on_step = on_step
+        #: steps refused for back-pressure, and the most ever queued at once
+        self.backpressured = self.queued_max = 0
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._jobs: deque[_Job] = deque()
+        self._running: str | None = None
+        self._closed = False
+        #: per request: what its completed steps published since its last progress
+        self._done: OrderedDict[str, _Done] = OrderedDict()
+        #: requests whose step's first layer group was refused (its later groups are too)
+        self._skipped: set[str] = set()
+        # Started here, not by the first step: that step's caller then only wakes it.
+        self._worker = self._start_worker()
 
-    # -- per step -----------------------------------------------------------------------------
+    def _start_worker(self) -> threading.Thread:
+        worker = threading.Thread(target=self._work, name="omnikv-stream-send", daemon=True)
+        worker.start()
+        return worker
+
+    # -- per step (the caller's thread) ----------------------------------------------------------
     def ship(
         self,
         request_id: str,
@@ -215,9 +324,20 @@ class KVStreams:
         seal: Seal | None = None,
         layers: tuple[int, int] | None = None,
     ) -> StreamProgress:
-        """Ship ``request_id``'s full blocks not shipped yet as one chunk; never raises for the
-        request's failure (the progress says why nothing went). ``seal`` (optional) is asked
-        for the chunk's own metadata (see :class:`Seal`) before the chunk is made.
+        """Hand ``request_id``'s step to the stream worker, which ships the full blocks not
+        shipped yet as one chunk; returns at once (no copy, no put, no seal here) and never
+        raises for the request's failure. The progress tells what the worker published for
+        the request since the previous call (``new``, ``nbytes``; a background failure as
+        ``reason``), the stream's state (``shipped``, ``chunks``) and the steps still
+        ``pending``; arguments that cannot stream, a closed stream set and back-pressure are
+        answered at once in ``reason``. ``seal`` (optional) is asked, on the worker, for the
+        chunk's own metadata (see :class:`Seal`) before the chunk is made.
+
+        ``entry``'s block list and ``kv_caches``' list are copied here; the blocks themselves
+        are read by the worker later: the caller must not change a full block while the
+        request streams, nor free or reuse the request's blocks before its finish
+        (:meth:`tail`, i.e. the send), :meth:`abort` or :meth:`close` returned (each waits
+        for a step of the request that is running and drops those still queued).
 
         With ``layers`` (``[first, stop)`` of ``kv_caches``, which still names every layer) the
         chunk holds only those layers: a *layer group*, shipped as soon as the caller's forward
@@ -228,17 +348,169 @@ class KVStreams:
         that order (or one that cannot be published) drops the range's groups and stops the
         stream: the finish sends the rest with the tail."""
         rid = str(request_id)
-        self.drop_orphans()
         sender = self.sender
+        from_stage, to_stage = sender.stages
+        if not sender.enabled or from_stage is None or to_stage is None:
+            return StreamProgress(rid, reason="not sending (need_send_cache, stages, connector)")
+        try:
+            _check_entry(entry)
+            batch = sender.prepare(kv_caches, block_size, cache_dtype, resolver, 0.0)
+        except (SendRefused, OmniKVError) as exc:
+            logger.debug("Not streaming KV of %s: %s", rid, exc)
+            self.abort(rid)
+            return StreamProgress(rid, reason=str(exc))
+        span = _layer_span(layers, len(batch.kv_caches))
+        if isinstance(span, str):
+            return self._report(rid, span)
+        job = _Job(rid, _entry_copy(entry), batch, seal, layers, _device_ready(batch.kv_caches))
+        return self._queue(job, span)
+
+    def _queue(self, job: _Job, span: tuple[int, int] | None) -> StreamProgress:
+        """Queue ``job`` (a whole step replaces its request's whole step still queued: the
+        newer one covers every block the older would have shipped) or refuse it when
+        :attr:`max_queued` steps wait; the request's progress either way."""
+        rid = job.rid
+        first = span is None or span[0] == 0
+        with self._cv:
+            if self._closed:
+                return self._progress_locked(rid, "the streams are closed")
+            if not first and rid in self._skipped:
+                return self._progress_locked(rid, "its step's first layer group was not queued")
+            self._skipped.discard(rid)
+            last = next((j for j in reversed(self._jobs) if j.rid == rid), None)
+            if span is None and last is not None and last.layers is None:
+                self._jobs[self._jobs.index(last)] = job  # (same place in the queue)
+            elif first and len(self._jobs) >= self.max_queued:
+                if span is not None:
+                    self._skipped.add(rid)
+                self.backpressured += 1
+                why = (
+                    f"back-pressure: {len(self._jobs)} stream steps queued; these blocks go"
+                    " with a later step or the tail"
+                )
+                return self._progress_locked(rid, why)
+            else:
+                self._jobs.append(job)
+                self.queued_max = max(self.queued_max, len(self._jobs))
+            progress = self._progress_locked(rid, None)
+            self._cv.notify_all()
+            if not self._worker.is_alive():  # (a forked child inherits no thread)
+                self._worker = self._start_worker()
+            return progress
+
+    def _report(self, rid: str, reason: str | None) -> StreamProgress:
+        with self._cv:
+            return self._progress_locked(rid, reason)
+
+    def _progress_locked(self, rid: str, reason: str | None) -> StreamProgress:
+        """``rid``'s progress (lock held): what its completed steps published since the last
+        progress handed out (taken now), ``reason`` or else the latest completed step's, the
+        stream's state and the steps still pending."""
+        done = self._done.pop(rid, None) or _Done()
+        stream = self._streams.get(rid)
+        pending = sum(1 for j in self._jobs if j.rid == rid) + (self._running == rid)
+        return StreamProgress(
+            rid,
+            0 if stream is None else stream.shipped,
+            0 if stream is None else len(stream.chunks),
+            done.new,
+            reason if reason is not None else done.reason,
+            done.nbytes,
+            pending,
+        )
+
+    # -- the stream worker ------------------------------------------------------------------------
+    def _work(self) -> None:
+        """The worker's loop: each queued step in order (:meth:`_run_step`), its outcome kept
+        for the request's next progress and told to ``on_step``; ends at :meth:`close`."""
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._running = job.rid
+            try:
+                if job.ready is not None:
+                    job.ready.synchronize()  # the caller's kernels that wrote the blocks
+                progress = self._run_step(job)
+            except Exception as exc:  # a bug: the stream stops, the finish sends it whole
+                logger.debug("KV stream step of %s raised", job.rid, exc_info=True)
+                self._forget(job.rid)
+                progress = StreamProgress(
+                    job.rid, reason=f"stream step raised {type(exc).__name__}: {exc}"
+                )
+            with self._cv:
+                self._running = None
+                done = self._done.setdefault(job.rid, _Done())
+                self._done.move_to_end(job.rid)
+                done.new += progress.new
+                done.nbytes += progress.nbytes
+                done.reason = progress.reason if progress.reason is not None else done.reason
+                while len(self._done) > self.capacity:
+                    self._done.popitem(last=False)
+                self._cv.notify_all()
+            if self.on_step is not None:
+                try:
+                    self.on_step(progress, job.layers)
+                except Exception:
+                    logger.debug("on_step raised for %s", job.rid, exc_info=True)
+
+    def _settle_jobs(self, rid: str, *, cancel: bool, timeout: float | None = None) -> bool:
+        """Wait until no step of ``rid`` is queued or running (``cancel``: its queued steps
+        are dropped first, so only a running one is waited for); False at ``timeout``. On the
+        worker's own thread (a step's callback) nothing is waited for."""
+        if threading.current_thread() is self._worker:
+            return self._running != rid
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            if cancel:
+                kept = [j for j in self._jobs if j.rid != rid]
+                if len(kept) != len(self._jobs):
+                    self._jobs.clear()
+                    self._jobs.extend(kept)
+                self._skipped.discard(rid)
+
+            def idle() -> bool:
+                return self._running != rid and all(j.rid != rid for j in self._jobs)
+
+            left = None if end is None else max(0.0, end - time.monotonic())
+            return self._cv.wait_for(idle, timeout=left)
+
+    def wait(self, request_id: str, timeout: float | None = None) -> StreamProgress:
+        """Wait up to ``timeout`` s (``None``: no limit) until every step of ``request_id``
+        handed over so far ran; the request's progress then (``pending`` > 0 at the
+        timeout)."""
+        rid = str(request_id)
+        self._settle_jobs(rid, cancel=False, timeout=timeout)
+        return self._report(rid, None)
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s (``None``: no limit) until no step of any request is
+        queued or running; False at the timeout."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: not self._jobs and self._running is None, timeout=timeout
+            )
+
+    def _run_step(self, job: _Job) -> StreamProgress:
+        """One queued step, on the worker: ship ``job``'s request's full blocks not shipped
+        yet (or one layer group of them) as one chunk; never raises for the request's
+        failure (the progress says why nothing went)."""
+        rid, sender, layers = job.rid, self.sender, job.layers
+        self.drop_orphans()
         from_stage, to_stage = sender.stages
         connector = sender.connector.get() if sender.enabled else None
         if from_stage is None or to_stage is None or connector is None:
             return StreamProgress(rid, reason="not sending (need_send_cache, stages, connector)")
+        deadline = time.monotonic() + min(STEP_PUT_S, sender.options.send_timeout)
+        batch = job.batch._replace(deadline=deadline)
         try:
-            step = self._step(rid, entry, kv_caches, block_size, cache_dtype, resolver)
+            step = self._step(rid, job.entry, batch)
         except (SendRefused, OmniKVError) as exc:
             logger.debug("Not streaming KV of %s: %s", rid, exc)
-            self.abort(rid)
+            self._forget(rid)
             return StreamProgress(rid, reason=str(exc))
         stream, ids, batch = step
         self._note_refusal(rid, stream)
@@ -266,7 +538,7 @@ class KVStreams:
             mark.update(l=[list(span)], lc=stream.num_layers)
             batch = batch._replace(kv_caches=batch.kv_caches[span[0] : span[1]])
         try:
-            meta = _sealed(seal, start, stop, ids, span)
+            meta = _sealed(job.seal, start, stop, ids, span)
             payloads = sender.plan_blocks(stream.transfer_id, keys, ids, batch, mark, meta)
         except (SendRefused, OmniKVError) as exc:
             return self._stop(rid, stream, f"chunk {index} cannot be made: {exc}", connector)
@@ -371,34 +643,20 @@ class KVStreams:
         return StreamProgress(rid, stream.shipped, len(stream.chunks), new, reason, nbytes)
 
     def _step(
-        self,
-        rid: str,
-        entry: Any,
-        kv_caches: Any,
-        block_size: Any,
-        cache_dtype: Any,
-        resolver: Callable[[str], str] | None,
+        self, rid: str, entry: Mapping[str, Any], batch: SendBatch
     ) -> tuple[_Stream, list[int], SendBatch]:
         """The request's stream (opened, or restarted when what it shipped no longer holds),
         the ids of its newly full blocks, and the step's batch; raises the reason it cannot
         stream."""
-        sender = self.sender
-        deadline = time.monotonic() + min(STEP_PUT_S, sender.options.send_timeout)
-        batch = sender.prepare(kv_caches, block_size, cache_dtype, resolver, deadline)
-        if not isinstance(entry, Mapping):
-            raise SendRefused(f"entry must be a dict, got {type(entry).__name__}")
-        block_ids, seq_len = entry.get("block_ids"), entry.get("seq_len")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise SendRefused(f"seq_len must be an int >= 0, got {seq_len!r:.40}")
-        if not isinstance(block_ids, list | tuple) or not all(type(b) is int for b in block_ids):
-            raise SendRefused("block_ids must be a list of ints")
+        sender, resolver = self.sender, batch.resolver
+        block_ids, seq_len = _check_entry(entry)
         full = min(seq_len // batch.block_size, len(block_ids))
         transfer_id = sender.transfer_id(rid, resolver)
         with self._lock:
             stream = self._streams.get(rid)
         if stream is not None and not _still_holds(stream, transfer_id, batch, block_ids):
             logger.debug("KV stream of %s restarts: its blocks or caches changed", rid)
-            self.abort(rid)
+            self._forget(rid)
             stream = None
         if stream is None:
             from_stage, to_stage = sender.stages
@@ -414,7 +672,7 @@ class KVStreams:
                 transfer_id,
                 secrets.token_hex(8),
                 batch.block_size,
-                str(cache_dtype),
+                str(batch.cache_dtype),
                 len(batch.kv_caches),
                 keys,
             )
@@ -469,7 +727,9 @@ class KVStreams:
         """Called by the sender's finish once it has checked the request's blocks: the tail to
         send when the request's stream shipped chunks that are still the start of its KV,
         under these same ``keys`` (else the stream, if any, is dropped and ``None`` says: send
-        it whole)."""
+        it whole). Its steps still queued are dropped first (the tail takes their blocks)
+        and one running is waited for, so the manifest lists exactly what was published."""
+        self._settle_jobs(request_id, cancel=True)
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
@@ -482,7 +742,7 @@ class KVStreams:
             or not _still_holds(stream, transfer_id, batch, block_ids)
         ):
             logger.debug("KV stream of %s dropped: it no longer matches the finish", request_id)
-            self.abort(request_id)
+            self._forget(request_id)
             return None
         manifest: dict[str, Any] = {
             "k": "tail",
@@ -500,7 +760,10 @@ class KVStreams:
         """The chunks ``request_id``'s open stream has shipped, in order (those of whole
         ranges: a range still missing layer groups is not listed); empty without a stream.
         What a finish's tail manifest will list, unless the finish finds the stream no longer
-        matches its blocks (it then sends the request whole)."""
+        matches its blocks (it then sends the request whole): read by a finish, so the
+        request's steps still queued are dropped (the tail takes their blocks) and one running
+        is waited for first."""
+        self._settle_jobs(str(request_id), cancel=True)
         with self._lock:
             stream = self._streams.get(str(request_id))
             return [] if stream is None else [c._replace(seal=dict(c.seal)) for c in stream.chunks]
@@ -511,6 +774,7 @@ class KVStreams:
         if result.status in (SendStatus.SENT, SendStatus.DELIVERED):
             with self._lock:
                 self._streams.pop(result.request_id, None)
+                self._done.pop(result.request_id, None)
         else:
             self.abort(result.request_id)
 
@@ -530,20 +794,40 @@ class KVStreams:
 
     def abort(self, request_id: str) -> int:
         """Forget ``request_id``'s stream and drop every chunk it published (a request aborted
-        mid-stream); the number of chunk keys dropped (0: no stream)."""
+        mid-stream): its steps still queued are dropped and one running is waited for first,
+        so nothing of the request is published after this returns and its blocks are no
+        longer read. The number of chunk keys dropped (0: no stream)."""
+        rid = str(request_id)
+        self._settle_jobs(rid, cancel=True)
+        with self._cv:
+            self._done.pop(rid, None)
+        return self._forget(rid)
+
+    def _forget(self, rid: str) -> int:
+        """:meth:`abort` without settling the request's steps (a step's own restart, a finish
+        that already settled them)."""
         with self._lock:
-            stream = self._streams.pop(str(request_id), None)
+            stream = self._streams.pop(rid, None)
         if stream is None:
             return 0
         if self.deliveries is not None:
-            self.deliveries.forget_unsent(str(request_id))
+            self.deliveries.forget_unsent(rid)
         return self._drop_stream(stream)
 
     def close(self) -> None:
-        """Abort every open stream (the edge's close). Idempotent."""
+        """Drop every queued step, wait for one running, stop the worker and abort every
+        open stream (the edge's close). Idempotent."""
+        with self._cv:
+            self._closed = True
+            self._jobs.clear()
+            self._skipped.clear()
+            self._cv.notify_all()
+        if self._worker is not threading.current_thread():
+            self._worker.join()
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
+            self._done.clear()
         for stream in streams:
             self._drop_stream(stream)
 

@@ -1,9 +1,11 @@
 """The receiver side of the NIXL connector: claim, READ into a registered slot, quarantine.
 
-``wait`` claims the key at the sender (a long-poll, no sleep loop), reserves a slot of the
-granted size in its own registered pool and READs the bytes with NIXL, the transfer id as the
-completion notification (which frees the sender's entry). Agent metadata is fetched once per
-sender (again if the sender's agent changed: it restarted).
+The wait loop, late arrivals and quarantine are the pull receivers' shared core
+(:class:`~omnikv.connectors.pull.receiving.PullReceiver`); this module is NIXL's backend to it.
+Asking for a key is a ``claim`` of it at the sender (a long-poll, no sleep loop); the transfer
+reserves a slot of the granted size in the receiver's registered pool and READs the bytes with
+NIXL, the transfer id as the completion notification (which frees the sender's entry). Agent
+metadata is fetched once per sender (again if the sender's agent changed: it restarted).
 
 While the READ runs the receiver polls it (finely, bounded) and pings the sender's control
 port; a sender silent for ``peer_timeout_seconds``, or a READ failing while the sender does not
@@ -23,24 +25,22 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer, notify_incoming
+from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent, Transfer
-from omnikv.connectors.nixl.protocol import (
-    LONG_POLL_CAP_S,
-    NixlSettings,
-)
+from omnikv.connectors.nixl.config import NixlSettings
+from omnikv.connectors.nixl.protocol import LONG_POLL_CAP_S
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import Channel, ControlClient
-from omnikv.connectors.pull.connector import LateArrivals, deliver, transfer_budget_s
+from omnikv.connectors.pull.connector import deliver, transfer_budget_s
 from omnikv.connectors.pull.control import Endpoint
-from omnikv.connectors.pull.quarantine import Outcome, Quarantine
+from omnikv.connectors.pull.quarantine import Outcome
+from omnikv.connectors.pull.receiving import PullReceiver
 from omnikv.deadline import remaining
 from omnikv.errors import (
-    ConnectorClosedError,
     ConnectorError,
     ConnectorUnavailableError,
     PeerGoneError,
@@ -57,19 +57,21 @@ POLL_FIRST_S = 0.00002
 POLL_CAP_S = 0.0005
 _MAX_LATE = 1024
 _MAX_BUDGET_S = 3600.0
-#: The claim's hold while an earlier READ of the same key is parked (it may become a late arrival).
-_PARKED_HOLD_S = 0.25
 #: How long a pong may take to be read once pinged (the socket poll's own granularity is 1 ms).
 _PONG_POLL_S = 0.0001
 
 
 @dataclass(frozen=True)
 class _Grant:
+    """A lease the sender granted (its ``grant`` answer) and where it came from."""
+
     key: str
     xid: str
     size: int
     addr: int
     agent: str
+    endpoint: Endpoint
+    chan: Channel = field(compare=False, repr=False)
 
 
 @dataclass
@@ -93,7 +95,9 @@ class _ParkedRead:
 
 
 class NixlReceiverSide:
-    """Claims and READs payloads into its registered pool. Owned by ``NixlConnector``.
+    """Claims and READs payloads into its registered pool. Owned by ``NixlConnector``; the
+    backend of its :class:`~omnikv.connectors.pull.receiving.PullReceiver` (``claim``:
+    ``claim``; ``transfer``: the READ).
 
     ``read_hook`` (test hook, set through
     :meth:`~omnikv.connectors.nixl.connector.NixlConnector.set_read_hook`) runs before each
@@ -119,77 +123,23 @@ class NixlReceiverSide:
         self._counters = counters
         self._lock = lock
         self._remotes: dict[Endpoint, str] = {}
-        self._late = LateArrivals(pool, counters, limit=_MAX_LATE)
-        self.closed = False
-        self._quarantine = Quarantine(
+        #: The wait loop, quarantine and late arrivals this side is the backend of (the
+        #: connector receives through it).
+        self.core = PullReceiver(
+            self,
             pool,
-            self._late,
             counters,
-            interval_s=max(0.01, min(0.25, settings.peer_timeout_s / 10)),
-            name="omnikv-nixl-quarantine",
-            closed=lambda: self.closed,
+            peer_timeout_s=settings.peer_timeout_s,
+            quarantine_interval_s=max(0.01, min(0.25, settings.peer_timeout_s / 10)),
+            quarantine_name="omnikv-nixl-quarantine",
+            engine="NixlConnector",
+            max_late=_MAX_LATE,
         )
 
-    # -- the public paths --------------------------------------------------------------------
-    def wait(
-        self,
-        key: str,
-        endpoint: Endpoint,
-        deadline: float,
-        on_incoming: Callable[[int], object] | None = None,
-        abort: threading.Event | None = None,
-    ) -> ManagedBuffer | None:
-        """Claim, READ and hand over ``key``; ``None`` at ``deadline`` (nothing consumed).
-        ``on_incoming`` hears the granted size before each READ starts. With ``abort``, each
-        claim is held at most :data:`ABORT_POLL_S` and a set ``abort`` ends the wait with
-        ``None``; a READ that started runs until ``deadline``."""
-        late = self._late.take(key)
-        if late is not None:
-            return late
-        while True:
-            if self.closed:
-                raise ConnectorClosedError("NixlConnector is closed")
-            if remaining(deadline) <= 0:
-                self._counters.add("misses")
-                return None
-            parked = self._quarantine.holds(key)
-            # a parked READ of this key may finish any moment: hold the claim briefly only
-            if abort is not None and abort.is_set():
-                return None
-            hold_s = _PARKED_HOLD_S if parked else math.inf
-            if abort is not None:
-                hold_s = min(hold_s, ABORT_POLL_S)
-            got = self._attempt(key, endpoint, deadline, hold_s, on_incoming)
-            if got is not None:
-                return got
-            late = self._late.take(key)
-            if late is not None:
-                return late
-
-    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
-        """One claim without holding; READ if the key is there. ``None`` otherwise."""
-        late = self._late.take(key)
-        if late is not None:
-            return late
-        got = self._attempt(key, endpoint, time.monotonic() + self._s.peer_timeout_s, 0.0)
-        if got is None:
-            self._counters.add("misses")
-        return got
-
-    def held(self, key: str) -> int | None:
-        """The size of ``key`` when a READ of it completed after its wait gave up (held here
-        for the next take), else ``None``."""
-        return self._late.size(key)
-
-    def _attempt(
-        self,
-        key: str,
-        endpoint: Endpoint,
-        deadline: float,
-        hold_s: float,
-        on_incoming: Callable[[int], object] | None = None,
-    ) -> ManagedBuffer | None:
-        """One claim (held at most ``hold_s`` and the long-poll cap) and, if granted, the READ."""
+    # -- the backend: ask with ``claim``, transfer with a READ ---------------------------------
+    def claim(self, key: str, endpoint: Endpoint, deadline: float, hold_s: float) -> _Grant | None:
+        """One claim of ``key`` (held at most ``hold_s`` and the long-poll cap), after loading
+        the sender's metadata on first contact: the lease, or ``None`` (the core's ask)."""
         chan = self._client.channel(endpoint, min(remaining(deadline), self._s.peer_timeout_s))
         if chan is None:  # the sender is not (yet) listening: retry until the deadline
             return None
@@ -206,8 +156,11 @@ class NixlReceiverSide:
         hook = self.read_hook
         if hook is not None and hook() is False:
             return None  # as if this receiver died between its grant and its READ
-        notify_incoming(on_incoming, grant.size)
-        return self._read(chan, endpoint, grant, deadline)
+        return grant
+
+    def transfer(self, grant: _Grant, deadline: float) -> ManagedBuffer | None:
+        """The READ of a granted lease into a receive slot (the core's transfer)."""
+        return self._read(grant.chan, grant.endpoint, grant, deadline)
 
     # -- metadata ----------------------------------------------------------------------------
     def _remote(self, endpoint: Endpoint, chan: Channel, deadline: float) -> str | None:
@@ -264,7 +217,7 @@ class NixlReceiverSide:
             raise ConnectorUnavailableError(f"sender refused the claim of {key}: {reply['reason']}")
         if reply["op"] != "grant" or not reply["found"]:
             return None
-        return _Grant(key, xid, reply["size"], reply["addr"], reply["agent"])
+        return _Grant(key, xid, reply["size"], reply["addr"], reply["agent"], endpoint, chan)
 
     def _await(
         self, chan: Channel, endpoint: Endpoint, nonce: bytes, timeout_s: float, key: str
@@ -410,11 +363,7 @@ class NixlReceiverSide:
     def _quarantine_slot(self, key: str, xfer: Transfer, offset: int) -> None:
         """The receive gave up while its READ may still write the slot at ``offset``."""
         parked = _ParkedRead(xfer, time.monotonic(), self._s.quarantine_dead_s)
-        self._quarantine.add(uuid.uuid4().hex, key, offset, xfer.nbytes, parked)
-
-    def cleanup(self, request_id: str) -> None:
-        """Drop the late arrivals of ``request_id`` (:func:`matches_request`)."""
-        self._late.cleanup(request_id)
+        self.core.park(uuid.uuid4().hex, key, offset, xfer.nbytes, parked)
 
     @property
     def client(self) -> ControlClient:
@@ -423,24 +372,19 @@ class NixlReceiverSide:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "quarantined": len(self._quarantine),
-                "late_arrivals_held": len(self._late),
-                "remote_agents": len(self._remotes),
-            }
+            remotes = len(self._remotes)
+        return {**self.core.stats(), "remote_agents": remotes}
 
     @property
     def reaper(self) -> threading.Thread | None:
-        return self._quarantine.thread
+        return self.core.reaper
 
     def close(self, timeout_s: float) -> bool:
         """Stop the reaper; cancel quarantined READs. True when none can still write."""
-        self.closed = True
-        parked = self._quarantine.close(5.0)
+        parked = self.core.close(5.0)
         end = time.monotonic() + timeout_s
         with self._lock:
             self._remotes.clear()
-        self._late.clear()
         xfers = [p.xfer for p in parked if isinstance(p, _ParkedRead)]
         for xfer in xfers:
             while not xfer.release() and time.monotonic() < end:

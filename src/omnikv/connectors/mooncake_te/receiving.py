@@ -1,7 +1,10 @@
 """The receiver side of the Transfer Engine connector: query, reserve, pull, deliver.
 
-``wait`` long-polls the sender with ``query`` (no sleep loop), reserves a slot of the announced
-size in its own registered pool and sends ``pull``; the sender writes into the slot and answers
+The wait loop, late arrivals and quarantine are the pull receivers' shared core
+(:class:`~omnikv.connectors.pull.receiving.PullReceiver`); this module is the Transfer Engine's
+backend to it. Asking for a key is a ``query`` long-poll to the sender (no sleep loop); the
+transfer reserves a slot of the announced size in the receiver's registered pool and sends
+``pull``; the sender writes into the slot and answers
 ``done``. While it waits for ``done`` the receiver pings; silence for ``peer_timeout_seconds``
 raises :class:`~omnikv.errors.PeerGoneError`. If the receiver gives up (deadline, peer gone)
 while the write may still be running, the slot is *quarantined*
@@ -20,29 +23,27 @@ sender stays silent is dropped, so a restarted sender is greeted afresh.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer, notify_incoming
+from omnikv.connectors.base import ManagedBuffer
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.config import TEConfig
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
-from omnikv.connectors.mooncake_te.protocol import (
-    INCARNATION_BYTES,
-    LONG_POLL_CAP_S,
-    TEConfig,
-)
+from omnikv.connectors.mooncake_te.protocol import INCARNATION_BYTES, LONG_POLL_CAP_S
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.client import Channel, ControlClient
-from omnikv.connectors.pull.connector import LateArrivals, deliver, transfer_budget_s
+from omnikv.connectors.pull.connector import deliver, transfer_budget_s
 from omnikv.connectors.pull.control import ControlCodec
-from omnikv.connectors.pull.quarantine import Outcome, Quarantine
+from omnikv.connectors.pull.quarantine import Outcome
+from omnikv.connectors.pull.receiving import PullReceiver
 from omnikv.deadline import remaining
-from omnikv.errors import ConnectorClosedError, ConnectorUnavailableError, PeerGoneError
+from omnikv.errors import ConnectorUnavailableError, PeerGoneError
 
 __all__ = ["ReceiverSide"]
 
@@ -50,6 +51,15 @@ logger = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 _RETRYABLE = frozenset({"not_found", "busy", "expired"})
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """A key the sender said it holds (its ``info`` answer): what a pull of it asks for."""
+
+    key: str
+    endpoint: Endpoint
+    size: int
 
 
 @dataclass
@@ -65,7 +75,9 @@ class _Pull:
 
 
 class ReceiverSide:
-    """Channels to senders, receive slots, quarantine and late arrivals of one connector."""
+    """Channels to senders and receive slots of one connector, and its
+    :class:`~omnikv.connectors.pull.receiving.PullReceiver` (wait loop, quarantine, late
+    arrivals), to which it is the backend (``claim``: ``query``; ``transfer``: ``pull``)."""
 
     def __init__(
         self,
@@ -85,67 +97,29 @@ class ReceiverSide:
             "len": pool.size,
         }
         self._client = ControlClient(codec, hello, heartbeat_s=cfg.limits.heartbeat_s)
-        self._late = LateArrivals(pool, counters)
-        self._stop = threading.Event()
-        self._quarantine = Quarantine(
+        #: The wait loop, quarantine and late arrivals this side is the backend of (the
+        #: connector receives through it).
+        self.core = PullReceiver(
+            self,
             pool,
-            self._late,
             counters,
-            interval_s=max(0.05, min(0.5, cfg.peer_timeout_s / 5)),
-            name="omnikv-te-quarantine",
-            closed=self._stop.is_set,
+            peer_timeout_s=cfg.peer_timeout_s,
+            quarantine_interval_s=max(0.05, min(0.5, cfg.peer_timeout_s / 5)),
+            quarantine_name="omnikv-te-quarantine",
+            engine="MooncakeTransferEngineConnector",
         )
 
-    # -- one receive -------------------------------------------------------------------------------
-    def take(self, key: str, endpoint: Endpoint) -> ManagedBuffer | None:
-        """One query without holding, then a pull if the key is there (``get``)."""
-        late = self._late.take(key)
-        if late is not None:
-            return late
-        size = self._query(endpoint, key, time.monotonic() + self._cfg.peer_timeout_s, hold=False)
-        if size <= 0:
-            self._counters.add("misses")
-            return None
-        return self._pull(endpoint, key, size, time.monotonic() + transfer_budget_s(size))
+    # -- the backend: ask with ``query``, transfer with ``pull`` -----------------------------------
+    def claim(self, key: str, endpoint: Endpoint, deadline: float, hold_s: float) -> _Offer | None:
+        """A ``query`` for ``key``, held at most ``hold_s`` (the core's ask)."""
+        held = 0 < hold_s < math.inf
+        hold_until = min(deadline, time.monotonic() + hold_s) if held else deadline
+        size = self._query(endpoint, key, hold_until, hold=hold_s > 0)
+        return _Offer(key, endpoint, size) if size > 0 else None
 
-    def wait(
-        self,
-        key: str,
-        endpoint: Endpoint,
-        deadline: float,
-        on_incoming: Callable[[int], object] | None = None,
-        abort: threading.Event | None = None,
-    ) -> ManagedBuffer | None:
-        """Long-poll until the payload is delivered or ``deadline`` passes (``None``);
-        ``on_incoming`` hears the size before each pull starts. With ``abort``, each
-        long-poll lasts at most :data:`ABORT_POLL_S` and a set ``abort`` ends the wait with
-        ``None``; a pull that started runs until ``deadline``."""
-        late = self._late.take(key)
-        while late is None:
-            if self._stop.is_set():
-                raise ConnectorClosedError("MooncakeTransferEngineConnector is closed")
-            if remaining(deadline) <= 0:
-                self._counters.add("misses")
-                return None
-            pending = self._quarantine.holds(key)
-            if abort is not None and abort.is_set():
-                return None
-            hold_until = min(deadline, time.monotonic() + 0.25) if pending else deadline
-            if abort is not None:
-                hold_until = min(hold_until, time.monotonic() + ABORT_POLL_S)
-            size = self._query(endpoint, key, hold_until, hold=True)
-            if size > 0:
-                notify_incoming(on_incoming, size)
-                got = self._pull(endpoint, key, size, deadline)
-                if got is not None:
-                    return got
-            late = self._late.take(key)
-        return late
-
-    def held(self, key: str) -> int | None:
-        """The size of ``key`` when its transfer finished after its wait gave up (held here
-        for the next take), else ``None``."""
-        return self._late.size(key)
+    def transfer(self, grant: _Offer, deadline: float) -> ManagedBuffer | None:
+        """The ``pull`` of an offered key into a receive slot (the core's transfer)."""
+        return self._pull(grant.endpoint, grant.key, grant.size, deadline)
 
     def _channel(self, endpoint: Endpoint, deadline: float) -> Channel | None:
         return self._client.channel(endpoint, max(0.0, remaining(deadline)))
@@ -249,7 +223,7 @@ class ReceiverSide:
     def _quarantine_slot(self, pull: _Pull) -> None:
         """The receive of ``pull`` gave up while the sender may still write its slot."""
         status = _StatusQuery(self, pull.endpoint, pull.xid, pull.heard)
-        self._quarantine.add(pull.xid, pull.key, pull.offset, pull.size, status)
+        self.core.park(pull.xid, pull.key, pull.offset, pull.size, status)
 
     def transfer_state(self, endpoint: Endpoint, xid: str) -> str:
         """What the sender says about transfer ``xid``: inflight / done / failed / unknown, or
@@ -270,9 +244,6 @@ class ReceiverSide:
         return str(reply.get("state", "unknown")) if reply["op"] == "xstate" else "unknown"
 
     # -- state and shutdown ------------------------------------------------------------------------
-    def cleanup(self, request_id: str) -> None:
-        self._late.cleanup(request_id)
-
     @property
     def quarantine_dead_s(self) -> float:
         """How long a silent sender's quarantined transfer is waited for."""
@@ -284,7 +255,7 @@ class ReceiverSide:
         return self._client
 
     def stats(self) -> dict[str, Any]:
-        return {"quarantined": len(self._quarantine), "late_arrivals_held": len(self._late)}
+        return dict(self.core.stats())
 
     @property
     def rejected(self) -> int:
@@ -292,17 +263,15 @@ class ReceiverSide:
 
     @property
     def thread(self) -> threading.Thread | None:
-        return self._quarantine.thread
+        return self.core.reaper
 
     def close(self) -> None:
         """Stop the reaper, close every channel, forget quarantined slots (pool goes next)."""
-        self._stop.set()
-        left = self._quarantine.close(max(5.0, self._cfg.peer_timeout_s * 2))
+        left = self.core.close(max(5.0, self._cfg.peer_timeout_s * 2))
         self._client.close()
         if left:
             # unregistering the pool makes the engine refuse any later write into it
             logger.warning("closing with %d quarantined receive slots", len(left))
-        self._late.clear()
 
 
 @dataclass

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv._logging import RateLimitedLog
-from omnikv.connectors.base import Writer, fill_slot, matches_request
+from omnikv.connectors.base import matches_request
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.nixl.agent import NixlAgent
-from omnikv.connectors.nixl.protocol import (
-    LONG_POLL_CAP_S,
-    NixlSettings,
-)
+from omnikv.connectors.nixl.config import NixlSettings
+from omnikv.connectors.nixl.protocol import LONG_POLL_CAP_S
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.connector import PEEK_OP, peek_answer, published, transfer_budget_s
 from omnikv.connectors.pull.control import Request
+from omnikv.connectors.pull.room import PoolRoom
 from omnikv.connectors.pull.server import ControlServer
 from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_identity
 
@@ -112,6 +111,17 @@ class NixlSenderSide:
         self._counters = counters
         self._lock = lock
         self._entries: dict[str, _Entry] = {}
+        #: Where a put's slot is reserved and filled (its pool under the grace rule).
+        self.room = PoolRoom(
+            pool,
+            entries=self._entries,
+            lock=lock,
+            unclaimed=lambda e: e.lease is None,
+            drop_locked=self._evict_locked,
+            grace_s=settings.unclaimed_grace_s,
+            counters=counters,
+            verdicts=verdicts,
+        )
         self._by_xid: dict[str, _Entry] = {}
         self._waiters: list[_Waiter] = []
         self._consumed_cond = threading.Condition(lock)
@@ -124,15 +134,14 @@ class NixlSenderSide:
         self.server = server
 
     # -- puts (caller's thread) --------------------------------------------------------------
-    def put_packed(
-        self, key: str, nbytes: int, write: Writer, deadline: float, put_key: str
-    ) -> dict[str, Any]:
-        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``
-        (its verdict is watched as ``put_key``)."""
-        offset = fill_slot(self._pool, nbytes, write, max(0.0, deadline))
-        return self._publish(key, offset, nbytes, put_key)
+    def _evict_locked(self, entry: _Entry) -> None:
+        """(lock held) Drop ``entry`` (no lease out) and free its slot."""
+        self._drop_locked(entry)
+        self._pool.allocator.free(entry.offset)
 
-    def _publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+    def publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+        """Publish the slot at ``offset`` (filled through :attr:`room`) under ``key``, its
+        verdict watched as ``put_key``; an entry it replaces is retired (freed once unleased)."""
         pub = self._verdicts.published(key, put_key)  # watched before anyone can claim it
         entry = _Entry(key, offset, size, time.monotonic(), pub=pub)
         with self._lock:
@@ -164,7 +173,10 @@ class NixlSenderSide:
         elif req.op == "abort":
             self._end_lease(req.msg["xid"], "aborted")
         elif req.op == PEEK_OP:
-            self.server.answer(req, peek_answer(self._claimable(req.msg["key"])))
+            size = self._claimable(req.msg["key"])
+            if size is not None:  # told a published key's size: a genuine peer's channel
+                self.server.vouch(req.ident)
+            self.server.answer(req, peek_answer(size))
         elif req.op == VERDICT_OP:
             self._verdict(req)
 
@@ -225,6 +237,7 @@ class NixlSenderSide:
         assert self.server is not None
         addr = self._pool.address + entry.offset
         grant = {"found": True, "size": entry.size, "addr": addr, "agent": self._agent.name}
+        self.server.vouch(req.ident)  # leased a published key: a genuine peer's channel
         self.server.answer(req, {"op": "grant", **grant})
         self._counters.add("grants")
         logger.debug("leased %s to transfer %s", entry.key, entry.lease)
@@ -379,6 +392,17 @@ class NixlSenderSide:
             self._pool.allocator.free(e.offset)
         for e in hits:
             self._verdicts.forget(e.key, e.pub)
+
+    def withdraw(self, key: str) -> bool:
+        """Drop ``key``'s entry unless it is leased; whether it went (no verdict)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.lease is not None:
+                return False
+            self._drop_locked(entry)
+        self._pool.allocator.free(entry.offset)
+        self._verdicts.forget(entry.key, entry.pub)
+        return True
 
     def pending_keys(self) -> list[str]:
         with self._lock:

@@ -1,12 +1,12 @@
 """The sender side of the Transfer Engine connector: publish, answer queries, serve pulls.
 
-``put_packed`` reserves a slot in the registered pool, lets the caller encode straight into it and
-publishes it under its transport key. The control server (one listener thread) answers
-``query`` at once or holds it (long-poll) until the key is published or the requester's wait
+A put reserves a slot in the registered pool (:attr:`SenderSide.room`), lets the caller encode
+straight into it and publishes it under its transport key. The control server (one listener thread)
+answers ``query`` at once or holds it (long-poll) until the key is published or the requester's wait
 ends; a ``pull`` is checked (entry present and idle, capacity, destination inside the pool the
 requester declared in its hello) and handed to a worker, which writes the entry with
-``transfer_sync_write`` into the requester's session and frees the slot on success
-(consume-once). Entries older than ``buffer_ttl_seconds`` are dropped, never one in flight.
+``transfer_sync_write`` into the requester's session and frees the slot on success (consume-once).
+Entries older than ``buffer_ttl_seconds`` are dropped, never one in flight.
 
 Verdicts (:mod:`omnikv.connectors.pull.verdicts`): a completed pull marks the entry taken by the
 requester (its hello); that requester's ``verdict`` message, and only its, reports
@@ -34,17 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnikv._logging import RateLimitedLog
-from omnikv.connectors.base import Writer, fill_slot, matches_request
+from omnikv.connectors.base import matches_request
 from omnikv.connectors.counters import Counters
+from omnikv.connectors.mooncake_te.config import TEConfig
 from omnikv.connectors.mooncake_te.engine import TE_ERRORS
-from omnikv.connectors.mooncake_te.protocol import (
-    LONG_POLL_CAP_S,
-    XFER_HISTORY,
-    TEConfig,
-)
+from omnikv.connectors.mooncake_te.protocol import LONG_POLL_CAP_S, XFER_HISTORY
 from omnikv.connectors.pool import HostPool
 from omnikv.connectors.pull.connector import PEEK_OP, peek_answer, published
 from omnikv.connectors.pull.control import ControlCodec, Request
+from omnikv.connectors.pull.room import PoolRoom
 from omnikv.connectors.pull.server import ControlServer
 from omnikv.connectors.pull.verdicts import VERDICT_OP, SentVerdicts, peer_identity
 
@@ -260,17 +258,30 @@ class SenderSide:
             self._server.close()
             raise
         self._server.start()
+        # Last: the room holds a bound method of this side, and a side whose construction
+        # failed above must be freed at once (no cycle), closing what it had opened.
+        #: Where a put's slot is reserved and filled (its pool under the grace rule).
+        self.room = PoolRoom(
+            pool,
+            entries=self._entries,
+            lock=self._lock,
+            unclaimed=lambda e: not e.inflight,
+            drop_locked=self._drop_locked,
+            grace_s=cfg.unclaimed_grace_s,
+            counters=counters,
+            verdicts=verdicts,
+        )
 
     # -- publishing (caller threads) --------------------------------------------------------------
-    def put_packed(
-        self, key: str, nbytes: int, write: Writer, deadline: float, put_key: str
-    ) -> dict[str, Any]:
-        """Reserve a slot until ``deadline``, let ``write`` fill it, publish it under ``key``
-        (its verdict is watched as ``put_key``)."""
-        offset = fill_slot(self._pool, nbytes, write, deadline)
-        return self._publish(key, offset, nbytes, put_key)
+    def _drop_locked(self, entry: _Entry) -> None:
+        """(lock held) Unpublish ``entry`` (not in flight) and free its slot."""
+        del self._entries[entry.key]
+        self._pool.allocator.free(entry.offset)
+        self._idle.notify_all()
 
-    def _publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+    def publish(self, key: str, offset: int, size: int, put_key: str) -> dict[str, Any]:
+        """Publish the slot at ``offset`` (filled through :attr:`room`) under ``key``, its
+        verdict watched as ``put_key``; an idle entry it replaces is freed."""
         pub = self._verdicts.published(key, put_key)  # watched before anyone can pull it
         entry = _Entry(key, offset, size, time.monotonic(), pub=pub)
         with self._lock:
@@ -293,6 +304,18 @@ class SenderSide:
         for e in gone:
             self._pool.allocator.free(e.offset)
             self._verdicts.forget(e.key, e.pub)
+
+    def withdraw(self, key: str) -> bool:
+        """Drop ``key``'s entry unless a pull of it is in flight; whether it went (no verdict)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.inflight:
+                return False
+            del self._entries[key]
+            self._idle.notify_all()
+        self._pool.allocator.free(entry.offset)
+        self._verdicts.forget(entry.key, entry.pub)
+        return True
 
     def pending_keys(self) -> list[str]:
         with self._lock:
@@ -317,7 +340,7 @@ class SenderSide:
         elif req.op == PEEK_OP:
             with self._lock:
                 size = self._pullable_locked(req.msg["key"])
-            self._server.answer(req, peek_answer(size))
+            self._answer_found(req, peek_answer(size), size is not None)
         elif req.op == VERDICT_OP:
             m, peer = req.msg, peer_identity(req.peer)
             self._verdicts.receive(m["key"], peer, m["verdict"], m["reason"])
@@ -340,7 +363,14 @@ class SenderSide:
                     self._waiters.append(_Waiter(req, key, time.monotonic() + wait_s))
                     return
         found = size is not None
-        self._server.answer(req, {"op": "info", "found": found, "size": size or 0})
+        self._answer_found(req, {"op": "info", "found": found, "size": size or 0}, found)
+
+    def _answer_found(self, req: Request, reply: dict[str, Any], found: bool) -> None:
+        """Answer ``req``; a channel told a published key's size is a genuine peer's
+        (:meth:`~omnikv.connectors.pull.server.ControlServer.vouch`: never evicted)."""
+        if found:
+            self._server.vouch(req.ident)
+        self._server.answer(req, reply)
 
     def _tick(self) -> float:
         """Answer long-polls that can be answered, sweep by TTL, expire overdue verdicts;
@@ -370,7 +400,7 @@ class SenderSide:
                     keep.append(w)
             self._waiters = keep
         for req, found, size in answers:
-            self._server.answer(req, {"op": "info", "found": found, "size": size})
+            self._answer_found(req, {"op": "info", "found": found, "size": size}, found)
 
     def _start_pull(self, req: Request) -> None:
         with self._lock:
@@ -389,6 +419,7 @@ class SenderSide:
             self._server.answer(req, {"op": "error", "reason": reason})
             return
         assert entry is not None
+        self._server.vouch(req.ident)
         try:
             self._executor.submit(self._do_pull, req, entry, time.monotonic())
         except RuntimeError:  # executor shut down: closing
