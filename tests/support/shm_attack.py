@@ -9,6 +9,10 @@ line when it has one, and exits on EOF of stdin. Scenarios:
   offer, then truncate the memfd to 0 (a receiver that mapped it would die of SIGBUS).
 * ``wants``: connect and send blocking wants until disconnected; prints how many were sent.
 * ``fds``: connect and pass descriptors until disconnected; prints how many were sent.
+* ``vanish``: connect, then exit without answering on the first ``want`` (a sender killed while
+  a probe asks it).
+* ``mute``: connect and read every message, answering none (a hung peer); prints ``asked`` on
+  the first ``want``.
 * ``squat``: (run as another uid) bind the namespace's legacy lock name and a listener under the
   victims' prefix whose backlog is full, and pre-create the victims' lock directory if absent.
 
@@ -97,6 +101,33 @@ def sigbus(pfx: str) -> str:
                 os.close(fd)
 
 
+def vanish(pfx: str) -> str:
+    s = connect(peers(pfx)[0])
+    print("ready", flush=True)
+    while True:
+        try:
+            msgs = read_msgs(s)
+        except (EOFError, OSError):
+            return "disconnected"
+        if any(m[0] == "want" for m in msgs):
+            os._exit(0)  # gone with the question unanswered, as after SIGKILL
+
+
+def mute(pfx: str) -> str:
+    s = connect(peers(pfx)[0])
+    print("ready", flush=True)
+    wants = 0
+    while True:
+        try:
+            msgs = read_msgs(s)
+        except (EOFError, OSError):
+            return f"wants {wants}"
+        came = sum(1 for m in msgs if m[0] == "want")
+        if came and not wants:
+            print("asked", flush=True)
+        wants += came
+
+
 def flood(pfx: str, what: str) -> str:
     s = connect(peers(pfx)[0])
     print("ready", flush=True)
@@ -147,6 +178,10 @@ def main() -> None:
         result = sigbus(pfx)
     elif scenario in ("wants", "fds"):
         result = flood(pfx, scenario)
+    elif scenario == "vanish":
+        result = vanish(pfx)
+    elif scenario == "mute":
+        result = mute(pfx)
     else:
         result = squat(pfx, uid)
     print(result, flush=True)

@@ -5,6 +5,8 @@
   receive beyond the caller's deadline.
 * A same-uid peer over the per-connection bounds (outstanding wants, passed descriptors) is
   disconnected and logged; its state is reclaimed.
+* A probe counts a peer whose connection ended before it answered as holding nothing, and one
+  still connected that stays silent as unknown.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from omnikv.connectors.base import KeyProbe, KeyState
 from omnikv.connectors.shm.connector import SharedMemoryConnector
 from omnikv.connectors.shm.mesh import MAX_FDS_PER_LINK
 from omnikv.connectors.shm.store import MAX_WANTS_PER_LINK
+from support.polling import until
 from support.shm_attack import Attacker
 
 
@@ -125,3 +129,51 @@ def test_joins_at_once_meet_exactly_once_and_leave_no_lock_file(namespace: str) 
             c.close()
     digest = namespace_prefix(namespace).rstrip("/").rsplit("/", 1)[-1]
     assert not [n for n in os.listdir(private_dir()) if digest in n]
+
+
+
+#: A probe's deadline where a peer goes away: far above a peer's answer on any host, so a probe
+#: that ends before it did not wait it out.
+PROBE_BOUND_S = 30.0
+
+
+def _probe_with(
+    namespace: str, attackers: list[Attacker], scenario: str, within_s: float
+) -> KeyProbe:
+    """``probe`` (deadline ``within_s``) of a never-put key by a receiver whose one peer is the
+    attacker ``scenario``, connected before the probe asks."""
+    rx = SharedMemoryConnector({"namespace": namespace})
+    try:
+        attackers.append(Attacker(namespace, scenario))
+        assert attackers[-1].ready() == "ready"
+        until(lambda: rx.health()["peers"] == 1, 20.0, "the attacker connected")
+        return rx.probe("0", "1", "never", deadline=time.monotonic() + within_s)
+    finally:
+        rx.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_probe_counts_a_peer_gone_before_it_answered_as_holding_nothing(
+    namespace: str, attackers: list[Attacker]
+) -> None:
+    """A sender killed while a probe asks it (here: it exits on the question) offers nothing:
+    the probe says ``missing`` as soon as the connection ends, not ``unknown`` at its deadline."""
+    t0 = time.monotonic()
+    got = _probe_with(namespace, attackers, "vanish", PROBE_BOUND_S)
+    assert got.state is KeyState.MISSING, got
+    assert time.monotonic() - t0 < PROBE_BOUND_S
+    assert attackers[-1].proc.wait(10) == 0  # it exited on the question, unanswered
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_probe_names_a_connected_peer_that_does_not_answer(
+    namespace: str, attackers: list[Attacker]
+) -> None:
+    """The other side of the rule above: a peer still connected that stays silent may hold the
+    key, so the probe says ``unknown`` at its deadline and names how many were silent."""
+    got = _probe_with(namespace, attackers, "mute", 0.5)
+    assert got.state is KeyState.UNKNOWN, got
+    assert got.detail == "1 of 2 peer(s) did not answer", got
+    assert attackers[-1].ready() == "asked"  # the question reached it

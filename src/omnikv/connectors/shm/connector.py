@@ -660,8 +660,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         except ValueError:
             return None
         wait_s = min(PROBE_S, self.config.get_timeout_s)
-        answers = self._recv.probe(key, time.monotonic() + wait_s)
-        return self._watch.explain(key, self._mesh.links(local=False), answers, waited_s=wait_s)
+        probed = self._recv.probe(key, time.monotonic() + wait_s)
+        return self._watch.explain(
+            key, self._mesh.links(local=False), probed.answers, waited_s=wait_s
+        )
 
     def probe(
         self,
@@ -674,8 +676,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     ) -> KeyProbe:
         """``ready`` with its size when this connector or a peer of the namespace holds the
         payload unclaimed (it is in shared memory of this node: a take maps it), ``missing``
-        when every peer answered without it, ``unknown`` when one did not answer by
-        ``deadline`` or once closed. One ``want`` with
+        when every peer answered without it or went away (a dead sender offers nothing),
+        ``unknown`` when one still connected did not answer by ``deadline`` or once closed.
+        One ``want`` with
         ``probe`` per peer (the message :meth:`explain_miss` sends): nothing is offered or
         claimed. A payload that travelled inline in ``metadata`` is ``ready``. Never raises."""
         if self._closed:
@@ -686,14 +689,14 @@ class SharedMemoryConnector(OmniConnectorBase):
                 return KeyProbe(KeyState.READY, len(inline))
             key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
             asked = len(self._mesh.links())
-            answers = self._recv.probe(key, deadline)
+            probed = self._recv.probe(key, deadline)
         except Exception as exc:  # never raises: the scheduler asks again or receives
             return KeyProbe(KeyState.UNKNOWN, detail=f"{type(exc).__name__}: {exc}")
-        size = held_size(answers)
+        size = held_size(probed.answers)
         if size is not None:
             return KeyProbe(KeyState.READY, size)
-        if len(answers) < asked:
-            silent = asked - len(answers)
+        silent = asked - len(probed.answers) - len(probed.gone)
+        if silent > 0:
             return KeyProbe(KeyState.UNKNOWN, detail=f"{silent} of {asked} peer(s) did not answer")
         return KeyProbe(KeyState.MISSING)
 

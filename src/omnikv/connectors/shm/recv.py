@@ -29,7 +29,7 @@ from omnikv.connectors.shm.mesh import Link, Mesh
 from omnikv.connectors.shm.pool import MappedRegion
 from omnikv.errors import PeerGoneError
 
-__all__ = ["COUNTER_NAMES", "Offer", "RecvSide"]
+__all__ = ["COUNTER_NAMES", "Offer", "ProbeAnswers", "RecvSide"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,17 @@ class _Want:
     senders_lost: list[str] = field(default_factory=list)
     probe: bool = False  # asks what peers hold (``probe``), never takes an offer
     answers: list[tuple[Link, Any]] = field(default_factory=list)  # a probe's answers
+    gone: list[Link] = field(default_factory=list)  # a probe's peers that went away unanswered
+
+
+@dataclass
+class ProbeAnswers:
+    """What :meth:`RecvSide.probe` gathered: each answering peer's (link, answer), and the asked
+    peers whose connection ended before they answered (a process that is gone offers nothing,
+    so it is not a peer that stayed silent)."""
+
+    answers: list[tuple[Link, Any]]
+    gone: list[Link]
 
 
 class RecvSide:
@@ -121,12 +132,12 @@ class RecvSide:
             raise PeerGoneError(f"sender(s) {lost} went away while waiting for {key}")
         return offer
 
-    def probe(self, key: str, deadline: float) -> list[tuple[Link, Any]]:
+    def probe(self, key: str, deadline: float) -> ProbeAnswers:
         """Ask every peer (and ourselves) what it holds unconsumed, for explaining a miss of
-        ``key`` (``SharedMemoryConnector.explain_miss``): each answers ``miss`` with a summary
-        (``diag.probe_answer``) and never offers. A peer of an older version answers a
-        plain ``miss``, or offers the key, which is returned at once. Waits until every peer
-        answered or ``deadline``; the (link, answer) pairs that came. Never raises."""
+        ``key`` (``SharedMemoryConnector.explain_miss``) and for ``probe``: each answers
+        ``miss`` with a summary (``diag.probe_answer``) and never offers. A peer of an older
+        version answers a plain ``miss``, or offers the key, which is returned at once. Waits
+        until every peer answered or went away, or ``deadline``. Never raises."""
         links = self._mesh.links()
         with self._lock:
             want = _Want(self._next_wid, key, False, probe=True, pending=set(links))
@@ -135,13 +146,15 @@ class RecvSide:
         for link in links:
             if not self._mesh.send(link, [["want", want.wid, key, False, "probe"]]):
                 with self._lock:
-                    want.pending.discard(link)
+                    if link in want.pending:
+                        want.pending.discard(link)
+                        want.gone.append(link)
         self._leadership.wait(
             functools.partial(self._answered, want), want.event, deadline, lead=False
         )
         with self._lock:
             self._wants.pop(want.wid, None)
-            return list(want.answers)
+            return ProbeAnswers(list(want.answers), list(want.gone))
 
     def _answered(self, want: _Want) -> bool:
         with self._lock:
@@ -246,6 +259,8 @@ class RecvSide:
             for want in self._wants.values():
                 if link in want.pending:
                     want.pending.discard(link)
+                    if want.probe:
+                        want.gone.append(link)
                     self._signal(want)
                 if want.block and link.sender and want.offer is None:
                     want.senders_lost.append(f"pid {link.pid} ({link.peer})")
