@@ -154,7 +154,11 @@ def test_four_ranks_read_one_write(tmp_path: Any, namespace: str) -> None:
         h = conn.health()
         # each request written once for the 4 ranks
         assert (h["puts"], h["put_bytes"]) == (2, 2 * result.nbytes)
-        assert (h["shared_puts"], h["shared_claims"]) == (2, 2 * WORLD)
+        assert h["shared_puts"] == 2
+        # one claim served per rank and request: an offer that reached a rank after its wait's
+        # slice ended (ABORT_SLICE_S, the prefetch's abortable wait) came back as a return and
+        # was offered again, so the offers made are the claims served plus the returns
+        assert h["shared_claims"] - h["returns"] == 2 * WORLD, h
         assert all(r["missing"] is False for r in res), res
         assert all(r["missing_s"] < RECV_TIMEOUT + 3.0 for r in res), res
         end = time.monotonic() + 10
