@@ -4,13 +4,15 @@
   before it starts (its bound would never fire; a slow run would end as a bare pytest timeout,
   without the scenario's output).
 * A scenario that overruns its bound prints its threads' stacks before it is killed, and the
-  failure carries them: the report says what it was waiting on.
+  failure carries them: the report says what it was waiting on, also when the child never got
+  past its imports (the dump is armed before anything is imported).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,14 @@ def test_an_overrunning_scenario_reports_its_stacks() -> None:
     report = str(err.value)
     assert "scenario_waits_on_an_event" in report, report
     assert "Thread 0x" in report or "Current thread 0x" in report, report
+
+
+@pytest.mark.slow  # waits out a 30 s bound
+@pytest.mark.timeout(80)
+def test_a_scenario_stuck_in_its_imports_reports_its_stacks() -> None:
+    module = Path(__file__).parent / "support" / "scenario_stuck_import.py"
+    with pytest.raises(AssertionError, match="overran") as err:
+        run_scenario(str(module), "scenario_never_reached", timeout=30)
+    report = str(err.value)
+    assert "Thread 0x" in report or "Current thread 0x" in report, report
+    assert "scenario_stuck_import.py" in report, report  # the import that hung

@@ -9,14 +9,13 @@ scenario returns a JSON-able dict, which :func:`run_scenario` returns to the tes
 Inside a scenario, :class:`Master` starts the wheel's ``mooncake_master`` on free loopback ports
 and :func:`spawn` starts peers (``multiprocessing`` spawn); both are stopped by PID.
 
-Run directly as ``python tests/support/mooncake_peers.py <module file> <function> <json params>``
-(that is what :func:`run_scenario` does).
+The child runs ``python tests/support/scenario_child.py <module file> <function> <json params>``,
+which arms the stack dump first and then calls :func:`scenario_main`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import importlib.util
 import json
 import math
@@ -151,7 +150,7 @@ def run_scenario(
     env["OMNIKV_SCENARIO_STACKS_S"] = str(max(1.0, timeout - SCENARIO_STACKS_BEFORE_S))
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        str(HERE / "scenario_child.py"),
         module_file,
         func,
         json.dumps(params or {}),
@@ -255,11 +254,10 @@ def omnikv_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("omnikv")]
 
 
-def _main(argv: list[str]) -> int:
+def scenario_main(argv: list[str]) -> int:
+    """Inside the child (``scenario_child.py``): run ``func(**params)`` of ``module_file`` and
+    print its result on one ``RESULT_PREFIX`` line."""
     module_file, func, params = argv[0], argv[1], json.loads(argv[2])
-    stacks_s = os.environ.get("OMNIKV_SCENARIO_STACKS_S")
-    if stacks_s:
-        faulthandler.dump_traceback_later(float(stacks_s))
     spec = importlib.util.spec_from_file_location(Path(module_file).stem, module_file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -268,7 +266,3 @@ def _main(argv: list[str]) -> int:
     result = getattr(module, func)(**params)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

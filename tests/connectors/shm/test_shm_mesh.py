@@ -131,7 +131,6 @@ def test_joins_at_once_meet_exactly_once_and_leave_no_lock_file(namespace: str) 
     assert not [n for n in os.listdir(private_dir()) if digest in n]
 
 
-
 #: A probe's deadline where a peer goes away: far above a peer's answer on any host, so a probe
 #: that ends before it did not wait it out.
 PROBE_BOUND_S = 30.0
