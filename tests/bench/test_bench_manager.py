@@ -53,6 +53,11 @@ def test_bench_manager_small_run_verifies(tmp_path: Path) -> None:
             "seed dict, return",
         ]
         assert phases["decode"] > 0 and phases["send call to put done"] > 0
+        # the host's idle penalty beside it: the same Python back to back and after the gap
+        penalty = row["idle_penalty"]
+        assert penalty["work_hot"]["runs"] == 5 and penalty["work_cold"]["runs"] == 5
+        hot, cold = penalty["work_hot"]["median_s"], penalty["work_cold"]["median_s"]
+        assert hot > 0 and penalty["ratio"] == pytest.approx(cold / hot)
     idle = result["idle_receiver"]
     assert idle["wall_s"] >= 0.5 and 0 <= idle["cpu_s"] < idle["wall_s"]
 

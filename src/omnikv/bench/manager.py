@@ -25,8 +25,10 @@ is a real first request (pool creation, connection, mapping):
   a bare eventfd wake-up between the same two processes at the same gap. Printed with the
   steady case and the medians of the phases of one receive (send call to put done; put done to
   the receiver's wait end, i.e. the wake-up; decode; finish: checks and the verdict; the seed's
-  dict). Then an idle receiver's CPU over ``--idle-s`` seconds (10) of waiting for KV that never
-  comes (targets: p50 <= 0.4 ms, p99 <= 1 ms at each gap).
+  dict), and the host's idle penalty: a fixed piece of pure Python timed back to back and after
+  idling the same gap, alternated with the samples. Then an idle receiver's CPU over
+  ``--idle-s`` seconds (10) of waiting for KV that never comes (targets: p50 <= 0.4 ms,
+  p99 <= 1 ms at each gap).
 
 The sender stage declares the case's payload size (``expected_payload_bytes``), so its pool's
 start-up reserve (``prefault: "auto"``) is sized for it (``--prefault-mib`` sets it instead in
@@ -420,12 +422,45 @@ WAIT_PHASES = (
 class WaitingCase:
     """One gap of the waiting case: samples from the send call to the receive's return, the
     floor (a bare eventfd wake-up between the same two processes, same gap, alternated with
-    the samples) and the medians of the phases of one receive (:data:`WAIT_PHASES`)."""
+    the samples), the medians of the phases of one receive (:data:`WAIT_PHASES`), and the
+    host's idle penalty: a fixed piece of Python (:func:`_reference_work`) timed back to back
+    (``work_hot``) and after idling the gap (``work_cold``), alternated with the samples."""
 
     gap_ms: float
     stats: Stats
     floor: Stats
     phases_ms: dict[str, float]
+    work_hot: Stats
+    work_cold: Stats
+
+    @property
+    def idle_penalty(self) -> float:
+        """How many times slower the same Python runs after idling the gap (medians)."""
+        return self.work_cold.median / self.work_hot.median if self.work_hot.median else 0.0
+
+
+def _reference_work() -> int:
+    """A fixed piece of pure Python (small dicts, calls, string formatting: what both sides of
+    a request run around the put), about 0.1 ms when hot. It touches no omnikv code, so how
+    much slower it runs after an idle gap is the host's penalty, not the library's."""
+    total = 0
+    for i in range(300):
+        entry = {"rid": i, "seq_len": i * 2, "blocks": (i, i + 1)}
+        total += len(f"{entry['rid']}:{entry['seq_len']}") + len(entry["blocks"])
+    return total
+
+
+def _work_samples(gap_s: float) -> tuple[float, float]:
+    """:func:`_reference_work` timed back to back (its second run) and after idling ``gap_s``
+    (seconds each)."""
+    _reference_work()
+    t0 = time.perf_counter()
+    _reference_work()
+    hot = time.perf_counter() - t0
+    _sleep_until(time.monotonic() + gap_s)
+    t0 = time.perf_counter()
+    _reference_work()
+    return hot, time.perf_counter() - t0
 
 
 def _sleep_until(t: float) -> None:
@@ -506,10 +541,13 @@ def _run_waiting(
             if not _one(chan, mgr, caches, shape, rid=f"wait-warm-{i}", i=i, n=0)[2]:
                 failures.append(f"waiting warm-up {i}")
         for gap_ms in args.wait_gaps_ms:
-            samples, floor = [], []
+            samples, floor, hot, cold = [], [], [], []
             phases: dict[str, list[float]] = {name: [] for name in WAIT_PHASES}
             for i in range(args.wait_iters):
                 floor.append(_floor_sample(chan, efd, gap_ms / 1e3))
+                work = _work_samples(gap_ms / 1e3)
+                hot.append(work[0])
+                cold.append(work[1])
                 rid = f"wait-{gap_ms:g}-{i}"
                 took, parts, ok = _waiting_sample(chan, mgr, caches, shape, rid, gap_ms / 1e3)
                 if not ok:
@@ -523,6 +561,8 @@ def _run_waiting(
                     Stats(f"64 KiB, put {gap_ms:g} ms into the wait", samples, shape.nbytes),
                     Stats(f"floor: eventfd wake-up, {gap_ms:g} ms into the wait", floor),
                     {name: sorted(ms)[len(ms) // 2] for name, ms in phases.items()},
+                    Stats("fixed Python work, back to back", hot),
+                    Stats(f"fixed Python work, after {gap_ms:g} ms idle", cold),
                 )
             )
         if args.idle_s:
@@ -554,6 +594,12 @@ def _print_waiting(cases: list[WaitingCase], steady: Stats | None) -> None:
     for case in cases:
         parts = ", ".join(f"{name} {ms:.3f}" for name, ms in case.phases_ms.items())
         print(f"phases at {case.gap_ms:g} ms (medians, ms): {parts}")
+    for case in cases:
+        print(
+            f"the host's idle penalty at {case.gap_ms:g} ms: the same Python (no omnikv code)"
+            f" takes {case.work_cold.median * 1e3:.3f} ms after idling the gap against"
+            f" {case.work_hot.median * 1e3:.3f} ms back to back ({case.idle_penalty:.2f} x)"
+        )
 
 
 def _send(mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str) -> None:
@@ -822,6 +868,11 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, efd: int) -> int:
                 **case.stats.as_dict(),
                 "floor": case.floor.as_dict(),
                 "phases_ms": case.phases_ms,
+                "idle_penalty": {
+                    "work_hot": case.work_hot.as_dict(),
+                    "work_cold": case.work_cold.as_dict(),
+                    "ratio": case.idle_penalty,
+                },
             }
             for case in waiting
         ]
