@@ -25,8 +25,9 @@ is a real first request (pool creation, connection, mapping):
   a bare eventfd wake-up between the same two processes at the same gap. Printed with the
   steady case and the medians of the phases of one receive (send call to put done; put done to
   the receiver's wait end, i.e. the wake-up; decode; finish: checks and the verdict; the seed's
-  dict), and the host's idle penalty: a fixed piece of pure Python timed back to back and after
-  idling the same gap, alternated with the samples. Then an idle receiver's CPU over
+  dict), and the host's idle penalty: two fixed pieces of pure Python (a tight loop, and
+  scattered reads over a few MiB of objects) timed back to back and after idling the same gap,
+  alternated, once every gap's requests are done. Then an idle receiver's CPU over
   ``--idle-s`` seconds (10) of waiting for KV that never comes (targets: p50 <= 0.4 ms,
   p99 <= 1 ms at each gap).
 
@@ -53,13 +54,14 @@ import io
 import math
 import os
 import pstats
+import random
 import socket
 import statistics
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -419,48 +421,101 @@ WAIT_PHASES = (
 
 
 @dataclass
+class IdlePenalty:
+    """One reference workload (:data:`REFERENCE_WORK`, no omnikv code) timed back to back
+    (``hot``) and after idling a gap (``cold``), alternated, in the same run as the waiting
+    samples: how much slower the host runs the same Python after that idle, whatever the
+    library does."""
+
+    name: str
+    hot: Stats
+    cold: Stats
+
+    @property
+    def ratio(self) -> float:
+        """``cold`` over ``hot`` (medians)."""
+        return self.cold.median / self.hot.median if self.hot.median else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"hot": self.hot.as_dict(), "cold": self.cold.as_dict(), "ratio": self.ratio}
+
+
+@dataclass
 class WaitingCase:
     """One gap of the waiting case: samples from the send call to the receive's return, the
     floor (a bare eventfd wake-up between the same two processes, same gap, alternated with
     the samples), the medians of the phases of one receive (:data:`WAIT_PHASES`), and the
-    host's idle penalty: a fixed piece of Python (:func:`_reference_work`) timed back to back
-    (``work_hot``) and after idling the gap (``work_cold``), alternated with the samples."""
+    host's idle penalty at that gap, one :class:`IdlePenalty` per reference workload
+    (measured after every gap's requests)."""
 
     gap_ms: float
     stats: Stats
     floor: Stats
     phases_ms: dict[str, float]
-    work_hot: Stats
-    work_cold: Stats
-
-    @property
-    def idle_penalty(self) -> float:
-        """How many times slower the same Python runs after idling the gap (medians)."""
-        return self.work_cold.median / self.work_hot.median if self.work_hot.median else 0.0
+    penalties: list[IdlePenalty]
 
 
-def _reference_work() -> int:
-    """A fixed piece of pure Python (small dicts, calls, string formatting: what both sides of
-    a request run around the put), about 0.1 ms when hot. It touches no omnikv code, so how
-    much slower it runs after an idle gap is the host's penalty, not the library's."""
+def _tight_loop() -> int:
+    """Small dicts, string formatting and calls over a few KiB (about 0.08 ms hot): Python whose
+    data stays in the first-level cache."""
     total = 0
     for i in range(300):
-        entry = {"rid": i, "seq_len": i * 2, "blocks": (i, i + 1)}
+        entry: dict[str, Any] = {"rid": i, "seq_len": i * 2, "blocks": (i, i + 1)}
         total += len(f"{entry['rid']}:{entry['seq_len']}") + len(entry["blocks"])
     return total
 
 
-def _work_samples(gap_s: float) -> tuple[float, float]:
-    """:func:`_reference_work` timed back to back (its second run) and after idling ``gap_s``
-    (seconds each)."""
-    _reference_work()
-    t0 = time.perf_counter()
-    _reference_work()
-    hot = time.perf_counter() - t0
-    _sleep_until(time.monotonic() + gap_s)
-    t0 = time.perf_counter()
-    _reference_work()
-    return hot, time.perf_counter() - t0
+#: The scattered workload's data: 40,000 small tuples (a few MiB of objects) and 4,000 of their
+#: indices in a fixed random order, built once per process.
+_SCATTERED: tuple[list[tuple[int, str]], list[int]] | None = None
+
+
+def _scattered_reads() -> int:
+    """4,000 reads of tuples scattered over a few MiB (about 0.2 ms hot): Python that touches as
+    much memory as a request's objects, modules and buffers do, so what a cold cache costs
+    shows."""
+    global _SCATTERED
+    if _SCATTERED is None:
+        objs = [(i, str(i)) for i in range(40_000)]
+        order = list(range(len(objs)))
+        random.Random(1).shuffle(order)
+        _SCATTERED = (objs, order[:4000])
+    objs, picks = _SCATTERED
+    return sum(objs[i][0] + len(objs[i][1]) for i in picks)
+
+
+#: The reference workloads of the idle penalty (name, function): no omnikv code in either.
+REFERENCE_WORK: tuple[tuple[str, Callable[[], int]], ...] = (
+    ("tight loop (a few KiB)", _tight_loop),
+    ("scattered reads (a few MiB)", _scattered_reads),
+)
+
+
+def _idle_penalties(gap_s: float, iters: int) -> list[IdlePenalty]:
+    """Each of :data:`REFERENCE_WORK` timed ``iters`` times back to back (its second run) and
+    after idling ``gap_s``, alternated. Run after the waiting samples, never between them: the
+    scattered workload's few MiB would evict the library's working set from the caches."""
+    out = []
+    for name, work in REFERENCE_WORK:
+        hot, cold = [], []
+        for _ in range(iters):
+            work()
+            t0 = time.perf_counter()
+            work()
+            hot.append(time.perf_counter() - t0)
+            _sleep_until(time.monotonic() + gap_s)
+            t0 = time.perf_counter()
+            work()
+            cold.append(time.perf_counter() - t0)
+        gap_ms = gap_s * 1e3
+        out.append(
+            IdlePenalty(
+                name,
+                Stats(f"{name}, back to back", hot),
+                Stats(f"{name}, after {gap_ms:g} ms idle", cold),
+            )
+        )
+    return out
 
 
 def _sleep_until(t: float) -> None:
@@ -541,13 +596,10 @@ def _run_waiting(
             if not _one(chan, mgr, caches, shape, rid=f"wait-warm-{i}", i=i, n=0)[2]:
                 failures.append(f"waiting warm-up {i}")
         for gap_ms in args.wait_gaps_ms:
-            samples, floor, hot, cold = [], [], [], []
+            samples, floor = [], []
             phases: dict[str, list[float]] = {name: [] for name in WAIT_PHASES}
             for i in range(args.wait_iters):
                 floor.append(_floor_sample(chan, efd, gap_ms / 1e3))
-                work = _work_samples(gap_ms / 1e3)
-                hot.append(work[0])
-                cold.append(work[1])
                 rid = f"wait-{gap_ms:g}-{i}"
                 took, parts, ok = _waiting_sample(chan, mgr, caches, shape, rid, gap_ms / 1e3)
                 if not ok:
@@ -561,10 +613,11 @@ def _run_waiting(
                     Stats(f"64 KiB, put {gap_ms:g} ms into the wait", samples, shape.nbytes),
                     Stats(f"floor: eventfd wake-up, {gap_ms:g} ms into the wait", floor),
                     {name: sorted(ms)[len(ms) // 2] for name, ms in phases.items()},
-                    Stats("fixed Python work, back to back", hot),
-                    Stats(f"fixed Python work, after {gap_ms:g} ms idle", cold),
+                    [],
                 )
             )
+        for case in cases:  # after every request: its working set would evict theirs
+            case.penalties = _idle_penalties(case.gap_ms / 1e3, args.wait_iters)
         if args.idle_s:
             chan.send("idle", args.idle_s)
             _, (wall, cpu) = chan.expect("ok", timeout_s=args.idle_s + 60)
@@ -595,11 +648,12 @@ def _print_waiting(cases: list[WaitingCase], steady: Stats | None) -> None:
         parts = ", ".join(f"{name} {ms:.3f}" for name, ms in case.phases_ms.items())
         print(f"phases at {case.gap_ms:g} ms (medians, ms): {parts}")
     for case in cases:
-        print(
-            f"the host's idle penalty at {case.gap_ms:g} ms: the same Python (no omnikv code)"
-            f" takes {case.work_cold.median * 1e3:.3f} ms after idling the gap against"
-            f" {case.work_hot.median * 1e3:.3f} ms back to back ({case.idle_penalty:.2f} x)"
-        )
+        for pen in case.penalties:
+            print(
+                f"the host's idle penalty at {case.gap_ms:g} ms, {pen.name} (no omnikv code):"
+                f" {pen.cold.median * 1e3:.3f} ms after idling the gap against"
+                f" {pen.hot.median * 1e3:.3f} ms back to back ({pen.ratio:.2f} x)"
+            )
 
 
 def _send(mgr: Any, caches: list[torch.Tensor], shape: Shape, rid: str) -> None:
@@ -868,11 +922,7 @@ def _sender(args: argparse.Namespace, chan: JsonChannel, efd: int) -> int:
                 **case.stats.as_dict(),
                 "floor": case.floor.as_dict(),
                 "phases_ms": case.phases_ms,
-                "idle_penalty": {
-                    "work_hot": case.work_hot.as_dict(),
-                    "work_cold": case.work_cold.as_dict(),
-                    "ratio": case.idle_penalty,
-                },
+                "idle_penalty": {pen.name: pen.as_dict() for pen in case.penalties},
             }
             for case in waiting
         ]
