@@ -29,6 +29,7 @@ import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 _LEN = struct.Struct("<I")
@@ -77,14 +78,21 @@ def read_msgs(s: socket.socket) -> list[list[Any]]:
     return out
 
 
-def sigbus(pfx: str) -> str:
+def batches(pfx: str) -> Iterator[tuple[socket.socket, list[list[Any]]]]:
+    """Connect to the namespace's first peer, say ``ready``, then yield each batch of messages
+    it sends with the socket, until it disconnects."""
     s = connect(peers(pfx)[0])
     print("ready", flush=True)
     while True:
         try:
             msgs = read_msgs(s)
         except (EOFError, OSError):
-            return "disconnected"
+            return
+        yield s, msgs
+
+
+def sigbus(pfx: str) -> str:
+    for s, msgs in batches(pfx):
         for m in msgs:
             if m[0] != "want":
                 continue
@@ -99,33 +107,24 @@ def sigbus(pfx: str) -> str:
             finally:
                 os.ftruncate(fd, 0)
                 os.close(fd)
+    return "disconnected"
 
 
 def vanish(pfx: str) -> str:
-    s = connect(peers(pfx)[0])
-    print("ready", flush=True)
-    while True:
-        try:
-            msgs = read_msgs(s)
-        except (EOFError, OSError):
-            return "disconnected"
+    for _s, msgs in batches(pfx):
         if any(m[0] == "want" for m in msgs):
             os._exit(0)  # gone with the question unanswered, as after SIGKILL
+    return "disconnected"
 
 
 def mute(pfx: str) -> str:
-    s = connect(peers(pfx)[0])
-    print("ready", flush=True)
     wants = 0
-    while True:
-        try:
-            msgs = read_msgs(s)
-        except (EOFError, OSError):
-            return f"wants {wants}"
+    for _s, msgs in batches(pfx):
         came = sum(1 for m in msgs if m[0] == "want")
         if came and not wants:
             print("asked", flush=True)
         wants += came
+    return f"wants {wants}"
 
 
 def flood(pfx: str, what: str) -> str:
