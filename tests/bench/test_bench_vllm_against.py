@@ -21,6 +21,7 @@ import pytest
 
 from omnikv.bench import vllm as bench_vllm
 from omnikv.bench import vllm_against
+from support.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,6 +158,57 @@ def test_every_engine_dies_with_the_benchmark(tmp_path: Path, sig: signal.Signal
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_engine_runs_only_once_the_reaper_lists_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the SIGKILL case above can lose on a starved host: the engine's program must
+    not run before its group reaches the reaper. When the reaper is told, the child is still
+    in the gate (its command line is the gate's, the engine has written nothing); it then
+    becomes the engine with the same PID, and dies with the group."""
+    groups = vllm_against.EngineGroups()
+    ran = tmp_path / "ran"
+    listed: list[tuple[list[bytes], bool]] = []
+    real_tell = groups._tell
+
+    def tell(line: str) -> None:
+        if int(line) > 0:
+            cmdline = Path(f"/proc/{line}/cmdline").read_bytes().split(b"\0")
+            listed.append((cmdline, ran.exists()))
+        real_tell(line)
+
+    monkeypatch.setattr(groups, "_tell", tell)
+    engine = f"open({str(ran)!r}, 'w').close(); import sys; sys.stdin.read()"
+    try:
+        proc = groups.popen([sys.executable, "-c", engine], stdin=subprocess.PIPE, text=True)
+        [(cmdline, engine_ran)] = listed
+        assert cmdline[2] == vllm_against._GATE.encode() and not engine_ran
+        until(ran.exists, 30.0, "the engine's program ran")
+        assert Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[2] == engine.encode()
+        assert proc.pid in groups.groups
+    finally:
+        groups.close()
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_an_engine_whose_benchmark_died_before_listing_it_never_runs(tmp_path: Path) -> None:
+    """The gate's other way out: the pipe ends without the byte (the benchmark died between the
+    engine's start and its listing), so the engine's program never runs."""
+    ran = tmp_path / "ran"
+    gate_r, gate_w = os.pipe()
+    os.close(gate_w)
+    try:
+        engine = [sys.executable, "-c", f"open({str(ran)!r}, 'w').close()"]
+        done = subprocess.run(
+            [sys.executable, "-c", vllm_against._GATE, str(gate_r), *engine],
+            pass_fds=(gate_r,),
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(gate_r)
+    assert done.returncode == 1 and not ran.exists()
 
 
 def test_the_reason_is_the_root_error_not_vllms_wrapper() -> None:

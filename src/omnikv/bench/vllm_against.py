@@ -108,6 +108,18 @@ for g in groups:
     except OSError:
         pass
 """
+#: An engine's first program: it waits until the benchmark has listed its process group with the
+#: reaper (one byte on the inherited pipe fd ``argv[1]``), then becomes the engine (exec: the same
+#: PID and group); it exits instead when the pipe ends first (the benchmark died before listing).
+_GATE = """
+import os, sys
+fd = int(sys.argv[1])
+go = os.read(fd, 1)
+os.close(fd)
+if not go:
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 #: The signals that end the benchmark through its ``finally`` (engines stopped) rather than
 #: at once; SIGINT already does (KeyboardInterrupt).
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -118,7 +130,8 @@ class EngineGroups:
 
     :meth:`popen` (the ``popen`` of :class:`~omnikv.bench.vllm.EngineProcess`) starts an engine
     in a new session, so that the engine and the processes it starts (vLLM's engine core) share
-    a process group whose id is the engine's PID, and lists the group with the reaper: a child
+    a process group whose id is the engine's PID, and lists the group with the reaper before the
+    engine's program runs: a child
     process in a session of its own (a terminal's Ctrl-C does not reach it) that SIGKILLs every
     listed group when its input pipe closes, which happens when the benchmark exits, however
     (the pipe's write end is close-on-exec, so no engine holds it). :meth:`kill` ends one
@@ -143,11 +156,30 @@ class EngineGroups:
             self._reaper.stdin.flush()
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
-        """``subprocess.Popen(argv, **kwargs)`` in a new session, its group listed."""
-        proc: subprocess.Popen[str] = subprocess.Popen(list(argv), start_new_session=True, **kwargs)
-        with self._lock:
-            self._groups.add(proc.pid)
-            self._tell(str(proc.pid))
+        """``subprocess.Popen(argv, **kwargs)`` in a new session, its group listed before the
+        engine runs: the child starts in :data:`_GATE` and execs ``argv`` (same PID) only once
+        the reaper has the group. Otherwise a benchmark starved between the start and the
+        listing, then killed, would leave that engine and its children running."""
+        gate_r, gate_w = os.pipe()
+        try:
+            proc: subprocess.Popen[str] = subprocess.Popen(
+                [sys.executable, "-c", _GATE, str(gate_r), *argv],
+                start_new_session=True,
+                pass_fds=(*kwargs.pop("pass_fds", ()), gate_r),
+                **kwargs,
+            )
+        except BaseException:
+            os.close(gate_w)
+            raise
+        finally:
+            os.close(gate_r)
+        try:
+            with self._lock:
+                self._groups.add(proc.pid)
+                self._tell(str(proc.pid))
+            os.write(gate_w, b"1")
+        finally:
+            os.close(gate_w)
         return proc
 
     @property
