@@ -174,8 +174,11 @@ def test_an_engine_runs_only_once_the_reaper_lists_its_group(
 
     def tell(line: str) -> None:
         if int(line) > 0:
-            cmdline = Path(f"/proc/{line}/cmdline").read_bytes().split(b"\0")
-            listed.append((cmdline, ran.exists()))
+            # the child cannot pass the gate while this runs; its command line reads empty for a
+            # moment after its exec (the kernel sets it up after the exec's point of no return)
+            path = Path(f"/proc/{line}/cmdline")
+            until(path.read_bytes, 10.0, "the gate's command line")
+            listed.append((path.read_bytes().split(b"\0"), ran.exists()))
         real_tell(line)
 
     monkeypatch.setattr(groups, "_tell", tell)
