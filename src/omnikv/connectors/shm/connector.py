@@ -357,7 +357,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def on_link_up(self, link: Link) -> list[list[Any]]:
         """Mesh callback for a peer that connected: our open blocking wants, and our ``hello``
         as a sender if we send."""
-        return [*self._recv.blocking_wants(), *([self._hello()] if self._sending else [])]
+        return [*self._recv.blocking_wants(link), *([self._hello()] if self._sending else [])]
 
     def on_link_gone(self, link: Link) -> None:
         self._store.on_link_gone(link)
@@ -688,16 +688,16 @@ class SharedMemoryConnector(OmniConnectorBase):
             if inline is not None:
                 return KeyProbe(KeyState.READY, len(inline))
             key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
-            asked = len(self._mesh.links())
             probed = self._recv.probe(key, deadline)
         except Exception as exc:  # never raises: the scheduler asks again or receives
             return KeyProbe(KeyState.UNKNOWN, detail=f"{type(exc).__name__}: {exc}")
         size = held_size(probed.answers)
         if size is not None:
             return KeyProbe(KeyState.READY, size)
-        silent = asked - len(probed.answers) - len(probed.gone)
+        silent = probed.asked - len(probed.answers) - len(probed.gone)
         if silent > 0:
-            return KeyProbe(KeyState.UNKNOWN, detail=f"{silent} of {asked} peer(s) did not answer")
+            detail = f"{silent} of {probed.asked} peer(s) did not answer"
+            return KeyProbe(KeyState.UNKNOWN, detail=detail)
         return KeyProbe(KeyState.MISSING)
 
     def cleanup(self, request_id: str) -> bool:

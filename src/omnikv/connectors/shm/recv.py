@@ -63,6 +63,7 @@ class _Want:
     event: threading.Event = field(default_factory=threading.Event)
     offer: Offer | None = None
     pending: set[Link] = field(default_factory=set)  # non-blocking: peers yet to answer
+    sent_to: set[Link] = field(default_factory=set)  # the links this want went out on
     senders_lost: list[str] = field(default_factory=list)
     probe: bool = False  # asks what peers hold (``probe``), never takes an offer
     answers: list[tuple[Link, Any]] = field(default_factory=list)  # a probe's answers
@@ -77,6 +78,7 @@ class ProbeAnswers:
 
     answers: list[tuple[Link, Any]]
     gone: list[Link]
+    asked: int  # how many peers (the local link included) the probe went out to
 
 
 class RecvSide:
@@ -97,10 +99,32 @@ class RecvSide:
         self._next_wid = 1
         self.closed = False
 
-    def blocking_wants(self) -> list[list[Any]]:
-        """``want`` messages for a peer that just connected."""
+    def blocking_wants(self, link: Link) -> list[list[Any]]:
+        """``want`` messages for ``link``, a peer that just connected: every blocking want still
+        open that has not gone out on it (:meth:`take` may have sent it already, or may still
+        send it: each want goes out once per link, whichever comes first)."""
         with self._lock:
-            return [["want", w.wid, w.key, True] for w in self._wants.values() if w.offer is None]
+            out = []
+            for w in self._wants.values():
+                if w.block and w.offer is None and link not in w.sent_to:
+                    w.sent_to.add(link)
+                    out.append(["want", w.wid, w.key, True])
+            return out
+
+    def _register(self, want: _Want) -> list[Link]:
+        """Register ``want`` (under the lock), then list the links to send it on: the live ones
+        it has not gone out on. In that order, a peer that connects meanwhile is reached either
+        here or by :meth:`blocking_wants` (listed before it, a want would miss a peer whose
+        greeting read the wants just before it was registered)."""
+        with self._lock:
+            self._wants[want.wid] = want
+        links = self._mesh.links()
+        with self._lock:
+            targets = [link for link in links if link not in want.sent_to]
+            want.sent_to.update(targets)
+            if not want.block:
+                want.pending = set(targets)
+            return targets
 
     # -- taking -------------------------------------------------------------------------------
     def take(self, key: str, block: bool, deadline: float) -> Offer | None:
@@ -110,14 +134,10 @@ class RecvSide:
         ``deadline``. Raises :class:`PeerGoneError` when a sender connected during a blocking
         wait went away and nothing arrived.
         """
-        links = self._mesh.links()
         with self._lock:
             want = _Want(self._next_wid, key, block)
             self._next_wid += 1
-            self._wants[want.wid] = want
-            if not block:
-                want.pending = set(links)
-        for link in links:
+        for link in self._register(want):
             if not self._mesh.send(link, [["want", want.wid, key, block]]) and not block:
                 with self._lock:
                     want.pending.discard(link)
@@ -138,12 +158,11 @@ class RecvSide:
         ``miss`` with a summary (``diag.probe_answer``) and never offers. A peer of an older
         version answers a plain ``miss``, or offers the key, which is returned at once. Waits
         until every peer answered or went away, or ``deadline``. Never raises."""
-        links = self._mesh.links()
         with self._lock:
-            want = _Want(self._next_wid, key, False, probe=True, pending=set(links))
+            want = _Want(self._next_wid, key, False, probe=True)
             self._next_wid += 1
-            self._wants[want.wid] = want
-        for link in links:
+        targets = self._register(want)
+        for link in targets:
             if not self._mesh.send(link, [["want", want.wid, key, False, "probe"]]):
                 with self._lock:
                     if link in want.pending:
@@ -154,7 +173,7 @@ class RecvSide:
         )
         with self._lock:
             self._wants.pop(want.wid, None)
-            return ProbeAnswers(list(want.answers), list(want.gone))
+            return ProbeAnswers(list(want.answers), list(want.gone), len(targets))
 
     def _answered(self, want: _Want) -> bool:
         with self._lock:
