@@ -27,6 +27,7 @@ from support.mooncake_peers import (
     peers,
     run_scenario,
 )
+from support.polling import until
 from support.pull_engine import ask, serve_sender, start_sender
 
 # above the scenarios' own bounds (at most 240 s) and their reports
@@ -107,7 +108,14 @@ def scenario_room(kind: str) -> dict[str, Any]:
             res["received"] = got is not None and crc(got.tensor.numpy()) == crc(pattern(MiB, 99))
             if got is not None:
                 got.release()
-            res["pending"] = sorted(ask(in_q, out_q, "pending")[1])
+
+            def settled() -> list[str] | None:
+                """The sender's pending keys once the receiver's ``done`` for the genuine
+                hand-off reached it (it travels after the receiver's wait returned)."""
+                pending = sorted(ask(in_q, out_q, "pending")[1])
+                return None if "genuine@0_1" in pending else pending
+
+            res["pending"] = until(settled, 10.0, "the sender saw the genuine hand-off taken")
             res["grace_evicted"] = ask(in_q, out_q, "health")[1].get("grace_evicted")
             res["logs"] = [line for line in ask(in_q, out_q, "logs")[1] if "pool full" in line]
         finally:
