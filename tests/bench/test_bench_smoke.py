@@ -3,6 +3,7 @@ speed claims live in the benchmarks' own output, see README)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from omnikv.bench.common import bounded_list
 from support.bench import run_bench_json
 from support.mooncake_peers import mooncake_skip_reason, run_scenario
 
@@ -107,3 +109,34 @@ def test_bench_admission_small_run_verifies(tmp_path: Path) -> None:
     for mode in (fifo, admission):
         assert list(mode["failures"]) == never, mode["failures"]
         assert mode["failures"][never[0]].startswith("timeout"), mode["failures"]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("2,x", "not a list of gaps in ms"),
+        ("", "must be 0..10000"),
+        (" , ", "must be 0..10000"),
+        ("2,10001", "must be 0..10000"),
+        ("-1", "must be 0..10000"),
+    ],
+)
+def test_a_bad_list_option_is_refused_before_anything_starts(text: str, error: str) -> None:
+    """The benchmarks' comma-separated options (``bounded_list``) refuse a bad item, an empty
+    list and a value out of range with argparse's error, naming what the list holds."""
+    parse = bounded_list(float, 0, 10_000, "gaps in ms")
+    assert parse("2, 20,") == (2.0, 20.0)
+    with pytest.raises(argparse.ArgumentTypeError, match=error):
+        parse(text)
+
+
+@pytest.mark.timeout(60)
+def test_the_command_line_refuses_a_bad_list_before_starting_a_process() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "omnikv.cli", "bench", "fanout", "--large-tokens", "8"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 2 and "token counts must be 16..8192" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -27,6 +28,7 @@ __all__ = [
     "ChannelError",
     "JsonChannel",
     "Stats",
+    "bounded_list",
     "describe_payload",
     "measure",
     "print_table",
@@ -74,6 +76,26 @@ def describe_payload(model: str, tokens: int, payload: KVCacheTransferData, nbyt
         f"payload: {model}, {tokens} tokens, {nbytes / (1 << 20):.1f} MiB, {tensors} tensors; "
         f"torch threads {torch.get_num_threads()}; cores {os.cpu_count()}"
     )
+
+
+def bounded_list(
+    convert: Callable[[str], float], lo: float, hi: float, what: str
+) -> Callable[[str], tuple[Any, ...]]:
+    """An argparse ``type`` for a comma-separated list of numbers, each ``convert``ed and in
+    ``lo..hi`` (empty items are skipped; at least one is required). The benchmarks' list
+    options use it so that a bad value is refused before anything starts, naming ``what`` the
+    list holds."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(convert(part) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a list of {what}: {text!r}") from exc
+        if not values or any(not lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"{what} must be {lo:g}..{hi:g}, got {text!r}")
+        return values
+
+    return parse
 
 
 class ChannelError(RuntimeError):

@@ -54,6 +54,7 @@ import torch
 from omnikv.bench.common import (
     JsonChannel,
     Stats,
+    bounded_list,
     measure,
     reap,
     serve_commands,
@@ -448,16 +449,6 @@ def _run(args: argparse.Namespace) -> int:
             reap(c.proc, c.chan)
 
 
-def _tokens(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from exc
-    if not out or any(not 16 <= t <= 8192 for t in out):
-        raise argparse.ArgumentTypeError(f"token counts must be 16..8192, got {text!r}")
-    return out
-
-
 def _bounded(lo: int, hi: int) -> Any:
     def parse(text: str) -> int:
         value = int(text)
@@ -488,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=_bounded(1, 10_000), default=8, help="timed rounds")
     parser.add_argument(
         "--large-tokens",
-        type=_tokens,
+        type=bounded_list(int, 16, 8192, "token counts"),
         default=(64, 256, 512),
         help="token counts of the large (Qwen2.5-7B-shaped) requests, in turn (64,256,512)",
     )

@@ -67,7 +67,14 @@ from typing import Any
 
 import torch
 
-from omnikv.bench.common import JsonChannel, Stats, print_table, reap, write_json
+from omnikv.bench.common import (
+    JsonChannel,
+    Stats,
+    bounded_list,
+    print_table,
+    reap,
+    write_json,
+)
 from omnikv.bench.plot import add_plot_option, require_plot, write_plot
 
 __all__ = ["main"]
@@ -756,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--wait-gaps-ms",
-        type=_gaps,
+        type=bounded_list(float, 0, 10_000, "gaps in ms"),
         default=WAIT_GAPS_MS,
         help="comma-separated gaps (ms) between the receiver entering its wait and the put, in"
         " the waiting case (default 2,20)",
@@ -817,16 +824,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         reap(proc, chan)
         os.close(efd)
-
-
-def _gaps(text: str) -> tuple[float, ...]:
-    try:
-        gaps = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a list of milliseconds: {text!r}") from exc
-    if not gaps or any(not 0 <= g <= 10_000 for g in gaps):
-        raise argparse.ArgumentTypeError(f"gaps must be 0..10000 ms, got {text!r}")
-    return gaps
 
 
 #: Most CPU a side may spend per 224 MiB request, as a multiple of one memcpy's CPU time.
