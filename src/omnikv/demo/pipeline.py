@@ -37,6 +37,7 @@ from omnikv.config import OmniKVCacheConfig
 from omnikv.demo import realistic
 from omnikv.demo.model import BlockPool, ModelConfig, TinyPagedLM
 from omnikv.manager import LayerKV, OmniKVTransferManager
+from omnikv.polling import wait_readable
 
 __all__ = ["main"]
 
@@ -266,8 +267,6 @@ class _Stage1Reader:
 
     def next(self, deadline: float) -> dict[str, Any] | None:
         """The next message, or None when stage 1 closed its stdout or the deadline passed."""
-        import select
-
         while True:
             while b"\n" in self.pending:
                 line, self.pending = self.pending.split(b"\n", 1)
@@ -277,7 +276,7 @@ class _Stage1Reader:
                     return parsed
                 sys.stderr.write(text + "\n")
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+            if left <= 0 or not wait_readable(self.fd, left):
                 return None
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:

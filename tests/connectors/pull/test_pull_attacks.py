@@ -10,6 +10,8 @@ receiver's host.
   Transfer Engine sender whose process runs at ``RLIMIT_NOFILE`` 1024; the genuine receiver
   still gets its payload within its deadline, and the idle connections are dropped by the
   handshake timeout.
+* A receiver past 1,024 descriptors (the flood's own process holds 1,100 sockets): its control
+  connection, numbered past ``select``'s ``FD_SETSIZE``, is served at once over one connection.
 * Endless leases (NIXL, item 3): a peer that claims an entry again and again without reading
   it, or claims and aborts in a loop, no longer holds it: it is freed at its TTL (counted from
   the put, across re-leases) or after ``max_leases_per_entry`` leases, and reported.
@@ -242,6 +244,45 @@ def test_idle_unauthenticated_connections_are_dropped(connection_flood: dict[str
 def test_the_receiver_is_served_after_the_flood(connection_flood: dict[str, Any]) -> None:
     assert connection_flood["put_after"][:2] == ["put", True], connection_flood
     assert connection_flood["after_served"] is True and connection_flood["after_s"] < 10.0
+
+
+# -- scenario: a receiver past 1,024 descriptors --------------------------------------------------
+def scenario_receiver_past_fd_setsize() -> dict[str, Any]:
+    """A Transfer Engine receiver made once every descriptor below 1024 is taken, as beside the
+    flood above (whose 1,100 sockets live in the receiver's process): its control connection
+    is numbered past ``select``'s ``FD_SETSIZE``. The wait once used ``select`` there, took
+    its ``ValueError`` for a closed connection, and dialled again until its deadline."""
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+    from support.fds import descriptors_past
+
+    (zport,) = free_ports(1)
+    cfg = {"host": "127.0.0.1", "protocol": "tcp", "memory_pool_size": 16 * MiB}
+    cfg["auth_secret"] = SECRET
+    res: dict[str, Any] = {}
+    proc, out_q, in_q = start_sender(
+        te_sender_at_nofile, {**cfg, "role": "sender", "zmq_port": zport}
+    )
+    with peers(proc), descriptors_past() as first:
+        res["first_fd"] = first
+        recv = MooncakeTransferEngineConnector(
+            {**cfg, "role": "receiver", "sender_host": "127.0.0.1", "sender_zmq_port": zport}
+        )
+        try:
+            res["put"] = list(ask(in_q, out_q, "put", "k1", MiB, 1, 5.0))
+            res["wait_s"], res["served"] = _receive(recv, "k1", pattern(MiB, 1), 20.0)
+            res["health"] = ask(in_q, out_q, "health")[1]
+        finally:
+            recv.close()
+        ask(in_q, out_q, "close")
+    return res
+
+
+def test_a_receiver_past_1024_descriptors_is_served() -> None:
+    res = mooncake_scenario(__file__, "scenario_receiver_past_fd_setsize", timeout=90)
+    assert res["first_fd"] >= 1024 and res["put"][:2] == ["put", True], res
+    assert res["served"] is True and res["wait_s"] < 20.0, res
+    # one connection: the wait never took its own channel for a closed one
+    assert res["health"]["accepted_connections"] == 1, res["health"]
 
 
 # -- scenario: 4,300 hellos without a secret ------------------------------------------------------

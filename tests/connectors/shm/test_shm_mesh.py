@@ -21,6 +21,7 @@ from omnikv.connectors.base import KeyProbe, KeyState
 from omnikv.connectors.shm.connector import SharedMemoryConnector
 from omnikv.connectors.shm.mesh import MAX_FDS_PER_LINK
 from omnikv.connectors.shm.store import MAX_WANTS_PER_LINK
+from support.fds import FD_SETSIZE, descriptors_past
 from support.polling import until
 from support.shm_attack import Attacker
 
@@ -129,6 +130,26 @@ def test_joins_at_once_meet_exactly_once_and_leave_no_lock_file(namespace: str) 
             c.close()
     digest = namespace_prefix(namespace).rstrip("/").rsplit("/", 1)[-1]
     assert not [n for n in os.listdir(private_dir()) if digest in n]
+
+
+@pytest.mark.timeout(60)
+def test_a_process_past_1024_descriptors_joins_and_receives(namespace: str) -> None:
+    """A connector made in a process whose new descriptors are numbered past ``select``'s
+    ``FD_SETSIZE`` (a stage holding many connections) joins its peer and receives: no wait of
+    the mesh (joining, leading, wake-ups) may use ``select``, which refuses such numbers."""
+    with descriptors_past() as first:
+        assert first >= FD_SETSIZE
+        tx = SharedMemoryConnector({"namespace": namespace, "join_timeout_s": 5})
+        rx = SharedMemoryConnector({"namespace": namespace, "join_timeout_s": 5})
+        try:
+            until(lambda: rx.health()["peers"] == 1 and tx.health()["peers"] == 1, 10.0)
+            assert tx.put("0", "1", "k", b"data")[0]
+            got = rx.wait("0", "1", "k", deadline=time.monotonic() + 10)
+            assert got is not None and got.to_bytes() == b"data"
+            got.release()
+        finally:
+            rx.close()
+            tx.close()
 
 
 #: A probe's deadline where a peer goes away: far above a peer's answer on any host, so a probe

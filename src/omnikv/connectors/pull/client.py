@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import select
 import socket
 import threading
 import time
@@ -38,6 +37,7 @@ from omnikv.connectors.pull.control import (
     set_keepalive,
 )
 from omnikv.errors import ConnectorUnavailableError, ProtocolError
+from omnikv.polling import wait_readable
 
 __all__ = ["MAX_OUTSTANDING", "REPLY_KEEP_S", "Channel", "ControlClient", "Link"]
 
@@ -102,8 +102,7 @@ class Link:
             if frames is not None or self.closed:
                 return frames
             try:
-                ready, _, _ = select.select([self.sock], [], [], max(0.0, end - time.monotonic()))
-                if not ready:
+                if not wait_readable(self.sock.fileno(), max(0.0, end - time.monotonic())):
                     return None
                 data = self.sock.recv(_RECV_BYTES)
             except (TimeoutError, BlockingIOError, InterruptedError):

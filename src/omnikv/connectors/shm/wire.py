@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import os
 import re
-import select
 import socket
 import stat
 import struct
@@ -29,6 +28,8 @@ import time
 from typing import Any
 
 import msgpack
+
+from omnikv.polling import wait_writable
 
 __all__ = [
     "MAX_FRAME",
@@ -283,7 +284,7 @@ def connect_peer(name: str, timeout: float) -> socket.socket | None:
     try:
         err = s.connect_ex(abstract(name))
         if err == errno.EINPROGRESS:
-            _, writable, _ = select.select([], [s], [], max(timeout, 0.0))
+            writable = wait_writable(s.fileno(), max(timeout, 0.0))
             err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if writable else errno.ETIMEDOUT
         if err:
             raise OSError(err, os.strerror(err))
