@@ -53,9 +53,12 @@ Guarantees
 * **One request, one deadline.** When a prefetch timed out, the synchronous fallback is told to
   use what is left of the same deadline (:attr:`PrefetchConsume.retry_deadline`), so a miss does
   not wait a second full ``recv_timeout`` (reference weakness §10.1).
-* **Prompt shutdown.** Closing the tracker sets every receive's abort event; the receiver cuts
-  each connector wait into slices of :data:`omnikv.transfer.receive.ABORT_SLICE_S` (50 ms) and
-  checks the event between slices, so ``shutdown`` normally joins the worker within one slice.
+* **Prompt shutdown.** Closing the tracker sets every receive's abort event; a connector that
+  ``takes_abort`` (shared memory, the pull connectors, the Store) looks at it during its one
+  wait at least every :data:`omnikv.connectors.base.ABORT_POLL_S` (50 ms); for any other the
+  receiver cuts each connector wait into slices of
+  :data:`omnikv.transfer.receive.ABORT_SLICE_S` (50 ms) and checks the event between slices.
+  So ``shutdown`` normally joins the worker within 50 ms.
   A connector call that ignores its deadline cannot be interrupted from Python; ``shutdown``
   then returns after ``join_timeout_s`` anyway, and the worker, once the call returns, never
   calls the connector again (the abort event is checked before every further connector use, and

@@ -553,11 +553,12 @@ class KVReceiver:
 
         ``sender`` is the sender stage's base endpoint; with ``per_call`` it was given for this
         call only and per-rank metadata is always sent. Shards already taken when a later shard
-        times out are dropped (they were consumed; the error says so). ``abort``: each connector
-        wait is cut into slices of at most :data:`ABORT_SLICE_S` and the event is checked before
-        every slice. ``trace`` (optional) receives the keys and the phase timings.
-        ``callbacks`` (optional): see :class:`ReceiveCallbacks`; a reason from its ``check``
-        raises :class:`~omnikv.errors.PayloadRefused`.
+        times out are dropped (they were consumed; the error says so). ``abort``: a connector
+        that ``takes_abort`` is given it in one wait; any other's waits are cut into slices of
+        at most :data:`ABORT_SLICE_S` and the event is checked before every slice. ``trace``
+        (optional) receives the keys and the phase timings. ``callbacks`` (optional): see
+        :class:`ReceiveCallbacks`; a reason from its ``check`` raises
+        :class:`~omnikv.errors.PayloadRefused`.
 
         Every payload taken gets its verdict through ``connector.acknowledge``: ``delivered``
         when the KV is returned, ``refused`` with the reason when decoding, a check, or a

@@ -662,3 +662,68 @@ def test_a_put_without_a_deadline_waits_put_timeout_s(namespace: str) -> None:
         assert 0.6 <= time.monotonic() - t0 < 1.3
     finally:
         c.close()
+
+
+# -- abortable waits -------------------------------------------------------------------------
+def _abortable_receive(rx: SharedMemoryConnector, key: str, abort: threading.Event) -> Any:
+    """The transfer layer's abortable wait of ``key`` (30 s deadline): the buffer, or the
+    exception it raised."""
+    from omnikv.transfer.receive import _wait_sliced
+
+    try:
+        return _wait_sliced(rx, ("0", "1"), key, time.monotonic() + 30.0, None, abort)
+    except Exception as exc:
+        return exc
+
+
+@pytest.mark.timeout(60)
+def test_an_abortable_wait_keeps_one_want_open_and_ends_at_its_abort(
+    peers: list[Peer], namespace: str
+) -> None:
+    """Shared memory ``takes_abort``: an abortable receive is one wait with its want open
+    throughout (sliced, each 50 ms slice counted a miss and sent a want and a cancel to every
+    peer, and an offer that crossed a slice's end went back to its sender). The abort ends it
+    within a few of its 50 ms checks; an offer that comes during the wait is taken, never
+    returned."""
+    from omnikv.transfer.receive import ReceiveCancelled
+
+    tx = start_peer(peers, namespace, pool_size_bytes=64 * KIB, linger_s=0)
+    rx = SharedMemoryConnector({"namespace": namespace})
+    try:
+        assert SharedMemoryConnector.takes_abort
+        until_peers = time.monotonic() + 10
+        while rx.health()["peers"] != 1:
+            assert time.monotonic() < until_peers
+            time.sleep(0.01)  # bounded poll of a public view
+        # an offer during a long abortable wait
+        abort = threading.Event()
+        out: list[Any] = []
+        waiter = threading.Thread(target=lambda: out.append(_abortable_receive(rx, "k", abort)))
+        waiter.start()
+        end = time.monotonic() + 10
+        while not rx.mesh.leadership.has_leader:
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        time.sleep(0.3)  # let six 50 ms checks pass before the put (what is measured)
+        assert tx.call("put", "k", 4 * KIB, 9, 5.0)[1]
+        waiter.join(10.0)
+        got = out[0]
+        assert isinstance(got, ManagedBuffer), got
+        assert bytes(got.to_bytes()[:4]) == b"\t\t\t\t"
+        got.release()
+        assert rx.health()["misses"] == 0
+        assert tx.call("health")[1]["returns"] == 0
+        # nothing comes: the abort ends the wait, counted as one miss, not one per check
+        abort2 = threading.Event()
+        out.clear()
+        waiter = threading.Thread(target=lambda: out.append(_abortable_receive(rx, "n", abort2)))
+        waiter.start()
+        time.sleep(0.3)  # six 50 ms checks pass before the abort (what is measured)
+        t0 = time.monotonic()
+        abort2.set()
+        waiter.join(10.0)
+        assert isinstance(out[0], ReceiveCancelled), out
+        assert time.monotonic() - t0 < 5.0
+        assert rx.health()["misses"] == 1
+    finally:
+        rx.close()

@@ -26,7 +26,15 @@ class _Leadership:
     def __init__(self) -> None:
         self.during: Callable[[], object] | None = None
 
-    def wait(self, answered: Any, event: threading.Event, deadline: float, *, lead: bool) -> None:
+    def wait(
+        self,
+        answered: Any,
+        event: threading.Event,
+        deadline: float,
+        *,
+        lead: bool,
+        check_every_s: float | None = None,
+    ) -> None:
         if self.during is not None:
             self.during()
 

@@ -280,6 +280,8 @@ class SharedMemoryConnector(OmniConnectorBase):
     """
 
     acknowledges = True
+    #: An abortable receive waits once, its want open throughout (``RecvSide.take``).
+    takes_abort = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -561,10 +563,12 @@ class SharedMemoryConnector(OmniConnectorBase):
         return self._wakeups.wait_for_change(generation, timeout)
 
     # -- receiving ----------------------------------------------------------------------------
-    def _take(self, key: str, block: bool, deadline: float) -> Offer | None:
+    def _take(
+        self, key: str, block: bool, deadline: float, abort: threading.Event | None = None
+    ) -> Offer | None:
         self._check_open()
         with _boundary("receive"):
-            offer = self._recv.take(key, block, deadline)
+            offer = self._recv.take(key, block, deadline, abort)
         if offer is not None:
             self._taken.took(key, offer.link, offer.token, offer.acks)
         return offer
@@ -612,17 +616,20 @@ class SharedMemoryConnector(OmniConnectorBase):
         *,
         deadline: float,
         metadata: dict[str, Any] | None = None,
+        abort: threading.Event | None = None,
     ) -> ManagedBuffer | None:
         """Wait for a peer's (or this connector's) offer of ``get_key``, woken by its offer
         message (no polling): a zero-copy view of the payload's bytes, or ``None`` also once
-        closed meanwhile. Raises :class:`PeerGoneError` when a sender connected during the wait
-        went away and nothing arrived."""
+        closed meanwhile, or once ``abort`` is set (``takes_abort``: looked at every
+        :data:`~omnikv.connectors.base.ABORT_POLL_S`; one wait, the want open throughout).
+        Raises :class:`PeerGoneError` when a sender connected during the wait went away and
+        nothing arrived."""
         inline = codec.inline_payload(metadata)
         if inline is not None:
             self._check_open()
             return ManagedBuffer.host(codec.inline_frame(inline))
         key = _metadata_key(metadata) or transport_key(get_key, from_stage, to_stage)
-        offer = self._take(key, True, deadline)
+        offer = self._take(key, True, deadline, abort)
         return None if offer is None else self._recv.materialize(offer)
 
     def get_with_deadline(

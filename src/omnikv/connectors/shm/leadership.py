@@ -270,7 +270,13 @@ class Leadership:
         return self._leader == threading.get_ident()
 
     def wait(
-        self, answered: Callable[[], bool], event: threading.Event, deadline: float, *, lead: bool
+        self,
+        answered: Callable[[], bool],
+        event: threading.Event,
+        deadline: float,
+        *,
+        lead: bool,
+        check_every_s: float | None = None,
     ) -> None:
         """Block the calling thread until ``answered()`` or ``deadline`` (or the mesh stops).
 
@@ -279,12 +285,14 @@ class Leadership:
         With ``lead`` (a blocking receive) the thread leads when it can and serves the sockets
         in rounds until answered; otherwise, or when another thread leads, it counts among
         :attr:`waiters`, lets the I/O thread serve (:meth:`resume`) and sleeps on ``event``.
+        ``check_every_s``: call ``answered()`` at least that often even when nothing wakes the
+        thread (an abortable receive: nobody wakes it when its abort event is set).
         Raises what a leader's ``select`` raises, unless answered or stopping meanwhile.
         """
         if lead and not answered():
             with self.lead(event) as leading:
                 if leading:
-                    self._serve_until(answered, deadline)
+                    self._serve_until(answered, deadline, check_every_s or ROUND_S)
                     return
         with self._cond:
             self._waiters += 1
@@ -294,23 +302,25 @@ class Leadership:
                 left = remaining(deadline)
                 if left <= 0:
                     return
-                event.wait(min(left, 3600.0))
+                event.wait(min(left, check_every_s or 3600.0))
                 event.clear()
         finally:
             with self._cond:
                 self._waiters -= 1
 
-    def _serve_until(self, answered: Callable[[], bool], deadline: float) -> None:
+    def _serve_until(self, answered: Callable[[], bool], deadline: float, round_s: float) -> None:
         """The leader's rounds until ``answered()`` or ``deadline``: polling for ``poll_s``,
-        then sleeping in ``select`` at most :data:`ROUND_S` per round (module docstring)."""
+        then sleeping in ``select`` at most ``round_s`` (:data:`ROUND_S` at most) per round
+        (module docstring)."""
         poll_until = time.monotonic() + self.poll_s if self.poll_s else 0.0
+        round_s = min(round_s, ROUND_S)
         while not answered() and not self._stopped:
             left = remaining(deadline)
             if left <= 0:
                 return
             polling = poll_until and time.monotonic() < poll_until
             try:
-                self.serve(0.0 if polling else min(left, ROUND_S))
+                self.serve(0.0 if polling else min(left, round_s))
                 if polling:
                     os.sched_yield()
             except (OSError, ValueError):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from omnikv.connectors.base import ManagedBuffer
+from omnikv.connectors.base import ABORT_POLL_S, ManagedBuffer
 from omnikv.connectors.counters import Counters
 from omnikv.connectors.shm.acks import ACK_FLAG
 from omnikv.connectors.shm.codec import KINDS
@@ -81,6 +81,11 @@ class ProbeAnswers:
     asked: int  # how many peers (the local link included) the probe went out to
 
 
+def _answered_or_aborted(answered: Callable[[], bool], abort: threading.Event) -> bool:
+    """An abortable blocking take's wait condition: its answer came, or ``abort`` is set."""
+    return answered() or abort.is_set()
+
+
 class RecvSide:
     """Receiver-side state of one connector; thread-safe (one lock, never held while sending).
 
@@ -127,10 +132,14 @@ class RecvSide:
             return targets
 
     # -- taking -------------------------------------------------------------------------------
-    def take(self, key: str, block: bool, deadline: float) -> Offer | None:
+    def take(
+        self, key: str, block: bool, deadline: float, abort: threading.Event | None = None
+    ) -> Offer | None:
         """Ask every peer (and ourselves) for ``key``; the accepted offer or ``None``.
 
-        Blocking: until an offer or ``deadline``; non-blocking: until every peer answered or
+        Blocking: until an offer or ``deadline``, or until ``abort`` is set (looked at at least
+        every :data:`~omnikv.connectors.base.ABORT_POLL_S`; the want stays open meanwhile, so
+        an offer never crosses a slice's end); non-blocking: until every peer answered or
         ``deadline``. Raises :class:`PeerGoneError` when a sender connected during a blocking
         wait went away and nothing arrived.
         """
@@ -141,9 +150,16 @@ class RecvSide:
             if not self._mesh.send(link, [["want", want.wid, key, block]]) and not block:
                 with self._lock:
                     want.pending.discard(link)
+        answered = functools.partial(self._answered, want)
+        if abort is not None:
+            answered = functools.partial(_answered_or_aborted, answered, abort)
         try:
             self._leadership.wait(
-                functools.partial(self._answered, want), want.event, deadline, lead=block
+                answered,
+                want.event,
+                deadline,
+                lead=block,
+                check_every_s=None if abort is None else ABORT_POLL_S,
             )
         finally:
             offer = self._finish(want)
