@@ -91,6 +91,15 @@ def nixl_sender(cfg: dict[str, Any], out_q: Any, in_q: Any) -> None:
     serve_sender(NixlConnector(cfg), out_q, in_q, {"warnings": warnings})
 
 
+def te_receiver(cfg: dict[str, Any], zport: int) -> Any:
+    """A Transfer Engine receiver of the sender on ``zport`` (this process), with ``cfg``."""
+    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
+
+    return MooncakeTransferEngineConnector(
+        {**cfg, "role": "receiver", "sender_host": "127.0.0.1", "sender_zmq_port": zport}
+    )
+
+
 # -- the attackers ---------------------------------------------------------------------------------
 def open_idle_connections(port: int, count: int, timeout_s: float) -> list[socket.socket]:
     """``count`` TCP connections to ``port`` from the flood addresses in turn, sending nothing;
@@ -164,8 +173,6 @@ def _receive(recv: Any, key: str, want: Any, timeout_s: float) -> tuple[float, b
 
 # -- scenario: 1,100 idle connections at RLIMIT_NOFILE 1024 ---------------------------------------
 def scenario_connection_flood() -> dict[str, Any]:
-    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
-
     (zport,) = free_ports(1)
     cfg = {
         "host": "127.0.0.1",
@@ -185,9 +192,7 @@ def scenario_connection_flood() -> dict[str, Any]:
         attack = open_idle_connections(zport, FLOOD_CONNECTIONS, timeout_s=5.0)
         res["established"] = len(attack)
         res["flood_s"] = time.monotonic() - t0
-        recv = MooncakeTransferEngineConnector(
-            {**cfg, "role": "receiver", "sender_host": "127.0.0.1", "sender_zmq_port": zport}
-        )
+        recv = te_receiver(cfg, zport)
         try:
             res["put_during"] = list(ask(in_q, out_q, "put", "k1", MiB, 1, 5.0))
             # the sender still accepts and drops the flood while the receiver says hello: on a
@@ -252,7 +257,6 @@ def scenario_receiver_past_fd_setsize() -> dict[str, Any]:
     flood above (whose 1,100 sockets live in the receiver's process): its control connection
     is numbered past ``select``'s ``FD_SETSIZE``. The wait once used ``select`` there, took
     its ``ValueError`` for a closed connection, and dialled again until its deadline."""
-    from omnikv.connectors.mooncake_te import MooncakeTransferEngineConnector
     from support.fds import descriptors_past
 
     (zport,) = free_ports(1)
@@ -264,9 +268,7 @@ def scenario_receiver_past_fd_setsize() -> dict[str, Any]:
     )
     with peers(proc), descriptors_past() as first:
         res["first_fd"] = first
-        recv = MooncakeTransferEngineConnector(
-            {**cfg, "role": "receiver", "sender_host": "127.0.0.1", "sender_zmq_port": zport}
-        )
+        recv = te_receiver(cfg, zport)
         try:
             res["put"] = list(ask(in_q, out_q, "put", "k1", MiB, 1, 5.0))
             res["wait_s"], res["served"] = _receive(recv, "k1", pattern(MiB, 1), 20.0)
