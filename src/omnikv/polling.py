@@ -13,6 +13,9 @@ import select
 
 __all__ = ["wait_readable", "wait_writable"]
 
+#: The longest timeout ``poll`` takes (a C int of milliseconds); longer waits are cut to it.
+_MAX_POLL_MS = 2**31 - 1
+
 
 def _wait(fd: int, events: int, timeout_s: float | None) -> bool:
     poller = select.poll()
@@ -21,7 +24,7 @@ def _wait(fd: int, events: int, timeout_s: float | None) -> bool:
         ms = None
     else:
         # rounded up: a positive wait shorter than a millisecond must not become a busy loop
-        ms = max(0, math.ceil(timeout_s * 1000.0))
+        ms = min(max(0, math.ceil(timeout_s * 1000.0)), _MAX_POLL_MS)
     return bool(poller.poll(ms))
 
 
@@ -29,8 +32,9 @@ def wait_readable(fd: int, timeout_s: float | None) -> bool:
     """Whether ``fd`` became readable within ``timeout_s`` seconds (``None``: no limit).
 
     Called by the socket readers that wait with a deadline (the pull connectors' control
-    client, the demo's pipe reader). End of stream, a reset and an error count as readable,
-    as with ``select``: the read that follows reports them. Raises ``ValueError`` for a
+    client, the shared-memory wake-up socket, the demo's pipe reader). End of stream, a reset
+    and an error count as readable, as with ``select``: the read that follows reports them.
+    A timeout past ``poll``'s limit (about 24 days) is cut to it. Raises ``ValueError`` for a
     negative or closed descriptor only."""
     return _wait(fd, select.POLLIN, timeout_s)
 

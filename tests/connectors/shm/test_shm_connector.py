@@ -34,6 +34,7 @@ from omnikv.wire.decode import decode
 from omnikv.wire.serializer import decode_object, encode_object
 from omnikv.wire.transfer_data import KVCacheTransferData
 from support import paths
+from support.polling import until
 
 KIB = 1024
 
@@ -691,19 +692,13 @@ def test_an_abortable_wait_keeps_one_want_open_and_ends_at_its_abort(
     rx = SharedMemoryConnector({"namespace": namespace})
     try:
         assert SharedMemoryConnector.takes_abort
-        until_peers = time.monotonic() + 10
-        while rx.health()["peers"] != 1:
-            assert time.monotonic() < until_peers
-            time.sleep(0.01)  # bounded poll of a public view
+        until(lambda: rx.health()["peers"] == 1, 10.0, "the sender peer joined")
         # an offer during a long abortable wait
         abort = threading.Event()
         out: list[Any] = []
         waiter = threading.Thread(target=lambda: out.append(_abortable_receive(rx, "k", abort)))
         waiter.start()
-        end = time.monotonic() + 10
-        while not rx.mesh.leadership.has_leader:
-            assert time.monotonic() < end
-            time.sleep(0.001)
+        until(lambda: rx.mesh.leadership.has_leader, 10.0, "the waiter leads")
         time.sleep(0.3)  # let six 50 ms checks pass before the put (what is measured)
         assert tx.call("put", "k", 4 * KIB, 9, 5.0)[1]
         waiter.join(10.0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import select
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ from omnikv.connectors.shm.mesh import Link, Mesh
 from omnikv.connectors.shm.recv import RecvSide
 from omnikv.connectors.shm.store import SendStore
 from omnikv.connectors.shm.wire import DescriptorFlood, FrameReader, encode_frame, recv_nowait
+from omnikv.polling import wait_readable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,7 +205,7 @@ def test_a_put_answers_a_want_its_io_thread_has_not_read(
 
 
 def _readable(sock: socket.socket) -> bool:
-    return bool(select.select([sock], [], [], 0)[0])
+    return wait_readable(sock.fileno(), 0.0)
 
 
 def test_recv_nowait_never_blocks_and_takes_descriptors() -> None:

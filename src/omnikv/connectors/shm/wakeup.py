@@ -29,12 +29,13 @@ import hashlib
 import logging
 import math
 import os
-import select
 import socket
 import threading
 import time
 import uuid
 from typing import Any
+
+from omnikv.polling import wait_readable
 
 __all__ = ["MAX_WAITERS", "RESCAN_S", "WAKEUP_ENV", "Wakeups", "wakeups_enabled"]
 
@@ -48,8 +49,6 @@ RESCAN_S = 0.1
 MAX_WAITERS = 256
 #: Datagrams drained per wake (a flood only makes one wake).
 _MAX_DRAIN = 1024
-#: The longest single poll (ms): ``poll`` takes a C int.
-_MAX_POLL_MS = float(2**31 - 1)
 
 
 def wakeups_enabled() -> bool:
@@ -138,11 +137,8 @@ class Wakeups:
                 return False
             if self._generation != generation:
                 return True
-        # poll, not select: select refuses descriptors >= 1024 (an engine has that many open)
-        poller = select.poll()
-        try:
-            poller.register(sock, select.POLLIN)
-            readable = poller.poll(min(timeout * 1000.0, _MAX_POLL_MS))
+        try:  # an engine holds descriptors past 1024: wait_readable does not use select
+            readable = wait_readable(sock.fileno(), timeout)
         except (OSError, ValueError):  # closed meanwhile
             return False
         with self._lock:
