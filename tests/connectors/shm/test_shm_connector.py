@@ -26,6 +26,7 @@ from test_shm_peer import Peer, own_memfd_maps, peer_pool, shm_listing, start_pe
 
 from omnikv.connectors.base import ManagedBuffer, get_result
 from omnikv.connectors.factory import ConnectorSpec, OmniConnectorFactory
+from omnikv.connectors.shm import leadership
 from omnikv.connectors.shm.config import DEFAULT_POLL_US, Prefault, ShmConfig
 from omnikv.connectors.shm.connector import SharedMemoryConnector
 from omnikv.connectors.shm.wire import namespace_prefix
@@ -720,5 +721,34 @@ def test_an_abortable_wait_keeps_one_want_open_and_ends_at_its_abort(
         assert isinstance(out[0], ReceiveCancelled), out
         assert time.monotonic() - t0 < 5.0
         assert rx.health()["misses"] == 1
+    finally:
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_get_asks_a_peer_whose_connection_nobody_accepted_yet(
+    peers: list[Peer], namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-blocking ``get`` (the reference's) right after a sender joined and published: on a
+    loaded host the thread serving the receiver's listener may not have had a CPU since the
+    sender connected, and the get, asking the peers it knows once, missed a payload the sender
+    held (seen in a full run). The get now accepts the waiting connections before it asks.
+    Here the receiver's I/O thread is kept parked (a thread leads without serving, and the
+    linger after it is long) while the sender joins and publishes."""
+    monkeypatch.setattr(leadership, "LINGER_S", 30.0)
+    monkeypatch.setattr(leadership, "PARK_CHECK_S", 30.0)
+    rx = SharedMemoryConnector({"namespace": namespace, "get_timeout_s": 10})
+    try:
+        lead = rx.mesh.leadership
+        with lead.lead() as leading:
+            assert leading
+            until(lambda: lead.parked, 10.0, "the I/O thread parked")
+            tx = start_peer(peers, namespace, pool_size_bytes=64 * KIB, linger_s=0)
+            assert tx.call("put", "k", 4 * KIB, 7, 5.0)[1]
+            assert rx.health()["peers"] == 0  # connected to the listener, not accepted
+        got = rx.get("0", "1", "k")
+        assert got is not None, "the get did not ask the sender"
+        assert got[1] == 4 * KIB
+        assert rx.health()["peers"] == 1
     finally:
         rx.close()

@@ -18,8 +18,10 @@ for a message serves them itself (the leader; the I/O thread parks meanwhile): t
 :meth:`Mesh.accept` and :meth:`Mesh.read`. A thread about to publish (a put) first reads what
 its peers already sent, without blocking (:meth:`Mesh.pump`), so a ``want`` that arrived while
 it was busy is answered by the put itself instead of waiting for the I/O thread to get the
-interpreter lock. Every read is non-blocking and holds the link's ``read_lock``, so one link's
-frames are decoded and dispatched in order by one thread at a time, whoever that is.
+interpreter lock. Likewise a receiver about to ask its peers once (a non-blocking get, a probe)
+first accepts the connections already waiting (:meth:`Mesh.accept_waiting`). Every read is
+non-blocking and holds the link's ``read_lock``, so one link's frames are decoded and
+dispatched in order by one thread at a time, whoever that is.
 
 The *local* link stands for this connector itself: messages "sent" on it are dispatched at once
 in the sending thread, so a stage that puts and gets on one instance uses the same protocol.
@@ -64,6 +66,8 @@ MAX_FDS_PER_LINK = 4
 #: The events a mesh counts (in its connector's :class:`Counters`).
 COUNTER_NAMES = ("peers_gone", "peers_refused", "peers_dropped")
 _CONNECT_STEP_S = 0.2
+#: The most connections :meth:`Mesh.accept_waiting` takes in one call (the listener's backlog).
+_ACCEPT_WAITING = 128
 #: One read's buffer (per link, reused; control frames are at most MAX_FRAME = 64 KiB).
 _READ_CHUNK = 64 * 1024
 
@@ -155,7 +159,7 @@ class Mesh:
         try:
             with NamespaceLock(self.prefix, timeout):
                 self._listener.bind(abstract(self.name))
-                self._listener.listen(128)
+                self._listener.listen(_ACCEPT_WAITING)
                 self._listener.setblocking(False)  # two threads may race for one connection
                 for name in sorted(discover(self.prefix) - {self.name}):
                     self._connect(name, max(0.0, min(_CONNECT_STEP_S, end - time.monotonic())))
@@ -191,19 +195,20 @@ class Mesh:
         self._links.add(link)
         self.send(link, [["hello", self.instance, os.getpid()]])
 
-    def accept(self) -> None:
-        """Accept a peer's connection (called by the thread serving the listener; several
-        may race for one, and the losers return)."""
+    def accept(self) -> bool:
+        """Accept a peer's connection (called by the thread serving the listener, and by
+        :meth:`accept_waiting`; several may race for one, and the losers return). Whether one
+        was taken off the listener (trusted or not)."""
         try:
             s, _ = self._listener.accept()
-        except BlockingIOError:  # the other serving thread took it
-            return
+        except BlockingIOError:  # another thread took it, or none is waiting
+            return False
         except OSError as exc:
             logger.debug("accept failed: %s", exc)
-            return
+            return False
         pid = self._trusted(s, "connection")
         if pid is None:
-            return
+            return True
         link = Link(s, pid)
         s.setblocking(True)  # accepted sockets inherit nothing, but be explicit
         with self._lock:
@@ -211,6 +216,18 @@ class Mesh:
         self.leadership.watch(link)
         msgs = [["hello", self.instance, os.getpid()], *self._handler.on_link_up(link)]
         self.send(link, msgs)
+        return True
+
+    def accept_waiting(self) -> None:
+        """Accept, in this thread, the connections already waiting on the listener (never
+        blocks; at most :data:`_ACCEPT_WAITING` of them). Called by a receiver before it lists
+        the peers to ask once (a non-blocking get, a probe): a peer that connected and
+        published just before is then asked too, although the thread serving the listener has
+        not had a CPU since. A blocking wait needs none of this: a peer accepted later gets the
+        open blocking wants with its greeting."""
+        for _ in range(_ACCEPT_WAITING):
+            if not self.accept():
+                return
 
     # -- sending ------------------------------------------------------------------------------
     def links(self, *, local: bool = True) -> list[Link]:

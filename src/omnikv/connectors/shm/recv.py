@@ -120,9 +120,13 @@ class RecvSide:
         """Register ``want`` (under the lock), then list the links to send it on: the live ones
         it has not gone out on. In that order, a peer that connects meanwhile is reached either
         here or by :meth:`blocking_wants` (listed before it, a want would miss a peer whose
-        greeting read the wants just before it was registered)."""
+        greeting read the wants just before it was registered). A want asked once (not
+        blocking) first accepts the connections waiting on the listener: no greeting reaches
+        a peer accepted after it."""
         with self._lock:
             self._wants[want.wid] = want
+        if not want.block:
+            self._mesh.accept_waiting()
         links = self._mesh.links()
         with self._lock:
             targets = [link for link in links if link not in want.sent_to]
