@@ -103,7 +103,11 @@ def scenario_roundtrip() -> dict[str, Any]:
         peer_sender, _cfg(role="sender", zmq_port=zport, auth_secret="s3cret")
     )
     with peers(proc):
-        recv = NixlConnector(_cfg(role="receiver", auth_secret="s3cret", peer_timeout_seconds=2))
+        # the sender must answer pings within the receiver's peer timeout; during a whole `make
+        # test` (ten lanes on 2 cores) its process once went 2 s without a CPU while the receiver
+        # long-polled, and the roundtrip ended as PeerGoneError. This scenario checks what comes
+        # across; silence is the kill scenario's (PEER_TIMEOUT_S).
+        recv = NixlConnector(_cfg(role="receiver", auth_secret="s3cret", peer_timeout_seconds=10))
         recv.update_sender_info("127.0.0.1", zport)
         # The first get opens the channel (hello, the sender's metadata): under a whole `make
         # test` that alone took seconds. A later miss is one question the sender answers.
